@@ -1,0 +1,1 @@
+"""Adapters for LlamaIndex and LangChain."""

@@ -1,0 +1,154 @@
+"""PyTorch reference for the LazyAttention kernels, and the layout they share.
+
+Layout (one place for it; the engine and the Triton kernels both follow it):
+
+* The paged KV pool of one layer is ``k_cache, v_cache: [num_blocks, block_size, H_kv, D]``.
+* A cached segment (a document chunk, the shared prefix, or a sequence's own tokens)
+  owns whole blocks. Its keys are stored rotated at the positions where it was
+  *encoded*; when the segment is placed so that its tokens sit ``delta`` positions
+  later, every key must be rotated by a further ``R(delta)``.
+* A sequence's context is a list of blocks, each described by one int64
+  ``[phys_block:32 | delta:24 | valid:8]`` (see :func:`pack_block_meta`): the physical
+  block id, the position offset of the segment it belongs to, and how many of its
+  ``block_size`` slots hold real tokens (padding is masked).
+* RoPE is the Hugging Face "rotate half" form: for ``x = [x1, x2]`` (two halves of
+  the head dim) ``R(t) x = [x1 cos - x2 sin, x2 cos + x1 sin]`` with
+  ``cos = rope_cos[t]``, ``sin = rope_sin[t]`` of shape ``[D/2]``. Tables are fp32
+  ``[max_positions, D/2]`` so that every rope type with static frequencies
+  (default, linear, Llama-3, YaRN's frequencies) goes through the same code.
+
+The reference *materialises* the re-rotated keys (``k' = R(delta) k``) and runs plain
+attention in fp32. The Triton kernels instead rotate the query tile once per document
+by ``-delta``; since ``<R(n) q, R(delta) R(s) k> = <R(-delta) R(n) q, R(s) k>``, the two
+agree up to rounding, which is what the tests check.
+"""
+from __future__ import annotations
+
+import torch
+
+PHYS_BITS, DELTA_BITS, VALID_BITS = 32, 24, 8
+MAX_DELTA = (1 << DELTA_BITS) - 1
+MAX_BLOCK_SIZE = (1 << VALID_BITS) - 1
+
+
+def pack_block_meta(block_ids: torch.Tensor, deltas: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Pack per-block (physical id, position offset, valid length) into one int64 each."""
+    block_ids, deltas, valid = (t.to(torch.int64) for t in (block_ids, deltas, valid))
+    if block_ids.numel():
+        assert 0 <= int(block_ids.min()) and int(block_ids.max()) < (1 << 31), "block id out of range"
+        assert 0 <= int(deltas.min()) and int(deltas.max()) <= MAX_DELTA, "delta out of range"
+        assert 0 <= int(valid.min()) and int(valid.max()) <= MAX_BLOCK_SIZE, "valid length out of range"
+    return block_ids | (deltas << PHYS_BITS) | (valid << (PHYS_BITS + DELTA_BITS))
+
+
+def unpack_block_meta(meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    block_ids = meta & ((1 << PHYS_BITS) - 1)
+    deltas = (meta >> PHYS_BITS) & MAX_DELTA
+    valid = (meta >> (PHYS_BITS + DELTA_BITS)) & MAX_BLOCK_SIZE
+    return block_ids, deltas, valid
+
+
+def rope_tables(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables ``[max_positions, D/2]`` in fp32 for pure rotations."""
+    t = torch.arange(max_positions, dtype=torch.float64, device=inv_freq.device)
+    freqs = torch.outer(t, inv_freq.to(torch.float64))
+    return freqs.cos().float(), freqs.sin().float()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [..., D]`` by angles whose cos/sin ``[..., D/2]`` broadcast against it."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def gather_context(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta_row: torch.Tensor,
+    rope_cos: torch.Tensor,
+    rope_sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Materialise one sequence's context keys (re-rotated by each block's delta) and values.
+
+    meta_row: [n_blocks] packed metadata. Returns k, v: [n_valid_tokens, H_kv, D] in fp32.
+    """
+    block_ids, deltas, valid = unpack_block_meta(meta_row)
+    block_size = k_cache.shape[1]
+    k = k_cache[block_ids].float()  # [nb, bs, Hkv, D]
+    v = v_cache[block_ids].float()
+    cos = rope_cos[deltas][:, None, None, :]  # [nb, 1, 1, D/2]
+    sin = rope_sin[deltas][:, None, None, :]
+    k = apply_rotary(k, cos, sin)
+    keep = torch.arange(block_size, device=k.device)[None, :] < valid[:, None]  # [nb, bs]
+    return k[keep], v[keep]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, sm_scale: float) -> torch.Tensor:
+    # q: [Tq, Hq, D]; k, v: [Tk, Hkv, D]; mask: [Tq, Tk] bool (True = attend) or None
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * sm_scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask[None], float("-inf"))
+    probs = scores.softmax(dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v.float())
+
+
+def lazy_prefill_reference(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_meta: torch.Tensor,
+    num_ctx_blocks: torch.Tensor,
+    rope_cos: torch.Tensor,
+    rope_sin: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """Attention of each sequence's new tokens over its cached context plus, causally, its new tokens.
+
+    q: [Tq, Hq, D] and k_new, v_new: [Tq, H_kv, D], all rotated at their true positions;
+    cu_seqlens_q: [B+1] int; block_meta: [B, max_blocks] int64 packed; num_ctx_blocks: [B].
+    The whole context precedes every new token, so only the new tokens need a causal mask.
+    Returns [Tq, Hq, D] in q's dtype.
+    """
+    out = torch.empty_like(q)
+    for b in range(cu_seqlens_q.numel() - 1):
+        s, e = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        n = e - s
+        if n == 0:
+            continue
+        kc, vc = gather_context(k_cache, v_cache, block_meta[b, : int(num_ctx_blocks[b])], rope_cos, rope_sin)
+        k = torch.cat((kc, k_new[s:e].float()))
+        v = torch.cat((vc, v_new[s:e].float()))
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        mask = torch.cat((torch.ones(n, kc.shape[0], dtype=torch.bool, device=q.device), causal), dim=1)
+        out[s:e] = _attend(q[s:e], k, v, mask, sm_scale).to(q.dtype)
+    return out
+
+
+def lazy_decode_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_meta: torch.Tensor,
+    num_blocks: torch.Tensor,
+    rope_cos: torch.Tensor,
+    rope_sin: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
+    """One query row per sequence over all of its blocks (the new token's own K/V already written).
+
+    q: [B, Hq, D] rotated at its true position; block_meta: [B, max_blocks]; num_blocks: [B].
+    Returns [B, Hq, D] in q's dtype.
+    """
+    out = torch.empty_like(q)
+    for b in range(q.shape[0]):
+        k, v = gather_context(k_cache, v_cache, block_meta[b, : int(num_blocks[b])], rope_cos, rope_sin)
+        out[b] = _attend(q[b : b + 1], k, v, None, sm_scale)[0].to(q.dtype)
+    return out

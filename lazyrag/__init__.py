@@ -1,0 +1,1 @@
+"""lazyrag: RAG with reusable, position-free KV caches."""

@@ -1,0 +1,305 @@
+"""LazyEngine: load a Llama model, lay out RAG prompts, and generate with reusable chunk KV."""
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Iterator
+
+import torch
+
+from lazyrag.kv.block_pool import BlockPool, KVShape
+from lazyrag.kv.cache import SegmentCache
+from lazyrag.kv.strategies import STRATEGIES, Plan, Strategy
+from lazyrag.model.attention import make_attention_backend
+from lazyrag.model.llama import LlamaArgs, LlamaModel, build_rope
+from lazyrag.model.loader import check_llama_config, fingerprint, load_checkpoint, resolve_model_source
+from lazyrag.model.runner import ModelRunner, SeqState
+from lazyrag.prompt import DEFAULT_SYSTEM_PROMPT, PromptBuilder, PromptLayout
+from lazyrag.sampling import Detokenizer, SamplingParams, sample
+
+DEFAULT_KV_BUDGET = {"cpu": 1 << 30, "cuda": 8 << 30}
+_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>")
+
+
+@dataclass
+class RequestStats:
+    strategy: str
+    prompt_tokens: int = 0
+    chunks_hit: int = 0
+    chunks_missed: int = 0
+    tokens_prefilled: int = 0  # tokens run through the model for this request, chunk encoding included
+    tokens_reused: int = 0  # prompt tokens whose KV came from the cache
+    new_tokens: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    ttft_s: float
+    total_s: float
+    finish_reason: str  # "stop" (end of turn or stop string) or "length"
+    stats: RequestStats = field(default_factory=lambda: RequestStats("lazy"))
+
+
+def _resolve_device(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def _resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.replace("torch.", ""), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError("dtype must be one of float32, bfloat16, float16")
+    return dtype
+
+
+class LazyEngine:
+    """One model, one paged KV pool, one cache of position-free chunk KV, four strategies."""
+
+    def __init__(
+        self,
+        model: LlamaModel,
+        config,
+        tokenizer,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        model_fingerprint: str,
+        block_size: int = 16,
+        kv_budget: int | None = None,
+        attention: str | None = None,
+        system_prompt: str = DEFAULT_SYSTEM_PROMPT,
+        model_name: str = "model",
+    ):
+        self.model, self.config, self.tokenizer = model, config, tokenizer
+        self.device, self.dtype, self.fingerprint, self.model_name = device, dtype, model_fingerprint, model_name
+        args = model.args
+        shape = KVShape(args.num_layers, args.num_kv_heads, args.head_dim, block_size, dtype)
+        budget = kv_budget if kv_budget is not None else DEFAULT_KV_BUDGET.get(device.type, 1 << 30)
+        self.pool = BlockPool.with_budget(shape, budget, device)
+        self.cache = SegmentCache(self.pool)
+        rope_cos, rope_sin, rope_scaling = build_rope(config, device)
+        self.attention = make_attention_backend(attention, device)
+        self.runner = ModelRunner(model, self.pool, self.attention, rope_cos, rope_sin, rope_scaling)
+        self.strategies: dict[str, Strategy] = {n: cls(self.cache, self.runner, model_fingerprint) for n, cls in STRATEGIES.items()}
+        self.prompts = PromptBuilder(tokenizer, system_prompt) if tokenizer is not None else None
+        self._lock = threading.Lock()
+        self._eos = self._end_tokens()
+
+    # -- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, model: str | None = None, device=None, dtype=None, **kwargs) -> "LazyEngine":
+        """Load the embedded default model (``model=None``), a local Llama folder, or a ``.gguf`` file."""
+        device = _resolve_device(device)
+        dtype = _resolve_dtype(dtype, device)
+        source = resolve_model_source(model)
+        hf_model, tokenizer = load_checkpoint(source, dtype)
+        kwargs.setdefault("model_name", source.name)
+        return cls.from_hf(hf_model, tokenizer, device=device, dtype=dtype, **kwargs)
+
+    @classmethod
+    def from_hf(cls, hf_model, tokenizer, device=None, dtype=None, **kwargs) -> "LazyEngine":
+        """Wrap an already-loaded transformers ``LlamaForCausalLM`` (its weights are copied)."""
+        device = _resolve_device(device)
+        dtype = _resolve_dtype(dtype, device)
+        check_llama_config(hf_model.config)
+        sd = {k: v.detach().to(dtype) for k, v in hf_model.state_dict().items()}
+        return cls._from_state_dict(hf_model.config, sd, tokenizer, device, dtype, **kwargs)
+
+    @classmethod
+    def from_config(cls, config, tokenizer=None, device=None, dtype=None, seed: int = 0, **kwargs) -> "LazyEngine":
+        """Random weights for a Llama config: for benchmarks, where speed does not depend on values."""
+        device = _resolve_device(device)
+        dtype = _resolve_dtype(dtype, device)
+        check_llama_config(config)
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = LlamaModel(LlamaArgs.from_hf(config)).to(dtype)
+        for p in model.parameters():
+            torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
+        return cls(model.eval(), config, tokenizer, device=device, dtype=dtype, model_fingerprint=f"random-{seed}", **kwargs)
+
+    @classmethod
+    def _from_state_dict(cls, config, state_dict, tokenizer, device, dtype, **kwargs) -> "LazyEngine":
+        fp = fingerprint(config, state_dict, dtype)
+        with torch.device("meta"):
+            model = LlamaModel(LlamaArgs.from_hf(config))
+        model = model.to_empty(device=device).to(dtype)
+        model.load_hf_state_dict({k: v.to(dtype) for k, v in state_dict.items()})
+        if model.args.tie_word_embeddings:
+            model.lm_head.weight = model.embed.weight
+        return cls(model.eval(), config, tokenizer, device=device, dtype=dtype, model_fingerprint=fp, **kwargs)
+
+    def _end_tokens(self) -> set[int]:
+        ids = set()
+        tok = self.tokenizer
+        if tok is not None:
+            if tok.eos_token_id is not None:
+                ids.add(tok.eos_token_id)
+            vocab = tok.get_vocab()
+            ids.update(vocab[t] for t in _END_OF_TURN_TOKENS if t in vocab)
+        eos = getattr(self.config, "eos_token_id", None)
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+        return ids
+
+    # -- prompts --------------------------------------------------------------------------
+
+    def build_prompt(self, question: str, chunks: list[str], system: str | None = None) -> PromptLayout:
+        """Token ids of each segment: shared prefix, each chunk (tokenized alone), question tail."""
+        if self.prompts is None:
+            raise ValueError("This engine has no tokenizer; pass token ids through a PromptLayout instead.")
+        layout = self.prompts.build(question, list(chunks), system)
+        self._check_length(layout.num_tokens)
+        return layout
+
+    def _check_length(self, num_tokens: int, max_new_tokens: int = 0) -> None:
+        limit = self.model.args.max_positions
+        if num_tokens + max_new_tokens > limit:
+            raise ValueError(
+                f"The prompt has {num_tokens} tokens and asks for {max_new_tokens} more, over the model's "
+                f"{limit}-token context; pass fewer or shorter chunks, or lower max_new_tokens."
+            )
+
+    # -- generation -----------------------------------------------------------------------
+
+    def _strategy(self, name: str) -> Strategy:
+        if name not in self.strategies:
+            raise ValueError(f"Unknown strategy {name!r}; choose one of {', '.join(self.strategies)}.")
+        return self.strategies[name]
+
+    def precache(self, chunks: list[str], system: str | None = None) -> int:
+        """Encode the chunks' KV now (after the shared prefix) so later prompts hit; returns how many were new."""
+        layout = self.build_prompt("", chunks, system)
+        with self._lock:
+            plan = Plan(context=[], new_ids=[], new_start=0)
+            try:
+                self.strategies["lazy"].base_segments(layout, plan)
+            finally:
+                for seg in plan.pinned:
+                    self.cache.unpin(seg)
+            return plan.chunks_missed
+
+    @contextmanager
+    def _prefilled(self, layout: PromptLayout, strategy: str, max_new_tokens: int):
+        """Plan and prefill one request; yields (sequence, logits after the prompt, stats); then frees it."""
+        strat = self._strategy(strategy)
+        self._check_length(layout.num_tokens, max_new_tokens)
+        stats = RequestStats(strategy, prompt_tokens=layout.num_tokens)
+        with self._lock:
+            forwarded0 = self.runner.tokens_forwarded
+            plan = strat.plan(layout)
+            seq = None
+            try:
+                bs = self.pool.shape.block_size
+                # Prefix caching keeps a request's own blocks aligned to the prompt's block grid.
+                offset = plan.new_start % bs
+                assert offset == 0 or strategy != "prefix"
+                own = offset + len(plan.new_ids) + max_new_tokens
+                seq = SeqState(context=plan.context, blocks=self.cache.allocate(-(-own // bs)), next_pos=plan.new_start)
+                if strategy == "prefix":
+                    seq.num_written = offset
+                logits = self.runner.prefill([seq], [plan.new_ids])[0]
+                strat.finish(plan, seq)
+                stats.tokens_prefilled = self.runner.tokens_forwarded - forwarded0
+                stats.chunks_hit, stats.chunks_missed, stats.tokens_reused = plan.chunks_hit, plan.chunks_missed, plan.tokens_reused
+                yield seq, logits, stats
+            finally:
+                if seq is not None:
+                    self.pool.decref(seq.blocks)
+                for seg in plan.pinned:
+                    self.cache.unpin(seg)
+
+    def stream_layout(self, layout: PromptLayout, params: SamplingParams, strategy: str = "lazy") -> Iterator[tuple[str, int]]:
+        """Yields (text delta, token id) per generated token; returns a GenerationResult (StopIteration.value)."""
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        detok = Detokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
+        t0 = time.perf_counter()
+        with self._prefilled(layout, strategy, params.max_new_tokens) as (seq, logits, stats):
+            ttft, finish = None, "length"
+            for _ in range(params.max_new_tokens):
+                token = sample(logits, params, gen)
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+                if token in self._eos:
+                    finish = "stop"
+                    break
+                seq.generated.append(token)
+                delta = detok.push(token) if detok else ""
+                yield delta, token
+                if detok and detok.stopped:
+                    finish = "stop"
+                    break
+                if len(seq.generated) == params.max_new_tokens:
+                    break
+                logits = self.runner.decode([seq], [token])[0]
+            if detok:
+                tail = detok.finish()
+                if tail:
+                    yield tail, -1
+            stats.new_tokens = len(seq.generated)
+            text = detok.text if detok else ""
+            return GenerationResult(text, list(seq.generated), ttft, time.perf_counter() - t0, finish, stats)
+
+    def _params(self, max_new_tokens, temperature, top_p, stop, seed) -> SamplingParams:
+        return SamplingParams(max_new_tokens, temperature, top_p, list(stop or []), seed)
+
+    def generate(
+        self,
+        question: str,
+        chunks: list[str],
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: list[str] | None = None,
+        strategy: str = "lazy",
+        system: str | None = None,
+        seed: int | None = None,
+    ) -> GenerationResult:
+        """Answer ``question`` over ``chunks``; each chunk's KV is reused from the cache when it was seen before."""
+        layout = self.build_prompt(question, chunks, system)
+        return self.generate_layout(layout, self._params(max_new_tokens, temperature, top_p, stop, seed), strategy)
+
+    def generate_layout(self, layout: PromptLayout, params: SamplingParams, strategy: str = "lazy") -> GenerationResult:
+        it = self.stream_layout(layout, params, strategy)
+        while True:
+            try:
+                next(it)
+            except StopIteration as done:
+                return done.value
+
+    def stream(
+        self,
+        question: str,
+        chunks: list[str],
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: list[str] | None = None,
+        strategy: str = "lazy",
+        system: str | None = None,
+        seed: int | None = None,
+    ) -> Iterator[str]:
+        """Yield the answer's text as it is generated."""
+        layout = self.build_prompt(question, chunks, system)
+        for delta, _ in self.stream_layout(layout, self._params(max_new_tokens, temperature, top_p, stop, seed), strategy):
+            if delta:
+                yield delta
+
+    def next_token_logits(self, question: str, chunks: list[str], strategy: str = "lazy", system: str | None = None) -> torch.Tensor:
+        """Logits ``[V]`` (fp32, CPU) of the token after the prompt."""
+        return self.layout_logits(self.build_prompt(question, chunks, system), strategy)
+
+    def layout_logits(self, layout: PromptLayout, strategy: str = "lazy") -> torch.Tensor:
+        with self._prefilled(layout, strategy, max_new_tokens=0) as (_, logits, _):
+            return logits.float().cpu()

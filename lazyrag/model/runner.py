@@ -1,0 +1,116 @@
+"""Runs the model over sequences whose context is a list of placed, cached segments."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from lazyrag.kernels.reference import apply_rotary, pack_block_meta
+from lazyrag.kv.block_pool import BlockPool
+from lazyrag.kv.cache import Segment
+from lazyrag.model.attention import AttentionMetadata
+from lazyrag.model.llama import LlamaModel, Runtime
+
+
+@dataclass
+class Placement:
+    """A cached segment read at ``delta`` positions past where its KV was computed."""
+
+    segment: Segment
+    delta: int
+
+
+@dataclass
+class SeqState:
+    """One sequence in flight: placed context segments, then its own blocks."""
+
+    context: list[Placement]
+    blocks: list[int]  # blocks this sequence writes its new tokens into
+    next_pos: int  # position of its next token
+    num_written: int = 0  # tokens already in ``blocks``
+    generated: list[int] = field(default_factory=list)
+
+    def block_rows(self, block_size: int, own_tokens: int) -> list[tuple[int, int, int]]:
+        """(block, delta, valid) for every context block, then the first ``own_tokens`` of its own."""
+        rows = []
+        for p in self.context:
+            n = p.segment.num_tokens
+            for j, b in enumerate(p.segment.blocks):
+                rows.append((b, p.delta, min(block_size, n - j * block_size)))
+        for j in range(-(-own_tokens // block_size)):
+            rows.append((self.blocks[j], 0, min(block_size, own_tokens - j * block_size)))
+        return rows
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, pool: BlockPool, attention, rope_cos, rope_sin, rope_scaling: float):
+        self.model, self.pool, self.attention = model, pool, attention
+        self.rope_cos, self.rope_sin, self.rope_scaling = rope_cos, rope_sin, rope_scaling
+        self.device = pool.device
+        self.tokens_forwarded = 0  # every token run through the model: how recompute is counted
+
+    def _metadata(self, seqs: list[SeqState], own_tokens: list[int], new_counts: list[int], is_decode: bool):
+        bs = self.pool.shape.block_size
+        rows = [s.block_rows(bs, n) for s, n in zip(seqs, own_tokens)]
+        width = max(1, max(map(len, rows)))
+        table = torch.zeros(len(seqs), width, 3, dtype=torch.int64)
+        for i, r in enumerate(rows):
+            if r:
+                table[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
+        meta = pack_block_meta(table[..., 0], table[..., 1], table[..., 2])
+        slots = torch.cat([self.pool.slots(s.blocks, n, s.num_written) for s, n in zip(seqs, new_counts)])
+        cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+        cu[1:] = torch.tensor(new_counts).cumsum(0)
+        return AttentionMetadata(
+            is_decode=is_decode,
+            cu_seqlens_q=cu.to(self.device),
+            block_meta=meta.to(self.device),
+            num_ctx_blocks=torch.tensor([len(r) for r in rows], dtype=torch.int32, device=self.device),
+            slot_mapping=slots,
+            max_seqlen_q=max(new_counts),
+        )
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        rt = Runtime(self.pool, meta, self.attention, self.rope_cos, self.rope_sin, self.rope_scaling, self.model.sm_scale)
+        self.tokens_forwarded += ids.numel()
+        return self.model(ids, positions, rt)
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[SeqState], new_ids: list[list[int]], logits: bool = True) -> torch.Tensor | None:
+        """Run each sequence's new tokens (all of them, causally) over its context; logits of each last token."""
+        counts = [len(x) for x in new_ids]
+        assert all(counts), "a sequence in a prefill batch has no new tokens"
+        meta = self._metadata(seqs, [s.num_written for s in seqs], counts, is_decode=False)
+        ids = torch.tensor([t for x in new_ids for t in x], dtype=torch.int64, device=self.device)
+        positions = torch.cat([torch.arange(s.next_pos, s.next_pos + n) for s, n in zip(seqs, counts)]).to(self.device)
+        hidden = self._forward(ids, positions, meta)
+        for s, n in zip(seqs, counts):
+            s.num_written += n
+            s.next_pos += n
+        if not logits:
+            return None
+        last = meta.cu_seqlens_q[1:].long() - 1
+        return self.model.logits(hidden[last])  # [B, V]
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[SeqState], tokens: list[int]) -> torch.Tensor:
+        """One token per sequence; its K/V is written first, then attends over every block of the sequence."""
+        meta = self._metadata(seqs, [s.num_written + 1 for s in seqs], [1] * len(seqs), is_decode=True)
+        ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+        positions = torch.tensor([s.next_pos for s in seqs], device=self.device)
+        hidden = self._forward(ids, positions, meta)
+        for s in seqs:
+            s.num_written += 1
+            s.next_pos += 1
+        return self.model.logits(hidden)  # [B, V]
+
+    @torch.inference_mode()
+    def copy_rotated(self, src: Segment, dst_blocks: list[int], delta: int) -> None:
+        """Materialise ``src``'s KV re-rotated ``delta`` positions later (position-aware caching)."""
+        assert len(dst_blocks) == len(src.blocks)
+        s = torch.tensor(src.blocks, device=self.device)
+        d = torch.tensor(dst_blocks, device=self.device)
+        k = self.pool.k[:, s].float()  # [L, nb, bs, Hkv, D]
+        k = apply_rotary(k, self.rope_cos[delta], self.rope_sin[delta])
+        self.pool.k[:, d] = k.to(self.pool.k.dtype)
+        self.pool.v[:, d] = self.pool.v[:, s]

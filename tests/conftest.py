@@ -1,0 +1,76 @@
+"""Shared fixtures. On a machine without CUDA, Triton kernels run in its interpreter.
+
+TRITON_INTERPRET must be set before any module decorated with @triton.jit is imported.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def default_hf():
+    """The embedded default model (SmolLM2-135M-Instruct, fp32) as transformers loads it, and its tokenizer."""
+    from lazyrag.model.loader import default_model_source, load_checkpoint
+
+    return load_checkpoint(default_model_source(), torch.float32)
+
+
+@pytest.fixture(scope="session")
+def default_engine(default_hf):
+    from lazyrag.engine import LazyEngine
+
+    hf, tokenizer = default_hf
+    return LazyEngine.from_hf(hf, tokenizer, device="cpu", kv_budget=256 << 20)
+
+
+def tiny_llama_config(**overrides):
+    """A random Llama with GQA (4 query heads over 2 KV heads) and Llama-3 RoPE frequency scaling."""
+    from transformers import LlamaConfig
+
+    kw = dict(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+        rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+    )
+    kw.update(overrides)
+    return LlamaConfig(**kw)
+
+
+@pytest.fixture(scope="session")
+def tiny_hf():
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(1234)
+    hf = LlamaForCausalLM(tiny_llama_config()).eval()
+    # Random init keeps attention near uniform; larger weights make positions matter.
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "proj" in name:
+                p.normal_(0, 0.2)
+    return hf
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_hf, default_hf):
+    from lazyrag.engine import LazyEngine
+
+    return LazyEngine.from_hf(tiny_hf, default_hf[1], device="cpu", kv_budget=64 << 20)
+
+
+@pytest.fixture(params=["default", "tiny"])
+def engine_and_hf(request):
+    """Each equivalence test runs on the real default model and on a tiny random GQA/Llama-3-rope model."""
+    hf = request.getfixturevalue("default_hf")[0] if request.param == "default" else request.getfixturevalue("tiny_hf")
+    return request.getfixturevalue(f"{request.param}_engine"), hf
+
+
+@pytest.fixture
+def engine(engine_and_hf):
+    return engine_and_hf[0]

@@ -1,0 +1,132 @@
+"""The engine's math: lazy stitching equals position-aware re-rotation, full prefill equals transformers.
+
+Every test runs on the embedded default model and on a tiny random Llama with GQA and
+Llama-3 RoPE scaling (the ``engine`` fixture).
+"""
+import random
+
+import pytest
+import torch
+
+from lazyrag.kv.strategies import LazyStitching
+
+CHUNKS = [
+    "The Grand Canal of China, begun in the 5th century BC, links Beijing with Hangzhou over 1,776 kilometres.",
+    "Marie Curie won the Nobel Prize in Physics in 1903 and the Nobel Prize in Chemistry in 1911.",
+    "The Mariana Trench in the western Pacific reaches a depth of about 10,935 metres at Challenger Deep.",
+    "Basalt forms when lava rich in magnesium and iron cools quickly at the surface of the Earth.",
+    "The violinist Niccolo Paganini was born in Genoa in 1782 and toured Europe for decades.",
+]
+QUESTION = "In which years did Marie Curie win Nobel Prizes?"
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def test_full_prefill_matches_transformers(engine_and_hf):
+    engine, hf = engine_and_hf
+    layout = engine.build_prompt(QUESTION, CHUNKS[:3])
+    ids = torch.tensor([layout.full_ids()])
+    with torch.no_grad():
+        expected = hf(ids).logits[0, -1].float()
+    got = engine.layout_logits(layout, "full")
+    assert rel_err(got, expected) < 1e-4
+    assert int(got.argmax()) == int(expected.argmax())
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_lazy_equals_position_aware_in_any_order(engine, seed):
+    rng = random.Random(seed)
+    chunks = rng.sample(CHUNKS, k=4)
+    chunks.insert(rng.randrange(5), chunks[0])  # the same chunk at two positions of one prompt
+    layout = engine.build_prompt(QUESTION, chunks)
+    lazy = engine.layout_logits(layout, "lazy")
+    aware = engine.layout_logits(layout, "position_aware")
+    assert rel_err(lazy, aware) < 1e-5
+    a = engine.generate(QUESTION, chunks, max_new_tokens=8, strategy="lazy")
+    b = engine.generate(QUESTION, chunks, max_new_tokens=8, strategy="position_aware")
+    assert a.token_ids == b.token_ids
+
+
+def test_wrong_rotation_is_detected(engine, monkeypatch):
+    """Sanity of the test above: reading chunks without their position offset changes the logits."""
+    chunks = CHUNKS[:4]
+    layout = engine.build_prompt(QUESTION, chunks)
+    right = engine.layout_logits(layout, "lazy")
+    plan = LazyStitching.plan
+
+    def unrotated(self, layout):
+        p = plan(self, layout)
+        for placement in p.context:
+            placement.delta = 0
+        return p
+
+    monkeypatch.setattr(LazyStitching, "plan", unrotated)
+    wrong = engine.layout_logits(layout, "lazy")
+    assert rel_err(wrong, right) > 1e-3
+
+
+def test_cached_chunk_is_reused_at_a_new_position_without_recompute(engine):
+    engine.cache.clear()
+    first = engine.generate(QUESTION, CHUNKS[:3], max_new_tokens=2)
+    assert first.stats.chunks_missed == 3
+    layout = engine.build_prompt(QUESTION, [CHUNKS[2], CHUNKS[0], CHUNKS[1]])
+    before = engine.runner.tokens_forwarded
+    again = engine.generate(QUESTION, [CHUNKS[2], CHUNKS[0], CHUNKS[1]], max_new_tokens=1)
+    assert again.stats.chunks_hit == 3 and again.stats.chunks_missed == 0
+    # only the question tail went through the model (the one generated token needs no decode step)
+    assert engine.runner.tokens_forwarded - before == len(layout.question_ids) == again.stats.tokens_prefilled
+    assert again.stats.tokens_reused == layout.num_tokens - len(layout.question_ids)
+
+
+def test_one_chunk_lazy_equals_full(engine):
+    layout = engine.build_prompt(QUESTION, [CHUNKS[1]])
+    lazy = engine.layout_logits(layout, "lazy")
+    full = engine.layout_logits(layout, "full")
+    assert rel_err(lazy, full) < 1e-4
+    assert int(lazy.argmax()) == int(full.argmax())
+
+
+def test_prefix_caching_reuses_exact_prefix_only(engine):
+    engine.cache.clear()
+    chunks = CHUNKS[:3]
+    layout = engine.build_prompt(QUESTION, chunks)
+    cold = engine.generate(QUESTION, chunks, max_new_tokens=1, strategy="prefix")
+    warm = engine.generate(QUESTION, chunks, max_new_tokens=1, strategy="prefix")
+    bs = engine.pool.shape.block_size
+    assert cold.stats.tokens_reused == 0
+    assert warm.stats.tokens_reused == (layout.num_tokens - 1) // bs * bs
+    assert rel_err(engine.layout_logits(layout, "prefix"), engine.layout_logits(layout, "full")) < 1e-4
+    # a different first chunk shares only the system prefix's whole blocks
+    swapped = engine.generate(QUESTION, [chunks[1], chunks[0], chunks[2]], max_new_tokens=1, strategy="prefix")
+    assert swapped.stats.tokens_reused == len(layout.prefix_ids) // bs * bs
+    assert swapped.stats.chunks_hit == 0
+
+
+def test_lazy_shares_one_physical_copy_across_positions(engine):
+    engine.cache.clear()
+    engine.generate(QUESTION, CHUNKS[:3], max_new_tokens=1)
+    blocks_lazy = len(engine.cache)
+    engine.generate(QUESTION, CHUNKS[:3][::-1], max_new_tokens=1)
+    assert len(engine.cache) == blocks_lazy  # no new segment for the new order
+    engine.generate(QUESTION, CHUNKS[:3][::-1], max_new_tokens=1, strategy="position_aware")
+    assert len(engine.cache) > blocks_lazy  # position-aware materialised copies
+
+
+def test_stream_yields_the_generated_text(engine):
+    result = engine.generate(QUESTION, CHUNKS[:3], max_new_tokens=12)
+    streamed = "".join(engine.stream(QUESTION, CHUNKS[:3], max_new_tokens=12))
+    assert streamed == result.text
+    assert result.ttft_s > 0 and result.total_s >= result.ttft_s
+
+
+def test_pool_blocks_are_returned_after_requests(engine):
+    engine.cache.clear()
+    free = engine.pool.num_free
+    engine.generate(QUESTION, CHUNKS[:2], max_new_tokens=3, strategy="full")
+    assert engine.pool.num_free == free
+    engine.generate(QUESTION, CHUNKS[:2], max_new_tokens=3)
+    cached_blocks = sum(len(s.blocks) for s in engine.cache._segments.values())
+    assert engine.pool.num_free == free - cached_blocks
+    assert all(s.pins == 0 for s in engine.cache._segments.values())
