@@ -1,0 +1,51 @@
+"""Prompt segments, sampling and streaming detokenization."""
+import torch
+
+from lazyrag.prompt import CONTEXT_HEADER, PromptBuilder
+from lazyrag.sampling import Detokenizer, SamplingParams, sample
+
+
+def test_segments_concatenate_to_the_chat_template(default_hf):
+    tok = default_hf[1]
+    b = PromptBuilder(tok, "Be brief.")
+    chunks = ["Alpha is first.", "Beta follows alpha."]
+    layout = b.build("What follows alpha?", chunks)
+    user = CONTEXT_HEADER + "".join(c + "\n\n" for c in chunks) + "Question: What follows alpha?"
+    expected = tok.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
+    )
+    assert tok.decode(layout.full_ids()) == expected
+    assert layout.chunk_starts() == [len(layout.prefix_ids), len(layout.prefix_ids) + len(layout.chunk_ids[0])]
+
+
+def test_chunk_ids_do_not_depend_on_neighbours(default_hf):
+    b = PromptBuilder(default_hf[1])
+    one = b.build("q", ["Gamma rays are light.", "Delta is a river mouth."])
+    two = b.build("another q", ["Delta is a river mouth.", "Epsilon is small."])
+    assert one.chunk_ids[1] == two.chunk_ids[0]
+    assert one.prefix_ids == two.prefix_ids
+
+
+def test_greedy_and_nucleus_sampling():
+    logits = torch.randn(100)
+    assert sample(logits, SamplingParams(temperature=0), None) == int(logits.argmax())
+    # a nucleus this small keeps only the top token, at any temperature
+    assert sample(logits, SamplingParams(temperature=5.0, top_p=1e-6), torch.Generator().manual_seed(1)) == int(logits.argmax())
+    draws = [sample(logits, SamplingParams(temperature=1.0, seed=3), torch.Generator().manual_seed(3)) for _ in range(2)]
+    assert draws[0] == draws[1]
+    spread = {sample(logits, SamplingParams(temperature=2.0), torch.Generator().manual_seed(s)) for s in range(30)}
+    assert len(spread) > 3
+
+
+def test_detokenizer_holds_back_partial_stop_strings(default_hf):
+    tok = default_hf[1]
+    ids = tok("The answer is Paris. END of answer", add_special_tokens=False).input_ids
+    d = Detokenizer(tok, ["END"])
+    out = ""
+    for t in ids:
+        out += d.push(t)
+        assert "E" not in out[len("The answer is Paris."):]  # never emits the start of the stop string
+        if d.stopped:
+            break
+    out += d.finish()
+    assert d.stopped and out == "The answer is Paris. "
