@@ -1,0 +1,320 @@
+"""LazyAttention Triton kernels against the PyTorch reference.
+
+On CPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET),
+so those shapes are tiny and fp32; the ``gpu`` tests use bf16/fp16 and real-ish shapes.
+Every case draws fresh random data, shuffles the physical block ids, pads the last block
+of each document, and poisons the output with NaN so unwritten elements fail.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from lazyrag.kernels.decode import lazy_decode
+from lazyrag.kernels.prefill import lazy_prefill
+from lazyrag.kernels.reference import (
+    apply_rotary,
+    lazy_decode_reference,
+    lazy_prefill_reference,
+    pack_block_meta,
+    rope_tables,
+    unpack_block_meta,
+)
+
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+MAX_POS = 1 << 15
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not torch.isnan(out).any(), "NaN in output (unwritten or bad masking)"
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+@dataclass
+class Paged:
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    meta: torch.Tensor  # [B, max_blocks] int64 packed
+    nblocks: torch.Tensor  # [B]
+    docs: list  # per sequence: list of (first block index in the row, n blocks, delta)
+
+
+def make_paged(gen, docs_per_seq, hkv, d, bs, dtype, device, reuse_first_doc=False, max_delta=MAX_POS - 1):
+    """Build a shuffled paged pool and per-sequence block tables.
+
+    docs_per_seq: per sequence a list of document lengths in tokens. Each document owns
+    whole blocks (last one padded) at random physical ids and gets a random delta. With
+    reuse_first_doc, the first document of sequence 0 appears again at the end of that
+    sequence: same physical blocks, another delta.
+    """
+    doc_blocks = [[(n + bs - 1) // bs for n in seq] for seq in docs_per_seq]
+    total = sum(sum(x) for x in doc_blocks) + 3  # a few unused blocks in the pool
+    perm = torch.randperm(total, generator=gen)
+    k_cache = torch.randn(total, bs, hkv, d, generator=gen).to(dtype).to(device)
+    v_cache = torch.randn(total, bs, hkv, d, generator=gen).to(dtype).to(device)
+    rows, docs, nxt = [], [], 0
+    for s, seq in enumerate(docs_per_seq):
+        ids, dl, vl, info = [], [], [], []
+        for n, nb in zip(seq, doc_blocks[s]):
+            phys = perm[nxt: nxt + nb]
+            nxt += nb
+            delta = int(torch.randint(0, max_delta + 1, (1,), generator=gen))
+            info.append((len(ids), nb, delta))
+            ids += phys.tolist()
+            dl += [delta] * nb
+            vl += [bs] * (nb - 1) + [n - (nb - 1) * bs]
+        if reuse_first_doc and s == 0 and seq:
+            _, nb0, _ = info[0]
+            delta = int(torch.randint(0, max_delta + 1, (1,), generator=gen))
+            info.append((len(ids), nb0, delta))
+            ids += ids[:nb0]
+            dl += [delta] * nb0
+            vl += vl[:nb0]
+        rows.append((ids, dl, vl))
+        docs.append(info)
+    width = max(1, max(len(r[0]) for r in rows)) + 2  # padded table, junk beyond nblocks
+    meta = torch.zeros(len(rows), width, dtype=torch.int64)
+    for s, (ids, dl, vl) in enumerate(rows):
+        if ids:
+            meta[s, : len(ids)] = pack_block_meta(torch.tensor(ids), torch.tensor(dl), torch.tensor(vl))
+        meta[s, len(ids):] = pack_block_meta(torch.tensor([total - 1]), torch.tensor([7]), torch.tensor([bs]))
+    nblocks = torch.tensor([len(r[0]) for r in rows], dtype=torch.int32)
+    return Paged(k_cache, v_cache, meta.to(device), nblocks.to(device), docs)
+
+
+def make_rope(d, device, base=10000.0):
+    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    cos, sin = rope_tables(inv_freq, MAX_POS)
+    return cos.to(device), sin.to(device)
+
+
+def prerotated(p: Paged, cos, sin):
+    """Materialise every (sequence, block) re-rotated by its delta into its own block; deltas 0."""
+    ids, deltas, valid = unpack_block_meta(p.meta)
+    B, W = p.meta.shape
+    k = apply_rotary(p.k_cache[ids.reshape(-1)].float(), cos[deltas.reshape(-1)][:, None, None, :],
+                     sin[deltas.reshape(-1)][:, None, None, :]).to(p.k_cache.dtype)
+    v = p.v_cache[ids.reshape(-1)]
+    new_ids = torch.arange(B * W, device=p.meta.device).reshape(B, W)
+    meta0 = pack_block_meta(new_ids, torch.zeros_like(deltas), valid)
+    return Paged(k, v.clone(), meta0, p.nblocks, p.docs)
+
+
+def make_prefill(seed, new_lens, docs_per_seq, hq, hkv, d, bs, dtype, device, reuse_first_doc=False):
+    gen = torch.Generator().manual_seed(seed)
+    p = make_paged(gen, docs_per_seq, hkv, d, bs, dtype, device, reuse_first_doc)
+    tq = sum(new_lens)
+    q = torch.randn(tq, hq, d, generator=gen).to(dtype).to(device)
+    k_new = torch.randn(tq, hkv, d, generator=gen).to(dtype).to(device)
+    v_new = torch.randn(tq, hkv, d, generator=gen).to(dtype).to(device)
+    cu = torch.tensor([0] + list(torch.tensor(new_lens).cumsum(0)), dtype=torch.int32, device=device)
+    return p, q, k_new, v_new, cu
+
+
+def run_prefill(p, q, k_new, v_new, cu, cos, sin, scale, **kw):
+    out = torch.full_like(q, float("nan"))
+    return lazy_prefill(q, k_new, v_new, cu, p.k_cache, p.v_cache, p.meta, p.nblocks, cos, sin, scale,
+                        out=out, **kw)
+
+
+def ref_prefill(p, q, k_new, v_new, cu, cos, sin, scale, meta=None):
+    return lazy_prefill_reference(q, k_new, v_new, cu, p.k_cache, p.v_cache, p.meta if meta is None else meta,
+                                  p.nblocks, cos, sin, scale)
+
+
+def run_decode(p, q, cos, sin, scale, **kw):
+    out = torch.full_like(q, float("nan"))
+    return lazy_decode(q, p.k_cache, p.v_cache, p.meta, p.nblocks, cos, sin, scale, out=out, **kw)
+
+
+# ---------------------------------------------------------------- CPU (interpreter), fp32
+# (seed, new token counts, documents per sequence (tokens), Hq, Hkv, D, block_size)
+PREFILL_CASES = [
+    (1, [5], [[20, 9]], 2, 2, 64, 16),  # MHA, two docs, padded last blocks
+    (2, [3, 6], [[17], [16, 40]], 6, 2, 64, 16),  # GQA 3, batch of unequal lengths
+    (3, [4, 0, 2], [[33, 5], [8], []], 4, 1, 64, 16),  # MQA/GQA 4, empty query seq, 0 ctx blocks
+    (4, [2], [[12, 20, 7]], 8, 1, 128, 32),  # GQA 8, head dim 128, block 32
+]
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=lambda c: f"seed{c[0]}")
+def test_prefill_matches_reference(case):
+    seed, new_lens, docs, hq, hkv, d, bs = case
+    p, q, kn, vn, cu = make_prefill(seed, new_lens, docs, hq, hkv, d, bs, torch.float32, "cpu",
+                                    reuse_first_doc=seed == 1)
+    cos, sin = make_rope(d, "cpu")
+    scale = d ** -0.5
+    out = run_prefill(p, q, kn, vn, cu, cos, sin, scale)
+    ref = ref_prefill(p, q, kn, vn, cu, cos, sin, scale)
+    assert rel_err(out, ref) < 1e-4
+
+
+def test_prefill_tile_spans_several_documents():
+    # one-block documents and a 4-page KV tile: every tile straddles segment boundaries,
+    # and the same document sits at two offsets
+    p, q, kn, vn, cu = make_prefill(11, [3], [[5, 16, 3, 30, 2]], 4, 2, 64, 16, torch.float32, "cpu",
+                                    reuse_first_doc=True)
+    cos, sin = make_rope(64, "cpu")
+    out = run_prefill(p, q, kn, vn, cu, cos, sin, 0.125, config=(16, 64, 1, 1))
+    ref = ref_prefill(p, q, kn, vn, cu, cos, sin, 0.125)
+    assert rel_err(out, ref) < 1e-4
+
+
+def test_prefill_wrong_rotation_is_detected():
+    p, q, kn, vn, cu = make_prefill(12, [4], [[20, 24]], 2, 1, 64, 16, torch.float32, "cpu")
+    cos, sin = make_rope(64, "cpu")
+    out = run_prefill(p, q, kn, vn, cu, cos, sin, 0.125)
+    ids, deltas, valid = unpack_block_meta(p.meta)
+    wrong = pack_block_meta(ids, (deltas + 1) % MAX_POS, valid)  # off by one position
+    assert rel_err(out, ref_prefill(p, q, kn, vn, cu, cos, sin, 0.125)) < 1e-4
+    assert rel_err(out, ref_prefill(p, q, kn, vn, cu, cos, sin, 0.125, meta=wrong)) > 1e-2
+
+
+def test_prefill_no_rotation_on_prerotated_keys():
+    p, q, kn, vn, cu = make_prefill(13, [3, 2], [[18, 7], [25]], 4, 2, 64, 16, torch.float32, "cpu")
+    cos, sin = make_rope(64, "cpu")
+    pre = prerotated(p, cos, sin)
+    out = run_prefill(pre, q, kn, vn, cu, cos, sin, 0.125, apply_rotation=False)
+    assert rel_err(out, ref_prefill(pre, q, kn, vn, cu, cos, sin, 0.125)) < 1e-4
+    lazy = run_prefill(p, q, kn, vn, cu, cos, sin, 0.125)
+    assert rel_err(lazy, out) < 1e-4
+
+
+# (seed, documents per sequence (tokens), Hq, Hkv, D, block_size, num_splits)
+DECODE_CASES = [
+    (21, [[20, 9]], 2, 2, 64, 16, 1),  # MHA, single split (direct write)
+    (22, [[17, 40], [70], [5]], 6, 2, 64, 16, 3),  # GQA 3, unequal lengths, splits
+    (23, [[33, 12, 50]], 4, 1, 64, 16, None),  # GQA 4 (MQA), automatic splits
+    (24, [[12, 20], [7]], 8, 1, 128, 32, 2),  # GQA 8, head dim 128, block 32
+]
+
+
+@pytest.mark.parametrize("case", DECODE_CASES, ids=lambda c: f"seed{c[0]}")
+def test_decode_matches_reference(case):
+    seed, docs, hq, hkv, d, bs, splits = case
+    gen = torch.Generator().manual_seed(seed)
+    p = make_paged(gen, docs, hkv, d, bs, torch.float32, "cpu", reuse_first_doc=seed == 21)
+    q = torch.randn(len(docs), hq, d, generator=gen)
+    cos, sin = make_rope(d, "cpu")
+    out = run_decode(p, q, cos, sin, d ** -0.5, num_splits=splits)
+    ref = lazy_decode_reference(q, p.k_cache, p.v_cache, p.meta, p.nblocks, cos, sin, d ** -0.5)
+    assert rel_err(out, ref) < 1e-4
+
+
+def test_decode_tile_spans_several_documents_and_wrong_rotation():
+    gen = torch.Generator().manual_seed(25)
+    p = make_paged(gen, [[5, 16, 3, 30, 2, 9]], 2, 64, 16, torch.float32, "cpu", reuse_first_doc=True)
+    q = torch.randn(1, 4, 64, generator=gen)
+    cos, sin = make_rope(64, "cpu")
+    out = run_decode(p, q, cos, sin, 0.125, num_splits=2, config=(64, 1, 1))
+    ref = lazy_decode_reference(q, p.k_cache, p.v_cache, p.meta, p.nblocks, cos, sin, 0.125)
+    assert rel_err(out, ref) < 1e-4
+    ids, deltas, valid = unpack_block_meta(p.meta)
+    wrong = pack_block_meta(ids, (deltas + 1) % MAX_POS, valid)
+    bad = lazy_decode_reference(q, p.k_cache, p.v_cache, wrong, p.nblocks, cos, sin, 0.125)
+    assert rel_err(out, bad) > 1e-2
+
+
+def test_decode_no_rotation_on_prerotated_keys():
+    gen = torch.Generator().manual_seed(26)
+    p = make_paged(gen, [[18, 7], [25]], 2, 64, 16, torch.float32, "cpu")
+    q = torch.randn(2, 4, 64, generator=gen)
+    cos, sin = make_rope(64, "cpu")
+    pre = prerotated(p, cos, sin)
+    out = run_decode(pre, q, cos, sin, 0.125, apply_rotation=False, num_splits=2)
+    ref = lazy_decode_reference(q, pre.k_cache, pre.v_cache, pre.meta, pre.nblocks, cos, sin, 0.125)
+    assert rel_err(out, ref) < 1e-4
+    assert rel_err(run_decode(p, q, cos, sin, 0.125, num_splits=2), out) < 1e-4
+
+
+# ---------------------------------------------------------------- GPU, bf16/fp16
+
+
+def _gpu_docs(gen, n_seqs, n_docs, max_doc):
+    return [[int(x) for x in torch.randint(1, max_doc, (n_docs,), generator=gen)] for _ in range(n_seqs)]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (12, 4, 64), (8, 8, 128), (24, 3, 64)])
+def test_prefill_gpu(dtype, hq, hkv, d):
+    gen = torch.Generator().manual_seed(100 + hq + d)
+    docs = _gpu_docs(gen, 3, 4, 700) + [[]]
+    new_lens = [130, 7, 64, 300]
+    p, q, kn, vn, cu = make_prefill(hq * 7 + d, new_lens, docs, hq, hkv, d, 16, dtype, "cuda",
+                                    reuse_first_doc=True)
+    cos, sin = make_rope(d, "cuda", base=500000.0)
+    scale = d ** -0.5
+    ref = ref_prefill(p, q, kn, vn, cu, cos, sin, scale)
+    out = run_prefill(p, q, kn, vn, cu, cos, sin, scale)
+    assert rel_err(out, ref) < 1e-2
+    pre = prerotated(p, cos, sin)
+    off = run_prefill(pre, q, kn, vn, cu, cos, sin, scale, apply_rotation=False)
+    assert rel_err(off, ref_prefill(pre, q, kn, vn, cu, cos, sin, scale)) < 1e-2
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("cfg", [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3)])
+def test_prefill_gpu_every_config(cfg):
+    # the autotuner may pick any of these: each must be right, block size 32 too
+    p, q, kn, vn, cu = make_prefill(300, [77, 200], [[300, 45, 500], [1000]], 32, 8, 128, 32, torch.bfloat16,
+                                    "cuda", reuse_first_doc=True)
+    cos, sin = make_rope(128, "cuda")
+    out = run_prefill(p, q, kn, vn, cu, cos, sin, 128 ** -0.5, config=cfg)
+    assert rel_err(out, ref_prefill(p, q, kn, vn, cu, cos, sin, 128 ** -0.5)) < 1e-2
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (12, 4, 64), (8, 8, 128), (24, 3, 64)])
+@pytest.mark.parametrize("splits", [None, 1, 5])
+def test_decode_gpu(dtype, hq, hkv, d, splits):
+    gen = torch.Generator().manual_seed(200 + hq + d)
+    docs = _gpu_docs(gen, 5, 5, 900) + [[3]]
+    p = make_paged(gen, docs, hkv, d, 16, dtype, "cuda", reuse_first_doc=True)
+    q = torch.randn(len(docs), hq, d, generator=gen).to(dtype).cuda()
+    cos, sin = make_rope(d, "cuda", base=500000.0)
+    ref = lazy_decode_reference(q, p.k_cache, p.v_cache, p.meta, p.nblocks, cos, sin, d ** -0.5)
+    out = run_decode(p, q, cos, sin, d ** -0.5, num_splits=splits)
+    assert rel_err(out, ref) < 1e-2
+    pre = prerotated(p, cos, sin)
+    off = run_decode(pre, q, cos, sin, d ** -0.5, num_splits=splits, apply_rotation=False)
+    ref0 = lazy_decode_reference(q, pre.k_cache, pre.v_cache, pre.meta, pre.nblocks, cos, sin, d ** -0.5)
+    assert rel_err(off, ref0) < 1e-2
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("cfg", [(64, 4, 3), (64, 4, 4), (32, 4, 4)])
+def test_decode_gpu_every_config(cfg):
+    gen = torch.Generator().manual_seed(400)
+    p = make_paged(gen, [[300, 45, 500], [1000], [17, 17, 17]], 8, 128, 32, torch.bfloat16, "cuda",
+                   reuse_first_doc=True)
+    q = torch.randn(3, 32, 128, generator=gen).to(torch.bfloat16).cuda()
+    cos, sin = make_rope(128, "cuda")
+    ref = lazy_decode_reference(q, p.k_cache, p.v_cache, p.meta, p.nblocks, cos, sin, 128 ** -0.5)
+    for splits in (1, 3):
+        out = run_decode(p, q, cos, sin, 128 ** -0.5, num_splits=splits, config=cfg)
+        assert rel_err(out, ref) < 1e-2
+
+
+@gpu
+@needs_cuda
+def test_fp32_gpu():
+    p, q, kn, vn, cu = make_prefill(500, [40, 9], [[100, 37], [64]], 8, 2, 64, 16, torch.float32, "cuda",
+                                    reuse_first_doc=True)
+    cos, sin = make_rope(64, "cuda")
+    out = run_prefill(p, q, kn, vn, cu, cos, sin, 0.125)
+    assert rel_err(out, ref_prefill(p, q, kn, vn, cu, cos, sin, 0.125)) < 1e-4
+    qd = torch.randn(2, 8, 64, device="cuda")
+    outd = run_decode(p, qd, cos, sin, 0.125)
+    refd = lazy_decode_reference(qd, p.k_cache, p.v_cache, p.meta, p.nblocks, cos, sin, 0.125)
+    assert rel_err(outd, refd) < 1e-4
