@@ -101,9 +101,12 @@ def run_prefill(gen, dev, cos, sin, batch, ctx, n_docs, n_new, sdpa_ok):
     lazy = lambda: lazy_prefill(*args, k, v, meta, nblk, cos, sin, scale, max_seqlen_q=n_new)
     off = lambda: lazy_prefill(*args, kk, vv, meta0, nblk, cos, sin, scale, max_seqlen_q=n_new,
                                apply_rotation=False)
+    off_st = lambda: lazy_prefill(*args, kk, vv, meta0, nblk, cos, sin, scale, max_seqlen_q=n_new,
+                                  apply_rotation=False, stage_q=True)
+    lazy_ns = lambda: lazy_prefill(*args, k, v, meta, nblk, cos, sin, scale, max_seqlen_q=n_new, num_splits=1)
     out = lazy()
     err = rel(out, lazy_prefill_reference(*args, k, v, meta, nblk, cos, sin, scale))
-    err_off = rel(off(), out)
+    err_off = max(rel(off(), out), rel(off_st(), out))
     # SDPA baseline on a contiguous re-rotated copy (valid tokens only) + the new tokens
     ids, _, vl = unpack_block_meta(meta0)
     keep = (torch.arange(BS, device=dev)[None, None, :] < vl[:, :, None])  # [B, W, BS]
@@ -127,15 +130,18 @@ def run_prefill(gen, dev, cos, sin, batch, ctx, n_docs, n_new, sdpa_ok):
             print("sdpa with causal_lower_right failed, timing it without a mask:", repr(e)[:160])
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                 t_sdpa = bench(lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, scale=scale))
-    t_lazy, t_off = bench(lazy), bench(off)
-    t_lazy2, t_off2 = bench(lazy), bench(off)
+    t_lazy, t_off, t_st = bench(lazy), bench(off), bench(off_st)
+    t_lazy2, t_off2, t_st2 = bench(lazy), bench(off), bench(off_st)
+    # the unsplit lazy kernel, where the automatic split applies (short prefill)
+    t_ns = bench(lazy_ns) if batch * HKV * math.ceil(n_new * HQ // HKV / 128) < 132 else float("nan")
     ctx_valid = int(vl.sum()) // batch
     flops = 4 * batch * HQ * D * n_new * (ctx_valid + (n_new + 1) / 2)
+    tl_, to_, ts_ = min(t_lazy, t_lazy2), min(t_off, t_off2), min(t_st, t_st2)
     return dict(kind="prefill", batch=batch, ctx=ctx, docs=n_docs, new=n_new, err=err, err_off=err_off,
-                err_sdpa=sdpa_err, ms_lazy=min(t_lazy, t_lazy2), ms_off=min(t_off, t_off2),
-                ms_lazy_runs=[t_lazy, t_lazy2], ms_off_runs=[t_off, t_off2], ms_sdpa=t_sdpa,
-                tflops_lazy=flops / min(t_lazy, t_lazy2) / 1e9, tflops_sdpa=flops / t_sdpa / 1e9,
-                overhead_pct=100 * (min(t_lazy, t_lazy2) / min(t_off, t_off2) - 1))
+                err_sdpa=sdpa_err, ms_lazy=tl_, ms_off=to_, ms_off_staged=ts_, ms_lazy_nosplit=t_ns,
+                ms_lazy_runs=[t_lazy, t_lazy2], ms_off_runs=[t_off, t_off2], ms_off_staged_runs=[t_st, t_st2],
+                ms_sdpa=t_sdpa, tflops_lazy=flops / tl_ / 1e9, tflops_sdpa=flops / t_sdpa / 1e9,
+                overhead_pct=100 * (tl_ / min(to_, ts_) - 1), overhead_vs_plain_off_pct=100 * (tl_ / to_ - 1))
 
 
 def run_decode(gen, dev, cos, sin, batch, ctx, n_docs, copy_tbs):
@@ -161,17 +167,26 @@ def run_decode(gen, dev, cos, sin, batch, ctx, n_docs, copy_tbs):
         s = nxt()
         return lazy_decode(q, s[2], s[3], meta0, nblk, cos, sin, scale, apply_rotation=False)
 
+    def off_st():
+        s = nxt()
+        return lazy_decode(q, s[2], s[3], meta0, nblk, cos, sin, scale, apply_rotation=False, stage_q=True)
+
     out = lazy_decode(q, k, v, meta, nblk, cos, sin, scale)
     err = rel(out, lazy_decode_reference(q, k, v, meta, nblk, cos, sin, scale))
     err_off = rel(lazy_decode(q, kk, vv, meta0, nblk, cos, sin, scale, apply_rotation=False), out)
-    t_lazy, t_off = bench(lazy), bench(off)
-    t_lazy2, t_off2 = bench(lazy), bench(off)
-    tl_, to_ = min(t_lazy, t_lazy2), min(t_off, t_off2)
+    err_off = max(err_off, rel(lazy_decode(q, kk, vv, meta0, nblk, cos, sin, scale, apply_rotation=False,
+                                           stage_q=True), out))
+    t_lazy, t_off, t_st = bench(lazy), bench(off), bench(off_st)
+    t_lazy2, t_off2, t_st2 = bench(lazy), bench(off), bench(off_st)
+    tl_, to_, ts_ = min(t_lazy, t_lazy2), min(t_off, t_off2), min(t_st, t_st2)
     bytes_moved = kv_bytes + 2 * q.numel() * 2 + meta.numel() * 8
     bw = bytes_moved / (tl_ * 1e-3) / 1e12
+    bw_off = bytes_moved / (min(to_, ts_) * 1e-3) / 1e12
     return dict(kind="decode", batch=batch, ctx=ctx, docs=n_docs, err=err, err_off=err_off, ms_lazy=tl_, ms_off=to_,
-                ms_lazy_runs=[t_lazy, t_lazy2], ms_off_runs=[t_off, t_off2], tbs_lazy=bw,
-                bw_frac=bw / copy_tbs, overhead_pct=100 * (tl_ / to_ - 1), l2_sets=n_sets)
+                ms_off_staged=ts_, ms_lazy_runs=[t_lazy, t_lazy2], ms_off_runs=[t_off, t_off2],
+                ms_off_staged_runs=[t_st, t_st2], tbs_lazy=bw, bw_frac=bw / copy_tbs, bw_frac_off=bw_off / copy_tbs,
+                overhead_pct=100 * (tl_ / min(to_, ts_) - 1), overhead_vs_plain_off_pct=100 * (tl_ / to_ - 1),
+                l2_sets=n_sets)
 
 
 def plot(results, path):
@@ -211,6 +226,8 @@ def main():
     default_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
     ap.add_argument("--out", default=os.path.join(default_dir, "kernels.json"))
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--budget", type=float, default=1e9, help="seconds: start no new config after this")
+    ap.add_argument("--prefill-budget", type=float, default=1e9, help="seconds: start no new prefill config after")
     a = ap.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
@@ -220,30 +237,37 @@ def main():
     print(f"device {torch.cuda.get_device_name()}  copy bandwidth {copy_tbs:.2f} TB/s", flush=True)
     results = []
     t0 = time.time()
-    pre_grid = [(b, c, d, n) for n in (64, 512) for c in (2048, 8192, 32768) for d in (1, 5, 10)
+    pre_grid = [(b, c, d, n) for n in (64, 512) for c in (2048, 8192, 32768) for d in (1, 10)
                 for b in (1, 8) if b * c <= 8 * 8192 or b == 1]
-    dec_grid = [(b, c, d) for b in (1, 8, 32, 64) for c in (2048, 8192, 32768) for d in (1, 5, 10)
-                if b * c <= 64 * 8192]
+    dec_grid = [(b, c, d) for b in (1, 8, 32, 64) for c in (2048, 8192, 32768) for d in (1, 10)
+                if b * c <= 64 * 8192 and (b, c) != (1, 2048)]
     if a.quick:
         pre_grid, dec_grid = pre_grid[:3], dec_grid[:3]
     print(f"{'prefill':8} {'B':>3} {'ctx':>6} {'docs':>4} {'new':>4} {'lazy ms':>8} {'off ms':>8} {'ovh %':>6} "
-          f"{'TF lazy':>7} {'TF sdpa':>7} {'ratio':>5} {'err':>7}", flush=True)
+          f"{'TF lazy':>7} {'TF sdpa':>7} {'ratio':>5} {'err':>7} {'offst ms':>8} {'nosplit':>7}", flush=True)
     for b, c, d, n in pre_grid:
+        if time.time() - t0 > min(a.budget, a.prefill_budget):
+            print("prefill budget spent: skipping", (b, c, d, n), flush=True)
+            continue
         r = run_prefill(gen, dev, cos, sin, b, c, d, n, sdpa_ok=True)
         results.append(r)
         print(f"{'':8} {b:3} {c:6} {d:4} {n:4} {r['ms_lazy']:8.3f} {r['ms_off']:8.3f} {r['overhead_pct']:6.2f} "
               f"{r['tflops_lazy']:7.1f} {r['tflops_sdpa']:7.1f} {r['tflops_lazy'] / r['tflops_sdpa']:5.2f} "
-              f"{r['err']:7.1e}", flush=True)
+              f"{r['err']:7.1e} {r['ms_off_staged']:8.3f} {r['ms_lazy_nosplit']:7.3f}", flush=True)
         torch.cuda.empty_cache()
     print(f"{'decode':8} {'B':>3} {'ctx':>6} {'docs':>4} {'lazy us':>8} {'off us':>8} {'ovh %':>6} {'TB/s':>6} "
-          f"{'%copy':>6} {'err':>7}", flush=True)
+          f"{'%copy':>6} {'err':>7} {'offst us':>8} {'%copy off':>9}", flush=True)
     for b, c, d in dec_grid:
+        if time.time() - t0 > a.budget:
+            print("budget spent: skipping", (b, c, d), flush=True)
+            continue
         r = run_decode(gen, dev, cos, sin, b, c, d, copy_tbs)
         results.append(r)
         print(f"{'':8} {b:3} {c:6} {d:4} {1e3 * r['ms_lazy']:8.1f} {1e3 * r['ms_off']:8.1f} {r['overhead_pct']:6.2f} "
-              f"{r['tbs_lazy']:6.2f} {100 * r['bw_frac']:6.1f} {r['err']:7.1e}", flush=True)
+              f"{r['tbs_lazy']:6.2f} {100 * r['bw_frac']:6.1f} {r['err']:7.1e} {1e3 * r['ms_off_staged']:8.1f} "
+              f"{100 * r['bw_frac_off']:9.1f}", flush=True)
         torch.cuda.empty_cache()
-    bad = [r for r in results if not (r["err"] < 2e-2)]
+    bad = [r for r in results if not (r["err"] < 2e-2 and r["err_off"] < 2e-2)]
     summary = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                    copy_tbs=copy_tbs, seconds=time.time() - t0, n_bad=len(bad), results=results)
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)

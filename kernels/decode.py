@@ -3,9 +3,11 @@
 Layout and semantics: see :mod:`lazyrag.kernels.reference` (``lazy_decode_reference``).
 
 Grid (sequence, KV head, split). A program takes the ``G`` query heads that share one KV
-head (so K/V is read once per group) over a contiguous range of the sequence's blocks,
-keeps the query rotated by ``-delta`` of the current segment and re-rotates only where
-``delta`` changes. The packed meta is one int64 per block, so the kernel reads what plain
+head (so K/V is read once per group) over a contiguous range of the sequence's blocks and
+walks it segment by segment (as prefill): the query is rotated by ``-delta`` once per
+segment, staged through a per-program scratch tile and reloaded, so the tile loop is the
+rotation-free loop (23.5 KB shared memory on triton 3.6 instead of 79 KB for the old flat
+loop with its unrolled boundary path). The packed meta is one int64 per block, so the kernel reads what plain
 paged decode reads: K, V and one word per block. Splits write partial (m, l, acc); a
 small second kernel merges them.
 """
@@ -17,13 +19,14 @@ import triton.language as tl
 
 from .prefill import (
     DELTA_MASK, DELTA_SHIFT, PHYS_MASK, VALID_MASK, VALID_SHIFT,  # noqa: F401 (used in kernels)
-    _block_delta, _interpreting, _pick_config, _rotated_q, _run_end,
+    _block_delta, _context_tiles, _interpreting, _merge_splits_kernel, _num_sms, _pick_config,
+    _segment_end, _staged_rotated_q,
 )
 
 
 @triton.jit
 def _lazy_decode_kernel(
-    Q, K_CACHE, V_CACHE, META, NUM_BLOCKS, COS, SIN, OUT, PART_ACC, PART_ML,
+    Q, K_CACHE, V_CACHE, META, NUM_BLOCKS, COS, SIN, OUT, PART_ACC, PART_ML, SCR,
     qk_scale,
     stride_qb, stride_qh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -31,10 +34,9 @@ def _lazy_decode_kernel(
     Hq, NUM_SPLITS,
     G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    APPLY_ROT: tl.constexpr, IEEE: tl.constexpr, SCAN: tl.constexpr,
+    APPLY_ROT: tl.constexpr, IEEE: tl.constexpr, SCAN: tl.constexpr, STAGE_Q: tl.constexpr,
 ):
     PAGES: tl.constexpr = BLOCK_N // BLOCK_SIZE
-    HALF: tl.constexpr = HEAD_DIM // 2
     PREC: tl.constexpr = "ieee" if IEEE else "tf32"
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -61,53 +63,28 @@ def _lazy_decode_kernel(
     acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
 
     meta_row = META + b.to(tl.int64) * stride_mb
-    offs_n = tl.arange(0, BLOCK_N)
-    page_in_tile = offs_n // BLOCK_SIZE
-    slot = offs_n % BLOCK_SIZE
+    pid_lin = (b * tl.num_programs(1) + kvh).to(tl.int64) * tl.num_programs(2) + split
+    scr = SCR + pid_lin * (BLOCK_G * HEAD_DIM)  # this program's scratch tile (staged q)
     if APPLY_ROT:
-        # q rotated for the segment holding block lo; run_end = where that segment ends
-        q = _rotated_q(q_ptrs, q_mask, COS, SIN, _block_delta(meta_row, lo, hi), qk_scale,
-                       HEAD_DIM, IEEE).to(dtype)
-        run_end = _run_end(meta_row, lo, hi, SCAN)
+        # segment by segment (as prefill): q rotated once per segment, staged through this
+        # program's scratch tile and reloaded, so the tile loop is the rotation-free loop
+        seg = lo
+        while seg < hi:
+            q = _staged_rotated_q(q_ptrs, q_mask, scr, COS, SIN, _block_delta(meta_row, seg, hi), qk_scale,
+                                  BLOCK_G, HEAD_DIM)
+            seg_end = _segment_end(meta_row, seg, hi, SCAN)
+            m_i, l_i, acc = _context_tiles(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, seg, seg_end, kvh,
+                                           stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                           BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC)
+            seg = seg_end
     else:
-        q = (tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32) * qk_scale).to(dtype)
-        run_end = hi
-    for t in range(lo, hi, PAGES):
-        page = t + page_in_tile
-        page_ok = page < hi
-        # one int64 per page: physical id, delta and valid length in a single load
-        meta = tl.load(meta_row + page, mask=page_ok, other=0)
-        phys = (meta & PHYS_MASK).to(tl.int64)
-        valid = ((meta >> VALID_SHIFT) & VALID_MASK).to(tl.int32)
-        kv_ok = page_ok & (slot < valid)
-        k = tl.load(K_CACHE + (phys * stride_kb + slot * stride_ks + kvh * stride_kh)[:, None] + offs_d[None, :],
-                    mask=kv_ok[:, None], other=0.0)
-        v = tl.load(V_CACHE + (phys * stride_vb + slot * stride_vs + kvh * stride_vh)[:, None] + offs_d[None, :],
-                    mask=kv_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC)
-        if APPLY_ROT:
-            # rare (scalar test): a new segment (document) starts inside this tile; score its
-            # pages with q rotated for it (same K tile) and keep that q for the following tiles.
-            # At most PAGES segments fit in a tile: unrolled, so the loop stays pipelinable.
-            tile_end = tl.minimum(t + PAGES, hi)
-            if run_end < tile_end:
-                for _i in tl.static_range(PAGES):
-                    if run_end < tile_end:
-                        seg = run_end
-                        q = _rotated_q(q_ptrs, q_mask, COS, SIN, _block_delta(meta_row, seg, hi), qk_scale,
-                                       HEAD_DIM, IEEE).to(dtype)
-                        run_end = _run_end(meta_row, seg, hi, SCAN)
-                        s2 = tl.dot(q, tl.trans(k), input_precision=PREC)
-                        in_seg = (page >= seg) & (page < run_end)
-                        s = tl.where(in_seg[None, :], s2, s)
-        s = tl.where(kv_ok[None, :], s, float("-inf"))
-        # -- online softmax in base 2 (scale and log2(e) are folded into q)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+        if STAGE_Q:  # the rotation-free q through the same scratch path (delta 0: exact scaling)
+            q = _staged_rotated_q(q_ptrs, q_mask, scr, COS, SIN, 0, qk_scale, BLOCK_G, HEAD_DIM)
+        else:
+            q = (tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32) * qk_scale).to(dtype)
+        m_i, l_i, acc = _context_tiles(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, lo, hi, kvh,
+                                       stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                       BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC)
 
     if not SPLIT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -121,45 +98,17 @@ def _lazy_decode_kernel(
         tl.store(PART_ML + part * 2 + 1, l_i, mask=row_ok)
 
 
-@triton.jit
-def _merge_splits_kernel(
-    PART_ACC, PART_ML, OUT, stride_ob, stride_oh, Hq, NUM_SPLITS,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
-):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, HEAD_DIM)
-    s_ok = offs_s < NUM_SPLITS
-    part = (b.to(tl.int64) * Hq + h) * NUM_SPLITS + offs_s
-    m = tl.load(PART_ML + part * 2, mask=s_ok, other=-1.0e30)
-    l = tl.load(PART_ML + part * 2 + 1, mask=s_ok, other=0.0)
-    # rescale each split to the common max (base-2 logits, as in the main kernel)
-    m_max = tl.max(m, 0)
-    w = tl.where(s_ok, tl.math.exp2(m - m_max), 0.0)
-    l_sum = tl.sum(l * w, 0)
-    acc = tl.load(PART_ACC + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0)
-    out = tl.sum(acc * w[:, None], 0) / tl.where(l_sum > 0, l_sum, 1.0)
-    tl.store(OUT + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty))
-
-
 # (BLOCK_N, num_warps, num_stages) tried on the GPU; BLOCK_N is raised to the page size.
 _GPU_CONFIGS = [
     (64, 4, 3),
     (64, 4, 4),
     (32, 4, 4),
 ]
-_sm_count: dict[int, int] = {}
-
-
 def _auto_splits(batch: int, hkv: int, max_blocks: int, pages: int, device: torch.device) -> int:
     """Enough programs for ~2 waves over the SMs, but at least 4 KV tiles per split."""
     if device.type != "cuda":
         return max(1, min(4, triton.cdiv(max_blocks, pages)))
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _sm_count:
-        _sm_count[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    want = triton.cdiv(2 * _sm_count[idx], max(1, batch * hkv))
+    want = triton.cdiv(2 * _num_sms(device), max(1, batch * hkv))
     return max(1, min(want, triton.cdiv(max_blocks, 4 * pages), 64))
 
 
@@ -176,6 +125,7 @@ def lazy_decode(
     num_splits: int | None = None,
     config: tuple[int, int, int] | None = None,
     out: torch.Tensor | None = None,
+    stage_q: bool = False,
 ) -> torch.Tensor:
     """Triton version of :func:`lazyrag.kernels.reference.lazy_decode_reference`.
 
@@ -213,20 +163,26 @@ def lazy_decode(
     else:
         part_acc = part_ml = out  # unused
 
+    block_g = max(16, triton.next_power_of_2(G))
+    # per-program scratch tile for the staged rotated query (tiny, L2-resident)
+    stage = bool(stage_q) and not apply_rotation
+    scr = (torch.empty(B * Hkv * num_splits * block_g * D, device=q.device, dtype=q.dtype)
+           if apply_rotation or stage else out)
+
     def launch(cfg):
         bn, warps, stages = cfg
         bn = max(bn, block_size)
         _lazy_decode_kernel[(B, Hkv, num_splits)](
-            q, k_cache, v_cache, block_meta, nblk, rope_cos, rope_sin, out, part_acc, part_ml,
+            q, k_cache, v_cache, block_meta, nblk, rope_cos, rope_sin, out, part_acc, part_ml, scr,
             qk_scale,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_meta.stride(0), out.stride(0), out.stride(1),
             Hq, num_splits,
-            G=G, BLOCK_G=max(16, triton.next_power_of_2(G)), HEAD_DIM=D, BLOCK_SIZE=block_size,
+            G=G, BLOCK_G=block_g, HEAD_DIM=D, BLOCK_SIZE=block_size,
             BLOCK_N=bn, SPLIT=num_splits > 1,
-            APPLY_ROT=bool(apply_rotation), IEEE=q.dtype == torch.float32, SCAN=128,
+            APPLY_ROT=bool(apply_rotation), IEEE=q.dtype == torch.float32, SCAN=128, STAGE_Q=stage,
             num_warps=warps, num_stages=stages,
         )
         if num_splits > 1:
@@ -237,7 +193,7 @@ def lazy_decode(
             )
 
     if config is None:
-        key = ("decode", D, G, block_size, q.dtype, bool(apply_rotation), num_splits > 1,
+        key = ("decode", D, G, block_size, q.dtype, bool(apply_rotation), stage, num_splits > 1,
                triton.next_power_of_2(B * Hkv * num_splits), triton.next_power_of_2(block_meta.shape[1]))
         config = _pick_config(key, launch, _GPU_CONFIGS)
     launch(config)

@@ -11,10 +11,11 @@ was encoded needs ``k' = R(delta) k``. Instead of touching K we rotate the *quer
 once by ``-delta`` (``<q, R(delta) k> = <R(-delta) q, k>``) and keep it while consecutive
 blocks share ``delta`` (one document). The rotation always starts from the original q,
 so there is never an un-rotate/re-rotate pair. The context is walked segment by segment
-(consecutive blocks sharing delta); inside a segment the tile loop (``BLOCK_N //
-block_size`` whole pages per KV tile) has a loop-invariant q and compiles like the
-rotation-free loop. The flat loop used by decode (q re-rotated inside the loop at the
-rare tile that reaches a new segment) measured 45-170% slower here.
+(consecutive blocks sharing delta); per segment the rotated q is written to a per-program
+scratch tile and reloaded (``_staged_rotated_q``), so inside the segment the tile loop
+(``BLOCK_N // block_size`` whole pages per KV tile) takes q from shared memory exactly
+like the rotation-free loop. Short prefills (few programs) split the context over
+programs and merge partials (``_merge_splits_kernel``). See benchmarks/NOTES.md.
 """
 from __future__ import annotations
 
@@ -168,22 +169,28 @@ def _merge_splits_kernel(
 
 @triton.jit
 def _lazy_prefill_kernel(
-    Q, K_NEW, V_NEW, CU_SEQLENS, K_CACHE, V_CACHE, META, NUM_CTX, COS, SIN, OUT,
+    Q, K_NEW, V_NEW, CU_SEQLENS, K_CACHE, V_CACHE, META, NUM_CTX, COS, SIN, OUT, SCR, PART_ACC, PART_ML,
     qk_scale,
     stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_mb, stride_ot, stride_oh,
+    Hq, NUM_SPLITS,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    APPLY_ROT: tl.constexpr, IEEE: tl.constexpr, SCAN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    APPLY_ROT: tl.constexpr, IEEE: tl.constexpr, SCAN: tl.constexpr, STAGE_Q: tl.constexpr,
 ):
     TOK: tl.constexpr = BLOCK_M // G  # query tokens per tile
     PAGES: tl.constexpr = BLOCK_N // BLOCK_SIZE  # whole pages per KV tile
-    HALF: tl.constexpr = HEAD_DIM // 2
     PREC: tl.constexpr = "ieee" if IEEE else "tf32"
-    tile = tl.program_id(0)
+    pid0 = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2)
+    if SPLIT:  # axis 0 = query tile * NUM_SPLITS + context split
+        tile = pid0 // NUM_SPLITS
+        split = pid0 % NUM_SPLITS
+    else:
+        tile = pid0
+        split = 0
 
     seq_start = tl.load(CU_SEQLENS + b)
     seq_len = tl.load(CU_SEQLENS + b + 1) - seq_start
@@ -207,53 +214,76 @@ def _lazy_prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    # -- stage 1: cached context, segment by segment (a segment = consecutive blocks sharing
-    # delta, i.e. one document). q is rotated once per segment and is loop-invariant inside
-    # the tile loop, which therefore compiles exactly like the rotation-free loop. A loop-
-    # carried, conditionally re-rotated q measured 45-170% slower (re-staged every tile).
+    # -- this program's share of the cached context: whole KV tiles (all of it unless split)
     meta_row = META + b.to(tl.int64) * stride_mb
     n_ctx = tl.load(NUM_CTX + b).to(tl.int32)
+    if SPLIT:
+        per_split = tl.cdiv(tl.cdiv(n_ctx, NUM_SPLITS), PAGES) * PAGES
+        lo = split * per_split
+        hi = tl.minimum(lo + per_split, n_ctx)
+    else:
+        lo = 0
+        hi = n_ctx
+
+    # -- stage 1: cached context, segment by segment (a segment = consecutive blocks sharing
+    # delta, i.e. one document). q is rotated once per segment, staged through this program's
+    # scratch tile and reloaded, so the tile loop sees a plainly loaded, loop-invariant q and
+    # compiles exactly like the rotation-free loop.
+    pid_lin = (b * tl.num_programs(1) + kvh).to(tl.int64) * tl.num_programs(0) + pid0
+    scr = SCR + pid_lin * (BLOCK_M * HEAD_DIM)  # this program's scratch tile (staged q)
     if APPLY_ROT:
-        seg = n_ctx * 0  # a run-time 0: loop-carried scalars must not start as constexpr
-        while seg < n_ctx:
-            q = _rotated_q(q_ptrs, q_mask, COS, SIN, _block_delta(meta_row, seg, n_ctx), qk_scale,
-                           HEAD_DIM, IEEE).to(dtype)
-            seg_end = _segment_end(meta_row, seg, n_ctx, SCAN)
+        seg = lo + n_ctx * 0  # a run-time value: loop-carried scalars must not start as constexpr
+        while seg < hi:
+            q = _staged_rotated_q(q_ptrs, q_mask, scr, COS, SIN, _block_delta(meta_row, seg, hi), qk_scale,
+                                  BLOCK_M, HEAD_DIM)
+            seg_end = _segment_end(meta_row, seg, hi, SCAN)
             m_i, l_i, acc = _context_tiles(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, seg, seg_end, kvh,
                                            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                                            BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC)
             seg = seg_end
     else:
-        q = (tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32) * qk_scale).to(dtype)
-        m_i, l_i, acc = _context_tiles(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, 0, n_ctx, kvh,
+        if STAGE_Q:  # the rotation-free q through the same scratch path (delta 0: exact scaling)
+            q = _staged_rotated_q(q_ptrs, q_mask, scr, COS, SIN, 0, qk_scale, BLOCK_M, HEAD_DIM)
+        else:
+            q = (tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32) * qk_scale).to(dtype)
+        m_i, l_i, acc = _context_tiles(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, lo, hi, kvh,
                                        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                                        BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC)
 
-    # -- stage 2: the sequence's new tokens (true positions, delta 0), causal
-    q = (tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32) * qk_scale).to(dtype)
-    hi = tl.minimum(t0 + TOK, seq_len)
-    offs_n = tl.arange(0, BLOCK_N)
-    for j0 in range(0, hi, BLOCK_N):
-        kn = j0 + offs_n
-        kn_ok = kn < seq_len
-        kn_off = (seq_start + kn).to(tl.int64)
-        k = tl.load(K_NEW + (kn_off * stride_knt + kvh * stride_knh)[:, None] + offs_d[None, :],
-                    mask=kn_ok[:, None], other=0.0)
-        v = tl.load(V_NEW + (kn_off * stride_vnt + kvh * stride_vnh)[:, None] + offs_d[None, :],
-                    mask=kn_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC)
-        s = tl.where(kn_ok[None, :] & (kn[None, :] <= tok[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+    # -- stage 2: the sequence's new tokens (true positions, delta 0), causal; the last split
+    # (whose context share is the smallest) does it
+    if split == NUM_SPLITS - 1:
+        q = (tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32) * qk_scale).to(dtype)
+        hi_new = tl.minimum(t0 + TOK, seq_len)
+        offs_n = tl.arange(0, BLOCK_N)
+        for j0 in range(0, hi_new, BLOCK_N):
+            kn = j0 + offs_n
+            kn_ok = kn < seq_len
+            kn_off = (seq_start + kn).to(tl.int64)
+            k = tl.load(K_NEW + (kn_off * stride_knt + kvh * stride_knh)[:, None] + offs_d[None, :],
+                        mask=kn_ok[:, None], other=0.0)
+            v = tl.load(V_NEW + (kn_off * stride_vnt + kvh * stride_vnh)[:, None] + offs_d[None, :],
+                        mask=kn_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC)
+            s = tl.where(kn_ok[None, :] & (kn[None, :] <= tok[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.math.exp2(s - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+            m_i = m_new
 
-    # every real row attends at least to itself, so l_i > 0 there
-    out = acc / l_i[:, None]
-    o_off = (seq_start + tok).to(tl.int64) * stride_ot + head * stride_oh
-    tl.store(OUT + o_off[:, None] + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=q_mask)
+    if SPLIT:
+        # partials [Tq, Hq, NUM_SPLITS, (D | 2)] in fp32, merged by _merge_splits_kernel
+        part = ((seq_start + tok).to(tl.int64) * Hq + head) * NUM_SPLITS + split
+        tl.store(PART_ACC + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=q_mask)
+        tl.store(PART_ML + part * 2, m_i, mask=row_ok)
+        tl.store(PART_ML + part * 2 + 1, l_i, mask=row_ok)
+    else:
+        # every real row attends at least to itself, so l_i > 0 there
+        out = acc / l_i[:, None]
+        o_off = (seq_start + tok).to(tl.int64) * stride_ot + head * stride_oh
+        tl.store(OUT + o_off[:, None] + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=q_mask)
 
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) tried on the GPU; BLOCK_N is raised to the page size.
@@ -261,6 +291,7 @@ _GPU_CONFIGS = [
     (128, 64, 8, 3),
     (64, 64, 4, 3),
     (128, 64, 4, 3),
+    (128, 128, 8, 3),  # ~100 KB shared memory on triton 3.6 with the staged q (compiled locally for sm_90)
 ]
 _best_config: dict[tuple, tuple[int, int, int, int]] = {}
 
@@ -285,6 +316,30 @@ def _pick_config(key, launch, configs):
     return best
 
 
+_sm_count: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _sm_count:
+        _sm_count[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _sm_count[idx]
+
+
+def _auto_prefill_splits(n_programs: int, max_ctx_blocks: int, pages: int, device: torch.device) -> int:
+    """Split the context (flash-decoding style) only when the (query tile, KV head, sequence)
+    programs fill less than half the SMs: ~2 waves then, at least 4 KV tiles per split.
+    Measured (H200, round 2): B=1/64 new tokens/8k (16 programs) 0.29 -> 0.18 ms with 17 splits;
+    B=8/64 new (128 programs) 3 splits were 5-15% slower than none, hence the half-wave bound."""
+    if device.type != "cuda" or _interpreting():
+        return 1
+    sms = _num_sms(device)
+    if 2 * n_programs > sms:
+        return 1
+    want = triton.cdiv(2 * sms, max(1, n_programs))
+    return max(1, min(want, max_ctx_blocks // (4 * pages), 64))
+
+
 def lazy_prefill(
     q: torch.Tensor,
     k_new: torch.Tensor,
@@ -301,12 +356,18 @@ def lazy_prefill(
     apply_rotation: bool = True,
     config: tuple[int, int, int, int] | None = None,
     out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    stage_q: bool = False,
 ) -> torch.Tensor:
     """Triton version of :func:`lazyrag.kernels.reference.lazy_prefill_reference`.
 
     ``apply_rotation=False`` skips the deferred rotation (every delta treated as 0), for
     measuring its cost against pre-rotated KV. ``config`` = (BLOCK_M, BLOCK_N, num_warps,
     num_stages) overrides the tuned choice; ``out`` may be given (same shape/dtype as q).
+    ``num_splits`` splits each sequence's cached context over that many programs (partials
+    merged by a second kernel); ``None`` splits only when the grid would not fill the GPU.
+    ``stage_q`` (rotation off only) sends the scaled q through the same scratch round trip as the
+    rotated q, so the two variants differ only in the rotation arithmetic (for measurements).
     """
     Tq, Hq, D = q.shape
     Hkv = k_new.shape[1]
@@ -333,29 +394,56 @@ def lazy_prefill(
     if B == 0 or Tq == 0 or max_seqlen_q == 0:
         return out
     qk_scale = float(sm_scale) * 1.4426950408889634  # log2(e): the kernel uses exp2
+    rot = bool(apply_rotation)
+    stage = bool(stage_q) and not rot
 
-    def launch(cfg):
+    def launch(cfg, splits):
         bm, bn, warps, stages = cfg
         bm = max(bm, triton.next_power_of_2(G))
         bn = max(bn, block_size)
-        grid = (triton.cdiv(max_seqlen_q, bm // G), Hkv, B)
+        n_tiles = triton.cdiv(max_seqlen_q, bm // G)
+        grid = (n_tiles * splits, Hkv, B)
+        # per-program scratch tile for the staged rotated query (L2-resident, rewritten per segment)
+        scr = (torch.empty(grid[0] * grid[1] * grid[2] * bm * D, device=q.device, dtype=q.dtype) if rot or stage
+               else out)
+        if splits > 1:
+            part_acc = torch.empty(Tq, Hq, splits, D, device=q.device, dtype=torch.float32)
+            part_ml = torch.empty(Tq, Hq, splits, 2, device=q.device, dtype=torch.float32)
+        else:
+            part_acc = part_ml = out  # unused
         _lazy_prefill_kernel[grid](
-            q, k_new, v_new, cu, k_cache, v_cache, block_meta, nctx, rope_cos, rope_sin, out,
+            q, k_new, v_new, cu, k_cache, v_cache, block_meta, nctx, rope_cos, rope_sin, out, scr,
+            part_acc, part_ml,
             qk_scale,
             q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_meta.stride(0), out.stride(0), out.stride(1),
-            G=G, HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn,
-            APPLY_ROT=bool(apply_rotation), IEEE=q.dtype == torch.float32, SCAN=128,
+            Hq, splits,
+            G=G, HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn, SPLIT=splits > 1,
+            APPLY_ROT=rot, IEEE=q.dtype == torch.float32, SCAN=128, STAGE_Q=stage,
             num_warps=warps, num_stages=stages,
         )
+        if splits > 1:
+            _merge_splits_kernel[(Tq, Hq)](
+                part_acc, part_ml, out, out.stride(0), out.stride(1), Hq, splits,
+                HEAD_DIM=D, BLOCK_S=triton.next_power_of_2(splits), num_warps=4 if D >= 128 else 2,
+            )
+
+    def n_splits(cfg):
+        if num_splits is not None:
+            return max(1, int(num_splits))
+        bm = max(cfg[0], triton.next_power_of_2(G))
+        bn = max(cfg[1], block_size)
+        n_prog = triton.cdiv(max_seqlen_q, bm // G) * Hkv * B
+        return _auto_prefill_splits(n_prog, block_meta.shape[1], bn // block_size, q.device)
 
     if config is None:
         if _interpreting() or not q.is_cuda:
             config = (16, 16, 1, 1)
         else:
-            key = ("prefill", D, G, block_size, q.dtype, bool(apply_rotation), triton.next_power_of_2(max_seqlen_q))
-            config = _pick_config(key, launch, _GPU_CONFIGS)
-    launch(config)
+            key = ("prefill", D, G, block_size, q.dtype, rot, stage, triton.next_power_of_2(max_seqlen_q),
+                   num_splits, triton.next_power_of_2(B), triton.next_power_of_2(block_meta.shape[1]))
+            config = _pick_config(key, lambda c: launch(c, n_splits(c)), _GPU_CONFIGS)
+    launch(config, n_splits(config))
     return out

@@ -16,7 +16,7 @@ from lazyrag.model.attention import make_attention_backend
 from lazyrag.model.llama import LlamaArgs, LlamaModel, build_rope
 from lazyrag.model.loader import check_llama_config, fingerprint, load_checkpoint, resolve_model_source
 from lazyrag.model.runner import ModelRunner, SeqState
-from lazyrag.prompt import DEFAULT_SYSTEM_PROMPT, PromptBuilder, PromptLayout
+from lazyrag.prompt import DEFAULT_SYSTEM_PROMPT, ChunkFinder, PromptBuilder, PromptLayout
 from lazyrag.sampling import Detokenizer, SamplingParams, sample
 
 DEFAULT_KV_BUDGET = {"cpu": 1 << 30, "cuda": 8 << 30}
@@ -80,6 +80,7 @@ class LazyEngine:
         attention: str | None = None,
         system_prompt: str = DEFAULT_SYSTEM_PROMPT,
         model_name: str = "model",
+        cuda_graphs: bool | None = None,
     ):
         self.model, self.config, self.tokenizer = model, config, tokenizer
         self.device, self.dtype, self.fingerprint, self.model_name = device, dtype, model_fingerprint, model_name
@@ -91,8 +92,14 @@ class LazyEngine:
         rope_cos, rope_sin, rope_scaling = build_rope(config, device)
         self.attention = make_attention_backend(attention, device)
         self.runner = ModelRunner(model, self.pool, self.attention, rope_cos, rope_sin, rope_scaling)
+        if cuda_graphs is None:
+            cuda_graphs = device.type == "cuda" and self.attention.name == "triton"
+        if cuda_graphs:
+            # padding tokens of captured shapes write their K/V here; no sequence reads it
+            self.runner.enable_cuda_graphs(scratch_block=self.pool.allocate(1)[0])
         self.strategies: dict[str, Strategy] = {n: cls(self.cache, self.runner, model_fingerprint) for n, cls in STRATEGIES.items()}
         self.prompts = PromptBuilder(tokenizer, system_prompt) if tokenizer is not None else None
+        self.chunk_finder = ChunkFinder()  # texts of known chunks, to find them inside free-form prompts
         self._lock = threading.Lock()
         self._eos = self._end_tokens()
 
@@ -161,6 +168,28 @@ class LazyEngine:
             raise ValueError("This engine has no tokenizer; pass token ids through a PromptLayout instead.")
         layout = self.prompts.build(question, list(chunks), system)
         self._check_length(layout.num_tokens)
+        for text in chunks:
+            self.chunk_finder.add(text)
+        return layout
+
+    def render_chat(self, messages: list[dict]) -> str:
+        """The prompt text of chat messages ({"role", "content"}) through the model's chat template."""
+        return self.prompts.render(messages)
+
+    def layout_from_text(self, text: str) -> PromptLayout:
+        """Lay out a finished prompt (chat template applied), reusing every known chunk found in it.
+
+        Known chunks (cached, pre-cached or in an attached store) are found by their text,
+        in time linear in the prompt's length. The text before the first is the request's
+        prefix, the text after the last is computed in context like a question; non-blank
+        text between chunks becomes a segment of its own (encoded once, cached by content),
+        and blank text between them is the chunks' own separator. Chunks keep their KV
+        encoded after the engine's shared encoding prefix, whatever the prompt's prefix is.
+        """
+        if self.prompts is None:
+            raise ValueError("This engine has no tokenizer; pass token ids through a PromptLayout instead.")
+        layout = self.prompts.split_text(text, self.chunk_finder.find(text))
+        self._check_length(layout.num_tokens)
         return layout
 
     def _check_length(self, num_tokens: int, max_new_tokens: int = 0) -> None:
@@ -189,6 +218,16 @@ class LazyEngine:
                 for seg in plan.pinned:
                     self.cache.unpin(seg)
             return plan.chunks_missed
+
+    def attach_store(self, store):
+        """Serve chunk KV from a corpus store built by ``lazyrag precache``: misses load from disk, not recompute."""
+        from lazyrag.store import attach_store
+
+        store = attach_store(self, store)
+        for row in store.rows():  # so free-form prompts (LlamaIndex, LangChain) find the store's chunks
+            if row.text:
+                self.chunk_finder.add(row.text)
+        return store
 
     @contextmanager
     def _prefilled(self, layout: PromptLayout, strategy: str, max_new_tokens: int):
@@ -251,9 +290,6 @@ class LazyEngine:
             text = detok.text if detok else ""
             return GenerationResult(text, list(seq.generated), ttft, time.perf_counter() - t0, finish, stats)
 
-    def _params(self, max_new_tokens, temperature, top_p, stop, seed) -> SamplingParams:
-        return SamplingParams(max_new_tokens, temperature, top_p, list(stop or []), seed)
-
     def generate(
         self,
         question: str,
@@ -268,7 +304,7 @@ class LazyEngine:
     ) -> GenerationResult:
         """Answer ``question`` over ``chunks``; each chunk's KV is reused from the cache when it was seen before."""
         layout = self.build_prompt(question, chunks, system)
-        return self.generate_layout(layout, self._params(max_new_tokens, temperature, top_p, stop, seed), strategy)
+        return self.generate_layout(layout, SamplingParams(max_new_tokens, temperature, top_p, list(stop or []), seed), strategy)
 
     def generate_layout(self, layout: PromptLayout, params: SamplingParams, strategy: str = "lazy") -> GenerationResult:
         it = self.stream_layout(layout, params, strategy)
@@ -292,7 +328,7 @@ class LazyEngine:
     ) -> Iterator[str]:
         """Yield the answer's text as it is generated."""
         layout = self.build_prompt(question, chunks, system)
-        for delta, _ in self.stream_layout(layout, self._params(max_new_tokens, temperature, top_p, stop, seed), strategy):
+        for delta, _ in self.stream_layout(layout, SamplingParams(max_new_tokens, temperature, top_p, list(stop or []), seed), strategy):
             if delta:
                 yield delta
 

@@ -23,6 +23,12 @@ class PromptLayout:
     chunk_ids: list[list[int]]
     question_ids: list[int]
     chunk_texts: list[str] = field(default_factory=list)
+    # Chunks' KV is computed after this prefix; None = the request's own prefix (the usual case).
+    encoding_prefix_ids: list[int] | None = None
+
+    @property
+    def encoding_prefix(self) -> list[int]:
+        return self.prefix_ids if self.encoding_prefix_ids is None else self.encoding_prefix_ids
 
     def full_ids(self) -> list[int]:
         ids = list(self.prefix_ids)
@@ -31,12 +37,20 @@ class PromptLayout:
         return ids + list(self.question_ids)
 
     def chunk_starts(self) -> list[int]:
-        """Position of each chunk's first token in the stitched prompt (padding takes no position)."""
-        starts, pos = [], len(self.prefix_ids)
+        """Position of each chunk's first token in the stitched prompt (padding takes no position).
+
+        Contiguous after the prefix; only a request prefix shorter than the encoding prefix
+        leaves a gap, so that no chunk is read at a position before where it was encoded.
+        """
+        starts, pos = [], max(len(self.prefix_ids), len(self.encoding_prefix))
         for c in self.chunk_ids:
             starts.append(pos)
             pos += len(c)
         return starts
+
+    @property
+    def question_start(self) -> int:
+        return max(len(self.prefix_ids), len(self.encoding_prefix)) + sum(map(len, self.chunk_ids))
 
     @property
     def num_tokens(self) -> int:
@@ -79,14 +93,50 @@ class PromptBuilder:
 
     def prefix_ids(self, system: str | None = None) -> list[int]:
         head, _ = self.template_parts(system or self.system_prompt)
-        ids = self.encode(head + CONTEXT_HEADER)
-        if self._bos and (not ids or ids[0] != self._bos[0]):
-            ids = self._bos + ids
-        return ids
+        return self._with_bos(self.encode(head + CONTEXT_HEADER))
 
     def question_ids(self, question: str, system: str | None = None) -> list[int]:
         _, tail = self.template_parts(system or self.system_prompt)
         return self.encode(f"Question: {question.strip()}{tail}")
+
+    def render(self, messages: list[dict]) -> str:
+        """Chat messages as prompt text (with the generation prompt); a default system turn is added."""
+        if not any(m["role"] == "system" for m in messages):
+            messages = [{"role": "system", "content": self.system_prompt}] + list(messages)
+        tok = self.tokenizer
+        if getattr(tok, "chat_template", None):
+            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        body = "\n\n".join(m["content"] for m in messages)
+        return body + "\nAnswer:"
+
+    def _with_bos(self, ids: list[int]) -> list[int]:
+        return self._bos + ids if self._bos and (not ids or ids[0] != self._bos[0]) else ids
+
+    def split_text(self, text: str, found: list[tuple[int, int, str]]) -> PromptLayout:
+        """A prompt with known chunks at ``found`` (start, end, chunk text) as a layout."""
+        if found and not self._with_bos(self.encode(text[: found[0][0]])):
+            found = found[1:]  # the strategies need a non-empty request prefix: a leading chunk becomes it
+        if not found:  # nothing to reuse: the whole prompt is prefilled; its first token is the (non-empty) prefix
+            ids = self._with_bos(self.encode(text))
+            if not ids:
+                raise ValueError("The prompt is empty.")
+            return PromptLayout(prefix_ids=ids[:1], chunk_ids=[], question_ids=ids[1:])
+        chunk_ids, texts, pos = [], [], found[0][0]
+        for start, end, chunk in found:
+            glue = text[pos:start].strip()
+            if glue:  # e.g. a metadata line between retrieved chunks
+                chunk_ids.append(self.encode_chunk(glue))
+                texts.append(glue)
+            chunk_ids.append(self.encode_chunk(chunk))
+            texts.append(chunk)
+            pos = end
+        return PromptLayout(
+            prefix_ids=self._with_bos(self.encode(text[: found[0][0]])),
+            chunk_ids=chunk_ids,
+            question_ids=self.encode(text[pos:].lstrip()),
+            chunk_texts=texts,
+            encoding_prefix_ids=self.prefix_ids(),
+        )
 
     def build(self, question: str, chunks: list[str], system: str | None = None) -> PromptLayout:
         return PromptLayout(
@@ -95,3 +145,44 @@ class PromptBuilder:
             question_ids=self.question_ids(question, system),
             chunk_texts=list(chunks),
         )
+
+
+class ChunkFinder:
+    """Finds known chunk texts inside an arbitrary prompt string.
+
+    Each chunk is indexed by its first ``anchor`` characters; a scan looks up the anchor
+    at every offset of the prompt (a dict lookup of a fixed-size slice), then verifies the
+    whole chunk. Time is linear in the prompt's length and independent of how many chunks
+    are indexed. Chunks shorter than the anchor are not worth a cache entry and are not found.
+    """
+
+    def __init__(self, anchor: int = 24):
+        self.anchor = anchor
+        self._by_anchor: dict[str, list[str]] = {}
+
+    def __len__(self) -> int:
+        return sum(map(len, self._by_anchor.values()))
+
+    def add(self, text: str) -> None:
+        text = text.strip()
+        if len(text) < self.anchor:
+            return
+        bucket = self._by_anchor.setdefault(text[: self.anchor], [])
+        if text not in bucket:
+            bucket.append(text)
+            bucket.sort(key=len, reverse=True)  # longest match first
+
+    def find(self, prompt: str) -> list[tuple[int, int, str]]:
+        """Non-overlapping (start, end, chunk text) occurrences, left to right."""
+        found, i, a = [], 0, self.anchor
+        lookup = self._by_anchor.get
+        while i <= len(prompt) - a:
+            bucket = lookup(prompt[i : i + a])
+            if bucket:
+                text = next((t for t in bucket if prompt.startswith(t, i)), None)
+                if text is not None:
+                    found.append((i, i + len(text), text))
+                    i += len(text)
+                    continue
+            i += 1
+        return found

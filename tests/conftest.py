@@ -74,3 +74,30 @@ def engine_and_hf(request):
 @pytest.fixture
 def engine(engine_and_hf):
     return engine_and_hf[0]
+
+
+# -- corpus store fixtures (issue 4) ---------------------------------------------------------
+
+TINY_DOCS = {
+    "curie.md": "Marie Curie won the Nobel Prize in Physics in 1903 and the Nobel Prize in Chemistry in 1911.",
+    "canal.md": "The Grand Canal of China links Beijing with Hangzhou over 1,776 kilometres and was begun in the 5th century BC.",
+    "trench.txt": "The Mariana Trench in the western Pacific reaches a depth of about 10,935 metres at Challenger Deep.",
+    "basalt.md": "Basalt forms when lava rich in magnesium and iron cools quickly at the surface of the Earth.",
+    "paganini.txt": "The violinist Niccolo Paganini was born in Genoa in 1782 and toured Europe for decades.",
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory):
+    """A folder of five one-paragraph documents."""
+    folder = tmp_path_factory.mktemp("corpus")
+    for name, text in TINY_DOCS.items():
+        (folder / name).write_text(text)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def embedder():
+    from lazyrag.retriever import load_embedder
+
+    return load_embedder()

@@ -185,6 +185,44 @@ def test_prefill_no_rotation_on_prerotated_keys():
     assert rel_err(lazy, out) < 1e-4
 
 
+# (seed, new token counts, documents per sequence (tokens), Hq, Hkv, D, block_size, num_splits)
+PREFILL_SPLIT_CASES = [
+    (31, [5], [[20, 9, 40]], 2, 2, 64, 16, 3),  # MHA, repeated doc, more splits than some ranges hold
+    (32, [3, 6, 0], [[17], [16, 40, 33], []], 6, 2, 64, 16, 2),  # GQA 3, unequal batch, empty seq/ctx
+    (33, [4, 1], [[33, 5], [8, 70]], 4, 1, 64, 16, 4),  # GQA 4 (MQA)
+    (34, [2], [[12, 20, 7, 45]], 8, 1, 128, 32, 7),  # GQA 8, head dim 128, block 32, a split with no blocks
+]
+
+
+@pytest.mark.parametrize("case", PREFILL_SPLIT_CASES, ids=lambda c: f"seed{c[0]}")
+def test_prefill_split_context_matches_reference(case):
+    # context split over programs + merge kernel (the path short prefills take on the GPU)
+    seed, new_lens, docs, hq, hkv, d, bs, splits = case
+    p, q, kn, vn, cu = make_prefill(seed, new_lens, docs, hq, hkv, d, bs, torch.float32, "cpu",
+                                    reuse_first_doc=seed == 31)
+    cos, sin = make_rope(d, "cpu")
+    scale = d ** -0.5
+    ref = ref_prefill(p, q, kn, vn, cu, cos, sin, scale)
+    out = run_prefill(p, q, kn, vn, cu, cos, sin, scale, num_splits=splits)
+    assert rel_err(out, ref) < 1e-4
+    pre = prerotated(p, cos, sin)
+    off = run_prefill(pre, q, kn, vn, cu, cos, sin, scale, apply_rotation=False, num_splits=splits, stage_q=True)
+    assert rel_err(off, ref) < 1e-4
+
+
+def test_staged_q_rotation_off_matches():
+    # the rotation-free kernel with q sent through the scratch round trip (measurement variant)
+    p, q, kn, vn, cu = make_prefill(35, [3, 2], [[18, 7], [25]], 4, 2, 64, 16, torch.float32, "cpu")
+    cos, sin = make_rope(64, "cpu")
+    pre = prerotated(p, cos, sin)
+    ref = ref_prefill(pre, q, kn, vn, cu, cos, sin, 0.125)
+    assert rel_err(run_prefill(pre, q, kn, vn, cu, cos, sin, 0.125, apply_rotation=False, stage_q=True), ref) < 1e-4
+    qd = torch.randn(2, 4, 64)
+    refd = lazy_decode_reference(qd, pre.k_cache, pre.v_cache, pre.meta, pre.nblocks, cos, sin, 0.125)
+    outd = run_decode(pre, qd, cos, sin, 0.125, apply_rotation=False, stage_q=True, num_splits=2)
+    assert rel_err(outd, refd) < 1e-4
+
+
 # (seed, documents per sequence (tokens), Hq, Hkv, D, block_size, num_splits)
 DECODE_CASES = [
     (21, [[20, 9]], 2, 2, 64, 16, 1),  # MHA, single split (direct write)
@@ -261,14 +299,37 @@ def test_prefill_gpu(dtype, hq, hkv, d):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("cfg", [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3)])
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (24, 3, 64), (8, 8, 128)])
+@pytest.mark.parametrize("splits", [None, 1, 7])
+def test_prefill_gpu_split_context(hq, hkv, d, splits):
+    # short prefill (few query tiles): the automatic split over the context, forced splits too
+    gen = torch.Generator().manual_seed(600 + hq + d)
+    docs = _gpu_docs(gen, 2, 6, 900)
+    p, q, kn, vn, cu = make_prefill(hq + d, [64, 9], docs, hq, hkv, d, 16, torch.bfloat16, "cuda",
+                                    reuse_first_doc=True)
+    cos, sin = make_rope(d, "cuda", base=500000.0)
+    ref = ref_prefill(p, q, kn, vn, cu, cos, sin, d ** -0.5)
+    assert rel_err(run_prefill(p, q, kn, vn, cu, cos, sin, d ** -0.5, num_splits=splits), ref) < 1e-2
+    pre = prerotated(p, cos, sin)
+    ref0 = ref_prefill(pre, q, kn, vn, cu, cos, sin, d ** -0.5)
+    for stage in (False, True):
+        off = run_prefill(pre, q, kn, vn, cu, cos, sin, d ** -0.5, apply_rotation=False, num_splits=splits,
+                          stage_q=stage)
+        assert rel_err(off, ref0) < 1e-2
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("cfg", [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3)])
 def test_prefill_gpu_every_config(cfg):
     # the autotuner may pick any of these: each must be right, block size 32 too
     p, q, kn, vn, cu = make_prefill(300, [77, 200], [[300, 45, 500], [1000]], 32, 8, 128, 32, torch.bfloat16,
                                     "cuda", reuse_first_doc=True)
     cos, sin = make_rope(128, "cuda")
-    out = run_prefill(p, q, kn, vn, cu, cos, sin, 128 ** -0.5, config=cfg)
-    assert rel_err(out, ref_prefill(p, q, kn, vn, cu, cos, sin, 128 ** -0.5)) < 1e-2
+    ref = ref_prefill(p, q, kn, vn, cu, cos, sin, 128 ** -0.5)
+    for splits in (1, 3):
+        out = run_prefill(p, q, kn, vn, cu, cos, sin, 128 ** -0.5, config=cfg, num_splits=splits)
+        assert rel_err(out, ref) < 1e-2
 
 
 @gpu

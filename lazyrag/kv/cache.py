@@ -1,18 +1,36 @@
-"""Content-addressed segments of KV in the block pool, with pinning and eviction.
+"""The cache manager: content-addressed segments of KV in the block pool, under a byte budget.
 
 A segment is a run of tokens whose KV lives in blocks it owns alone: a chunk, the shared
 prefix, a position-aware copy of a chunk, or one block of a prefix-cache hash chain. The
-cache holds one reference to each segment's blocks; a request pins the segments it reads,
-and pinned segments are never evicted.
+cache holds one reference to each cached segment's blocks; a request pins the segments it
+reads, and pinned segments are never evicted.
+
+Budget: the bytes of *cached* segments on the device never exceed ``budget_bytes``
+(default: the whole pool). A request's own blocks, and segments the cache declined to keep
+(``transient``: used by the request that made them, freed when it unpins them), take the
+rest of the pool. Which unpinned segment goes first is the eviction policy's call
+(``policies.py``); whether a new segment is kept at all is the admission filter's.
+
+Below the device pool sit optional tiers (``tiers.py``): evicted segments are demoted to
+host RAM or disk when those have room, and a lookup that misses the pool but hits a tier
+promotes the KV back (bit-exact copy into fresh blocks). ``prefetch`` does that promotion
+in a background thread, ahead of the request that will need it.
 """
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
-from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import torch
+
 from lazyrag.kv.block_pool import BlockPool, OutOfBlocks
+from lazyrag.kv.policies import FrequencySketch, make_policy
+from lazyrag.kv.tiers import DiskTier, HostTier, Tier, TierEntry
+
+log = logging.getLogger(__name__)
 
 
 def content_key(*parts) -> str:
@@ -35,24 +53,85 @@ class Segment:
     pins: int = 0
     hits: int = 0
     meta: dict = field(default_factory=dict)
+    cost: float = 0.0  # what recomputing it would cost (relative FLOPs); 0 = let the manager estimate
+    transient: bool = False  # not kept by the cache: its blocks are freed when the last pin goes
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Relative recompute cost of a segment, for cost-aware eviction.
+
+    Prefill cost per token is the linear layers (constant) plus attention over everything
+    before it, which equals the linear part at ``attn_crossover_tokens`` of context (about
+    16k for 8B-class models). A position-aware copy is only a re-rotation of existing KV:
+    ``copy_fraction`` of recomputing it.
+    """
+
+    attn_crossover_tokens: int = 16384
+    copy_fraction: float = 0.01
+
+    def cost(self, seg: Segment) -> float:
+        # A prefix-cache block is reachable only through the blocks before it, so a deep block
+        # is worth no more than a shallow one: cost it without its context.
+        mean_context = seg.num_tokens / 2 if seg.kind == "prefix_block" else seg.start + seg.num_tokens / 2
+        c = seg.num_tokens * (1.0 + mean_context / self.attn_crossover_tokens)
+        return c * self.copy_fraction if seg.kind == "copy" else c
+
+
+@dataclass
+class CacheConfig:
+    policy: str = "lru"  # lru | lfu | gdsf
+    admission: bool = False  # TinyLFU-style frequency filter on insertion
+    budget_bytes: int | None = None  # cached segments on the device; None = the whole pool
+    host_bytes: int = 0  # host-RAM tier (0 = none)
+    disk_dir: str | None = None  # disk tier folder (None = none)
+    disk_bytes: int = 0
+    demote_kinds: tuple[str, ...] = ("chunk", "prefix")  # copies and prefix blocks are cheap to redo
+    sketch_window: int = 10_000
+    cost_model: CostModel = field(default_factory=CostModel)
 
 
 @dataclass
 class CacheStats:
-    hits: int = 0
-    misses: int = 0
+    hits: int = 0  # lookups served from the device pool
+    misses: int = 0  # lookups found nowhere
+    tier_hits: int = 0  # lookups served by promoting from host or disk
     evictions: int = 0
     inserted: int = 0
+    rejected: int = 0  # new segments not kept (admission said no, or no unpinned room)
+    demotions: int = 0
+    promotions: int = 0  # tier hits plus prefetches
+    hit_tokens: int = 0
+
+    @property
+    def lookups(self) -> int:
+        return self.hits + self.misses + self.tier_hits
 
 
-class SegmentCache:
-    """Segments by content key; least-recently-used unpinned segments are evicted for space."""
+class CacheManager:
+    """Segments by content key on the device pool, evicted by a pluggable policy, backed by tiers."""
 
-    def __init__(self, pool: BlockPool):
+    def __init__(self, pool: BlockPool, config: CacheConfig | None = None, tiers: list[Tier] | None = None):
         self.pool = pool
-        self._segments: OrderedDict[str, Segment] = OrderedDict()
+        self.config = config or CacheConfig()
+        self.policy = make_policy(self.config.policy)
+        self.sketch = FrequencySketch(self.config.sketch_window) if self.config.admission else None
+        pool_bytes = pool.num_blocks * pool.shape.bytes_per_block
+        self.budget_bytes = pool_bytes if self.config.budget_bytes is None else min(self.config.budget_bytes, pool_bytes)
+        self._segments: dict[str, Segment] = {}
+        self._cached_blocks = 0
         self._lock = threading.RLock()
+        self._prefetcher: ThreadPoolExecutor | None = None
         self.stats = CacheStats()
+        self.tiers: list[Tier] = list(tiers or [])
+        if self.config.host_bytes:
+            self.tiers.append(HostTier(self.config.host_bytes))
+        if self.config.disk_dir:
+            self.tiers.append(DiskTier(self.config.disk_dir, self.config.disk_bytes or 1 << 62))
+        if self.tiers and pool.device.type == "meta":
+            raise ValueError("A pool on the meta device holds no values, so it cannot have host or disk tiers.")
+
+    # -- queries ----------------------------------------------------------------------------
 
     def __len__(self) -> int:
         return len(self._segments)
@@ -60,58 +139,220 @@ class SegmentCache:
     def __contains__(self, key: str) -> bool:
         return key in self._segments
 
-    def get(self, key: str, pin: bool = True) -> Segment | None:
-        """The segment under ``key`` (pinned for the caller), or None; counts a hit or a miss."""
-        with self._lock:
-            seg = self._segments.get(key)
-            if seg is None:
-                self.stats.misses += 1
-                return None
-            self._segments.move_to_end(key)
-            self.stats.hits += 1
-            seg.hits += 1
-            if pin:
-                seg.pins += 1
-            return seg
+    @property
+    def cached_bytes(self) -> int:
+        return self._cached_blocks * self.pool.shape.bytes_per_block
 
     def peek(self, key: str) -> Segment | None:
         return self._segments.get(key)
 
-    def put(self, seg: Segment, pin: bool = True) -> Segment:
-        """Adopt a segment whose blocks the caller allocated (their one reference passes to the cache)."""
+    def get(self, key: str, pin: bool = True) -> Segment | None:
+        """The segment under ``key`` (pinned for the caller), promoted from a tier if need be, or None."""
         with self._lock:
-            assert seg.key not in self._segments, f"segment {seg.key[:12]} cached twice"
+            if self.sketch is not None:
+                self.sketch.record(key)
+            seg = self._segments.get(key)
+            if seg is not None:
+                self.policy.touch(key)
+                self.stats.hits += 1
+                self.stats.hit_tokens += seg.num_tokens
+                seg.hits += 1
+                seg.pins += int(pin)
+                return seg
+            if not self.tiers:
+                self.stats.misses += 1
+                return None
+        entry = self._load(key)  # disk reads happen outside the lock
+        with self._lock:
+            if entry is None:
+                self.stats.misses += 1
+                return None
+            seg = self._segments.get(key)
+            if seg is not None:  # a prefetch got there first
+                seg.pins += int(pin)
+            else:
+                seg = self._install(entry, pin=pin)
+            self.stats.tier_hits += 1
+            self.stats.hit_tokens += seg.num_tokens
+            return seg
+
+    # -- insertion and pinning ----------------------------------------------------------------
+
+    def put(self, seg: Segment, pin: bool = True) -> Segment:
+        """Adopt a segment whose blocks the caller allocated (their one reference passes to the cache).
+
+        If keeping it would exceed the budget, unpinned segments are evicted by the policy;
+        when that is impossible or the admission filter prefers the residents, the segment
+        is ``transient``: usable by the caller, freed when unpinned.
+        """
+        with self._lock:
+            if not seg.cost:
+                seg.cost = self.config.cost_model.cost(seg)
             seg.pins += int(pin)
+            if seg.key in self._segments or not self._make_room(seg):
+                seg.transient = True
+                self.stats.rejected += 1
+                if seg.pins == 0:
+                    self.pool.decref(seg.blocks)
+                return seg
             self._segments[seg.key] = seg
+            self._cached_blocks += len(seg.blocks)
+            self.policy.insert(seg.key, len(seg.blocks), seg.cost)
             self.stats.inserted += 1
             return seg
+
+    def _make_room(self, seg: Segment) -> bool:
+        bpb = self.pool.shape.bytes_per_block
+        need = (self._cached_blocks + len(seg.blocks)) * bpb - self.budget_bytes
+        if need <= 0:
+            return True
+        victims, freed = [], 0
+        for key in self.policy.victims():
+            s = self._segments[key]
+            if s.pins:
+                continue
+            victims.append(key)
+            freed += len(s.blocks) * bpb
+            if freed >= need:
+                break
+        if freed < need:
+            return False
+        if self.sketch is not None and not self.sketch.admit(seg.key, victims):
+            return False
+        for key in victims:
+            self.evict(key)
+        return True
+
+    def record(self, keys) -> None:
+        """Count requests for keys that were not looked up one by one (admission frequency only)."""
+        if self.sketch is not None:
+            with self._lock:
+                for key in keys:
+                    self.sketch.record(key)
+
+    def touch(self, keys) -> None:
+        """Mark cached keys as just used, in this order, without counting lookups."""
+        with self._lock:
+            for key in keys:
+                if key in self._segments:
+                    self.policy.refresh(key)
 
     def unpin(self, seg: Segment) -> None:
         with self._lock:
             assert seg.pins > 0, "unpinned a segment that was not pinned"
             seg.pins -= 1
+            if seg.transient and seg.pins == 0:
+                self.pool.decref(seg.blocks)
 
     def allocate(self, num_blocks: int) -> list[int]:
-        """Blocks from the pool, evicting unpinned segments (oldest use first) until they fit."""
+        """Blocks from the pool, evicting unpinned segments (policy order) until they fit."""
         with self._lock:
             while self.pool.num_free < num_blocks:
-                victim = next((s for s in self._segments.values() if s.pins == 0), None)
+                victim = next((k for k in self.policy.victims() if self._segments[k].pins == 0), None)
                 if victim is None:
                     raise OutOfBlocks(
                         f"need {num_blocks} KV blocks but only {self.pool.num_free} are free and every cached "
                         "segment is in use; raise kv_budget or send fewer/shorter chunks per request."
                     )
-                self.evict(victim.key)
+                self.evict(victim)
             return self.pool.allocate(num_blocks)
 
     def evict(self, key: str) -> None:
         with self._lock:
-            seg = self._segments.pop(key)
+            seg = self._segments[key]
             assert seg.pins == 0, "evicting a pinned segment"
+            self._demote(seg)
+            self.policy.evicted(key)
+            self.policy.remove(key)
+            del self._segments[key]
+            self._cached_blocks -= len(seg.blocks)
             self.pool.decref(seg.blocks)
             self.stats.evictions += 1
 
     def clear(self) -> None:
+        """Drop every unpinned segment from the device pool (tiers keep what they hold)."""
         with self._lock:
             for key in [k for k, s in self._segments.items() if s.pins == 0]:
                 self.evict(key)
+
+    # -- tiers ------------------------------------------------------------------------------
+
+    def read_kv(self, seg: Segment) -> tuple[torch.Tensor, torch.Tensor]:
+        """A segment's K and V ``[layers, tokens, H_kv, D]`` copied to the CPU, unpadded."""
+        idx = torch.tensor(seg.blocks, device=self.pool.device)
+        L, bs = self.pool.shape.num_layers, self.pool.shape.block_size
+        out = []
+        for t in (self.pool.k, self.pool.v):
+            x = t[:, idx].reshape(L, len(seg.blocks) * bs, *t.shape[3:])[:, : seg.num_tokens]
+            out.append(x.to("cpu", copy=True).contiguous())
+        return out[0], out[1]
+
+    def write_kv(self, blocks: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Copy ``k, v [layers, tokens, H_kv, D]`` into ``blocks`` (the padding tail stays unused)."""
+        if k.dtype != self.pool.shape.dtype:
+            raise TypeError(f"KV is {k.dtype} but the pool holds {self.pool.shape.dtype}; it was made for another engine dtype.")
+        L, bs = self.pool.shape.num_layers, self.pool.shape.block_size
+        n = k.shape[1]
+        idx = torch.tensor(blocks, device=self.pool.device)
+        for src, dst in ((k, self.pool.k), (v, self.pool.v)):
+            padded = torch.zeros(L, len(blocks) * bs, *src.shape[2:], dtype=src.dtype)
+            padded[:, :n] = src
+            dst[:, idx] = padded.view(L, len(blocks), bs, *src.shape[2:]).to(self.pool.device, non_blocking=True)
+
+    def _demote(self, seg: Segment) -> None:
+        if seg.kind not in self.config.demote_kinds or not any(t.writable for t in self.tiers):
+            return
+        if any(seg.key in t for t in self.tiers):
+            return  # a lower tier (e.g. a corpus store) already has it
+        k, v = self.read_kv(seg)
+        pending = [TierEntry(seg.key, k, v, seg.start, seg.kind, seg.cost)]
+        for tier in self.tiers:
+            if not tier.writable or not pending:
+                continue
+            nxt = []
+            for e in pending:
+                nxt.extend(tier.put(e))
+            pending = nxt
+        self.stats.demotions += 1
+
+    def _load(self, key: str) -> TierEntry | None:
+        for tier in self.tiers:
+            if key in tier:
+                entry = tier.get(key)  # None if it was corrupt: then it is recomputed upstream
+                if entry is not None:
+                    return entry
+        return None
+
+    def _install(self, entry: TierEntry, pin: bool) -> Segment:
+        bs = self.pool.shape.block_size
+        blocks = self.allocate(-(-entry.num_tokens // bs))
+        self.write_kv(blocks, entry.k, entry.v)
+        self.stats.promotions += 1
+        return self.put(Segment(entry.key, blocks, entry.num_tokens, entry.start, entry.kind, cost=entry.cost), pin=pin)
+
+    def prefetch(self, keys: list[str]) -> Future:
+        """Promote these keys from the tiers into the pool in a background thread; returns how many arrived."""
+        if self._prefetcher is None:
+            self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazyrag-prefetch")
+        return self._prefetcher.submit(self._prefetch, list(keys))
+
+    def _prefetch(self, keys: list[str]) -> int:
+        done = 0
+        for key in keys:
+            if key in self._segments:
+                continue
+            entry = self._load(key)
+            if entry is None:
+                continue
+            with self._lock:
+                if key not in self._segments:
+                    try:
+                        seg = self._install(entry, pin=True)
+                    except OutOfBlocks:
+                        break  # the pool is full of pinned work: the request will load it itself
+                    self.unpin(seg)
+                    done += not seg.transient
+        return done
+
+
+SegmentCache = CacheManager  # the engine core's name for it

@@ -84,12 +84,23 @@ class Strategy:
             flush()
         return segments
 
+    def prefix_segment(self, ids: list[int], plan: Plan) -> Segment:
+        """A context-free segment at position 0 (a prompt's prefix): looked up, else computed; pinned."""
+        key = self.prefix_key(ids)
+        seg = self.cache.get(key) or self.encode([EncodeJob(key, ids, 0, [], kind="prefix")])[0]
+        plan.pinned.append(seg)
+        return seg
+
     def base_segments(self, layout: PromptLayout, plan: Plan) -> tuple[Segment, dict[str, Segment]]:
-        """The shared prefix and each distinct chunk encoded after it: looked up, else computed. All pinned."""
-        pkey = self.prefix_key(layout.prefix_ids)
-        prefix = self.cache.get(pkey) or self.encode([EncodeJob(pkey, layout.prefix_ids, 0, [], kind="prefix")])[0]
-        plan.pinned.append(prefix)
-        keys = [self.chunk_key(layout.prefix_ids, c) for c in layout.chunk_ids]
+        """The request's prefix and each distinct chunk encoded after the encoding prefix. All pinned.
+
+        Chunks are encoded after the *encoding* prefix (usually the same as the request's
+        prefix; a LlamaIndex prompt has its own), so their KV and key never depend on the request.
+        """
+        enc_ids = layout.encoding_prefix
+        encoding = self.prefix_segment(enc_ids, plan)
+        prefix = encoding if enc_ids == layout.prefix_ids else self.prefix_segment(layout.prefix_ids, plan)
+        keys = [self.chunk_key(enc_ids, c) for c in layout.chunk_ids]
         found: dict[str, Segment] = {}
         jobs = []
         for key, ids in zip(keys, layout.chunk_ids):
@@ -97,13 +108,14 @@ class Strategy:
                 continue
             seg = self.cache.get(key)
             if seg is None:
-                jobs.append(EncodeJob(key, ids, len(layout.prefix_ids), [Placement(prefix, 0)]))
+                jobs.append(EncodeJob(key, ids, len(enc_ids), [Placement(encoding, 0)]))
             else:
                 found[key] = seg
         for seg in self.encode(jobs):
             found[seg.key] = seg
         plan.pinned.extend(found.values())
-        plan.chunks_missed = sum(key in {j.key for j in jobs} for key in keys)
+        missed = {j.key for j in jobs}
+        plan.chunks_missed = sum(key in missed for key in keys)
         plan.chunks_hit = len(keys) - plan.chunks_missed
         return prefix, {k: found[k] for k in keys}
 
@@ -119,11 +131,11 @@ class LazyStitching(Strategy):
     name = "lazy"
 
     def plan(self, layout: PromptLayout) -> Plan:
-        plan = Plan(context=[], new_ids=list(layout.question_ids), new_start=layout.num_tokens - len(layout.question_ids))
+        plan = Plan(context=[], new_ids=list(layout.question_ids), new_start=layout.question_start)
         prefix, chunks = self.base_segments(layout, plan)
         plan.context.append(Placement(prefix, 0))
         for start, ids in zip(layout.chunk_starts(), layout.chunk_ids):
-            seg = chunks[self.chunk_key(layout.prefix_ids, ids)]
+            seg = chunks[self.chunk_key(layout.encoding_prefix, ids)]
             plan.context.append(Placement(seg, start - seg.start))
         plan.tokens_reused = layout.num_tokens - len(plan.new_ids)
         return plan
@@ -135,20 +147,18 @@ class PositionAware(Strategy):
     name = "position_aware"
 
     def plan(self, layout: PromptLayout) -> Plan:
-        plan = Plan(context=[], new_ids=list(layout.question_ids), new_start=layout.num_tokens - len(layout.question_ids))
+        plan = Plan(context=[], new_ids=list(layout.question_ids), new_start=layout.question_start)
         # Look up the positioned copies first: the base chunks are needed only to make missing ones.
         wanted = []
         for start, ids in zip(layout.chunk_starts(), layout.chunk_ids):
-            base_key = self.chunk_key(layout.prefix_ids, ids)
-            delta = start - len(layout.prefix_ids)
+            base_key = self.chunk_key(layout.encoding_prefix, ids)
+            delta = start - len(layout.encoding_prefix)
             wanted.append((base_key if delta == 0 else content_key(base_key, "at", str(delta)), base_key, delta))
         copies = {key: self.cache.get(key) for key in dict.fromkeys(k for k, _, _ in wanted)}
         plan.pinned.extend(s for s in copies.values() if s is not None)
         found = {key for key, seg in copies.items() if seg is not None}
-        pkey = self.prefix_key(layout.prefix_ids)
         if all(copies.values()):
-            prefix = self.cache.get(pkey) or self.encode([EncodeJob(pkey, layout.prefix_ids, 0, [], kind="prefix")])[0]
-            plan.pinned.append(prefix)
+            prefix = self.prefix_segment(layout.prefix_ids, plan)
         else:
             prefix, bases = self.base_segments(layout, plan)
             for key, base_key, delta in wanted:
@@ -190,6 +200,7 @@ class PrefixCaching(Strategy):
                 break
             plan.pinned.append(seg)
             plan.context.append(Placement(seg, 0))
+        self.cache.record(keys[len(plan.context) + 1 :])  # asked for too, though the walk stopped at the first miss
         cached = len(plan.context) * bs
         plan.new_ids, plan.new_start, plan.tokens_reused = ids[cached:], cached, cached
         # A chunk counts as hit when all of it lies in the reused prefix.
@@ -203,12 +214,15 @@ class PrefixCaching(Strategy):
         """Publish the request's newly computed whole prompt blocks into the hash chain."""
         bs = self.cache.pool.shape.block_size
         first = plan.new_start // bs
-        for j, key in enumerate(plan.block_keys[first:]):
+        # Tail first: when the budget cannot hold the whole chain, the head evicts the tail, not the reverse.
+        for j, key in reversed(list(enumerate(plan.block_keys[first:]))):
             if key in self.cache:
                 continue
             block = seq.blocks[j]
             self.cache.pool.incref([block])
             self.cache.put(Segment(key, [block], bs, (first + j) * bs, kind="prefix_block"), pin=False)
+        # Like vLLM, release the chain tail first: the head, which every longer match needs, goes last.
+        self.cache.touch(reversed(plan.block_keys))
 
 
 STRATEGIES: dict[str, type[Strategy]] = {

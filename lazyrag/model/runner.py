@@ -30,16 +30,19 @@ class SeqState:
     num_written: int = 0  # tokens already in ``blocks``
     generated: list[int] = field(default_factory=list)
 
+    _context_rows: list[tuple[int, int, int]] | None = None
+
     def block_rows(self, block_size: int, own_tokens: int) -> list[tuple[int, int, int]]:
         """(block, delta, valid) for every context block, then the first ``own_tokens`` of its own."""
-        rows = []
-        for p in self.context:
-            n = p.segment.num_tokens
-            for j, b in enumerate(p.segment.blocks):
-                rows.append((b, p.delta, min(block_size, n - j * block_size)))
-        for j in range(-(-own_tokens // block_size)):
-            rows.append((self.blocks[j], 0, min(block_size, own_tokens - j * block_size)))
-        return rows
+        if self._context_rows is None:  # the placed context never changes while the sequence runs
+            rows = []
+            for p in self.context:
+                n = p.segment.num_tokens
+                for j, b in enumerate(p.segment.blocks):
+                    rows.append((b, p.delta, min(block_size, n - j * block_size)))
+            self._context_rows = rows
+        own = [(self.blocks[j], 0, min(block_size, own_tokens - j * block_size)) for j in range(-(-own_tokens // block_size))]
+        return self._context_rows + own
 
 
 class ModelRunner:
@@ -48,6 +51,12 @@ class ModelRunner:
         self.rope_cos, self.rope_sin, self.rope_scaling = rope_cos, rope_sin, rope_scaling
         self.device = pool.device
         self.tokens_forwarded = 0  # every token run through the model: how recompute is counted
+        self.graphs = None  # a GraphRunner replays captured forwards (CUDA + Triton only)
+
+    def enable_cuda_graphs(self, scratch_block: int) -> None:
+        from lazyrag.model.graphs import GraphRunner
+
+        self.graphs = GraphRunner(self._eager_forward, self.model.logits, scratch_block * self.pool.shape.block_size, self.device)
 
     def _metadata(self, seqs: list[SeqState], own_tokens: list[int], new_counts: list[int], is_decode: bool):
         bs = self.pool.shape.block_size
@@ -70,10 +79,20 @@ class ModelRunner:
             max_seqlen_q=max(new_counts),
         )
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def _eager_forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         rt = Runtime(self.pool, meta, self.attention, self.rope_cos, self.rope_sin, self.rope_scaling, self.model.sm_scale)
-        self.tokens_forwarded += ids.numel()
         return self.model(ids, positions, rt)
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits: bool) -> torch.Tensor | None:
+        """Logits ``[B, V]`` of each sequence's last new token (or None); K/V of every new token is written."""
+        self.tokens_forwarded += ids.numel()
+        batch = meta.num_ctx_blocks.numel()
+        if logits and self.graphs is not None and self.graphs.supports(ids.numel(), batch, meta.is_decode):
+            return self.graphs.run(ids, positions, meta)
+        hidden = self._eager_forward(ids, positions, meta)
+        if not logits:
+            return None
+        return self.model.logits(hidden[meta.cu_seqlens_q[1:].long() - 1])
 
     @torch.inference_mode()
     def prefill(self, seqs: list[SeqState], new_ids: list[list[int]], logits: bool = True) -> torch.Tensor | None:
@@ -83,14 +102,11 @@ class ModelRunner:
         meta = self._metadata(seqs, [s.num_written for s in seqs], counts, is_decode=False)
         ids = torch.tensor([t for x in new_ids for t in x], dtype=torch.int64, device=self.device)
         positions = torch.cat([torch.arange(s.next_pos, s.next_pos + n) for s, n in zip(seqs, counts)]).to(self.device)
-        hidden = self._forward(ids, positions, meta)
+        out = self._forward(ids, positions, meta, logits)
         for s, n in zip(seqs, counts):
             s.num_written += n
             s.next_pos += n
-        if not logits:
-            return None
-        last = meta.cu_seqlens_q[1:].long() - 1
-        return self.model.logits(hidden[last])  # [B, V]
+        return out  # [B, V] or None
 
     @torch.inference_mode()
     def decode(self, seqs: list[SeqState], tokens: list[int]) -> torch.Tensor:
@@ -98,11 +114,11 @@ class ModelRunner:
         meta = self._metadata(seqs, [s.num_written + 1 for s in seqs], [1] * len(seqs), is_decode=True)
         ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         positions = torch.tensor([s.next_pos for s in seqs], device=self.device)
-        hidden = self._forward(ids, positions, meta)
+        out = self._forward(ids, positions, meta, logits=True)
         for s in seqs:
             s.num_written += 1
             s.next_pos += 1
-        return self.model.logits(hidden)  # [B, V]
+        return out  # [B, V]
 
     @torch.inference_mode()
     def copy_rotated(self, src: Segment, dst_blocks: list[int], delta: int) -> None:

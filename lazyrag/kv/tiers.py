@@ -1,0 +1,200 @@
+"""Slower homes for segment KV below the device pool: host RAM and a directory of safetensors.
+
+A tier stores a segment's KV unpadded, ``k, v: [layers, tokens, H_kv, D]`` in the pool's
+dtype, so a round trip (pool -> tier -> pool) is bit-exact. Tiers are passive: the cache
+manager demotes into them on eviction and promotes out of them on a hit.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TierEntry:
+    key: str
+    k: torch.Tensor  # [L, T, H_kv, D] on CPU
+    v: torch.Tensor
+    start: int
+    kind: str = "chunk"
+    cost: float = 0.0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+class CorruptKV(RuntimeError):
+    """Stored KV does not match its checksum; the caller recomputes it (never uses it)."""
+
+
+def kv_checksum(k: torch.Tensor, v: torch.Tensor) -> str:
+    """sha256 over the raw bytes of K then V (a byte view, so bf16 works too)."""
+    h = hashlib.sha256()
+    for t in (k, v):
+        h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write to a temp file in the same folder, fsync, then rename: readers see old or new, never half."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class Tier:
+    name = "tier"
+    writable = True
+
+    def __contains__(self, key: str) -> bool:
+        raise NotImplementedError
+
+    def get(self, key: str) -> TierEntry | None:
+        raise NotImplementedError
+
+    def put(self, entry: TierEntry) -> list[TierEntry]:
+        """Store ``entry``; returns the entries pushed out to make room (for the next tier down)."""
+        raise NotImplementedError
+
+
+class HostTier(Tier):
+    """Segments in CPU RAM (page-locked when CUDA is present, for fast async copies), LRU within a byte budget."""
+
+    name = "host"
+
+    def __init__(self, budget_bytes: int):
+        self.budget_bytes = budget_bytes
+        self._entries: OrderedDict[str, TierEntry] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self._pin = torch.cuda.is_available()
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def __contains__(self, key):
+        return key in self._entries
+
+    def __len__(self):
+        return len(self._entries)
+
+    def get(self, key):
+        with self._lock:
+            e = self._entries.get(key)
+            if e is not None:
+                self._entries.move_to_end(key)
+            return e
+
+    def put(self, entry):
+        if entry.nbytes > self.budget_bytes:
+            return [entry]
+        if self._pin and not entry.k.is_pinned():
+            entry = TierEntry(entry.key, entry.k.pin_memory(), entry.v.pin_memory(), entry.start, entry.kind, entry.cost)
+        out = []
+        with self._lock:
+            if entry.key in self._entries:
+                return []
+            while self._bytes + entry.nbytes > self.budget_bytes:
+                _, old = self._entries.popitem(last=False)
+                self._bytes -= old.nbytes
+                out.append(old)
+            self._entries[entry.key] = entry
+            self._bytes += entry.nbytes
+        return out
+
+
+class DiskTier(Tier):
+    """One safetensors file per segment in a folder, with a sha256 in its header, LRU within a byte budget.
+
+    Survives restarts: the folder is re-indexed on open (oldest modification first).
+    """
+
+    name = "disk"
+
+    def __init__(self, folder: str | Path, budget_bytes: int):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.budget_bytes = budget_bytes
+        self._files: OrderedDict[str, int] = OrderedDict()  # key -> file size
+        self._lock = threading.Lock()
+        for p in sorted(self.folder.glob("*.safetensors"), key=lambda p: p.stat().st_mtime):
+            self._files[p.stem] = p.stat().st_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self._files.values())
+
+    def __contains__(self, key):
+        return key in self._files
+
+    def _path(self, key: str) -> Path:
+        return self.folder / f"{key}.safetensors"
+
+    def get(self, key):
+        from safetensors.torch import load_file
+        from safetensors import safe_open
+
+        with self._lock:
+            if key not in self._files:
+                return None
+            self._files.move_to_end(key)
+        path = self._path(key)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                meta = f.metadata()
+            t = load_file(str(path))
+        except Exception as e:  # truncated or garbled file
+            log.warning("disk tier: unreadable %s (%s); dropping it", path.name, e)
+            self._drop(key)
+            return None
+        if kv_checksum(t["k"], t["v"]) != meta.get("sha256"):
+            log.warning("disk tier: checksum mismatch in %s; dropping it, the segment will be recomputed", path.name)
+            self._drop(key)
+            return None
+        return TierEntry(key, t["k"], t["v"], int(meta["start"]), meta["kind"], float(meta["cost"]))
+
+    def _drop(self, key: str) -> None:
+        with self._lock:
+            self._files.pop(key, None)
+        self._path(key).unlink(missing_ok=True)
+
+    def put(self, entry):
+        from safetensors.torch import save
+
+        meta = {"start": str(entry.start), "kind": entry.kind, "cost": repr(entry.cost), "sha256": kv_checksum(entry.k, entry.v)}
+        data = save({"k": entry.k.contiguous(), "v": entry.v.contiguous()}, metadata=meta)
+        if len(data) > self.budget_bytes:
+            return [entry]
+        with self._lock:
+            if entry.key in self._files:
+                return []
+            while self._files and self.nbytes + len(data) > self.budget_bytes:
+                old, _ = self._files.popitem(last=False)
+                self._path(old).unlink(missing_ok=True)
+            atomic_write_bytes(self._path(entry.key), data)
+            self._files[entry.key] = len(data)
+        return []  # the bottom tier: what it drops is gone

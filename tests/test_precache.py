@@ -1,0 +1,111 @@
+"""lazyrag precache: readers, block-aligned chunking, kill -9 and resume, a new process answering from the store."""
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from lazyrag.precache import PrecacheConfig, chunk_documents, precache, read_documents
+from lazyrag.store import TABLE, CorpusStore
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_chunks_are_block_aligned_and_overlap(default_engine):
+    from lazyrag.precache import Document
+
+    prompts = default_engine.prompts
+    text = " ".join(f"Sentence number {i} talks about topic {i % 7}." for i in range(120))
+    chunks = chunk_documents([Document("long", text)], prompts, chunk_tokens=64, overlap=16, block_size=16)
+    assert len(chunks) > 5
+    for c in chunks:
+        assert len(c.ids) <= 64 and c.ids == prompts.encode_chunk(c.text)  # whole blocks, the engine's tokenization
+    assert sum(len(c.ids) >= 56 for c in chunks) >= len(chunks) - 1  # and nearly full
+    assert chunks[0].text[-25:] in chunks[1].text[:120]  # consecutive chunks share ~16 tokens
+    with pytest.raises(ValueError, match="multiple of the KV block size"):
+        chunk_documents([Document("long", text)], prompts, chunk_tokens=60, overlap=0, block_size=16)
+
+
+@pytest.mark.skipif(not DATA.is_dir(), reason="../shared/data is not present")
+def test_reads_hotpotqa_and_gzipped_nq():
+    hot = list(read_documents([str(DATA / "hotpotqa_dev_500.jsonl")], limit=12))
+    assert len(hot) == 12 and all(d.meta["title"] and d.text.startswith(d.meta["title"]) for d in hot)
+    nq = list(read_documents([str(DATA / "nq_open_oracle_2655.jsonl.gz")], limit=3))
+    assert len(nq) == 3 and all(len(d.text) > 50 for d in nq)
+
+
+def _store_snapshot(path):
+    db = sqlite3.connect(Path(path) / TABLE)
+    return db.execute("SELECT id, key, doc_id, text, num_tokens, shard, checksum, embedding FROM chunks ORDER BY id").fetchall()
+
+
+@pytest.mark.slow
+def test_killed_build_resumes_to_the_same_store(default_engine, tiny_corpus, embedder, tmp_path):
+    reference = tmp_path / "reference"
+    precache(default_engine, PrecacheConfig([str(tiny_corpus)], str(reference), chunks_per_shard=1, progress=False), embedder)
+
+    out = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "lazyrag.precache", str(tiny_corpus), "--out", str(out), "--chunks-per-shard", "1", "--quiet"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if (out / TABLE).exists():
+            try:
+                n = sqlite3.connect(out / TABLE).execute("SELECT COUNT(*) FROM chunks WHERE kind = 'chunk'").fetchone()[0]
+            except sqlite3.OperationalError:
+                n = 0
+            if n >= 2:
+                break
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, proc.stdout.read().decode()[-2000:]
+    partial = _store_snapshot(out)
+    assert 2 <= len(partial) - 1 < 5, "the build was not interrupted midway"
+    with pytest.raises(Exception, match="unfinished"):
+        CorpusStore.open(out)
+
+    report = precache(default_engine, PrecacheConfig([str(tiny_corpus)], str(out), chunks_per_shard=1, progress=False), embedder)
+    assert report.chunks_encoded == 5 - (len(partial) - 1)  # only what the killed run had not finished
+    assert _store_snapshot(out) == _store_snapshot(reference)  # same rows, KV checksums and embeddings
+    assert CorpusStore.open(out, default_engine).verify() == []
+
+
+@pytest.mark.slow
+def test_new_process_answers_from_the_store_with_hits(default_engine, tiny_corpus, embedder, tmp_path):
+    store = tmp_path / "store"
+    precache(default_engine, PrecacheConfig([str(tiny_corpus)], str(store), progress=False), embedder)
+    script = textwrap.dedent(f"""
+        import json
+        from lazyrag.engine import LazyEngine
+        from lazyrag.retriever import Retriever
+        engine = LazyEngine.from_pretrained(device="cpu")
+        engine.attach_store({str(store)!r})
+        q = "How deep is the Mariana Trench?"
+        chunks = [c.text for c in Retriever({str(store)!r}).retrieve(q, k=3)]
+        layout = engine.build_prompt(q, chunks)
+        r = engine.generate(q, chunks, max_new_tokens=1)
+        print(json.dumps(dict(r.stats.as_dict(), question_tokens=len(layout.question_ids),
+                              tier_hits=engine.cache.stats.tier_hits, doc=chunks[0][:20])))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    stats = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert stats["doc"].startswith("The Mariana Trench")
+    assert stats["chunks_hit"] == 3 and stats["chunks_missed"] == 0
+    assert stats["tokens_prefilled"] == stats["question_tokens"]  # nothing but the question ran through the model
+    assert stats["tier_hits"] == 4  # the prefix and three chunks loaded from disk
+
+
+def test_cli_help_teaches():
+    proc = subprocess.run([sys.executable, "-m", "lazyrag.cli", "precache", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0
+    for word in ("--chunk-tokens", "--overlap", "--index", "--limit", "resume", "nq_open_oracle_2655.jsonl.gz"):
+        assert word in proc.stdout
