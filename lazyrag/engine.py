@@ -32,6 +32,7 @@ class RequestStats:
     tokens_prefilled: int = 0  # tokens run through the model for this request, chunk encoding included
     tokens_reused: int = 0  # prompt tokens whose KV came from the cache
     new_tokens: int = 0
+    plan_s: float = 0.0  # host time to look up, encode or copy the prompt's segments (TTFT minus prefill and sampling)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -81,6 +82,7 @@ class LazyEngine:
         system_prompt: str = DEFAULT_SYSTEM_PROMPT,
         model_name: str = "model",
         cuda_graphs: bool | None = None,
+        compile_elementwise: bool | None = None,
     ):
         self.model, self.config, self.tokenizer = model, config, tokenizer
         self.device, self.dtype, self.fingerprint, self.model_name = device, dtype, model_fingerprint, model_name
@@ -92,6 +94,10 @@ class LazyEngine:
         rope_cos, rope_sin, rope_scaling = build_rope(config, device)
         self.attention = make_attention_backend(attention, device)
         self.runner = ModelRunner(model, self.pool, self.attention, rope_cos, rope_sin, rope_scaling)
+        if compile_elementwise is None:
+            compile_elementwise = device.type == "cuda"
+        if compile_elementwise:
+            self.runner.compile_elementwise()
         if cuda_graphs is None:
             cuda_graphs = device.type == "cuda" and self.attention.name == "triton"
         if cuda_graphs:
@@ -237,7 +243,9 @@ class LazyEngine:
         stats = RequestStats(strategy, prompt_tokens=layout.num_tokens)
         with self._lock:
             forwarded0 = self.runner.tokens_forwarded
+            t0 = time.perf_counter()
             plan = strat.plan(layout)
+            stats.plan_s = time.perf_counter() - t0
             seq = None
             try:
                 bs = self.pool.shape.block_size

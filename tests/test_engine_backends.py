@@ -109,3 +109,23 @@ def test_cuda_graph_decode_matches_eager(hf_model):
     b = eager.generate_layout(layout, params, "lazy")
     assert a.token_ids == b.token_ids
     assert graphs.runner.graphs.graphs  # something was captured and replayed
+
+
+def test_compiled_elementwise_ops_match_eager():
+    """The fused (torch.compile) versions used on CUDA compute the same as the plain functions."""
+    from lazyrag.model.llama import ElementwiseOps
+
+    torch.manual_seed(0)
+    eager, fused = ElementwiseOps(), ElementwiseOps.compiled()
+    T, H, D, hq, hkv = 7, 64, 16, 4, 2
+    x, r, w = torch.randn(T, H), torch.randn(T, H), torch.randn(H)
+    qkv, cos, sin = torch.randn(T, (hq + 2 * hkv) * D), torch.randn(T, 1, D // 2), torch.randn(T, 1, D // 2)
+    pairs = [
+        ((eager.rms_norm(x, w, 1e-5),), (fused.rms_norm(x, w, 1e-5),)),
+        (eager.add_rms_norm(x, r, w, 1e-5), fused.add_rms_norm(x, r, w, 1e-5)),
+        (eager.rotate_qk(qkv, cos, sin, 1.5, hq, hkv), fused.rotate_qk(qkv, cos, sin, 1.5, hq, hkv)),
+        ((eager.silu_mul(qkv, 64),), (fused.silu_mul(qkv, 64),)),
+    ]
+    for want, got in pairs:
+        for a, b in zip(want, got):
+            assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)

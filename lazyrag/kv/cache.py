@@ -19,6 +19,7 @@ in a background thread, ahead of the request that will need it.
 from __future__ import annotations
 
 import hashlib
+from array import array
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -34,10 +35,14 @@ log = logging.getLogger(__name__)
 
 
 def content_key(*parts) -> str:
-    """sha256 over the parts (strings and token-id lists), for content addressing."""
+    """sha256 over the parts (strings and token-id lists), for content addressing.
+
+    Token ids are hashed as packed int64 (``array.tobytes``): a 2k-token prompt hashes in
+    microseconds, where formatting each id as text took about a millisecond.
+    """
     h = hashlib.sha256()
     for p in parts:
-        data = p.encode() if isinstance(p, str) else b",".join(str(int(t)).encode() for t in p)
+        data = p.encode() if isinstance(p, str) else array("q", p).tobytes()
         h.update(len(data).to_bytes(8, "little"))
         h.update(data)
     return h.hexdigest()

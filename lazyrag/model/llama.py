@@ -6,7 +6,7 @@ Hq / Hkv = query / KV heads, D = head dim.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -65,16 +65,56 @@ def rope_frequencies(config) -> tuple[torch.Tensor, float]:
     return rotary.inv_freq.float().cpu(), float(rotary.attention_scaling)
 
 
+# -- elementwise pieces: plain functions, so that on CUDA each can be compiled into one kernel
+# (a decode step of an 8B model otherwise spends as long launching ~40 tiny kernels a layer
+# as it does reading the weights).
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # statistics in fp32, scaled in the model dtype: transformers' Llama numerics
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    h = x + residual
+    return h, rms_norm(h, weight, eps)
+
+
+def rotate_qk(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scaling: float, hq: int, hkv: int):
+    """Split the fused projection into q [T, Hq, D], k, v [T, Hkv, D]; rotate q and k at their positions."""
+    T, d = qkv.shape[0], cos.shape[-1] * 2
+    qk = qkv[:, : (hq + hkv) * d].view(T, hq + hkv, d)
+    qk = apply_rotary(qk, cos, sin)
+    if scaling != 1.0:  # YaRN-style attention scaling, applied to both q and k
+        qk = qk * scaling
+    v = qkv[:, (hq + hkv) * d :].view(T, hkv, d)
+    return qk[:, :hq], qk[:, hq:], v
+
+
+def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
+    gate, up = gate_up.split(inter, dim=-1)
+    return F.silu(gate) * up
+
+
+@dataclass
+class ElementwiseOps:
+    rms_norm: object = rms_norm
+    add_rms_norm: object = add_rms_norm
+    rotate_qk: object = rotate_qk
+    silu_mul: object = silu_mul
+
+    @classmethod
+    def compiled(cls) -> "ElementwiseOps":
+        compile = lambda f: torch.compile(f, dynamic=True)  # noqa: E731  (shapes vary with the token count)
+        return cls(compile(rms_norm), compile(add_rms_norm), compile(rotate_qk), compile(silu_mul))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -88,15 +128,9 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, rt: "Runtime") -> torch.Tensor:
         T = x.shape[0]
-        qkv = self.wqkv(x)
-        q, k, v = qkv.split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
-        q = q.view(T, self.hq, self.d)  # q: [T, Hq, D]
-        k = k.view(T, self.hkv, self.d)  # k: [T, Hkv, D]
-        v = v.view(T, self.hkv, self.d)
-        # Keys are stored rotated at the positions they were computed at; the attention
-        # backend adds each cached segment's offset later.
-        q = apply_rotary(q, cos, sin) * rt.rope_scaling
-        k = apply_rotary(k, cos, sin) * rt.rope_scaling
+        # q: [T, Hq, D]; k, v: [T, Hkv, D]. Keys are stored rotated at the positions they were
+        # computed at; the attention backend adds each cached segment's offset later.
+        q, k, v = rt.ops.rotate_qk(self.wqkv(x), cos, sin, rt.rope_scaling, self.hq, self.hkv)
         rt.pool.write(self.layer, rt.meta.slot_mapping, k, v)
         o = rt.attention(q, k, v, rt.pool.k[self.layer], rt.pool.v[self.layer], rt.meta, rt.rope_cos, rt.rope_sin, rt.sm_scale)
         return self.wo(o.reshape(T, self.hq * self.d))  # [T, H]
@@ -109,9 +143,8 @@ class MLP(nn.Module):
         self.w_gate_up = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
         self.w_down = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w_gate_up(x).split(self.inter, dim=-1)
-        return self.w_down(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: ElementwiseOps) -> torch.Tensor:
+        return self.w_down(ops.silu_mul(self.w_gate_up(x), self.inter))
 
 
 class Block(nn.Module):
@@ -123,8 +156,10 @@ class Block(nn.Module):
         self.mlp = MLP(args)
 
     def forward(self, x, cos, sin, rt) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, rt)
-        return x + self.mlp(self.mlp_norm(x))
+        ops, eps = rt.ops, self.attn_norm.eps
+        a = self.attn(ops.rms_norm(x, self.attn_norm.weight, eps), cos, sin, rt)
+        h, hn = ops.add_rms_norm(x, a, self.mlp_norm.weight, eps)
+        return h + self.mlp(hn, ops)
 
 
 @dataclass
@@ -138,6 +173,7 @@ class Runtime:
     rope_sin: torch.Tensor
     rope_scaling: float
     sm_scale: float
+    ops: ElementwiseOps = field(default_factory=ElementwiseOps)
 
 
 class LlamaModel(nn.Module):
@@ -154,11 +190,11 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rt: Runtime) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, H] (new K/V written into the pool)."""
         x = self.embed(input_ids)  # [T, H]
-        cos = rt.rope_cos[positions][:, None, :]  # [T, 1, D/2]
-        sin = rt.rope_sin[positions][:, None, :]
+        cos = rt.rope_cos[positions][:, None, :].to(x.dtype)  # [T, 1, D/2], cast once for all layers
+        sin = rt.rope_sin[positions][:, None, :].to(x.dtype)
         for block in self.layers:
             x = block(x, cos, sin, rt)
-        return self.norm(x)
+        return rt.ops.rms_norm(x, self.norm.weight, self.norm.eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [T, V]

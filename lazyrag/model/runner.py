@@ -9,7 +9,7 @@ from lazyrag.kernels.reference import apply_rotary, pack_block_meta
 from lazyrag.kv.block_pool import BlockPool
 from lazyrag.kv.cache import Segment
 from lazyrag.model.attention import AttentionMetadata
-from lazyrag.model.llama import LlamaModel, Runtime
+from lazyrag.model.llama import ElementwiseOps, LlamaModel, Runtime
 
 
 @dataclass
@@ -52,6 +52,11 @@ class ModelRunner:
         self.device = pool.device
         self.tokens_forwarded = 0  # every token run through the model: how recompute is counted
         self.graphs = None  # a GraphRunner replays captured forwards (CUDA + Triton only)
+        self.ops = ElementwiseOps()
+
+    def compile_elementwise(self) -> None:
+        """Fuse the model's elementwise steps with torch.compile (CUDA: a kernel each instead of dozens)."""
+        self.ops = ElementwiseOps.compiled()
 
     def enable_cuda_graphs(self, scratch_block: int) -> None:
         from lazyrag.model.graphs import GraphRunner
@@ -80,7 +85,7 @@ class ModelRunner:
         )
 
     def _eager_forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        rt = Runtime(self.pool, meta, self.attention, self.rope_cos, self.rope_sin, self.rope_scaling, self.model.sm_scale)
+        rt = Runtime(self.pool, meta, self.attention, self.rope_cos, self.rope_sin, self.rope_scaling, self.model.sm_scale, self.ops)
         return self.model(ids, positions, rt)
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits: bool) -> torch.Tensor | None:
