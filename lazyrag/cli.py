@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("question")
     ask.add_argument("--chunk", action="append", default=[], help="a chunk of context text (repeat for more)")
     ask.add_argument("--chunks-file", type=Path, help="a text file; paragraphs separated by blank lines become chunks")
-    ask.add_argument("--strategy", default="lazy", choices=["lazy", "position_aware", "prefix", "full"])
+    ask.add_argument("--strategy", default="lazy", help="lazy (default), position_aware, prefix, full, or lazy:first=K "
+                     "(lazy, recomputing each chunk's first K tokens in context for quality)")
     ask.add_argument("--max-new-tokens", type=int, default=128)
     ask.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ask.add_argument("--top-p", type=float, default=1.0)
@@ -58,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     from lazyrag.precache import add_precache_parser  # issue 4: corpus store builder
 
     add_precache_parser(sub)
+    from lazyrag.eval import add_eval_parser
+
+    add_eval_parser(sub)
     return parser
 
 
@@ -105,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
 
             run_demo(args.model, args.device, args.max_new_tokens, args.repeats, args.seed)
             return 0
+        if args.command == "eval":
+            from lazyrag.eval import run_eval
+
+            return run_eval(args)
         if args.command == "precache":
             from lazyrag.precache import run_precache
 

@@ -11,7 +11,7 @@ import torch
 
 from lazyrag.kv.block_pool import BlockPool, KVShape
 from lazyrag.kv.cache import SegmentCache
-from lazyrag.kv.strategies import STRATEGIES, Plan, Strategy
+from lazyrag.kv.strategies import STRATEGIES, LazyStitching, Plan, Strategy
 from lazyrag.model.attention import make_attention_backend
 from lazyrag.model.llama import LlamaArgs, LlamaModel, build_rope
 from lazyrag.model.loader import check_llama_config, fingerprint, load_checkpoint, resolve_model_source
@@ -32,6 +32,7 @@ class RequestStats:
     tokens_prefilled: int = 0  # tokens run through the model for this request, chunk encoding included
     tokens_reused: int = 0  # prompt tokens whose KV came from the cache
     new_tokens: int = 0
+    tokens_recomputed: int = 0  # chunk tokens computed again in context (quality recovery), part of tokens_prefilled
     plan_s: float = 0.0  # host time to look up, encode or copy the prompt's segments (TTFT minus prefill and sampling)
 
     def as_dict(self) -> dict:
@@ -209,8 +210,17 @@ class LazyEngine:
     # -- generation -----------------------------------------------------------------------
 
     def _strategy(self, name: str) -> Strategy:
+        """A strategy by name; ``lazy:first=K`` is lazy with each chunk's first K tokens recomputed in context."""
+        if name not in self.strategies and name.startswith("lazy:first="):
+            try:
+                k = int(name.split("=", 1)[1])
+            except ValueError:
+                k = -1
+            if k < 1:
+                raise ValueError(f"Bad strategy {name!r}: write lazy:first=K with K a positive number of tokens, e.g. lazy:first=16.")
+            self.strategies[name] = LazyStitching(self.cache, self.runner, self.fingerprint, recompute_first=k)
         if name not in self.strategies:
-            raise ValueError(f"Unknown strategy {name!r}; choose one of {', '.join(self.strategies)}.")
+            raise ValueError(f"Unknown strategy {name!r}; choose one of {', '.join(self.strategies)} (or lazy:first=K).")
         return self.strategies[name]
 
     def precache(self, chunks: list[str], system: str | None = None) -> int:
@@ -260,10 +270,13 @@ class LazyEngine:
                 strat.finish(plan, seq)
                 stats.tokens_prefilled = self.runner.tokens_forwarded - forwarded0
                 stats.chunks_hit, stats.chunks_missed, stats.tokens_reused = plan.chunks_hit, plan.chunks_missed, plan.tokens_reused
+                stats.tokens_recomputed = plan.tokens_recomputed
                 yield seq, logits, stats
             finally:
                 if seq is not None:
                     self.pool.decref(seq.blocks)
+                if plan.owned_blocks:
+                    self.pool.decref(plan.owned_blocks)
                 for seg in plan.pinned:
                     self.cache.unpin(seg)
 

@@ -130,3 +130,26 @@ def test_pool_blocks_are_returned_after_requests(engine):
     cached_blocks = sum(len(s.blocks) for s in engine.cache._segments.values())
     assert engine.pool.num_free == free - cached_blocks
     assert all(s.pins == 0 for s in engine.cache._segments.values())
+
+
+def test_recomputing_chunk_heads_in_context(engine):
+    """lazy:first=K recomputes each chunk's first K tokens attending to the chunks before it.
+
+    With two chunks and K covering them, that is exactly a full prefill: the first chunk's
+    cached KV already saw everything before it, and the second is recomputed in context.
+    """
+    chunks = CHUNKS[:2]
+    layout = engine.build_prompt(QUESTION, chunks)
+    full = engine.layout_logits(layout, "full")
+    lazy = engine.layout_logits(layout, "lazy")
+    free = engine.pool.num_free
+    r = engine.generate(QUESTION, chunks, max_new_tokens=1, strategy="lazy:first=512")
+    assert r.stats.tokens_recomputed == sum(map(len, layout.chunk_ids))
+    assert engine.pool.num_free == free  # the recomputed blocks went back with the request
+    covered = engine.layout_logits(layout, "lazy:first=512")
+    assert rel_err(covered, full) < 1e-4 < rel_err(lazy, full)
+    part = engine.generate(QUESTION, CHUNKS[:4], max_new_tokens=1, strategy="lazy:first=16")
+    bs = engine.pool.shape.block_size
+    assert part.stats.tokens_recomputed == 4 * bs and part.stats.chunks_hit + part.stats.chunks_missed == 4
+    with pytest.raises(ValueError, match="lazy:first=K"):
+        engine.generate(QUESTION, chunks, strategy="lazy:first=x")

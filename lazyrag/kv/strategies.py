@@ -32,6 +32,8 @@ class Plan:
     chunks_missed: int = 0
     tokens_reused: int = 0
     block_keys: list[str] = field(default_factory=list)  # prefix caching: hash chain of the prompt's blocks
+    owned_blocks: list[int] = field(default_factory=list)  # the request's recomputed tokens: freed with it
+    tokens_recomputed: int = 0  # chunk tokens computed again in context (quality recovery)
 
 
 @dataclass
@@ -128,17 +130,54 @@ class FullPrefill(Strategy):
 
 
 class LazyStitching(Strategy):
+    """Cached chunks read in place; optionally the first ``recompute_first`` tokens of each
+    chunk are computed again in context (EPIC's LegoLink), which restores the attention the
+    chunk's opening tokens would have paid to the documents before it.
+    """
+
     name = "lazy"
+
+    def __init__(self, cache, runner, fingerprint, recompute_first: int = 0):
+        super().__init__(cache, runner, fingerprint)
+        self.recompute_first = recompute_first
+        if recompute_first:
+            self.name = f"lazy:first={recompute_first}"
 
     def plan(self, layout: PromptLayout) -> Plan:
         plan = Plan(context=[], new_ids=list(layout.question_ids), new_start=layout.question_start)
         prefix, chunks = self.base_segments(layout, plan)
-        plan.context.append(Placement(prefix, 0))
+        placed = [Placement(prefix, 0)]
         for start, ids in zip(layout.chunk_starts(), layout.chunk_ids):
             seg = chunks[self.chunk_key(layout.encoding_prefix, ids)]
-            plan.context.append(Placement(seg, start - seg.start))
-        plan.tokens_reused = layout.num_tokens - len(plan.new_ids)
+            placed.append(Placement(seg, start - seg.start))
+        plan.context = self._recompute_heads(placed, layout, plan) if self.recompute_first else placed
+        plan.tokens_reused = layout.num_tokens - len(plan.new_ids) - plan.tokens_recomputed
         return plan
+
+    def _recompute_heads(self, placed: list[Placement], layout: PromptLayout, plan: Plan) -> list[Placement]:
+        """Recompute each chunk's first tokens (whole blocks) attending to the prefix and the cached
+        chunks before it, all chunks in one batched prefill; the chunk is then read from the next block."""
+        bs = self.cache.pool.shape.block_size
+        heads = -(-self.recompute_first // bs)  # blocks
+        seqs, ids, spans = [], [], []
+        for i, p in enumerate(placed[1:], start=1):
+            seg = p.segment
+            n = min(seg.num_tokens, heads * bs)
+            blocks = self.cache.allocate(-(-n // bs))
+            plan.owned_blocks += blocks  # the engine frees them with the request, even if this fails midway
+            seqs.append(SeqState(context=placed[:i], blocks=blocks, next_pos=seg.start + p.delta))
+            ids.append(layout.chunk_ids[i - 1][:n])
+            spans.append((p, blocks, n))
+        if seqs:
+            self.runner.prefill(seqs, ids, logits=False)
+        context = [placed[0]]
+        for p, blocks, n in spans:
+            plan.tokens_recomputed += n
+            head = Segment("", blocks, n, p.segment.start + p.delta, kind="recomputed", transient=True)
+            context.append(Placement(head, 0))
+            if n < p.segment.num_tokens:
+                context.append(Placement(p.segment, p.delta, first_block=len(blocks)))
+        return context
 
 
 class PositionAware(Strategy):

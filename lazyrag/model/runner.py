@@ -18,6 +18,7 @@ class Placement:
 
     segment: Segment
     delta: int
+    first_block: int = 0  # read the segment from this block on (its head was recomputed in context)
 
 
 @dataclass
@@ -38,8 +39,8 @@ class SeqState:
             rows = []
             for p in self.context:
                 n = p.segment.num_tokens
-                for j, b in enumerate(p.segment.blocks):
-                    rows.append((b, p.delta, min(block_size, n - j * block_size)))
+                for j in range(p.first_block, len(p.segment.blocks)):
+                    rows.append((p.segment.blocks[j], p.delta, min(block_size, n - j * block_size)))
             self._context_rows = rows
         own = [(self.blocks[j], 0, min(block_size, own_tokens - j * block_size)) for j in range(-(-own_tokens // block_size))]
         return self._context_rows + own

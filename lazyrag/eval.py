@@ -1,0 +1,183 @@
+"""Answer quality of each strategy, side by side, on real QA data (``lazyrag eval``).
+
+Datasets (from ``../shared/data``):
+* ``nq``: Natural Questions (open) with the gold passage among ``--distractors`` random other
+  passages of the same file, shuffled (DESIGN §3's setting), or, with ``--store``, the top
+  ``--k`` chunks retrieved from a corpus store built by ``lazyrag precache``;
+* ``hotpotqa``: HotpotQA dev, its 10 paragraphs as chunks, in the given order or ``--shuffle``d.
+
+Scores follow SQuAD normalisation: exact match, token F1, and accuracy (a normalised gold
+answer is contained in the normalised prediction: small instruct models answer in sentences).
+Next to quality: tokens prefilled and recomputed, and how often a strategy's answer is
+identical to ``position_aware`` (the lazy kernel must give the same answers).
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import random
+import re
+import statistics
+import string
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+# the shared evaluation data sits beside the repository (../shared/data from its root)
+DATA = next((p for p in (Path.cwd().parent / "shared" / "data", Path(__file__).resolve().parents[2] / "shared" / "data")
+             if p.is_dir()), Path("../shared/data"))
+
+
+def normalize(text: str) -> str:
+    text = text.lower()
+    text = "".join(ch for ch in text if ch not in set(string.punctuation))
+    text = re.sub(r"\b(a|an|the)\b", " ", text)
+    return " ".join(text.split())
+
+
+def exact_match(pred: str, golds: list[str]) -> float:
+    return float(any(normalize(pred) == normalize(g) for g in golds))
+
+
+def f1(pred: str, golds: list[str]) -> float:
+    best = 0.0
+    p = normalize(pred).split()
+    for g in golds:
+        t = normalize(g).split()
+        common = sum((Counter(p) & Counter(t)).values())
+        if common:
+            prec, rec = common / len(p), common / len(t)
+            best = max(best, 2 * prec * rec / (prec + rec))
+    return best
+
+
+def accuracy(pred: str, golds: list[str]) -> float:
+    p = normalize(pred)
+    return float(any(normalize(g) and normalize(g) in p for g in golds))
+
+
+def load_nq(path: Path, n: int, distractors: int, seed: int) -> list[dict]:
+    with gzip.open(path, "rt") as f:
+        rows = [json.loads(line) for line in f]
+    rng = random.Random(seed)
+    passages = [r["ctxs"][0]["text"] for r in rows]
+    items = []
+    for i in rng.sample(range(len(rows)), min(n, len(rows))):
+        others = rng.sample([j for j in range(len(rows)) if j != i], distractors)
+        chunks = [passages[i]] + [passages[j] for j in others]
+        rng.shuffle(chunks)
+        items.append({"question": rows[i]["question"], "answers": rows[i]["answers"], "chunks": chunks})
+    return items
+
+
+def load_hotpotqa(path: Path, n: int, shuffle: bool, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    items = []
+    with open(path) as f:
+        for line in f:
+            row = json.loads(line)
+            chunks = [c["paragraph_text"] for c in row["contexts"]]
+            if shuffle:
+                rng.shuffle(chunks)
+            items.append({"question": row["question_text"], "answers": row["answers_objects"][0]["spans"], "chunks": chunks})
+            if len(items) == n:
+                break
+    return items
+
+
+def evaluate(engine, items: list[dict], strategies: list[str], max_new_tokens: int = 32, progress: bool = True) -> dict:
+    from tqdm import tqdm
+
+    per = {s: [] for s in strategies}
+    for item in tqdm(items, desc="eval", unit="question", disable=not progress):
+        engine.precache(item["chunks"])  # chunk encoding is not what is being compared
+        for s in strategies:
+            r = engine.generate(item["question"], item["chunks"], max_new_tokens=max_new_tokens, strategy=s)
+            answer = r.text.strip()
+            per[s].append({
+                "answer": answer, "em": exact_match(answer, item["answers"]), "f1": f1(answer, item["answers"]),
+                "acc": accuracy(answer, item["answers"]), "ttft_s": r.ttft_s, "prompt_tokens": r.stats.prompt_tokens,
+                "tokens_prefilled": r.stats.tokens_prefilled, "tokens_recomputed": r.stats.tokens_recomputed,
+                "chunk_tokens": r.stats.prompt_tokens - r.stats.tokens_prefilled + r.stats.tokens_recomputed,
+            })
+    summary = {}
+    for s, rows in per.items():
+        mean = lambda key: 100 * statistics.fmean(r[key] for r in rows)  # noqa: E731
+        chunk_tokens = sum(r["chunk_tokens"] for r in rows) or 1
+        summary[s] = {
+            "em": mean("em"), "f1": mean("f1"), "accuracy": mean("acc"),
+            "median_ttft_ms": 1e3 * statistics.median(r["ttft_s"] for r in rows),
+            "recomputed_pct_of_chunk_tokens": 100 * sum(r["tokens_recomputed"] for r in rows) / chunk_tokens,
+            "prefilled_pct_of_prompt": 100 * sum(r["tokens_prefilled"] for r in rows) / sum(r["prompt_tokens"] for r in rows),
+        }
+        if "position_aware" in per:
+            same = sum(a["answer"] == b["answer"] for a, b in zip(rows, per["position_aware"]))
+            summary[s]["identical_to_position_aware_pct"] = 100 * same / len(rows)
+    return {"summary": summary, "answers": {s: [r["answer"] for r in rows] for s, rows in per.items()}}
+
+
+def plot(summary: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(summary)
+    fig, ax = plt.subplots(figsize=(1.6 * len(names) + 2, 3.6))
+    xs = range(len(names))
+    for off, key in ((-0.2, "accuracy"), (0.2, "f1")):
+        ax.bar([x + off for x in xs], [summary[n][key] for n in names], width=0.4, label=key)
+    ax.set_xticks(list(xs), [f"{n}\n{summary[n]['recomputed_pct_of_chunk_tokens']:.0f}% recomputed" for n in names], fontsize=8)
+    ax.set_ylabel("%")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def add_eval_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("eval", help="answer quality of the strategies side by side on NQ or HotpotQA",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dataset", choices=["nq", "hotpotqa"], default="nq")
+    p.add_argument("--data", type=Path, default=None, help="the dataset file (default: ../shared/data/...)")
+    p.add_argument("--n", type=int, default=100, help="questions")
+    p.add_argument("--distractors", type=int, default=4, help="nq: random passages besides the gold one")
+    p.add_argument("--shuffle", action="store_true", help="hotpotqa: shuffle the paragraphs")
+    p.add_argument("--strategies", default="full,position_aware,lazy,lazy:first=16,lazy:first=32")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/quality.json"))
+    return p
+
+
+def run_eval(args) -> int:
+    from lazyrag.engine import LazyEngine
+
+    default = {"nq": DATA / "nq_open_oracle_2655.jsonl.gz", "hotpotqa": DATA / "hotpotqa_dev_500.jsonl"}[args.dataset]
+    path = args.data or default
+    if not path.is_file():
+        print(f"error: {path} not found; pass --data (the evaluation data lives in ../shared/data)", file=sys.stderr)
+        return 2
+    items = (load_nq(path, args.n, args.distractors, args.seed) if args.dataset == "nq"
+             else load_hotpotqa(path, args.n, args.shuffle, args.seed))
+    strategies = args.strategies.split(",")
+    engine = LazyEngine.from_pretrained(args.model, device=args.device)
+    t = time.time()
+    result = evaluate(engine, items, strategies, args.max_new_tokens)
+    result.update({"dataset": args.dataset, "n": len(items), "model": engine.model_name, "device": str(engine.device),
+                   "command": "lazyrag " + " ".join(sys.argv[1:]), "seconds": time.time() - t})
+    print(f"\n{args.dataset}, n={len(items)}, {engine.model_name} on {engine.device}")
+    print(f"{'strategy':<18}{'acc':>7}{'F1':>7}{'EM':>7}{'recomp%':>9}{'prefill%':>9}{'same as PA':>11}")
+    for s, m in result["summary"].items():
+        same = m.get("identical_to_position_aware_pct", float("nan"))
+        print(f"{s:<18}{m['accuracy']:>7.1f}{m['f1']:>7.1f}{m['em']:>7.1f}{m['recomputed_pct_of_chunk_tokens']:>9.1f}"
+              f"{m['prefilled_pct_of_prompt']:>9.1f}{same:>11.1f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    plot(result["summary"], args.out.with_suffix(".png"), f"{args.dataset} n={len(items)}, {engine.model_name}")
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    return 0
