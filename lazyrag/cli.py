@@ -56,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--top-p", type=float, default=1.0)
     ask.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     ask.add_argument("--system", default=None, help="system prompt (part of the cached shared prefix)")
+    ask.add_argument("--store", type=Path, default=None,
+                     help="a corpus store from `lazyrag precache`: retrieve the question's top --k chunks from it "
+                          "and load their KV from disk instead of recomputing it")
+    ask.add_argument("--k", type=int, default=5, help="chunks to retrieve from --store")
     from lazyrag.precache import add_precache_parser  # issue 4: corpus store builder
 
     add_precache_parser(sub)
@@ -76,6 +80,18 @@ def _ask(args) -> int:
             return 2
         chunks += [p.strip() for p in args.chunks_file.read_text().split("\n\n") if p.strip()]
     engine = LazyEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
+    if args.store is not None:
+        from lazyrag.retriever import Retriever
+        from lazyrag.store import StoreError
+
+        try:
+            store = engine.attach_store(args.store)
+        except StoreError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        for hit in Retriever(store).retrieve(args.question, args.k):
+            print(f"[retrieved {hit.score:.3f}] {hit.doc_id}: {hit.text[:90]!r}", file=sys.stderr)
+            chunks.append(hit.text)
     it = engine.stream_layout(
         engine.build_prompt(args.question, chunks, args.system),
         SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.stop),

@@ -28,7 +28,11 @@ class TestChatLazyLlamaUnit(ChatModelUnitTests):
 
     @property
     def chat_model_params(self):
-        return {"device": "cpu", "max_tokens": MAX_TOKENS}
+        return {"device": "cpu"}  # max_tokens would clash with test_standard_params' own
+
+    @property
+    def standard_chat_model_params(self):
+        return {**super().standard_chat_model_params, "max_tokens": MAX_TOKENS}
 
     @property
     def supports_model_override(self):

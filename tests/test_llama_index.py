@@ -1,0 +1,160 @@
+"""LlamaIndex adapters on the real default model, real faiss and sentence-transformers: a stock
+VectorStoreIndex query engine with LazyLlamaLLM reuses chunk KV from the second question on in every
+response mode; the fast path; pre-caching an index; clear errors."""
+import asyncio
+
+import pytest
+from llama_index.core import Document, VectorStoreIndex
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+from llama_index.core.instrumentation.events.llm import LLMChatStartEvent
+from llama_index.core.llms import ChatMessage
+
+from lazyrag.integrations.llama_index import (
+    LazyEmbedding,
+    LazyLlamaLLM,
+    LazyRAGQueryEngine,
+    LazyRAGRetriever,
+    node_chunk_text,
+    precache_index,
+)
+from lazyrag.store import StoreError
+from tests.conftest import TINY_DOCS
+from tests.integration_fixtures import adapter_engine, tiny_store  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.slow
+MAX_NEW = 12
+QUESTION = "Where was the violinist Paganini born?"
+
+
+class _Prompts(BaseEventHandler):
+    """Records the chat messages every LLM call receives, to recompute what its prompt held."""
+
+    calls: list = []
+
+    def handle(self, event, **kwargs):
+        if isinstance(event, LLMChatStartEvent):
+            self.calls.append(list(event.messages))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    handler = _Prompts(calls=[])
+    get_dispatcher().add_event_handler(handler)
+    yield handler
+    get_dispatcher().event_handlers.remove(handler)
+
+
+@pytest.fixture(scope="module")
+def index():
+    # metadata as SimpleDirectoryReader sets it: the synthesizers print it above each chunk
+    docs = [Document(text=text, metadata={"file_name": name}) for name, text in TINY_DOCS.items()]
+    return VectorStoreIndex.from_documents(docs, embed_model=LazyEmbedding())
+
+
+@pytest.fixture
+def llm(adapter_engine):
+    adapter_engine.cache.clear()
+    return LazyLlamaLLM(engine=adapter_engine, max_new_tokens=MAX_NEW)
+
+
+@pytest.mark.parametrize("mode", ["compact", "refine", "tree_summarize", "simple_summarize"])
+def test_stock_query_engine_hits_from_the_second_question(index, llm, prompts, mode):
+    engine = llm.engine
+    qe = index.as_query_engine(llm=llm, response_mode=mode, similarity_top_k=3)
+    first = qe.query(QUESTION)
+    n, calls0 = len(llm.stats_log), len(prompts.calls)
+    second = qe.query("When was Paganini born?")
+    stats = llm.stats_log[n:]
+    assert stats and len(stats) == len(prompts.calls) - calls0
+    for s, messages in zip(stats, prompts.calls[calls0:]):
+        layout = engine.layout_from_text(llm.messages_to_prompt(messages))
+        assert s["chunks_missed"] == 0 and s["chunks_hit"] == len(layout.chunk_ids) >= 1
+        # only the text after the last chunk (question, template tail) went through the model
+        assert s["tokens_prefilled"] == len(layout.question_ids)
+        assert s["tokens_reused"] == layout.num_tokens - len(layout.question_ids)
+    assert str(first) and str(second)
+    assert {n.node.metadata["file_name"] for n in second.source_nodes} >= {"paganini.txt"}
+
+
+def test_answers_equal_position_aware(index, llm, adapter_engine):
+    lazy = index.as_query_engine(llm=llm, similarity_top_k=3).query(QUESTION)
+    aware_llm = LazyLlamaLLM(engine=adapter_engine, max_new_tokens=MAX_NEW, strategy="position_aware")
+    aware = index.as_query_engine(llm=aware_llm, similarity_top_k=3).query(QUESTION)
+    # both found the three retrieved chunks in LlamaIndex's prompt (the cache was cleared: lazy encoded them)
+    assert aware_llm.last_stats["strategy"] == "position_aware" and llm.last_stats["chunks_missed"] == 3
+    assert str(lazy) == str(aware)
+
+
+def test_precached_index_hits_on_the_first_question(index, llm):
+    nodes = list(index.docstore.docs.values())
+    assert precache_index(llm, index) == len(nodes)
+    assert precache_index(llm, index) == 0  # already cached
+    index.as_query_engine(llm=llm, similarity_top_k=2).query(QUESTION)
+    assert llm.last_stats["chunks_hit"] == 2 and llm.last_stats["chunks_missed"] == 0
+
+
+def test_chat_complete_stream_and_async(llm):
+    msgs = [ChatMessage(role="user", content="Name a colour.")]
+    chat = llm.chat(msgs)
+    streamed = list(llm.stream_chat(msgs))
+    assert chat.message.content and streamed[-1].message.content == chat.message.content
+    assert "".join(r.delta or "" for r in streamed) == chat.message.content
+    assert streamed[-1].raw["stats"]["new_tokens"] == chat.raw["stats"]["new_tokens"] > 0
+    done = llm.complete("Name a colour.")
+    assert done.text == chat.message.content  # complete() renders the prompt as a user turn
+
+    async def run():
+        a = await llm.acomplete("Name a colour.")
+        parts = [r.delta async for r in await llm.astream_chat(msgs)]
+        return a.text, "".join(p or "" for p in parts)
+
+    assert asyncio.run(run()) == (done.text, chat.message.content)
+
+
+def test_system_prompt_and_unknown_text(adapter_engine, llm):
+    chunk = TINY_DOCS["paganini.txt"]
+    adapter_engine.precache([chunk])
+    prompt = f"Some notes nobody cached.\n\n{chunk}\n\nAnother unknown line.\n\nQuestion: {QUESTION}"
+    first = llm.complete(prompt)
+    assert llm.last_stats["chunks_hit"] == 1 and first.text
+    pirate = LazyLlamaLLM(engine=adapter_engine, max_new_tokens=MAX_NEW, system_prompt="Answer like a pirate.")
+    assert "Answer like a pirate." in pirate.messages_to_prompt([ChatMessage(role="user", content="hi")])
+    assert pirate.complete(prompt).text != first.text
+
+
+def test_fast_path_query_engine_streams_with_sources_and_stats(llm, tiny_store, adapter_engine):
+    qe = LazyRAGQueryEngine.from_store(str(tiny_store), llm=llm, similarity_top_k=2, streaming=True)
+    response = qe.query(QUESTION)
+    text = "".join(response.response_gen)
+    assert text and response.source_nodes[0].node.metadata["doc_id"] == "paganini.txt"
+    stats = response.metadata["stats"]
+    layout = adapter_engine.build_prompt(QUESTION, [node_chunk_text(n) for n in response.source_nodes])
+    # the store is attached: chunk KV comes from disk (or memory), never recomputed
+    assert stats["chunks_hit"] == 2 and stats["tokens_prefilled"] == len(layout.question_ids)
+    plain = LazyRAGQueryEngine.from_store(str(tiny_store), llm=llm, similarity_top_k=2).query(QUESTION)
+    assert str(plain) == text and plain.metadata["stats"]["chunks_hit"] == 2
+
+    async def run():
+        r = await LazyRAGQueryEngine.from_store(str(tiny_store), llm=llm, similarity_top_k=2, streaming=True).aquery(QUESTION)
+        return "".join([d async for d in r.async_response_gen()])
+
+    assert asyncio.run(run()) == text
+
+
+def test_retriever_nodes_show_the_stored_text_to_the_llm(tiny_store):
+    hits = LazyRAGRetriever(str(tiny_store), similarity_top_k=3).retrieve(QUESTION)
+    assert len(hits) == 3 and hits[0].score >= hits[1].score
+    assert node_chunk_text(hits[0]) == hits[0].node.text  # metadata kept, but not printed into prompts
+    assert hits[0].node.metadata["doc_id"] == "paganini.txt"
+
+
+def test_clear_errors(llm, tmp_path):
+    with pytest.raises(StoreError, match="not a lazyrag store"):
+        LazyRAGRetriever(str(tmp_path / "missing"))
+    with pytest.raises(StoreError, match="not a lazyrag store"):
+        LazyLlamaLLM(engine=llm.engine, store=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="8192-token context"):
+        llm.complete("lorem ipsum " * 5000)
+    with pytest.raises(ValueError, match="holds no nodes"):
+        precache_index(llm, VectorStoreIndex([], embed_model=LazyEmbedding()))
