@@ -18,9 +18,7 @@ import triton
 import triton.language as tl
 
 from .prefill import (
-    DELTA_MASK, DELTA_SHIFT, PHYS_MASK, VALID_MASK, VALID_SHIFT,  # noqa: F401 (used in kernels)
-    _block_delta, _context_tiles, _interpreting, _merge_splits_kernel, _num_sms, _pick_config,
-    _segment_end, _staged_rotated_q,
+    _context_attention, _interpreting, _merge_splits_kernel, _num_sms, _pick_config,
 )
 
 
@@ -56,7 +54,6 @@ def _lazy_decode_kernel(
     row_off = b.to(tl.int64) * stride_qb + head * stride_qh
     q_ptrs = Q + row_off[:, None] + offs_d[None, :]
     q_mask = row_ok[:, None]
-    dtype = Q.dtype.element_ty
 
     m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -65,26 +62,10 @@ def _lazy_decode_kernel(
     meta_row = META + b.to(tl.int64) * stride_mb
     pid_lin = (b * tl.num_programs(1) + kvh).to(tl.int64) * tl.num_programs(2) + split
     scr = SCR + pid_lin * (BLOCK_G * HEAD_DIM)  # this program's scratch tile (staged q)
-    if APPLY_ROT:
-        # segment by segment (as prefill): q rotated once per segment, staged through this
-        # program's scratch tile and reloaded, so the tile loop is the rotation-free loop
-        seg = lo
-        while seg < hi:
-            q = _staged_rotated_q(q_ptrs, q_mask, scr, COS, SIN, _block_delta(meta_row, seg, hi), qk_scale,
-                                  BLOCK_G, HEAD_DIM)
-            seg_end = _segment_end(meta_row, seg, hi, SCAN)
-            m_i, l_i, acc = _context_tiles(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, seg, seg_end, kvh,
-                                           stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                           BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC)
-            seg = seg_end
-    else:
-        if STAGE_Q:  # the rotation-free q through the same scratch path (delta 0: exact scaling)
-            q = _staged_rotated_q(q_ptrs, q_mask, scr, COS, SIN, 0, qk_scale, BLOCK_G, HEAD_DIM)
-        else:
-            q = (tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32) * qk_scale).to(dtype)
-        m_i, l_i, acc = _context_tiles(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, lo, hi, kvh,
+    m_i, l_i, acc = _context_attention(q_ptrs, q_mask, scr, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_CACHE,
+                                       meta_row, lo, hi, kvh,
                                        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                       BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC)
+                                       BLOCK_G, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC, APPLY_ROT, STAGE_Q, SCAN)
 
     if not SPLIT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

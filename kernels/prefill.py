@@ -144,6 +144,39 @@ def _staged_rotated_q(q_ptrs, q_mask, SCR, COS, SIN, delta, scale,
 
 
 @triton.jit
+def _context_attention(q_ptrs, q_mask, scr, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, lo, hi, kvh,
+                       stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                       ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       PREC: tl.constexpr, APPLY_ROT: tl.constexpr, STAGE_Q: tl.constexpr, SCAN: tl.constexpr):
+    """Online softmax of ``ROWS`` query rows over context blocks [lo, hi); shared by prefill and decode.
+
+    Segment by segment (a segment = consecutive blocks sharing delta, i.e. one document): q is
+    rotated once per segment by -delta, staged through this program's scratch tile ``scr`` and
+    reloaded, so the tile loop sees a plainly loaded, loop-invariant q and compiles exactly
+    like the rotation-free loop.
+    """
+    dtype = q_ptrs.dtype.element_ty
+    if APPLY_ROT:
+        seg = lo + hi * 0  # a run-time value: loop-carried scalars must not start as constexpr
+        while seg < hi:
+            q = _staged_rotated_q(q_ptrs, q_mask, scr, COS, SIN, _block_delta(meta_row, seg, hi), qk_scale, ROWS, HEAD_DIM)
+            seg_end = _segment_end(meta_row, seg, hi, SCAN)
+            m_i, l_i, acc = _context_tiles(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, seg, seg_end, kvh,
+                                           stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                           BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC)
+            seg = seg_end
+    else:
+        if STAGE_Q:  # the rotation-free q through the same scratch path (delta 0: exact scaling)
+            q = _staged_rotated_q(q_ptrs, q_mask, scr, COS, SIN, 0, qk_scale, ROWS, HEAD_DIM)
+        else:
+            q = (tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32) * qk_scale).to(dtype)
+        m_i, l_i, acc = _context_tiles(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, lo, hi, kvh,
+                                       stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                       BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _merge_splits_kernel(
     PART_ACC, PART_ML, OUT, stride_ob, stride_oh, Hq, NUM_SPLITS,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -225,30 +258,13 @@ def _lazy_prefill_kernel(
         lo = 0
         hi = n_ctx
 
-    # -- stage 1: cached context, segment by segment (a segment = consecutive blocks sharing
-    # delta, i.e. one document). q is rotated once per segment, staged through this program's
-    # scratch tile and reloaded, so the tile loop sees a plainly loaded, loop-invariant q and
-    # compiles exactly like the rotation-free loop.
+    # -- stage 1: cached context, one relative rotation of q per document (see _context_attention)
     pid_lin = (b * tl.num_programs(1) + kvh).to(tl.int64) * tl.num_programs(0) + pid0
     scr = SCR + pid_lin * (BLOCK_M * HEAD_DIM)  # this program's scratch tile (staged q)
-    if APPLY_ROT:
-        seg = lo + n_ctx * 0  # a run-time value: loop-carried scalars must not start as constexpr
-        while seg < hi:
-            q = _staged_rotated_q(q_ptrs, q_mask, scr, COS, SIN, _block_delta(meta_row, seg, hi), qk_scale,
-                                  BLOCK_M, HEAD_DIM)
-            seg_end = _segment_end(meta_row, seg, hi, SCAN)
-            m_i, l_i, acc = _context_tiles(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, seg, seg_end, kvh,
-                                           stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                           BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC)
-            seg = seg_end
-    else:
-        if STAGE_Q:  # the rotation-free q through the same scratch path (delta 0: exact scaling)
-            q = _staged_rotated_q(q_ptrs, q_mask, scr, COS, SIN, 0, qk_scale, BLOCK_M, HEAD_DIM)
-        else:
-            q = (tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32) * qk_scale).to(dtype)
-        m_i, l_i, acc = _context_tiles(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, lo, hi, kvh,
+    m_i, l_i, acc = _context_attention(q_ptrs, q_mask, scr, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_CACHE,
+                                       meta_row, lo, hi, kvh,
                                        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                       BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC)
+                                       BLOCK_M, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC, APPLY_ROT, STAGE_Q, SCAN)
 
     # -- stage 2: the sequence's new tokens (true positions, delta 0), causal; the last split
     # (whose context share is the smallest) does it
