@@ -227,12 +227,12 @@ class LazyEngine:
         """Encode the chunks' KV now (after the shared prefix) so later prompts hit; returns how many were new."""
         layout = self.build_prompt("", chunks, system)
         with self._lock:
+            strategy = self.strategies["lazy"]
             plan = Plan(context=[], new_ids=[], new_start=0)
             try:
-                self.strategies["lazy"].base_segments(layout, plan)
+                strategy.base_segments(layout, plan)
             finally:
-                for seg in plan.pinned:
-                    self.cache.unpin(seg)
+                strategy.release(plan)
             return plan.chunks_missed
 
     def attach_store(self, store):
@@ -275,10 +275,7 @@ class LazyEngine:
             finally:
                 if seq is not None:
                     self.pool.decref(seq.blocks)
-                if plan.owned_blocks:
-                    self.pool.decref(plan.owned_blocks)
-                for seg in plan.pinned:
-                    self.cache.unpin(seg)
+                strat.release(plan)
 
     def stream_layout(self, layout: PromptLayout, params: SamplingParams, strategy: str = "lazy") -> Iterator[tuple[str, int]]:
         """Yields (text delta, token id) per generated token; returns a GenerationResult (StopIteration.value)."""

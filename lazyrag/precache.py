@@ -176,8 +176,7 @@ def _encode_kv(engine, prefix_ids: list[int], chunk_ids: list[list[int]]) -> dic
             out = {key: engine.cache.read_kv(seg) for key, seg in chunks.items()}
             out[prefix.key] = engine.cache.read_kv(prefix)
         finally:
-            for seg in plan.pinned:
-                engine.cache.unpin(seg)
+            strat.release(plan)
     return out
 
 

@@ -153,3 +153,23 @@ def test_recomputing_chunk_heads_in_context(engine):
     assert part.stats.tokens_recomputed == 4 * bs and part.stats.chunks_hit + part.stats.chunks_missed == 4
     with pytest.raises(ValueError, match="lazy:first=K"):
         engine.generate(QUESTION, chunks, strategy="lazy:first=x")
+
+
+def test_a_failed_request_gives_back_what_it_pinned(tiny_engine, monkeypatch):
+    from lazyrag.kv.block_pool import OutOfBlocks
+
+    engine = tiny_engine
+    engine.cache.clear()
+    engine.generate(QUESTION, CHUNKS[:2], max_new_tokens=1)  # prefix and two chunks cached
+    free = engine.pool.num_free
+    real = engine.cache.allocate
+
+    def exhausted(n):
+        raise OutOfBlocks("simulated: no room for the new chunk")
+
+    monkeypatch.setattr(engine.cache, "allocate", exhausted)
+    with pytest.raises(OutOfBlocks):
+        engine.generate(QUESTION, CHUNKS[:3], max_new_tokens=1)  # hits two, fails encoding the third
+    monkeypatch.setattr(engine.cache, "allocate", real)
+    assert all(s.pins == 0 for s in engine.cache._segments.values())
+    assert engine.pool.num_free == free

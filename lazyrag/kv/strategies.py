@@ -52,6 +52,25 @@ class Strategy:
         self.cache, self.runner, self.fingerprint = cache, runner, fingerprint
 
     def plan(self, layout: PromptLayout) -> Plan:
+        """The request's plan; if making it fails, what it pinned or allocated so far is given back."""
+        plan = Plan(context=[], new_ids=[], new_start=0)
+        try:
+            self._plan(layout, plan)
+        except BaseException:
+            self.release(plan)
+            raise
+        return plan
+
+    def release(self, plan: Plan) -> None:
+        """Unpin the plan's segments and free its own blocks (when its request ends)."""
+        for seg in plan.pinned:
+            self.cache.unpin(seg)
+        plan.pinned.clear()
+        if plan.owned_blocks:
+            self.cache.pool.decref(plan.owned_blocks)
+            plan.owned_blocks.clear()
+
+    def _plan(self, layout: PromptLayout, plan: Plan) -> None:
         raise NotImplementedError
 
     def finish(self, plan: Plan, seq: SeqState) -> None:
@@ -65,16 +84,30 @@ class Strategy:
     def chunk_key(self, prefix_ids: list[int], chunk_ids: list[int]) -> str:
         return content_key(self.fingerprint, "chunk", prefix_ids, chunk_ids)
 
-    def encode(self, jobs: list[EncodeJob]) -> list[Segment]:
-        """Compute each job's KV into fresh blocks, in batches, and cache (pinned) the segments."""
+    def encode(self, jobs: list[EncodeJob], plan: Plan | None = None) -> list[Segment]:
+        """Compute each job's KV into fresh blocks, in batches, and cache (pinned) the segments.
+
+        With ``plan``, each segment is recorded in ``plan.pinned`` as soon as it exists, so a
+        failure part-way (e.g. the pool is full) still lets the plan give everything back.
+        """
         bs = self.cache.pool.shape.block_size
         segments, batch = [], []
 
         def flush():
-            seqs = [SeqState(context=j.context, blocks=self.cache.allocate(-(-len(j.ids) // bs)), next_pos=j.start) for j in batch]
-            self.runner.prefill(seqs, [j.ids for j in batch], logits=False)
+            seqs = []
+            try:
+                for j in batch:
+                    seqs.append(SeqState(context=j.context, blocks=self.cache.allocate(-(-len(j.ids) // bs)), next_pos=j.start))
+                self.runner.prefill(seqs, [j.ids for j in batch], logits=False)
+            except BaseException:
+                for s in seqs:
+                    self.cache.pool.decref(s.blocks)
+                raise
             for j, s in zip(batch, seqs):
-                segments.append(self.cache.put(Segment(j.key, s.blocks, len(j.ids), j.start, kind=j.kind)))
+                seg = self.cache.put(Segment(j.key, s.blocks, len(j.ids), j.start, kind=j.kind))
+                segments.append(seg)
+                if plan is not None:
+                    plan.pinned.append(seg)
             batch.clear()
 
         for job in jobs:
@@ -89,7 +122,9 @@ class Strategy:
     def prefix_segment(self, ids: list[int], plan: Plan) -> Segment:
         """A context-free segment at position 0 (a prompt's prefix): looked up, else computed; pinned."""
         key = self.prefix_key(ids)
-        seg = self.cache.get(key) or self.encode([EncodeJob(key, ids, 0, [], kind="prefix")])[0]
+        seg = self.cache.get(key)
+        if seg is None:
+            return self.encode([EncodeJob(key, ids, 0, [], kind="prefix")], plan)[0]
         plan.pinned.append(seg)
         return seg
 
@@ -113,9 +148,9 @@ class Strategy:
                 jobs.append(EncodeJob(key, ids, len(enc_ids), [Placement(encoding, 0)]))
             else:
                 found[key] = seg
-        for seg in self.encode(jobs):
+                plan.pinned.append(seg)
+        for seg in self.encode(jobs, plan):
             found[seg.key] = seg
-        plan.pinned.extend(found.values())
         missed = {j.key for j in jobs}
         plan.chunks_missed = sum(key in missed for key in keys)
         plan.chunks_hit = len(keys) - plan.chunks_missed
@@ -125,8 +160,8 @@ class Strategy:
 class FullPrefill(Strategy):
     name = "full"
 
-    def plan(self, layout: PromptLayout) -> Plan:
-        return Plan(context=[], new_ids=layout.full_ids(), new_start=0, chunks_missed=len(layout.chunk_ids))
+    def _plan(self, layout: PromptLayout, plan: Plan) -> None:
+        plan.new_ids, plan.chunks_missed = layout.full_ids(), len(layout.chunk_ids)
 
 
 class LazyStitching(Strategy):
@@ -143,8 +178,8 @@ class LazyStitching(Strategy):
         if recompute_first:
             self.name = f"lazy:first={recompute_first}"
 
-    def plan(self, layout: PromptLayout) -> Plan:
-        plan = Plan(context=[], new_ids=list(layout.question_ids), new_start=layout.question_start)
+    def _plan(self, layout: PromptLayout, plan: Plan) -> None:
+        plan.new_ids, plan.new_start = list(layout.question_ids), layout.question_start
         prefix, chunks = self.base_segments(layout, plan)
         placed = [Placement(prefix, 0)]
         for start, ids in zip(layout.chunk_starts(), layout.chunk_ids):
@@ -152,7 +187,6 @@ class LazyStitching(Strategy):
             placed.append(Placement(seg, start - seg.start))
         plan.context = self._recompute_heads(placed, layout, plan) if self.recompute_first else placed
         plan.tokens_reused = layout.num_tokens - len(plan.new_ids) - plan.tokens_recomputed
-        return plan
 
     def _recompute_heads(self, placed: list[Placement], layout: PromptLayout, plan: Plan) -> list[Placement]:
         """Recompute each chunk's first tokens (whole blocks) attending to the prefix and the cached
@@ -185,8 +219,8 @@ class PositionAware(Strategy):
 
     name = "position_aware"
 
-    def plan(self, layout: PromptLayout) -> Plan:
-        plan = Plan(context=[], new_ids=list(layout.question_ids), new_start=layout.question_start)
+    def _plan(self, layout: PromptLayout, plan: Plan) -> None:
+        plan.new_ids, plan.new_start = list(layout.question_ids), layout.question_start
         # Look up the positioned copies first: the base chunks are needed only to make missing ones.
         wanted = []
         for start, ids in zip(layout.chunk_starts(), layout.chunk_ids):
@@ -212,7 +246,6 @@ class PositionAware(Strategy):
         plan.context.append(Placement(prefix, 0))
         plan.context.extend(Placement(copies[key], 0) for key, _, _ in wanted)
         plan.tokens_reused = layout.num_tokens - len(plan.new_ids)
-        return plan
 
 
 class PrefixCaching(Strategy):
@@ -228,11 +261,10 @@ class PrefixCaching(Strategy):
             keys.append(prev)
         return keys
 
-    def plan(self, layout: PromptLayout) -> Plan:
+    def _plan(self, layout: PromptLayout, plan: Plan) -> None:
         ids = layout.full_ids()
         bs = self.cache.pool.shape.block_size
         keys = self._chain(ids[: len(ids) - 1])  # keep one token to prefill, for the logits
-        plan = Plan(context=[], new_ids=[], new_start=0)
         for key in keys:
             seg = self.cache.get(key)
             if seg is None:
@@ -247,7 +279,6 @@ class PrefixCaching(Strategy):
         plan.chunks_hit = sum(e <= cached for e in ends)
         plan.chunks_missed = len(ends) - plan.chunks_hit
         plan.block_keys = self._chain(ids)
-        return plan
 
     def finish(self, plan: Plan, seq: SeqState) -> None:
         """Publish the request's newly computed whole prompt blocks into the hash chain."""
