@@ -129,7 +129,7 @@ def plot(summary: dict, path: Path, title: str) -> None:
     xs = range(len(names))
     for off, key in ((-0.2, "accuracy"), (0.2, "f1")):
         ax.bar([x + off for x in xs], [summary[n][key] for n in names], width=0.4, label=key)
-    ax.set_xticks(list(xs), [f"{n}\n{summary[n]['recomputed_pct_of_chunk_tokens']:.0f}% recomputed" for n in names], fontsize=8)
+    ax.set_xticks(list(xs), [f"{n}\n{summary[n]['prefilled_pct_of_prompt']:.0f}% of prompt computed" for n in names], fontsize=8)
     ax.set_ylabel("%")
     ax.set_title(title, fontsize=9)
     ax.legend()
