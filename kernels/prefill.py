@@ -79,6 +79,19 @@ def _segment_end(meta_row, start, hi, SCAN: tl.constexpr):
 
 
 @triton.jit
+def _softmax_step(q, k, v, keep, m_i, l_i, acc, PREC: tl.constexpr):
+    """One KV tile of online softmax in base 2 (the scale and log2(e) are folded into q)."""
+    s = tl.dot(q, tl.trans(k), input_precision=PREC)
+    s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _context_tiles(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, lo, hi, kvh,
                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PREC: tl.constexpr):
@@ -100,15 +113,7 @@ def _context_tiles(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, lo, hi, kvh,
                     mask=kv_ok[:, None], other=0.0)
         v = tl.load(V_CACHE + (phys * stride_vb + slot * stride_vs + kvh * stride_vh)[:, None] + offs_d[None, :],
                     mask=kv_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC)
-        s = tl.where(kv_ok[None, :], s, float("-inf"))
-        # -- online softmax in base 2 (scale and log2(e) are folded into q)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_step(q, k, v, kv_ok[None, :], m_i, l_i, acc, PREC)
     return m_i, l_i, acc
 
 
@@ -280,14 +285,7 @@ def _lazy_prefill_kernel(
                         mask=kn_ok[:, None], other=0.0)
             v = tl.load(V_NEW + (kn_off * stride_vnt + kvh * stride_vnh)[:, None] + offs_d[None, :],
                         mask=kn_ok[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PREC)
-            s = tl.where(kn_ok[None, :] & (kn[None, :] <= tok[:, None]), s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.math.exp2(s - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-            m_i = m_new
+            m_i, l_i, acc = _softmax_step(q, k, v, kn_ok[None, :] & (kn[None, :] <= tok[:, None]), m_i, l_i, acc, PREC)
 
     if SPLIT:
         # partials [Tq, Hq, NUM_SPLITS, (D | 2)] in fp32, merged by _merge_splits_kernel
