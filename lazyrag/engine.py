@@ -322,7 +322,7 @@ class LazyEngine:
     ) -> GenerationResult:
         """Answer ``question`` over ``chunks``; each chunk's KV is reused from the cache when it was seen before."""
         layout = self.build_prompt(question, chunks, system)
-        return self.generate_layout(layout, SamplingParams(max_new_tokens, temperature, top_p, list(stop or []), seed), strategy)
+        return self.generate_layout(layout, SamplingParams(max_new_tokens, temperature, top_p, stop, seed), strategy)
 
     def generate_layout(self, layout: PromptLayout, params: SamplingParams, strategy: str = "lazy") -> GenerationResult:
         it = self.stream_layout(layout, params, strategy)
@@ -346,7 +346,7 @@ class LazyEngine:
     ) -> Iterator[str]:
         """Yield the answer's text as it is generated."""
         layout = self.build_prompt(question, chunks, system)
-        for delta, _ in self.stream_layout(layout, SamplingParams(max_new_tokens, temperature, top_p, list(stop or []), seed), strategy):
+        for delta, _ in self.stream_layout(layout, SamplingParams(max_new_tokens, temperature, top_p, stop, seed), strategy):
             if delta:
                 yield delta
 

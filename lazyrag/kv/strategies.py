@@ -198,7 +198,7 @@ class LazyStitching(Strategy):
             seg = p.segment
             n = min(seg.num_tokens, heads * bs)
             blocks = self.cache.allocate(-(-n // bs))
-            plan.owned_blocks += blocks  # the engine frees them with the request, even if this fails midway
+            plan.owned_blocks += blocks  # release(plan) frees them with the request, even if this fails midway
             seqs.append(SeqState(context=placed[:i], blocks=blocks, next_pos=seg.start + p.delta))
             ids.append(layout.chunk_ids[i - 1][:n])
             spans.append((p, blocks, n))

@@ -32,10 +32,11 @@ class _Graph:
 
 
 class GraphRunner:
-    """Captures ``forward + logits`` lazily per shape bucket and replays it."""
+    """Captures ``last_logits(ids, positions, meta)`` (forward + each sequence's last-token logits)
+    lazily per shape bucket and replays it."""
 
-    def __init__(self, forward, logits_fn, scratch_slot: int, device: torch.device, max_tokens: int = 512):
-        self.forward, self.logits_fn = forward, logits_fn
+    def __init__(self, last_logits, scratch_slot: int, device: torch.device, max_tokens: int = 512):
+        self.last_logits = last_logits
         self.scratch_slot, self.device, self.max_tokens = scratch_slot, device, max_tokens
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple, _Graph] = {}
@@ -62,17 +63,12 @@ class GraphRunner:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up: compiles and tunes the kernels outside the capture
             for _ in range(2):
-                self._body(ids, positions, meta)
+                self.last_logits(ids, positions, meta)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self._body(ids, positions, meta)
+            logits = self.last_logits(ids, positions, meta)
         return _Graph(graph, ids, positions, meta, logits)
-
-    def _body(self, ids, positions, meta):
-        hidden = self.forward(ids, positions, meta)
-        last = (meta.cu_seqlens_q[1:] - 1).long()
-        return self.logits_fn(hidden.index_select(0, last))
 
     @torch.inference_mode()
     def run(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -62,7 +62,7 @@ class ModelRunner:
     def enable_cuda_graphs(self, scratch_block: int) -> None:
         from lazyrag.model.graphs import GraphRunner
 
-        self.graphs = GraphRunner(self._eager_forward, self.model.logits, scratch_block * self.pool.shape.block_size, self.device)
+        self.graphs = GraphRunner(self._last_logits, scratch_block * self.pool.shape.block_size, self.device)
 
     def _metadata(self, seqs: list[SeqState], own_tokens: list[int], new_counts: list[int], is_decode: bool):
         bs = self.pool.shape.block_size
@@ -89,16 +89,20 @@ class ModelRunner:
         rt = Runtime(self.pool, meta, self.attention, self.rope_cos, self.rope_sin, self.rope_scaling, self.model.sm_scale, self.ops)
         return self.model(ids, positions, rt)
 
+    def _last_logits(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Logits ``[B, V]`` of each sequence's last new token (what a CUDA graph captures, too)."""
+        hidden = self._eager_forward(ids, positions, meta)
+        return self.model.logits(hidden.index_select(0, meta.cu_seqlens_q[1:].long() - 1))
+
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits: bool) -> torch.Tensor | None:
         """Logits ``[B, V]`` of each sequence's last new token (or None); K/V of every new token is written."""
         self.tokens_forwarded += ids.numel()
-        batch = meta.num_ctx_blocks.numel()
-        if logits and self.graphs is not None and self.graphs.supports(ids.numel(), batch, meta.is_decode):
-            return self.graphs.run(ids, positions, meta)
-        hidden = self._eager_forward(ids, positions, meta)
         if not logits:
+            self._eager_forward(ids, positions, meta)
             return None
-        return self.model.logits(hidden[meta.cu_seqlens_q[1:].long() - 1])
+        if self.graphs is not None and self.graphs.supports(ids.numel(), meta.num_ctx_blocks.numel(), meta.is_decode):
+            return self.graphs.run(ids, positions, meta)
+        return self._last_logits(ids, positions, meta)
 
     @torch.inference_mode()
     def prefill(self, seqs: list[SeqState], new_ids: list[list[int]], logits: bool = True) -> torch.Tensor | None:
