@@ -40,12 +40,12 @@ sys.path.insert(0, str(ROOT))
 
 from lazyrag.kv.block_pool import BlockPool, KVShape  # noqa: E402
 from lazyrag.kv.cache import CacheConfig, CacheManager  # noqa: E402
-from lazyrag.kv.strategies import PositionAware, PrefixCaching, LazyStitching  # noqa: E402
+from lazyrag.kv.strategies import LazyStitching, PositionAware, PrefixCaching, RerotatingPositionAware  # noqa: E402
 from lazyrag.model.runner import SeqState  # noqa: E402
 from lazyrag.prompt import PromptLayout  # noqa: E402
 
 LLAMA_8B_KV = KVShape(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16)
-STRATEGIES = {"prefix": PrefixCaching, "position_aware": PositionAware, "lazy": LazyStitching}
+STRATEGIES = {s.name: s for s in (PrefixCaching, PositionAware, RerotatingPositionAware, LazyStitching)}
 POLICIES = [("lru", False), ("lfu", False), ("gdsf", False), ("lru", True), ("gdsf", True)]
 GiB = 1 << 30
 
@@ -76,11 +76,16 @@ class Workload:
     question_tokens: int = 32
     output_tokens: int = 16
     seed: int = 0
+    vocab_size: int | None = None  # real token ids for a model (random, < vocab_size); None = distinct ids, no model
 
     def prompts(self, alpha: float | None) -> list[PromptLayout]:
         """``alpha`` None = uniform popularity; otherwise Zipf: weight of the i-th doc ~ 1 / i^alpha."""
         rng = random.Random(self.seed)
-        docs = [[100_000 + d * self.doc_tokens + i for i in range(self.doc_tokens)] for d in range(self.num_docs)]
+        if self.vocab_size is None:
+            docs = [[100_000 + d * self.doc_tokens + i for i in range(self.doc_tokens)] for d in range(self.num_docs)]
+        else:
+            text = random.Random(self.seed + 1)  # its own stream: the same documents are picked either way
+            docs = [[text.randrange(self.vocab_size) for _ in range(self.doc_tokens)] for _ in range(self.num_docs)]
         weights = [1.0] * self.num_docs if alpha is None else [1.0 / (i + 1) ** alpha for i in range(self.num_docs)]
         prefix = list(range(1, 1 + self.prefix_tokens))
         out = []
@@ -90,7 +95,8 @@ class Workload:
                 d = rng.choices(range(self.num_docs), weights)[0]
                 if d not in picked:
                     picked.append(d)
-            question = [50_000 + r * self.question_tokens + i for i in range(self.question_tokens)]
+            question = ([50_000 + r * self.question_tokens + i for i in range(self.question_tokens)] if self.vocab_size is None
+                        else [text.randrange(self.vocab_size) for _ in range(self.question_tokens)])
             out.append(PromptLayout(prefix, [docs[d] for d in picked], question))
         return out
 
@@ -110,15 +116,14 @@ def run_one(strategy: str, prompts: list[PromptLayout], budget_bytes: int, polic
     hit = total = hit_tokens = total_tokens = 0
     for layout in prompts:
         plan = strat.plan(layout)
-        # The engine's request lifecycle (LazyEngine._prefilled), minus the model.
+        # The scheduler's request lifecycle (Scheduler._plan, _prefill, _release), minus the model.
         offset = plan.new_start % bs
         seq = SeqState(context=plan.context, blocks=cache.allocate(-(-(offset + len(plan.new_ids) + wl.output_tokens) // bs)),
                        next_pos=plan.new_start, num_written=offset if strategy == "prefix" else 0)
         strat.runner.prefill([seq], [plan.new_ids])
         strat.finish(plan, seq)
         pool.decref(seq.blocks)
-        for seg in plan.pinned:
-            cache.unpin(seg)
+        strat.release(plan)
         assert cache.cached_bytes <= budget_bytes, "budget exceeded"
         n_chunk_tokens = sum(map(len, layout.chunk_ids))
         hit += plan.chunks_hit
@@ -172,7 +177,7 @@ def main(argv=None) -> int:
 def print_table(rows: list[dict], budgets: list[float]) -> None:
     for dist in ("zipf", "uniform"):
         print(f"\nchunk hit rate, {dist} popularity (token hit rate in brackets where it differs)")
-        print(f"{'strategy':<15}{'policy':<11}" + "".join(f"{b:>14g} GB" for b in budgets))
+        print(f"{'strategy':<25}{'policy':<11}" + "".join(f"{b:>14g} GB" for b in budgets))
         keys = sorted({(r["strategy"], r["policy"]) for r in rows}, key=lambda k: (list(STRATEGIES).index(k[0]), k[1]))
         for s, p in keys:
             cells = []
@@ -180,7 +185,7 @@ def print_table(rows: list[dict], budgets: list[float]) -> None:
                 r = next(r for r in rows if r["distribution"] == dist and r["strategy"] == s and r["policy"] == p and r["budget_gb"] == b)
                 c, t = 100 * r["chunk_hit_rate"], 100 * r["token_hit_rate"]
                 cells.append(f"{c:6.1f}%" + (f" [{t:4.1f}]" if abs(c - t) > 0.05 else " " * 7))
-            print(f"{s:<15}{p:<11}" + "".join(f"{x:>17}" for x in cells))
+            print(f"{s:<25}{p:<11}" + "".join(f"{x:>17}" for x in cells))
 
 
 def plot(rows: list[dict], path: Path, alpha: float) -> None:
@@ -190,7 +195,7 @@ def plot(rows: list[dict], path: Path, alpha: float) -> None:
     import matplotlib.pyplot as plt
 
     policies = sorted({r["policy"] for r in rows})
-    fig, axes = plt.subplots(2, 3, figsize=(14, 7.5), sharex=True, sharey="row")
+    fig, axes = plt.subplots(2, len(STRATEGIES), figsize=(4.6 * len(STRATEGIES), 7.5), sharex=True, sharey="row")
     for i, dist in enumerate(("zipf", "uniform")):
         for j, strategy in enumerate(STRATEGIES):
             ax = axes[i, j]

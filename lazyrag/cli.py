@@ -49,8 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("question")
     ask.add_argument("--chunk", action="append", default=[], help="a chunk of context text (repeat for more)")
     ask.add_argument("--chunks-file", type=Path, help="a text file; paragraphs separated by blank lines become chunks")
-    ask.add_argument("--strategy", default="lazy", help="lazy (default), position_aware, prefix, full, or lazy:first=K "
-                     "(lazy, recomputing each chunk's first K tokens in context for quality)")
+    ask.add_argument("--strategy", default="lazy", help="lazy (default), position_aware, prefix, full, lazy:first=K "
+                     "(lazy, recomputing each chunk's first K tokens in context for quality) or lazy:blend=R "
+                     "(recomputing the fraction R of chunk tokens whose KV deviates most, CacheBlend)")
     ask.add_argument("--max-new-tokens", type=int, default=128)
     ask.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ask.add_argument("--top-p", type=float, default=1.0)

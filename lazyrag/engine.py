@@ -1,52 +1,25 @@
 """LazyEngine: load a Llama model, lay out RAG prompts, and generate with reusable chunk KV."""
 from __future__ import annotations
 
+import asyncio
 import threading
-import time
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
-from typing import Iterator
+from typing import AsyncIterator, Iterator
 
 import torch
 
 from lazyrag.kv.block_pool import BlockPool, KVShape
-from lazyrag.kv.cache import SegmentCache
-from lazyrag.kv.strategies import STRATEGIES, LazyStitching, Plan, Strategy
+from lazyrag.kv.cache import CacheConfig, SegmentCache
+from lazyrag.kv.strategies import STRATEGIES, LazyStitching, Plan, Strategy, lazy_options
 from lazyrag.model.attention import make_attention_backend
 from lazyrag.model.llama import LlamaArgs, LlamaModel, build_rope
 from lazyrag.model.loader import check_llama_config, fingerprint, load_checkpoint, resolve_model_source
-from lazyrag.model.runner import ModelRunner, SeqState
+from lazyrag.model.runner import ModelRunner
 from lazyrag.prompt import DEFAULT_SYSTEM_PROMPT, ChunkFinder, PromptBuilder, PromptLayout
-from lazyrag.sampling import Detokenizer, SamplingParams, sample
+from lazyrag.sampling import SamplingParams
+from lazyrag.scheduler import GenerationResult, Request, RequestStats, Scheduler, SchedulerConfig  # noqa: F401  (re-exported)
 
 DEFAULT_KV_BUDGET = {"cpu": 1 << 30, "cuda": 8 << 30}
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>")
-
-
-@dataclass
-class RequestStats:
-    strategy: str
-    prompt_tokens: int = 0
-    chunks_hit: int = 0
-    chunks_missed: int = 0
-    tokens_prefilled: int = 0  # tokens run through the model for this request, chunk encoding included
-    tokens_reused: int = 0  # prompt tokens whose KV came from the cache
-    new_tokens: int = 0
-    tokens_recomputed: int = 0  # chunk tokens computed again in context (quality recovery), part of tokens_prefilled
-    plan_s: float = 0.0  # host time to look up, encode or copy the prompt's segments (TTFT minus prefill and sampling)
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]
-    ttft_s: float
-    total_s: float
-    finish_reason: str  # "stop" (end of turn or stop string) or "length"
-    stats: RequestStats = field(default_factory=lambda: RequestStats("lazy"))
 
 
 def _resolve_device(device) -> torch.device:
@@ -84,6 +57,8 @@ class LazyEngine:
         model_name: str = "model",
         cuda_graphs: bool | None = None,
         compile_elementwise: bool | None = None,
+        scheduler_config: SchedulerConfig | None = None,
+        cache_config: CacheConfig | None = None,
     ):
         self.model, self.config, self.tokenizer = model, config, tokenizer
         self.device, self.dtype, self.fingerprint, self.model_name = device, dtype, model_fingerprint, model_name
@@ -91,7 +66,7 @@ class LazyEngine:
         shape = KVShape(args.num_layers, args.num_kv_heads, args.head_dim, block_size, dtype)
         budget = kv_budget if kv_budget is not None else DEFAULT_KV_BUDGET.get(device.type, 1 << 30)
         self.pool = BlockPool.with_budget(shape, budget, device)
-        self.cache = SegmentCache(self.pool)
+        self.cache = SegmentCache(self.pool, cache_config)
         rope_cos, rope_sin, rope_scaling = build_rope(config, device)
         self.attention = make_attention_backend(attention, device)
         self.runner = ModelRunner(model, self.pool, self.attention, rope_cos, rope_sin, rope_scaling)
@@ -107,8 +82,12 @@ class LazyEngine:
         self.strategies: dict[str, Strategy] = {n: cls(self.cache, self.runner, model_fingerprint) for n, cls in STRATEGIES.items()}
         self.prompts = PromptBuilder(tokenizer, system_prompt) if tokenizer is not None else None
         self.chunk_finder = ChunkFinder()  # texts of known chunks, to find them inside free-form prompts
-        self._lock = threading.Lock()
         self._eos = self._end_tokens()
+        self.scheduler = Scheduler(self.runner, tokenizer, self._eos, scheduler_config)
+        self._lock = threading.Lock()  # held by whichever thread steps the scheduler (or touches the cache)
+        self._work = threading.Event()  # set when a request arrives, for the asyncio driver thread
+        self._driver: threading.Thread | None = None
+        self._driver_lock = threading.Lock()
 
     # -- construction ---------------------------------------------------------------------
 
@@ -210,17 +189,12 @@ class LazyEngine:
     # -- generation -----------------------------------------------------------------------
 
     def _strategy(self, name: str) -> Strategy:
-        """A strategy by name; ``lazy:first=K`` is lazy with each chunk's first K tokens recomputed in context."""
-        if name not in self.strategies and name.startswith("lazy:first="):
-            try:
-                k = int(name.split("=", 1)[1])
-            except ValueError:
-                k = -1
-            if k < 1:
-                raise ValueError(f"Bad strategy {name!r}: write lazy:first=K with K a positive number of tokens, e.g. lazy:first=16.")
-            self.strategies[name] = LazyStitching(self.cache, self.runner, self.fingerprint, recompute_first=k)
+        """A strategy by name; ``lazy:first=K`` is lazy with each chunk's first K tokens recomputed in context,
+        ``lazy:blend=R`` with the fraction R of chunk tokens that deviate most (CacheBlend); see ``lazy_options``."""
+        if name not in self.strategies and name.startswith("lazy:"):
+            self.strategies[name] = LazyStitching(self.cache, self.runner, self.fingerprint, **lazy_options(name))
         if name not in self.strategies:
-            raise ValueError(f"Unknown strategy {name!r}; choose one of {', '.join(self.strategies)} (or lazy:first=K).")
+            raise ValueError(f"Unknown strategy {name!r}; choose one of {', '.join(self.strategies)} (or lazy:first=K, lazy:blend=R).")
         return self.strategies[name]
 
     def precache(self, chunks: list[str], system: str | None = None) -> int:
@@ -245,68 +219,145 @@ class LazyEngine:
                 self.chunk_finder.add(row.text)
         return store
 
-    @contextmanager
-    def _prefilled(self, layout: PromptLayout, strategy: str, max_new_tokens: int):
-        """Plan and prefill one request; yields (sequence, logits after the prompt, stats); then frees it."""
+    # -- requests: every generation goes through the continuous-batching scheduler --------
+
+    def add_request(self, layout: PromptLayout, params: SamplingParams, strategy: str = "lazy", *,
+                    arrival: float | None = None, prompt_logits_only: bool = False, notify=None) -> Request:
+        """Queue a request for the scheduler (vLLM's ``add_request``); ``step`` runs it. Any thread.
+
+        ``arrival`` (on ``scheduler.clock``) is when the request arrived, for TTFT; default now.
+        ``notify`` is called from the stepping thread whenever the request has new output or ends.
+        """
         strat = self._strategy(strategy)
-        self._check_length(layout.num_tokens, max_new_tokens)
-        stats = RequestStats(strategy, prompt_tokens=layout.num_tokens)
+        self._check_length(layout.num_tokens, 0 if prompt_logits_only else params.max_new_tokens)
+        req = Request(layout, params, strat, arrival=self.scheduler.clock() if arrival is None else arrival,
+                      prompt_logits_only=prompt_logits_only, notify=notify)
+        self.scheduler.add(req)
+        self._work.set()
+        return req
+
+    def step(self) -> bool:
+        """One forward pass over the requests in flight (a batched prefill or a batched decode step)."""
         with self._lock:
-            forwarded0 = self.runner.tokens_forwarded
-            t0 = time.perf_counter()
-            plan = strat.plan(layout)
-            stats.plan_s = time.perf_counter() - t0
-            seq = None
-            try:
-                bs = self.pool.shape.block_size
-                # Prefix caching keeps a request's own blocks aligned to the prompt's block grid.
-                offset = plan.new_start % bs
-                assert offset == 0 or strategy != "prefix"
-                own = offset + len(plan.new_ids) + max_new_tokens
-                seq = SeqState(context=plan.context, blocks=self.cache.allocate(-(-own // bs)), next_pos=plan.new_start)
-                if strategy == "prefix":
-                    seq.num_written = offset
-                logits = self.runner.prefill([seq], [plan.new_ids])[0]
-                strat.finish(plan, seq)
-                stats.tokens_prefilled = self.runner.tokens_forwarded - forwarded0
-                stats.chunks_hit, stats.chunks_missed, stats.tokens_reused = plan.chunks_hit, plan.chunks_missed, plan.tokens_reused
-                stats.tokens_recomputed = plan.tokens_recomputed
-                yield seq, logits, stats
-            finally:
-                if seq is not None:
-                    self.pool.decref(seq.blocks)
-                strat.release(plan)
+            return self.scheduler.step()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    def _drive(self, req: Request) -> None:
+        """Step the scheduler (which advances every request in flight) until ``req`` has output or is done."""
+        while not (req.outputs or req.done):
+            with self._lock:
+                if req.outputs or req.done:  # another thread stepped while this one waited for the lock
+                    return
+                self.scheduler.step()
+
+    def _abandon(self, req: Request) -> None:
+        """The caller stopped listening: give the request's blocks and pins back now."""
+        if not req.done:
+            self.scheduler.abort(req)
+            self._work.set()
+            if self._driver is None:
+                with self._lock:
+                    self.scheduler.step()
 
     def stream_layout(self, layout: PromptLayout, params: SamplingParams, strategy: str = "lazy") -> Iterator[tuple[str, int]]:
-        """Yields (text delta, token id) per generated token; returns a GenerationResult (StopIteration.value)."""
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        detok = Detokenizer(self.tokenizer, params.stop) if self.tokenizer is not None else None
-        t0 = time.perf_counter()
-        with self._prefilled(layout, strategy, params.max_new_tokens) as (seq, logits, stats):
-            ttft, finish = None, "length"
-            for _ in range(params.max_new_tokens):
-                token = sample(logits, params, gen)
-                if ttft is None:
-                    ttft = time.perf_counter() - t0
-                if token in self._eos:
-                    finish = "stop"
+        """Yields (text delta, token id) per generated token; returns a GenerationResult (StopIteration.value).
+
+        Thread-safe: requests from several threads are batched together, whichever thread
+        holds the engine's lock steps them all.
+        """
+        req = self.add_request(layout, params, strategy)
+        try:
+            while True:
+                self._drive(req)
+                while req.outputs:
+                    yield req.outputs.popleft()
+                if req.done and not req.outputs:
+                    return req.result()
+        finally:
+            self._abandon(req)
+
+    def generate_layout(self, layout: PromptLayout, params: SamplingParams, strategy: str = "lazy") -> GenerationResult:
+        it = self.stream_layout(layout, params, strategy)
+        while True:
+            try:
+                next(it)
+            except StopIteration as done:
+                return done.value
+
+    def layout_logits(self, layout: PromptLayout, strategy: str = "lazy") -> torch.Tensor:
+        """Logits ``[V]`` (fp32, CPU) of the token after the prompt."""
+        req = self.add_request(layout, SamplingParams(max_new_tokens=1), strategy, prompt_logits_only=True)
+        try:
+            self._drive(req)
+        finally:
+            self._abandon(req)
+        req.result()  # raises the request's error, if any
+        return req.prompt_logits
+
+    # -- asyncio: a background thread steps the scheduler; coroutines wait on their request --
+
+    def _ensure_driver(self) -> None:
+        with self._driver_lock:
+            if self._driver is None:
+                self._driver = threading.Thread(target=self._drive_forever, name="lazyrag-scheduler", daemon=True)
+                self._driver.start()
+
+    def _drive_forever(self) -> None:
+        while True:
+            with self._lock:
+                busy = self.scheduler.step()
+            if not busy:
+                self._work.clear()
+                if not self.scheduler.has_work():
+                    self._work.wait()
+
+    async def astream_layout(self, layout: PromptLayout, params: SamplingParams, strategy: str = "lazy") -> AsyncIterator[tuple[str, int]]:
+        """Async (text delta, token id) events of one request; concurrent requests are batched together."""
+        async for event in self._aevents(layout, params, strategy, None):
+            yield event
+
+    async def agenerate_layout(self, layout: PromptLayout, params: SamplingParams, strategy: str = "lazy") -> GenerationResult:
+        box: list[Request] = []
+        async for _ in self._aevents(layout, params, strategy, box):
+            pass
+        return box[0].result()
+
+    async def _aevents(self, layout, params, strategy, box: list | None):
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+        req = self.add_request(layout, params, strategy, notify=lambda: loop.call_soon_threadsafe(ready.set))
+        if box is not None:
+            box.append(req)
+        self._ensure_driver()
+        try:
+            while True:
+                await ready.wait()
+                ready.clear()
+                while req.outputs:
+                    yield req.outputs.popleft()
+                if req.done and not req.outputs:
                     break
-                seq.generated.append(token)
-                delta = detok.push(token) if detok else ""
-                yield delta, token
-                if detok and detok.stopped:
-                    finish = "stop"
-                    break
-                if len(seq.generated) == params.max_new_tokens:
-                    break
-                logits = self.runner.decode([seq], [token])[0]
-            if detok:
-                tail = detok.finish()
-                if tail:
-                    yield tail, -1
-            stats.new_tokens = len(seq.generated)
-            text = detok.text if detok else ""
-            return GenerationResult(text, list(seq.generated), ttft, time.perf_counter() - t0, finish, stats)
+            req.result()  # raises the request's error, if any
+        finally:
+            self._abandon(req)
+
+    async def agenerate(self, question: str, chunks: list[str], max_new_tokens: int = 128, temperature: float = 0.0,
+                        top_p: float = 1.0, stop: list[str] | None = None, strategy: str = "lazy",
+                        system: str | None = None, seed: int | None = None) -> GenerationResult:
+        """``generate`` for asyncio: awaiting many at once batches them on the GPU."""
+        layout = self.build_prompt(question, chunks, system)
+        return await self.agenerate_layout(layout, SamplingParams(max_new_tokens, temperature, top_p, stop, seed), strategy)
+
+    async def astream(self, question: str, chunks: list[str], max_new_tokens: int = 128, temperature: float = 0.0,
+                      top_p: float = 1.0, stop: list[str] | None = None, strategy: str = "lazy",
+                      system: str | None = None, seed: int | None = None) -> AsyncIterator[str]:
+        """``stream`` for asyncio."""
+        layout = self.build_prompt(question, chunks, system)
+        async for delta, _ in self.astream_layout(layout, SamplingParams(max_new_tokens, temperature, top_p, stop, seed), strategy):
+            if delta:
+                yield delta
 
     def generate(
         self,
@@ -323,14 +374,6 @@ class LazyEngine:
         """Answer ``question`` over ``chunks``; each chunk's KV is reused from the cache when it was seen before."""
         layout = self.build_prompt(question, chunks, system)
         return self.generate_layout(layout, SamplingParams(max_new_tokens, temperature, top_p, stop, seed), strategy)
-
-    def generate_layout(self, layout: PromptLayout, params: SamplingParams, strategy: str = "lazy") -> GenerationResult:
-        it = self.stream_layout(layout, params, strategy)
-        while True:
-            try:
-                next(it)
-            except StopIteration as done:
-                return done.value
 
     def stream(
         self,
@@ -353,7 +396,3 @@ class LazyEngine:
     def next_token_logits(self, question: str, chunks: list[str], strategy: str = "lazy", system: str | None = None) -> torch.Tensor:
         """Logits ``[V]`` (fp32, CPU) of the token after the prompt."""
         return self.layout_logits(self.build_prompt(question, chunks, system), strategy)
-
-    def layout_logits(self, layout: PromptLayout, strategy: str = "lazy") -> torch.Tensor:
-        with self._prefilled(layout, strategy, max_new_tokens=0) as (_, logits, _):
-            return logits.float().cpu()

@@ -13,6 +13,7 @@ class SamplingParams:
     top_p: float = 1.0
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
+    ignore_eos: bool = False  # keep generating past end-of-turn tokens (benchmarks with fixed output lengths)
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -173,3 +173,20 @@ def test_a_failed_request_gives_back_what_it_pinned(tiny_engine, monkeypatch):
     monkeypatch.setattr(engine.cache, "allocate", real)
     assert all(s.pins == 0 for s in engine.cache._segments.values())
     assert engine.pool.num_free == free
+
+
+def test_position_aware_variants_cache_what_they_say(tiny_engine):
+    """``position_aware`` keeps only placed copies (a new position re-encodes); ``:rerotate`` also keeps
+    the position-free chunk (a new position costs a copy); both equal ``lazy``."""
+    engine = tiny_engine
+    layout = engine.build_prompt(QUESTION, CHUNKS[:3])
+    moved = engine.build_prompt(QUESTION, CHUNKS[2::-1])
+    for name, encodes_again in (("position_aware", True), ("position_aware:rerotate", False)):
+        engine.cache.clear()
+        first = engine.layout_logits(layout, name)
+        before = engine.runner.tokens_forwarded
+        again = engine.layout_logits(moved, name)
+        forwarded = engine.runner.tokens_forwarded - before - len(moved.question_ids)
+        assert (forwarded > 0) == encodes_again, (name, forwarded)
+        assert rel_err(first, engine.layout_logits(layout, "lazy")) < 1e-5
+        assert rel_err(again, engine.layout_logits(moved, "lazy")) < 1e-5

@@ -249,6 +249,11 @@ class CacheManager:
             if seg.transient and seg.pins == 0:
                 self.pool.decref(seg.blocks)
 
+    def available_blocks(self) -> int:
+        """Blocks an allocation could get now: free ones and those of unpinned cached segments."""
+        with self._lock:
+            return self.pool.num_free + sum(len(s.blocks) for s in self._segments.values() if s.pins == 0)
+
     def allocate(self, num_blocks: int) -> list[int]:
         """Blocks from the pool, evicting unpinned segments (policy order) until they fit."""
         with self._lock:

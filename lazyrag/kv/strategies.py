@@ -3,8 +3,11 @@
 * ``full``: prefill the whole prompt; nothing reused (the quality reference).
 * ``prefix``: reuse the longest cached run of whole blocks that is an exact token prefix
   (vLLM APC / SGLang radix style); everything after the first difference is recomputed.
-* ``position_aware``: each chunk is encoded once after the shared prefix, then for every
-  position it is placed at, a re-rotated copy is materialised and cached (Block-Attention).
+* ``position_aware``: KV cached per (chunk, position), as Block-Attention runs on vLLM's
+  cache: a chunk at a position it was not cached at is encoded again (after the shared
+  prefix, then rotated into place, so its values equal ``lazy``'s); only the placed copy is
+  kept. ``position_aware:rerotate`` also keeps the position-free chunk, so a new position
+  costs a re-rotated copy rather than an encode (a stronger baseline than the paper's).
 * ``lazy``: each chunk is encoded once and read at any position; the attention kernel
   applies the offset (LazyAttention).
 
@@ -34,6 +37,7 @@ class Plan:
     block_keys: list[str] = field(default_factory=list)  # prefix caching: hash chain of the prompt's blocks
     owned_blocks: list[int] = field(default_factory=list)  # the request's recomputed tokens: freed with it
     tokens_recomputed: int = 0  # chunk tokens computed again in context (quality recovery)
+    recompute_cost: float = 0.0  # its compute, in tokens through the whole model (blend: selection included)
 
 
 @dataclass
@@ -84,11 +88,12 @@ class Strategy:
     def chunk_key(self, prefix_ids: list[int], chunk_ids: list[int]) -> str:
         return content_key(self.fingerprint, "chunk", prefix_ids, chunk_ids)
 
-    def encode(self, jobs: list[EncodeJob], plan: Plan | None = None) -> list[Segment]:
+    def encode(self, jobs: list[EncodeJob], plan: Plan | None = None, keep: bool = True) -> list[Segment]:
         """Compute each job's KV into fresh blocks, in batches, and cache (pinned) the segments.
 
         With ``plan``, each segment is recorded in ``plan.pinned`` as soon as it exists, so a
         failure part-way (e.g. the pool is full) still lets the plan give everything back.
+        ``keep=False``: the segments are not cached (transient, freed when unpinned).
         """
         bs = self.cache.pool.shape.block_size
         segments, batch = [], []
@@ -104,7 +109,11 @@ class Strategy:
                     self.cache.pool.decref(s.blocks)
                 raise
             for j, s in zip(batch, seqs):
-                seg = self.cache.put(Segment(j.key, s.blocks, len(j.ids), j.start, kind=j.kind))
+                seg = Segment(j.key, s.blocks, len(j.ids), j.start, kind=j.kind)
+                if keep:
+                    seg = self.cache.put(seg)
+                else:
+                    seg.pins, seg.transient = 1, True
                 segments.append(seg)
                 if plan is not None:
                     plan.pinned.append(seg)
@@ -128,11 +137,14 @@ class Strategy:
         plan.pinned.append(seg)
         return seg
 
-    def base_segments(self, layout: PromptLayout, plan: Plan) -> tuple[Segment, dict[str, Segment]]:
+    def base_segments(self, layout: PromptLayout, plan: Plan, keep: bool = True,
+                      only: set[str] | None = None) -> tuple[Segment, dict[str, Segment]]:
         """The request's prefix and each distinct chunk encoded after the encoding prefix. All pinned.
 
         Chunks are encoded after the *encoding* prefix (usually the same as the request's
         prefix; a LlamaIndex prompt has its own), so their KV and key never depend on the request.
+        ``only``: just these chunk keys. ``keep=False``: the chunks are encoded for this request
+        alone, neither looked up nor cached.
         """
         enc_ids = layout.encoding_prefix
         encoding = self.prefix_segment(enc_ids, plan)
@@ -141,20 +153,20 @@ class Strategy:
         found: dict[str, Segment] = {}
         jobs = []
         for key, ids in zip(keys, layout.chunk_ids):
-            if key in found or any(j.key == key for j in jobs):
+            if key in found or any(j.key == key for j in jobs) or (only is not None and key not in only):
                 continue
-            seg = self.cache.get(key)
+            seg = self.cache.get(key) if keep else None
             if seg is None:
                 jobs.append(EncodeJob(key, ids, len(enc_ids), [Placement(encoding, 0)]))
             else:
                 found[key] = seg
                 plan.pinned.append(seg)
-        for seg in self.encode(jobs, plan):
+        for seg in self.encode(jobs, plan, keep):
             found[seg.key] = seg
         missed = {j.key for j in jobs}
         plan.chunks_missed = sum(key in missed for key in keys)
         plan.chunks_hit = len(keys) - plan.chunks_missed
-        return prefix, {k: found[k] for k in keys}
+        return prefix, {k: found[k] for k in keys if k in found}
 
 
 class FullPrefill(Strategy):
@@ -165,18 +177,25 @@ class FullPrefill(Strategy):
 
 
 class LazyStitching(Strategy):
-    """Cached chunks read in place; optionally the first ``recompute_first`` tokens of each
-    chunk are computed again in context (EPIC's LegoLink), which restores the attention the
-    chunk's opening tokens would have paid to the documents before it.
+    """Cached chunks read in place, with two optional ways to win back quality in context:
+
+    * ``recompute_first``: each chunk's first tokens are computed again in context (EPIC's
+      LegoLink), which restores the attention they would have paid to the documents before it;
+    * ``blend``: that fraction of chunk tokens, those whose cached KV deviates most in context,
+      is computed again (CacheBlend, model/blend.py); ``blend_per_chunk`` takes it of each chunk
+      rather than of all of them. With both, the heads are recomputed on top of the fraction.
     """
 
     name = "lazy"
 
-    def __init__(self, cache, runner, fingerprint, recompute_first: int = 0):
+    def __init__(self, cache, runner, fingerprint, recompute_first: int = 0, blend: float = 0.0, blend_per_chunk: bool = False):
         super().__init__(cache, runner, fingerprint)
-        self.recompute_first = recompute_first
-        if recompute_first:
-            self.name = f"lazy:first={recompute_first}"
+        self.recompute_first, self.blend, self.blend_per_chunk = recompute_first, blend, blend_per_chunk
+        options = [f"first={recompute_first}"] * bool(recompute_first) + [f"blend={blend:g}"] * bool(blend)
+        if blend and blend_per_chunk:
+            options.append("select=chunk")
+        if options:
+            self.name = "lazy:" + ":".join(options)
 
     def _plan(self, layout: PromptLayout, plan: Plan) -> None:
         plan.new_ids, plan.new_start = list(layout.question_ids), layout.question_start
@@ -185,8 +204,26 @@ class LazyStitching(Strategy):
         for start, ids in zip(layout.chunk_starts(), layout.chunk_ids):
             seg = chunks[self.chunk_key(layout.encoding_prefix, ids)]
             placed.append(Placement(seg, start - seg.start))
-        plan.context = self._recompute_heads(placed, layout, plan) if self.recompute_first else placed
+        if self.blend:
+            placed = self._blend(placed, layout, plan)
+        elif self.recompute_first:
+            placed = self._recompute_heads(placed, layout, plan)
+        plan.context = placed
         plan.tokens_reused = layout.num_tokens - len(plan.new_ids) - plan.tokens_recomputed
+
+    def _blend(self, placed: list[Placement], layout: PromptLayout, plan: Plan) -> list[Placement]:
+        """Recompute the most-deviating chunk tokens (and the heads) in context into private copies of their blocks."""
+        from lazyrag.model.blend import selective_recompute
+
+        def allocate(n: int) -> list[int]:
+            blocks = self.cache.allocate(n)
+            plan.owned_blocks.extend(blocks)  # release(plan) frees them with the request, even if this fails midway
+            return blocks
+
+        b = selective_recompute(self.runner, placed, [None, *layout.chunk_ids], self.blend, allocate,
+                                first=self.recompute_first, per_chunk=self.blend_per_chunk)
+        plan.tokens_recomputed, plan.recompute_cost = len(b.selected), b.cost
+        return b.context
 
     def _recompute_heads(self, placed: list[Placement], layout: PromptLayout, plan: Plan) -> list[Placement]:
         """Recompute each chunk's first tokens (whole blocks) attending to the prefix and the cached
@@ -207,6 +244,7 @@ class LazyStitching(Strategy):
         context = [placed[0]]
         for p, blocks, n in spans:
             plan.tokens_recomputed += n
+            plan.recompute_cost += n
             head = Segment("", blocks, n, p.segment.start + p.delta, kind="recomputed", transient=True)
             context.append(Placement(head, 0))
             if n < p.segment.num_tokens:
@@ -215,9 +253,10 @@ class LazyStitching(Strategy):
 
 
 class PositionAware(Strategy):
-    """Block-Attention-style reuse: a materialised, re-rotated copy per (chunk, position)."""
+    """Block-Attention-style reuse: KV cached per (chunk, position), a materialised, rotated copy each."""
 
     name = "position_aware"
+    keep_base = False  # True: also cache the position-free chunk, to copy from at new positions
 
     def _plan(self, layout: PromptLayout, plan: Plan) -> None:
         plan.new_ids, plan.new_start = list(layout.question_ids), layout.question_start
@@ -233,7 +272,9 @@ class PositionAware(Strategy):
         if all(copies.values()):
             prefix = self.prefix_segment(layout.prefix_ids, plan)
         else:
-            prefix, bases = self.base_segments(layout, plan)
+            # without kept position-free chunks, each missing placement is encoded anew (Block-Attention on vLLM)
+            missing = None if self.keep_base else {base_key for key, base_key, _ in wanted if copies[key] is None}
+            prefix, bases = self.base_segments(layout, plan, keep=self.keep_base, only=missing)
             for key, base_key, delta in wanted:
                 if copies[key] is None:
                     base = bases[base_key]
@@ -241,6 +282,10 @@ class PositionAware(Strategy):
                     self.runner.copy_rotated(base, blocks, delta)
                     copies[key] = self.cache.put(Segment(key, blocks, base.num_tokens, base.start + delta, kind="copy"))
                     plan.pinned.append(copies[key])
+            for base in bases.values():  # a source used for copies only is freed now, not at the request's end
+                if base.transient and all(copies[k] is not base for k, _, _ in wanted):
+                    plan.pinned.remove(base)
+                    self.cache.unpin(base)
         hits = sum(key in found for key, _, _ in wanted)
         plan.chunks_hit, plan.chunks_missed = hits, len(wanted) - hits
         plan.context.append(Placement(prefix, 0))
@@ -295,6 +340,39 @@ class PrefixCaching(Strategy):
         self.cache.touch(reversed(plan.block_keys))
 
 
+def lazy_options(name: str) -> dict:
+    """LazyStitching's keyword arguments from a strategy name: ``lazy:first=16``, ``lazy:blend=0.15``,
+    ``lazy:blend=0.15:select=chunk``, ``lazy:first=16:blend=0.1``."""
+    usage = (f"Bad strategy {name!r}: write lazy:first=K (K a positive number of tokens), lazy:blend=R (R the fraction "
+             "of chunk tokens to recompute, in (0, 1]; add :select=chunk to take R of each chunk), or both, "
+             "e.g. lazy:first=16:blend=0.1.")
+    opts = {}
+    for part in name.split(":")[1:]:
+        key, _, value = part.partition("=")
+        try:
+            if key == "first" and "recompute_first" not in opts and int(value) > 0:
+                opts["recompute_first"] = int(value)
+            elif key == "blend" and "blend" not in opts and 0 < float(value) <= 1:
+                opts["blend"] = float(value)
+            elif key == "select" and "blend_per_chunk" not in opts and value in ("chunk", "global"):
+                opts["blend_per_chunk"] = value == "chunk"
+            else:
+                raise ValueError(usage)
+        except ValueError:
+            raise ValueError(usage) from None
+    if not opts or ("blend_per_chunk" in opts and "blend" not in opts):
+        raise ValueError(usage)
+    return opts
+
+
+class RerotatingPositionAware(PositionAware):
+    """Position-aware caching that also keeps each position-free chunk: a chunk at a new position
+    costs a re-rotated copy (milliseconds), not an encode; chunk and copies share the budget."""
+
+    name = "position_aware:rerotate"
+    keep_base = True
+
+
 STRATEGIES: dict[str, type[Strategy]] = {
-    s.name: s for s in (FullPrefill, PrefixCaching, PositionAware, LazyStitching)
+    s.name: s for s in (FullPrefill, PrefixCaching, PositionAware, RerotatingPositionAware, LazyStitching)
 }

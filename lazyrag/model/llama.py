@@ -97,6 +97,11 @@ def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def rope_at(rope_cos: torch.Tensor, rope_sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """cos, sin ``[T, 1, D/2]`` of the tokens at ``positions [T]``, broadcasting over heads."""
+    return rope_cos[positions][:, None, :].to(dtype), rope_sin[positions][:, None, :].to(dtype)
+
+
 @dataclass
 class ElementwiseOps:
     rms_norm: object = rms_norm
@@ -126,11 +131,15 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(args.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=args.attention_bias)
         self.wo = nn.Linear(self.hq * self.d, args.hidden_size, bias=args.attention_bias)
 
+    def project(self, x, cos, sin, ops: "ElementwiseOps", rope_scaling: float):
+        """q: [T, Hq, D]; k, v: [T, Hkv, D], q and k rotated at the positions of ``cos``, ``sin``."""
+        return ops.rotate_qk(self.wqkv(x), cos, sin, rope_scaling, self.hq, self.hkv)
+
     def forward(self, x, cos, sin, rt: "Runtime") -> torch.Tensor:
         T = x.shape[0]
-        # q: [T, Hq, D]; k, v: [T, Hkv, D]. Keys are stored rotated at the positions they were
-        # computed at; the attention backend adds each cached segment's offset later.
-        q, k, v = rt.ops.rotate_qk(self.wqkv(x), cos, sin, rt.rope_scaling, self.hq, self.hkv)
+        # Keys are stored rotated at the positions they were computed at; the attention
+        # backend adds each cached segment's offset later.
+        q, k, v = self.project(x, cos, sin, rt.ops, rt.rope_scaling)
         rt.pool.write(self.layer, rt.meta.slot_mapping, k, v)
         o = rt.attention(q, k, v, rt.pool.k[self.layer], rt.pool.v[self.layer], rt.meta, rt.rope_cos, rt.rope_sin, rt.sm_scale)
         return self.wo(o.reshape(T, self.hq * self.d))  # [T, H]
@@ -156,9 +165,16 @@ class Block(nn.Module):
         self.mlp = MLP(args)
 
     def forward(self, x, cos, sin, rt) -> torch.Tensor:
-        ops, eps = rt.ops, self.attn_norm.eps
-        a = self.attn(ops.rms_norm(x, self.attn_norm.weight, eps), cos, sin, rt)
-        h, hn = ops.add_rms_norm(x, a, self.mlp_norm.weight, eps)
+        return self.after_attention(x, self.attn(self.attn_input(x, rt.ops), cos, sin, rt), rt.ops)
+
+    # The layer in two halves around its attention, for callers that attend their own way (model/blend.py).
+
+    def attn_input(self, x: torch.Tensor, ops: ElementwiseOps) -> torch.Tensor:
+        return ops.rms_norm(x, self.attn_norm.weight, self.attn_norm.eps)
+
+    def after_attention(self, x: torch.Tensor, a: torch.Tensor, ops: ElementwiseOps) -> torch.Tensor:
+        """The layer's output from its input ``x`` and attention output ``a`` (both [T, H]): residual, MLP."""
+        h, hn = ops.add_rms_norm(x, a, self.mlp_norm.weight, self.mlp_norm.eps)
         return h + self.mlp(hn, ops)
 
 
@@ -190,8 +206,7 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rt: Runtime) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, H] (new K/V written into the pool)."""
         x = self.embed(input_ids)  # [T, H]
-        cos = rt.rope_cos[positions][:, None, :].to(x.dtype)  # [T, 1, D/2], cast once for all layers
-        sin = rt.rope_sin[positions][:, None, :].to(x.dtype)
+        cos, sin = rope_at(rt.rope_cos, rt.rope_sin, positions, x.dtype)  # cast once for all layers
         for block in self.layers:
             x = block(x, cos, sin, rt)
         return rt.ops.rms_norm(x, self.norm.weight, self.norm.eps)

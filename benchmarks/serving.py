@@ -1,0 +1,356 @@
+"""Serving under load on one GPU: TTFT, throughput and hit rate of full / prefix / position-aware / lazy.
+
+The paper's workload (``hit_rate.Workload``): 100 documents x 2048 tokens, 5 distinct
+documents per prompt drawn by Zipf(2.1) popularity (or uniformly), a 32-token shared
+prefix, a 32-token question and 16 output tokens (end-of-turn ignored), on a
+Llama-3.1-8B-shaped model with random bf16 weights (speed does not depend on the values).
+Every strategy runs in the same process, on the same model and engine: the continuous-
+batching scheduler (``lazyrag/scheduler.py``), Triton kernels and CUDA graphs. A request's
+missing documents are encoded when it is admitted (prefix caching: its uncached prompt
+tail is prefilled), and each strategy's cache holds at most the KV budget; the pool has
+``--work-gb`` more for the requests in flight.
+
+Experiments (``--experiments``, each a list of runs that start from an empty cache):
+* ``rates``: Poisson arrivals at each ``--rates`` (requests/s), Zipf, ``--budget`` GB;
+* ``budgets``: Zipf at ``--rate`` for each of ``--budgets`` GB;
+* ``uniform``: uniform popularity at ``--rate``, ``--budget`` GB;
+* ``throughput``: closed loop, ``--concurrency`` clients each sending its next request when
+  the last one is answered (the paper's 16), Zipf, ``--budget`` GB: requests/s.
+
+Time is the wall clock of the stepping loop with idle gaps skipped: when no request is in
+flight and the next has not arrived, the clock jumps to its arrival. Busy time is measured,
+never simulated, and the device never waits on purpose (a 0.5 req/s run costs only its
+busy time). ``full`` keeps no cache, so it is run once per arrival pattern, not per budget.
+
+    python benchmarks/serving.py --out benchmarks/results/serving_h200.json            # all, ~15 min on an H200
+    python benchmarks/serving.py --experiments rates --requests 40 --out /tmp/rates.json
+    python benchmarks/serving.py --plot benchmarks/results/serving_h200.json           # tables and PNG from saved runs
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from collections import deque
+from dataclasses import asdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.hit_rate import Workload  # noqa: E402
+
+STRATEGIES = ["full", "prefix", "position_aware", "position_aware:rerotate", "lazy"]
+GiB = 1 << 30
+
+
+class SkipIdleClock:
+    """perf_counter since start, plus the idle gaps the loop skipped."""
+
+    def __init__(self):
+        self.start, self.skipped = time.perf_counter(), 0.0
+
+    def __call__(self) -> float:
+        return time.perf_counter() - self.start + self.skipped
+
+    def skip_to(self, t: float) -> None:
+        self.skipped += max(0.0, t - self())
+
+
+def percentile(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))]
+
+
+def run(engine, strategy: str, prompts, params, *, rate: float | None = None, concurrency: int | None = None,
+        budget_gb: float, policy: str = "lru", seed: int = 0) -> dict:
+    """Serve ``prompts`` with Poisson arrivals at ``rate`` req/s, or closed-loop with ``concurrency`` clients.
+
+    ``policy``: the cache's eviction policy (lru, lfu, gdsf), ``+admit`` for TinyLFU admission."""
+    import torch
+
+    from lazyrag.kv.policies import FrequencySketch, make_policy
+
+    engine.cache.clear()
+    engine.cache.budget_bytes = int(budget_gb * GiB)
+    name, _, admit = policy.partition("+")
+    engine.cache.policy = make_policy(name)
+    engine.cache.sketch = FrequencySketch(engine.cache.config.sketch_window) if admit else None
+    clock = SkipIdleClock()
+    engine.scheduler.clock = clock
+    held_outside = engine.pool.num_blocks - engine.pool.num_free - engine.cache._cached_blocks  # e.g. the CUDA-graph scratch block
+    rng = random.Random(seed)
+    todo = deque(prompts)
+    reqs = []
+    if rate is not None:
+        t, arrivals = 0.0, deque()
+        for layout in todo:
+            t += rng.expovariate(rate)
+            arrivals.append((t, layout))
+        while arrivals or engine.has_unfinished_requests():
+            now = clock()
+            while arrivals and arrivals[0][0] <= now:
+                at, layout = arrivals.popleft()
+                reqs.append(engine.add_request(layout, params, strategy, arrival=at))
+            if not engine.has_unfinished_requests():
+                clock.skip_to(arrivals[0][0])
+                continue
+            engine.step()
+    else:
+        in_flight = []
+        while todo or in_flight:
+            while todo and len(in_flight) < concurrency:
+                in_flight.append(engine.add_request(todo.popleft(), params, strategy))
+            engine.step()
+            done = [r for r in in_flight if r.done]
+            reqs += done
+            in_flight = [r for r in in_flight if not r.done]
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    results = [r.result() for r in reqs]
+    assert all(len(r.token_ids) == params.max_new_tokens for r in results)
+    assert all(s.pins == 0 for s in engine.cache._segments.values()), "a finished request left a pin"
+    assert engine.pool.num_free + engine.cache._cached_blocks + held_outside == engine.pool.num_blocks, "leaked blocks"
+    ttft = [r.ttft_s for r in results]
+    first = min(r.arrival for r in reqs)
+    makespan = max(r.finished_at for r in reqs) - first
+    hits = sum(r.stats.chunks_hit for r in results)
+    lookups = hits + sum(r.stats.chunks_missed for r in results)
+    return {
+        "strategy": strategy, "policy": policy, "rate": rate, "concurrency": concurrency, "budget_gb": budget_gb, "requests": len(results),
+        "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p99_ms": 1e3 * percentile(ttft, 99),
+        "ttft_mean_ms": 1e3 * statistics.fmean(ttft),
+        "latency_p50_ms": 1e3 * percentile([r.total_s for r in results], 50),
+        "throughput_rps": len(results) / makespan, "output_tokens_per_s": sum(len(r.token_ids) for r in results) / makespan,
+        "chunk_hit_rate": hits / lookups if lookups else 0.0,
+        "tokens_prefilled_per_request": statistics.fmean(r.stats.tokens_prefilled for r in results),
+        "makespan_s": makespan, "skipped_idle_s": clock.skipped,
+    }
+
+
+def build_engine(args):
+    import torch
+
+    from benchmarks.e2e_gpu import llama31_8b_config
+    from lazyrag.engine import LazyEngine
+    from lazyrag.scheduler import SchedulerConfig
+
+    pool_bytes = int((max(args.budgets + [args.budget]) + args.work_gb) * GiB)
+    if args.smoke:  # a tiny model on the CPU: checks the loop, not the speed
+        config = llama31_8b_config(2)
+        config.update(dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16))
+        return LazyEngine.from_config(config, device="cpu", kv_budget=pool_bytes,
+                                      scheduler_config=SchedulerConfig(max_running=args.max_running))
+    return LazyEngine.from_config(llama31_8b_config(args.layers), device="cuda", dtype=torch.bfloat16, kv_budget=pool_bytes,
+                                  scheduler_config=SchedulerConfig(max_running=args.max_running))
+
+
+def warm_up(engine, wl: Workload, params) -> float:
+    """Compile and capture what the runs will use (batch sizes 1..64, long and short prefills)."""
+    t = time.perf_counter()
+    prompts = Workload(**{**asdict(wl), "requests": 64, "seed": 999}).prompts(2.1)
+    for strategy in STRATEGIES:
+        engine.generate_layout(prompts[0], params, strategy)
+    batch = 1
+    while batch <= engine.scheduler.config.max_running:
+        for layout in prompts[:batch]:
+            engine.add_request(layout, params, "lazy")
+        while engine.has_unfinished_requests():
+            engine.step()
+        batch *= 2
+    engine.cache.clear()
+    return time.perf_counter() - t
+
+
+def experiments(args, engine, wl: Workload, params, save) -> list[dict]:
+    zipf = wl.prompts(args.alpha)
+    rows = []
+
+    def go(tag, strategy, prompts, **kw):
+        t = time.perf_counter()
+        row = dict(run(engine, strategy, prompts, params, **kw), experiment=tag,
+                   distribution="uniform" if tag == "uniform" else "zipf", wall_s=round(time.perf_counter() - t, 1))
+        rows.append(row)
+        print(f"{tag:<11}{strategy:<24}{row['policy']:<10}rate={row['rate']} conc={row['concurrency']} {row['budget_gb']:g} GB: "
+              f"TTFT p50 {row['ttft_p50_ms']:8.1f} ms p99 {row['ttft_p99_ms']:8.1f} ms, {row['throughput_rps']:.2f} req/s, "
+              f"hit {100 * row['chunk_hit_rate']:5.1f}%  ({row['wall_s']} s)", flush=True)
+        save(rows)  # a run cut short by a time limit keeps what it measured
+
+    caching = [s for s in args.strategies if s != "full"]
+    for exp in args.experiments:
+        if exp == "rates":
+            for rate in args.rates:
+                for s in args.strategies:
+                    go("rates", s, zipf, rate=rate, budget_gb=args.budget)
+        elif exp == "budgets":
+            for b in args.budgets:
+                for s in caching:
+                    if not (b == args.budget and "rates" in args.experiments and args.rate in args.rates):
+                        go("budgets", s, zipf, rate=args.rate, budget_gb=b)
+        elif exp == "uniform":
+            for s in args.uniform_strategies:
+                go("uniform", s, wl.prompts(None), rate=args.rate, budget_gb=args.budget)
+        elif exp == "throughput":
+            prompts = Workload(**{**asdict(wl), "requests": args.throughput_requests}).prompts(args.alpha)
+            for policy in args.policies:
+                for s in args.uniform_strategies:
+                    go("throughput", s, prompts, concurrency=args.concurrency, budget_gb=args.budget, policy=policy)
+    return rows
+
+
+def summarize(rows: list[dict], budget: float, rate: float) -> dict:
+    """Lazy's factors over each baseline where both ran: TTFT (baseline / lazy) and throughput (lazy / baseline)."""
+    def pick(**kw):
+        return {r["strategy"]: r for r in rows if all(r.get(k) == v for k, v in kw.items())}
+
+    out = {}
+    for base in STRATEGIES[:-1]:
+        for rr in sorted({r["rate"] for r in rows if r["experiment"] == "rates"}):
+            by = pick(experiment="rates", rate=rr)
+            if "lazy" in by and base in by:
+                out[f"rate {rr:g}: TTFT p50 {base}/lazy"] = by[base]["ttft_p50_ms"] / by["lazy"]["ttft_p50_ms"]
+                out[f"rate {rr:g}: TTFT p99 {base}/lazy"] = by[base]["ttft_p99_ms"] / by["lazy"]["ttft_p99_ms"]
+        for policy in sorted({r.get("policy", "lru") for r in rows if r["experiment"] == "throughput"}):
+            by = {r["strategy"]: r for r in rows if r["experiment"] == "throughput" and r.get("policy", "lru") == policy}
+            if "lazy" in by and base in by:
+                out[f"throughput ({policy}) lazy/{base}"] = by["lazy"]["throughput_rps"] / by[base]["throughput_rps"]
+    return out
+
+
+def print_tables(rows: list[dict]) -> None:
+    cols = [("ttft_p50_ms", "TTFT p50 ms", "{:.1f}"), ("ttft_p99_ms", "TTFT p99 ms", "{:.1f}"),
+            ("throughput_rps", "req/s", "{:.2f}"), ("chunk_hit_rate", "hit rate", "{:.1%}")]
+    for exp in ("rates", "budgets", "uniform", "throughput"):
+        sel = [r for r in rows if r["experiment"] == exp]
+        if not sel:
+            continue
+        print(f"\n{exp}")
+        print(f"{'strategy':<24}{'policy':<10}{'rate':>6}{'conc':>6}{'GB':>7}" + "".join(f"{h:>14}" for _, h, _ in cols))
+        for r in sel:
+            print(f"{r['strategy']:<24}{r.get('policy', 'lru'):<10}{str(r['rate'] or '-'):>6}{str(r['concurrency'] or '-'):>6}{r['budget_gb']:>7g}"
+                  + "".join(f"{f.format(r[k]):>14}" for k, _, f in cols))
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4.2))
+    rates = [r for r in rows if r["experiment"] == "rates"]
+    for s in STRATEGIES:
+        pts = sorted((r["rate"], r["ttft_p50_ms"], r["ttft_p99_ms"]) for r in rates if r["strategy"] == s)
+        if pts:
+            x, p50, p99 = zip(*pts)
+            color = f"C{STRATEGIES.index(s)}"
+            axes[0].plot(x, p50, marker="o", color=color, label=f"{s} p50")
+            axes[0].plot(x, p99, marker="x", ls="--", color=color, label=f"{s} p99")
+    axes[0].set(xlabel="arrival rate (req/s, Poisson)", ylabel="TTFT (ms)", yscale="log", title="TTFT vs load (Zipf)")
+    axes[0].legend(fontsize=7)
+    budget_rows = [r for r in rows if r["experiment"] in ("budgets", "rates")]
+    brate = next((r["rate"] for r in rows if r["experiment"] == "budgets"), None)
+    for s in STRATEGIES[1:]:
+        pts = sorted({(r["budget_gb"], r["ttft_p50_ms"], r["chunk_hit_rate"]) for r in budget_rows if r["strategy"] == s and r["rate"] == brate})
+        if pts:
+            x, p50, hit = zip(*pts)
+            axes[1].plot(x, p50, marker="o", color=f"C{STRATEGIES.index(s)}", label=s)
+            axes[2].plot(x, [100 * h for h in hit], marker="o", color=f"C{STRATEGIES.index(s)}", label=s)
+    axes[1].set(xlabel="KV cache budget (GB)", ylabel="TTFT p50 (ms)", xscale="log", title=f"TTFT vs budget ({brate} req/s)")
+    axes[2].set(xlabel="KV cache budget (GB)", ylabel="chunk hit rate (%)", xscale="log", title="hit rate vs budget")
+    for ax in axes[1:3]:
+        ax.legend(fontsize=8)
+        ax.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
+        ax.minorticks_off()
+    tput = {r["strategy"]: r["throughput_rps"] for r in rows if r["experiment"] == "throughput" and r.get("policy", "lru") == "lru"}
+    if tput:
+        axes[3].bar(list(tput), list(tput.values()), color=[f"C{STRATEGIES.index(s)}" for s in tput])
+        axes[3].tick_params(axis="x", labelsize=7, rotation=15)
+        axes[3].set(ylabel="requests/s", title="throughput, closed loop")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--experiments", default="rates,budgets,uniform,throughput", type=lambda s: s.split(","))
+    ap.add_argument("--strategies", default=",".join(STRATEGIES), type=lambda s: s.split(","),
+                    help="strategies of the rate and budget runs")
+    ap.add_argument("--uniform-strategies", default=",".join(STRATEGIES), type=lambda s: s.split(","),
+                    help="strategies of the uniform and throughput runs")
+    ap.add_argument("--rates", type=float, nargs="+", default=[0.5, 1, 2, 4], help="Poisson arrival rates (req/s)")
+    ap.add_argument("--rate", type=float, default=2.0, help="arrival rate of the budget and uniform runs")
+    ap.add_argument("--budget", type=float, default=1.0, help="KV cache budget (GB) of the rate, uniform and throughput runs")
+    ap.add_argument("--budgets", type=float, nargs="+", default=[1, 2, 4, 8], help="budgets of the budget runs (GB)")
+    ap.add_argument("--requests", type=int, default=60, help="requests per Poisson run")
+    ap.add_argument("--throughput-requests", type=int, default=100)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--policies", default="lru", type=lambda s: s.split(","),
+                    help="cache policies of the throughput runs: lru, lfu, gdsf, each with +admit for TinyLFU admission")
+    ap.add_argument("--alpha", type=float, default=2.1)
+    ap.add_argument("--work-gb", type=float, default=24.0, help="pool beyond the cache budget, for requests in flight")
+    ap.add_argument("--max-running", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "serving_h200.json")
+    ap.add_argument("--smoke", action="store_true", help="a tiny model and workload on the CPU (checks the loop, not the speed)")
+    ap.add_argument("--plot", type=Path, nargs="+", default=None, help="only print and plot these saved result files (merged)")
+    args = ap.parse_args(argv)
+    command = "python benchmarks/serving.py " + " ".join(argv if argv is not None else sys.argv[1:])
+
+    if args.plot:
+        runs = [json.loads(p.read_text()) for p in args.plot]
+        rows = [r for d in runs for r in d["rows"]]
+        meta = next(d["meta"] for d in runs if "title" in d["meta"])
+        print_tables(rows)
+        summary = summarize(rows, meta["budget_gb"], meta["rate"])
+        for k, v in summary.items():
+            print(f"{k:<48}{v:.2f}x")
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        merged = {"meta": {**meta, "merged_from": [str(p) for p in args.plot], "command": command}, "rows": rows, "summary": summary}
+        args.out.write_text(json.dumps(merged, indent=1))
+        plot(rows, args.out.with_suffix(".png"), meta["title"])
+        print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+        return 0
+
+    import torch
+
+    from lazyrag.sampling import SamplingParams
+
+    assert torch.cuda.is_available() or args.smoke, "the serving benchmark needs a CUDA GPU (or --smoke)"
+    t0 = time.perf_counter()
+    wl = Workload(requests=args.requests, vocab_size=128256)
+    if args.smoke:
+        wl = Workload(num_docs=12, doc_tokens=64, requests=args.requests, vocab_size=128256)
+    params = SamplingParams(max_new_tokens=wl.output_tokens, ignore_eos=True)
+    engine = build_engine(args)
+    load_s = time.perf_counter() - t0
+    warm_s = warm_up(engine, wl, params)
+    print(f"model {load_s:.0f} s, warm-up {warm_s:.0f} s", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    partial = lambda rows: args.out.write_text(json.dumps({"meta": {"partial": True, "command": command}, "rows": rows}, indent=1))  # noqa: E731
+    rows = experiments(args, engine, wl, params, partial)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (smoke test)"
+    title = (f"Llama-3.1-8B shapes, random bf16, {device}: {wl.num_docs} docs x {wl.doc_tokens} tokens, "
+             f"{wl.docs_per_prompt} per prompt, {wl.question_tokens}-token question, {wl.output_tokens} output tokens")
+    meta = {"title": title, "command": command, "device": device, "torch": torch.__version__,
+            "workload": asdict(wl), "alpha": args.alpha, "budget_gb": args.budget, "rate": args.rate,
+            "work_gb": args.work_gb, "max_running": args.max_running, "cache_policy": engine.cache.config.policy,
+            "model_load_s": load_s, "warm_up_s": warm_s, "seconds": time.perf_counter() - t0}
+    print_tables(rows)
+    summary = summarize(rows, args.budget, args.rate)
+    for k, v in summary.items():
+        print(f"{k:<48}{v:.2f}x")
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows, "summary": summary}, indent=1))
+    plot(rows, args.out.with_suffix(".png"), title)
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')} ({time.perf_counter() - t0:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

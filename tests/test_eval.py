@@ -1,0 +1,46 @@
+"""`lazyrag eval`: SQuAD-style scoring and the batched side-by-side evaluation."""
+import pytest
+
+from lazyrag.eval import DATA, accuracy, evaluate, exact_match, f1, normalize
+from tests.test_engine import CHUNKS
+
+
+def test_squad_scoring():
+    assert normalize("The  Eiffel Tower!") == "eiffel tower"
+    assert exact_match("the Eiffel tower.", ["Eiffel Tower"]) == 1.0
+    assert exact_match("It is the Eiffel tower", ["Eiffel Tower"]) == 0.0
+    assert accuracy("It is the Eiffel tower", ["Louvre", "Eiffel Tower"]) == 1.0
+    assert f1("Paris France", ["Paris"]) == pytest.approx(2 / 3)
+    assert f1("", ["Paris"]) == 0.0
+
+
+def test_batched_evaluation_matches_one_request_at_a_time(default_engine):
+    items = [
+        {"question": "Who won Nobel Prizes in 1903 and 1911?", "answers": ["Marie Curie"], "chunks": CHUNKS[:3]},
+        {"question": "How deep is the Mariana Trench?", "answers": ["10,935 metres"], "chunks": CHUNKS[1:4]},
+        {"question": "Where was Paganini born?", "answers": ["Genoa"], "chunks": CHUNKS[2:]},
+    ]
+    strategies = ["full", "position_aware", "lazy"]
+    out = evaluate(default_engine, items, strategies, max_new_tokens=6, progress=False, batch_items=2)
+    for s in strategies:
+        alone = [default_engine.generate(it["question"], it["chunks"], max_new_tokens=6, strategy=s).text.strip() for it in items]
+        assert out["answers"][s] == alone
+    summary = out["summary"]
+    assert summary["lazy"]["identical_to_position_aware_pct"] == 100.0
+    assert summary["full"]["prefilled_pct_of_prompt"] == 100.0
+    assert summary["lazy"]["prefilled_pct_of_prompt"] < 50  # the question tails only
+    assert 0 <= summary["full"]["accuracy"] <= 100
+
+
+@pytest.mark.skipif(not (DATA / "nq_open_oracle_2655.jsonl.gz").is_file(), reason="the shared NQ data is not beside this checkout")
+def test_eval_command_writes_json_and_plot(tmp_path):
+    import json
+
+    from lazyrag.cli import main
+
+    out = tmp_path / "q.json"
+    assert main(["eval", "--dataset", "nq", "--n", "2", "--strategies", "lazy,position_aware", "--max-new-tokens", "4",
+                 "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["n"] == 2 and set(result["summary"]) == {"lazy", "position_aware"}
+    assert out.with_suffix(".png").stat().st_size > 0
