@@ -167,6 +167,9 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--n", type=int, default=100, help="questions")
     p.add_argument("--distractors", type=int, default=4, help="nq: random passages besides the gold one")
     p.add_argument("--shuffle", action="store_true", help="hotpotqa: shuffle the paragraphs")
+    p.add_argument("--store", type=Path, default=None,
+                   help="nq retrieval mode: chunks are the top --k of this corpus store (lazyrag precache), not gold + distractors")
+    p.add_argument("--k", type=int, default=5, help="retrieval mode: chunks per question")
     p.add_argument("--strategies", default="full,position_aware,lazy,lazy:first=16,lazy:first=32",
                    help="comma-separated: full, prefix, position_aware, lazy, lazy:first=K (each chunk's first K tokens "
                         "recomputed in context), lazy:blend=R (CacheBlend: the fraction R of chunk tokens whose KV deviates "
@@ -192,10 +195,18 @@ def run_eval(args) -> int:
              else load_hotpotqa(path, args.n, args.shuffle, args.seed))
     strategies = args.strategies.split(",")
     engine = LazyEngine.from_pretrained(args.model, device=args.device)
+    if args.store is not None:  # retrieval mode: each question's top-k chunks of the corpus, their KV from the store
+        from lazyrag.retriever import Retriever
+
+        retriever = Retriever(args.store)
+        for item, hits in zip(items, retriever.retrieve_batch([it["question"] for it in items], args.k)):
+            item["chunks"] = [h.text for h in hits]
+        engine.attach_store(args.store)
     t = time.time()
     result = evaluate(engine, items, strategies, args.max_new_tokens, batch_items=args.batch)
     result.update({"dataset": args.dataset, "n": len(items), "model": engine.model_name, "device": str(engine.device),
-                   "command": "lazyrag " + " ".join(sys.argv[1:]), "seconds": time.time() - t})
+                   "command": "lazyrag " + " ".join(sys.argv[1:]), "seconds": time.time() - t,
+                   "mode": "retrieval" if args.store is not None else "oracle"})
     print(f"\n{args.dataset}, n={len(items)}, {engine.model_name} on {engine.device}")
     width = max(18, *(len(s) + 2 for s in strategies))
     print(f"{'strategy':<{width}}{'acc':>7}{'F1':>7}{'EM':>7}{'recomp%':>9}{'tokens%':>9}{'prefill%':>9}{'same as PA':>11}"
