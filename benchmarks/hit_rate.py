@@ -117,9 +117,8 @@ def run_one(strategy: str, prompts: list[PromptLayout], budget_bytes: int, polic
     for layout in prompts:
         plan = strat.plan(layout)
         # The scheduler's request lifecycle (Scheduler._plan, _prefill, _release), minus the model.
-        offset = plan.new_start % bs
-        seq = SeqState(context=plan.context, blocks=cache.allocate(-(-(offset + len(plan.new_ids) + wl.output_tokens) // bs)),
-                       next_pos=plan.new_start, num_written=offset if strategy == "prefix" else 0)
+        seq = SeqState(context=plan.context, blocks=cache.allocate(-(-(len(plan.new_ids) + wl.output_tokens) // bs)),
+                       next_pos=plan.new_start)
         strat.runner.prefill([seq], [plan.new_ids])
         strat.finish(plan, seq)
         pool.decref(seq.blocks)

@@ -72,13 +72,10 @@ def run(engine, strategy: str, prompts, params, *, rate: float | None = None, co
     ``policy``: the cache's eviction policy (lru, lfu, gdsf), ``+admit`` for TinyLFU admission."""
     import torch
 
-    from lazyrag.kv.policies import FrequencySketch, make_policy
+    from lazyrag.kv.cache import CacheConfig
 
-    engine.cache.clear()
-    engine.cache.budget_bytes = int(budget_gb * GiB)
     name, _, admit = policy.partition("+")
-    engine.cache.policy = make_policy(name)
-    engine.cache.sketch = FrequencySketch(engine.cache.config.sketch_window) if admit else None
+    engine.cache.reconfigure(CacheConfig(policy=name, admission=bool(admit), budget_bytes=int(budget_gb * GiB)))
     clock = SkipIdleClock()
     engine.scheduler.clock = clock
     held_outside = engine.pool.num_blocks - engine.pool.num_free - engine.cache._cached_blocks  # e.g. the CUDA-graph scratch block

@@ -41,6 +41,18 @@ def test_lru_evicts_least_recently_used_under_pressure():
     assert cache.stats.evictions == 1
 
 
+def test_reconfigure_starts_over_under_the_new_policy_and_budget():
+    cache = make(num_blocks=8)
+    for k in "abc":
+        add(cache, k)
+    cache.reconfigure(CacheConfig(policy="lfu", admission=True, budget_bytes=2 * SHAPE.bytes_per_block))
+    assert len(cache) == 0 and cache.pool.num_free == 8
+    assert cache.config.policy == "lfu" and cache.sketch is not None and cache.budget_bytes == 2 * SHAPE.bytes_per_block
+    add(cache, "d")
+    add(cache, "e")  # a second 2-block segment does not fit the 2-block budget
+    assert "d" in cache and "e" not in cache and cache.cached_bytes <= cache.budget_bytes
+
+
 def test_lfu_evicts_least_frequently_used():
     cache = make(num_blocks=6, policy="lfu")
     for k in "abc":

@@ -118,11 +118,7 @@ class CacheManager:
 
     def __init__(self, pool: BlockPool, config: CacheConfig | None = None, tiers: list[Tier] | None = None):
         self.pool = pool
-        self.config = config or CacheConfig()
-        self.policy = make_policy(self.config.policy)
-        self.sketch = FrequencySketch(self.config.sketch_window) if self.config.admission else None
-        pool_bytes = pool.num_blocks * pool.shape.bytes_per_block
-        self.budget_bytes = pool_bytes if self.config.budget_bytes is None else min(self.config.budget_bytes, pool_bytes)
+        self._apply(config or CacheConfig())
         self._segments: dict[str, Segment] = {}
         self._cached_blocks = 0
         self._lock = threading.RLock()
@@ -135,6 +131,21 @@ class CacheManager:
             self.tiers.append(DiskTier(self.config.disk_dir, self.config.disk_bytes or 1 << 62))
         if self.tiers and pool.device.type == "meta":
             raise ValueError("A pool on the meta device holds no values, so it cannot have host or disk tiers.")
+
+    def _apply(self, config: CacheConfig) -> None:
+        """Eviction policy, admission filter and budget from ``config`` (tiers are set up once, in __init__)."""
+        self.config = config
+        self.policy = make_policy(config.policy)
+        self.sketch = FrequencySketch(config.sketch_window) if config.admission else None
+        pool_bytes = self.pool.num_blocks * self.pool.shape.bytes_per_block
+        self.budget_bytes = pool_bytes if config.budget_bytes is None else min(config.budget_bytes, pool_bytes)
+
+    def reconfigure(self, config: CacheConfig) -> None:
+        """Start over under another policy, admission filter or budget: every unpinned segment leaves the pool."""
+        with self._lock:
+            self.clear()
+            assert not self._segments, "reconfigured while requests hold segments"
+            self._apply(config)
 
     # -- queries ----------------------------------------------------------------------------
 
