@@ -309,7 +309,8 @@ class PrefixCaching(Strategy):
     def _plan(self, layout: PromptLayout, plan: Plan) -> None:
         ids = layout.full_ids()
         bs = self.cache.pool.shape.block_size
-        keys = self._chain(ids[: len(ids) - 1])  # keep one token to prefill, for the logits
+        plan.block_keys = self._chain(ids)
+        keys = plan.block_keys[: (len(ids) - 1) // bs]  # keep one token to prefill, for the logits
         for key in keys:
             seg = self.cache.get(key)
             if seg is None:
@@ -323,7 +324,6 @@ class PrefixCaching(Strategy):
         ends = [s + len(c) for s, c in zip(layout.chunk_starts(), layout.chunk_ids)]
         plan.chunks_hit = sum(e <= cached for e in ends)
         plan.chunks_missed = len(ends) - plan.chunks_hit
-        plan.block_keys = self._chain(ids)
 
     def finish(self, plan: Plan, seq: SeqState) -> None:
         """Publish the request's newly computed whole prompt blocks into the hash chain."""
