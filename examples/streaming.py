@@ -26,7 +26,7 @@ def timed_stream(label: str, deltas) -> str:
 
 async def astream(rag: LazyRAG, inputs: dict) -> str:
     text = ""
-    async for chunk in rag.astream(inputs):  # the engine runs in a worker thread; the loop stays free
+    async for chunk in rag.astream(inputs):  # the engine's scheduler thread works; the loop only waits
         text += chunk.content
     return text
 

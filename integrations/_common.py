@@ -11,13 +11,12 @@ from __future__ import annotations
 import asyncio
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, AsyncIterator, Callable, Generator, Iterator, TypeVar
+from typing import TYPE_CHECKING, AsyncIterator, Generator, Iterator
 
 if TYPE_CHECKING:  # torch is imported only when an engine is really needed
     from lazyrag.engine import GenerationResult, LazyEngine
     from lazyrag.retriever import Retriever
 
-T = TypeVar("T")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 _lock = threading.Lock()
@@ -146,42 +145,29 @@ def result_info(result: "GenerationResult") -> dict:
             "finish_reason": result.finish_reason}
 
 
-async def aiter_in_thread(make_iter: Callable[[], Iterator[T]]) -> AsyncIterator[T]:
-    """Run a blocking iterator in one worker thread (asyncio.to_thread) and yield its items.
+# -- the same, for asyncio: the engine's scheduler thread does the work, the event loop only waits --
 
-    One thread runs it from start to end because the engine holds its (thread-owned) lock
-    for a whole generation; the event loop stays free meanwhile. If the consumer stops
-    early, the worker stops at the next item and closes the iterator."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-    stop = threading.Event()
-    end = object()
+async def aload_engine(adapter) -> "LazyEngine":
+    """``adapter.engine``, loading it (seconds, the first time) in a worker thread, not in the event loop."""
+    if getattr(adapter, "_engine", None) is None:
+        await asyncio.to_thread(lambda: adapter.engine)
+    return adapter.engine
 
-    def work():
-        it = make_iter()
-        try:
-            for item in it:
-                if stop.is_set():
-                    break
-                loop.call_soon_threadsafe(queue.put_nowait, (item, None))
-        except BaseException as e:  # re-raised in the consumer
-            loop.call_soon_threadsafe(queue.put_nowait, (end, e))
-            return
-        finally:
-            close = getattr(it, "close", None)
-            if close:
-                close()
-        loop.call_soon_threadsafe(queue.put_nowait, (end, None))
 
-    task = asyncio.ensure_future(asyncio.to_thread(work))
-    try:
-        while True:
-            item, err = await queue.get()
-            if item is end:
-                if err is not None:
-                    raise err
-                return
-            yield item
-    finally:
-        stop.set()
-        await task
+async def _atext_deltas(events: AsyncIterator[tuple[str, int]]) -> AsyncIterator[str]:
+    async for delta, _ in events:
+        if delta:
+            yield delta
+
+
+def astream_prompt(engine: "LazyEngine", prompt: str, params, strategy: str, done: list) -> AsyncIterator[str]:
+    """``stream_prompt`` for asyncio: text deltas; the GenerationResult is appended to ``done`` at the end.
+    Concurrent calls are batched by the engine's scheduler (no thread per request)."""
+    return _atext_deltas(engine.astream_layout(engine.layout_from_text(prompt), params, strategy, on_finish=done.append))
+
+
+def astream_chunks(engine: "LazyEngine", question: str, chunks: list[str], params, strategy: str, done: list,
+                   system: str | None = None) -> AsyncIterator[str]:
+    """``stream_chunks`` for asyncio (see astream_prompt)."""
+    layout = engine.build_prompt(question, chunks, system)
+    return _atext_deltas(engine.astream_layout(layout, params, strategy, on_finish=done.append))

@@ -17,7 +17,12 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator, Iterator, Optional, Union
 
-from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForLLMRun, CallbackManagerForRetrieverRun
+from langchain_core.callbacks import (
+    AsyncCallbackManagerForLLMRun,
+    AsyncCallbackManagerForRetrieverRun,
+    CallbackManagerForLLMRun,
+    CallbackManagerForRetrieverRun,
+)
 from langchain_core.documents import Document
 from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
@@ -25,7 +30,6 @@ from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable, RunnableConfig, RunnablePassthrough, RunnableSerializable
-from langchain_core.runnables.config import run_in_executor
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from lazyrag.integrations import _common
@@ -33,6 +37,13 @@ from lazyrag.integrations import _common
 __all__ = ["ChatLazyLlama", "LazyRAGRetriever", "LazyRAG", "rag_chain"]
 
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "chat": None}
+
+
+def _chat_result(chunks: list[ChatGenerationChunk]) -> ChatResult:
+    """A whole answer from its streamed chunks (the last one carries usage, stats and finish reason)."""
+    msg = sum(chunks[1:], chunks[0]).message
+    message = AIMessage(content=msg.content, usage_metadata=msg.usage_metadata, response_metadata=msg.response_metadata)
+    return ChatResult(generations=[ChatGeneration(message=message, generation_info={"finish_reason": msg.response_metadata["finish_reason"]})])
 
 
 def _to_chat_dicts(messages: list[BaseMessage]) -> list[dict]:
@@ -127,12 +138,7 @@ class ChatLazyLlama(BaseChatModel):
 
     def _generate(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
                   run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> ChatResult:
-        full: Optional[ChatGenerationChunk] = None
-        for chunk in self._stream(messages, stop, run_manager, **kwargs):
-            full = chunk if full is None else full + chunk
-        msg = full.message
-        message = AIMessage(content=msg.content, usage_metadata=msg.usage_metadata, response_metadata=msg.response_metadata)
-        return ChatResult(generations=[ChatGeneration(message=message, generation_info={"finish_reason": msg.response_metadata["finish_reason"]})])
+        return _chat_result(list(self._stream(messages, stop, run_manager, **kwargs)))
 
     def generation_chunks(self, gen, run_manager: Optional[CallbackManagerForLLMRun] = None) -> Iterator[ChatGenerationChunk]:
         """An engine text stream (see _common.stream_prompt) as chat chunks; the last one (empty text,
@@ -147,21 +153,41 @@ class ChatLazyLlama(BaseChatModel):
             if run_manager:
                 run_manager.on_llm_new_token(delta, chunk=chunk)
             yield chunk
+        yield self.last_chunk(result)
+
+    async def ageneration_chunks(self, deltas: AsyncIterator[str], done: list,
+                                 run_manager: Optional[AsyncCallbackManagerForLLMRun] = None) -> AsyncIterator[ChatGenerationChunk]:
+        """``generation_chunks`` for asyncio (see _common.astream_prompt)."""
+        async for delta in deltas:
+            chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
+            if run_manager:
+                await run_manager.on_llm_new_token(delta, chunk=chunk)
+            yield chunk
+        yield self.last_chunk(done[0])
+
+    def last_chunk(self, result) -> ChatGenerationChunk:
+        """The stream's last chunk: empty text, the token usage and the reuse stats of ``result``."""
         s = result.stats
         usage = UsageMetadata(input_tokens=s.prompt_tokens, output_tokens=s.new_tokens, total_tokens=s.prompt_tokens + s.new_tokens,
                               input_token_details={"cache_read": s.tokens_reused})
         info = _common.result_info(result)
         meta = {"model_name": self.model_name, "model_provider": "lazyrag", "finish_reason": info["finish_reason"],
                 "ttft_s": info["ttft_s"], "lazyrag": info["stats"]}
-        yield ChatGenerationChunk(message=AIMessageChunk(content="", usage_metadata=usage, response_metadata=meta, chunk_position="last"))
+        return ChatGenerationChunk(message=AIMessageChunk(content="", usage_metadata=usage, response_metadata=meta, chunk_position="last"))
 
-    async def _astream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None, run_manager=None,
-                       **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
-        # the engine runs in a worker thread; tokens reach the callbacks from the event loop
-        async for chunk in _common.aiter_in_thread(lambda: self._stream(messages, stop, None, **kwargs)):
-            if run_manager and chunk.message.content:
-                await run_manager.on_llm_new_token(chunk.message.content, chunk=chunk)
+    async def _astream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
+                       run_manager: Optional[AsyncCallbackManagerForLLMRun] = None, **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+        # the engine's scheduler batches concurrent calls; the event loop only waits for tokens
+        engine = await _common.aload_engine(self)
+        prompt = engine.render_chat(_to_chat_dicts(messages))
+        done: list = []
+        deltas = _common.astream_prompt(engine, prompt, self.sampling_params(stop, **kwargs), kwargs.get("strategy", self.strategy), done)
+        async for chunk in self.ageneration_chunks(deltas, done, run_manager):
             yield chunk
+
+    async def _agenerate(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
+                         run_manager: Optional[AsyncCallbackManagerForLLMRun] = None, **kwargs: Any) -> ChatResult:
+        return _chat_result([chunk async for chunk in self._astream(messages, stop, run_manager, **kwargs)])
 
 
 class LazyRAGRetriever(BaseRetriever):
@@ -211,7 +237,8 @@ class LazyRAG(RunnableSerializable[RAGInput, AIMessage]):
     llm: ChatLazyLlama = Field(default_factory=ChatLazyLlama)
     retriever: Optional[Runnable] = None
 
-    def _question_and_chunks(self, input: RAGInput, config: Optional[RunnableConfig]) -> tuple[str, list]:
+    def _parse(self, input: RAGInput) -> tuple[str, Optional[list]]:
+        """The question and the documents (None: the retriever has to find them)."""
         docs = None
         if isinstance(input, str):
             question = input
@@ -228,43 +255,68 @@ class LazyRAG(RunnableSerializable[RAGInput, AIMessage]):
             question, docs = queries.pop(), input
         else:
             raise TypeError(f"LazyRAG takes a question (str), a dict or a list of Documents, not {type(input).__name__}.")
-        if docs is None:
-            if self.retriever is None:
-                raise ValueError("LazyRAG got only a question and has no retriever: pass LazyRAG(retriever=...), "
-                                 "or {'question': ..., 'documents': [...]}.")
-            docs = self.retriever.invoke(question, config)
-        return question, list(docs)
-
-    def _chunks_stream(self, input: RAGInput, config: Optional[RunnableConfig]) -> Iterator[AIMessageChunk]:
-        question, docs = self._question_and_chunks(input, config)
-        texts = [d.page_content if isinstance(d, Document) else str(d) for d in docs]
-        llm = self.llm
-        gen = _common.stream_chunks(llm.engine, question, texts, llm.sampling_params(), llm.strategy)
-        for chunk in llm.generation_chunks(gen):
-            msg = chunk.message
-            if msg.chunk_position == "last":
-                msg.response_metadata["sources"] = [d.id if isinstance(d, Document) else None for d in docs]
-            yield msg
+        if docs is None and self.retriever is None:
+            raise ValueError("LazyRAG got only a question and has no retriever: pass LazyRAG(retriever=...), "
+                             "or {'question': ..., 'documents': [...]}.")
+        return question, docs
 
     @staticmethod
-    def _collect(inputs: Iterator) -> Any:
+    def _with_sources(chunk: ChatGenerationChunk, docs: list) -> AIMessageChunk:
+        msg = chunk.message
+        if msg.chunk_position == "last":
+            msg.response_metadata["sources"] = [d.id if isinstance(d, Document) else None for d in docs]
+        return msg
+
+    @staticmethod
+    def _texts(docs: list) -> list[str]:
+        return [d.page_content if isinstance(d, Document) else str(d) for d in docs]
+
+    def _chunks_stream(self, input: RAGInput, config: Optional[RunnableConfig]) -> Iterator[AIMessageChunk]:
+        question, docs = self._parse(input)
+        docs = list(self.retriever.invoke(question, config) if docs is None else docs)
+        llm = self.llm
+        gen = _common.stream_chunks(llm.engine, question, self._texts(docs), llm.sampling_params(), llm.strategy)
+        for chunk in llm.generation_chunks(gen):
+            yield self._with_sources(chunk, docs)
+
+    async def _achunks_stream(self, input: RAGInput, config: Optional[RunnableConfig]) -> AsyncIterator[AIMessageChunk]:
+        question, docs = self._parse(input)
+        docs = list(await self.retriever.ainvoke(question, config) if docs is None else docs)
+        llm = self.llm
+        engine = await _common.aload_engine(llm)
+        done: list = []
+        deltas = _common.astream_chunks(engine, question, self._texts(docs), llm.sampling_params(), llm.strategy, done)
+        async for chunk in llm.ageneration_chunks(deltas, done):
+            yield self._with_sources(chunk, docs)
+
+    @staticmethod
+    def _add_up(final: Any, x: Any) -> Any:
         """The whole input of a streamed step: partial outputs (a RunnableParallel's AddableDicts) added up."""
-        final = None
-        for x in inputs:
-            try:
-                final = x if final is None else final + x
-            except TypeError:
-                final = x
-        return final
+        try:
+            return x if final is None else final + x
+        except TypeError:
+            return x
 
     def _transform(self, inputs: Iterator, run_manager=None, config: Optional[RunnableConfig] = None) -> Iterator[AIMessageChunk]:
-        yield from self._chunks_stream(self._collect(inputs), config)
+        final = None
+        for x in inputs:
+            final = self._add_up(final, x)
+        yield from self._chunks_stream(final, config)
+
+    async def _atransform(self, inputs: AsyncIterator, run_manager=None, config: Optional[RunnableConfig] = None) -> AsyncIterator[AIMessageChunk]:
+        final = None
+        async for x in inputs:
+            final = self._add_up(final, x)
+        async for chunk in self._achunks_stream(final, config):
+            yield chunk
+
+    @staticmethod
+    def _message(chunks: list[AIMessageChunk]) -> AIMessage:
+        full = sum(chunks[1:], chunks[0])
+        return AIMessage(content=full.content, usage_metadata=full.usage_metadata, response_metadata=full.response_metadata)
 
     def invoke(self, input: RAGInput, config: Optional[RunnableConfig] = None, **kwargs: Any) -> AIMessage:
-        full = None
-        for chunk in self.stream(input, config):
-            full = chunk if full is None else full + chunk
-        return AIMessage(content=full.content, usage_metadata=full.usage_metadata, response_metadata=full.response_metadata)
+        return self._message(list(self.stream(input, config)))
 
     def stream(self, input: RAGInput, config: Optional[RunnableConfig] = None, **kwargs: Any) -> Iterator[AIMessageChunk]:
         yield from self.transform(iter([input]), config)
@@ -272,17 +324,20 @@ class LazyRAG(RunnableSerializable[RAGInput, AIMessage]):
     def transform(self, input: Iterator, config: Optional[RunnableConfig] = None, **kwargs: Any) -> Iterator[AIMessageChunk]:
         yield from self._transform_stream_with_config(input, self._transform, config, run_type="chain")
 
+    # asyncio: the engine's scheduler batches concurrent calls (abatch, gather), no thread per request
+
     async def ainvoke(self, input: RAGInput, config: Optional[RunnableConfig] = None, **kwargs: Any) -> AIMessage:
-        # in a worker thread (with the caller's context vars, for callbacks), the event loop stays free
-        return await run_in_executor(config, self.invoke, input, config)
+        return self._message([chunk async for chunk in self.astream(input, config)])
 
     async def astream(self, input: RAGInput, config: Optional[RunnableConfig] = None, **kwargs: Any) -> AsyncIterator[AIMessageChunk]:
-        async for chunk in _common.aiter_in_thread(lambda: self.stream(input, config)):
+        async def one():
+            yield input
+
+        async for chunk in self.atransform(one(), config):
             yield chunk
 
     async def atransform(self, input: AsyncIterator, config: Optional[RunnableConfig] = None, **kwargs: Any) -> AsyncIterator[AIMessageChunk]:
-        parts = [x async for x in input]
-        async for chunk in _common.aiter_in_thread(lambda: self.transform(iter(parts), config)):
+        async for chunk in self._atransform_stream_with_config(input, self._atransform, config, run_type="chain"):
             yield chunk
 
 

@@ -24,6 +24,10 @@ from typing import Any, Optional, Sequence
 
 from llama_index.core.base.base_query_engine import BaseQueryEngine
 from llama_index.core.base.base_retriever import BaseRetriever
+from llama_index.core.base.llms.generic_utils import (
+    astream_completion_response_to_chat_response,
+    completion_response_to_chat_response,
+)
 from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,
@@ -222,23 +226,41 @@ class LazyLlamaLLM(CustomLLM):
             out += delta
             yield CompletionResponse(text=out, delta=delta)
 
-    # -- async: the engine works in a worker thread, the event loop stays free --
+    # -- async: the engine's scheduler batches concurrent calls; no thread per request --
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        return await asyncio.to_thread(self.complete, prompt, formatted, **kwargs)
+        last = None
+        async for last in self._astream(prompt, formatted, kwargs):
+            pass
+        return CompletionResponse(text=last.text, raw=last.raw, additional_kwargs=last.additional_kwargs)
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
-        return _common.aiter_in_thread(lambda: self.stream_complete(prompt, formatted, **kwargs))
+        return self._astream(prompt, formatted, kwargs)
+
+    async def _astream(self, prompt: str, formatted: bool, kwargs: dict) -> CompletionResponseAsyncGen:
+        """``_stream`` for asyncio."""
+        engine = await _common.aload_engine(self)
+        text = prompt if formatted else self.completion_to_prompt(prompt)
+        done: list = []
+        out = ""
+        async for delta in _common.astream_prompt(engine, text, self._params(kwargs), kwargs.get("strategy", self.strategy), done):
+            out += delta
+            yield CompletionResponse(text=out, delta=delta)
+        info = self._record(done[0])
+        yield CompletionResponse(text=done[0].text, delta="", raw=info, additional_kwargs=info)
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return await asyncio.to_thread(self.chat, messages, **kwargs)
+        await _common.aload_engine(self)  # messages_to_prompt renders with the model's chat template
+        return completion_response_to_chat_response(await self.acomplete(self.messages_to_prompt(messages), formatted=True, **kwargs))
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
-        return _common.aiter_in_thread(lambda: self.stream_chat(messages, **kwargs))
+        await _common.aload_engine(self)
+        stream = await self.astream_complete(self.messages_to_prompt(messages), formatted=True, **kwargs)
+        return astream_completion_response_to_chat_response(stream)
 
     # -- the fast path, used by LazyRAGQueryEngine --
 
@@ -250,6 +272,14 @@ class LazyLlamaLLM(CustomLLM):
         result = yield from gen
         self._record(result)
         return result
+
+    async def astream_over_chunks(self, question: str, chunks: list[str], done: list, **kwargs: Any):
+        """``stream_over_chunks`` for asyncio: text deltas; the GenerationResult is appended to ``done``."""
+        engine = await _common.aload_engine(self)
+        async for delta in _common.astream_chunks(engine, question, chunks, self._params(kwargs),
+                                                  kwargs.get("strategy", self.strategy), done, system=self.system_prompt):
+            yield delta
+        self._record(done[-1])
 
 
 # -- retrieval -----------------------------------------------------------------------------------
@@ -325,17 +355,21 @@ class LazyRAGQueryEngine(BaseQueryEngine):
         return StreamingResponse(response_gen=deltas(), source_nodes=nodes, metadata=metadata)
 
     async def _aquery(self, query_bundle: QueryBundle):
-        if not self.streaming:
-            return await asyncio.to_thread(self._query, query_bundle)
         nodes = await self.retriever.aretrieve(query_bundle)
+        done: list = []
+        deltas = self.llm.astream_over_chunks(query_bundle.query_str, [node_chunk_text(n) for n in nodes], done)
+        if not self.streaming:
+            async for _ in deltas:
+                pass
+            return Response(response=done[0].text, source_nodes=nodes, metadata=_common.result_info(done[0]))
         metadata: dict = {}
 
-        def run():
-            gen = self.llm.stream_over_chunks(query_bundle.query_str, [node_chunk_text(n) for n in nodes])
-            result = yield from gen
-            metadata.update(_common.result_info(result))
+        async def response_gen():
+            async for delta in deltas:
+                yield delta
+            metadata.update(_common.result_info(done[0]))
 
-        return AsyncStreamingResponse(response_gen=_common.aiter_in_thread(run), source_nodes=nodes, metadata=metadata)
+        return AsyncStreamingResponse(response_gen=response_gen(), source_nodes=nodes, metadata=metadata)
 
 
 # -- embedding -----------------------------------------------------------------------------------

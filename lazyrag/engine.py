@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator, Callable, Iterator
 
 import torch
 
@@ -313,23 +313,13 @@ class LazyEngine:
                 if not self.scheduler.has_work():
                     self._work.wait()
 
-    async def astream_layout(self, layout: PromptLayout, params: SamplingParams, strategy: str = "lazy") -> AsyncIterator[tuple[str, int]]:
-        """Async (text delta, token id) events of one request; concurrent requests are batched together."""
-        async for event in self._aevents(layout, params, strategy, None):
-            yield event
-
-    async def agenerate_layout(self, layout: PromptLayout, params: SamplingParams, strategy: str = "lazy") -> GenerationResult:
-        box: list[Request] = []
-        async for _ in self._aevents(layout, params, strategy, box):
-            pass
-        return box[0].result()
-
-    async def _aevents(self, layout, params, strategy, box: list | None):
+    async def astream_layout(self, layout: PromptLayout, params: SamplingParams, strategy: str = "lazy",
+                             on_finish: Callable[[GenerationResult], None] | None = None) -> AsyncIterator[tuple[str, int]]:
+        """Async (text delta, token id) events of one request; concurrent requests are batched together.
+        ``on_finish`` receives the GenerationResult (stats, finish reason) after the last event."""
         loop = asyncio.get_running_loop()
         ready = asyncio.Event()
         req = self.add_request(layout, params, strategy, notify=lambda: loop.call_soon_threadsafe(ready.set))
-        if box is not None:
-            box.append(req)
         self._ensure_driver()
         try:
             while True:
@@ -339,9 +329,17 @@ class LazyEngine:
                     yield req.outputs.popleft()
                 if req.done and not req.outputs:
                     break
-            req.result()  # raises the request's error, if any
+            result = req.result()  # raises the request's error, if any
         finally:
             self._abandon(req)
+        if on_finish is not None:
+            on_finish(result)
+
+    async def agenerate_layout(self, layout: PromptLayout, params: SamplingParams, strategy: str = "lazy") -> GenerationResult:
+        done: list[GenerationResult] = []
+        async for _ in self.astream_layout(layout, params, strategy, on_finish=done.append):
+            pass
+        return done[0]
 
     async def agenerate(self, question: str, chunks: list[str], max_new_tokens: int = 128, temperature: float = 0.0,
                         top_p: float = 1.0, stop: list[str] | None = None, strategy: str = "lazy",

@@ -23,3 +23,24 @@ def adapter_engine(default_engine):
     yield default_engine
     default_engine.cache.tiers[:] = tiers
     default_engine.cache.clear()
+
+
+@pytest.fixture
+def decode_batches(adapter_engine, monkeypatch):
+    """The batch size of every decode step the engine runs while the test does (a spy on the runner)."""
+    runner = adapter_engine.scheduler.runner
+    sizes: list[int] = []
+    decode = runner.decode
+
+    def spy(seqs, tokens):
+        sizes.append(len(seqs))
+        return decode(seqs, tokens)
+
+    monkeypatch.setattr(runner, "decode", spy)
+    return sizes
+
+
+# More concurrent calls than any default thread pool runs at once (asyncio.to_thread and LangChain's
+# executor use at most 32 workers): adapters that ran the engine in a thread per call could not
+# batch them all.
+MANY = 34

@@ -11,7 +11,7 @@ from langchain_tests.unit_tests import ChatModelUnitTests
 
 from lazyrag.integrations.langchain import ChatLazyLlama, LazyRAG, LazyRAGRetriever, rag_chain
 from lazyrag.store import StoreError
-from tests.integration_fixtures import adapter_engine, tiny_store  # noqa: F401 (fixtures)
+from tests.integration_fixtures import MANY, adapter_engine, decode_batches, tiny_store  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 16  # the standard suites call the model ~30 times: keep generations short on CPU
@@ -111,6 +111,19 @@ def test_stream_batch_and_async_forms_agree(llm, tiny_store):
 
     streamed, invoked, batched = asyncio.run(run())
     assert streamed == invoked == answer and batched == [answer]
+
+
+def test_concurrent_async_calls_share_decode_steps(llm, tiny_store, decode_batches):
+    rag = LazyRAG(llm=ChatLazyLlama(device="cpu", max_tokens=6), retriever=LazyRAGRetriever(store=str(tiny_store), k=2))
+    questions = [f"Write a sentence about the violinist number {i}." for i in range(MANY)]
+    alone = [rag.invoke(q).content for q in (questions[0], questions[-1])]
+    decode_batches.clear()
+
+    answers = asyncio.run(rag.abatch(questions))
+
+    assert [answers[0].content, answers[-1].content] == alone
+    assert all(a.usage_metadata["output_tokens"] > 0 for a in answers)
+    assert max(decode_batches) == MANY  # every call in one batch: none waited for a free thread
 
 
 def test_rag_chain_helper_and_explicit_documents(llm, tiny_store):

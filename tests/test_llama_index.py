@@ -20,7 +20,7 @@ from lazyrag.integrations.llama_index import (
 )
 from lazyrag.store import StoreError
 from tests.conftest import TINY_DOCS
-from tests.integration_fixtures import adapter_engine, tiny_store  # noqa: F401 (fixtures)
+from tests.integration_fixtures import MANY, adapter_engine, decode_batches, tiny_store  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.slow
 MAX_NEW = 12
@@ -110,6 +110,20 @@ def test_chat_complete_stream_and_async(llm):
         return a.text, "".join(p or "" for p in parts)
 
     assert asyncio.run(run()) == (done.text, chat.message.content)
+
+
+def test_concurrent_async_calls_share_decode_steps(llm, decode_batches):
+    prompts = [f"Write a sentence about colour number {i}." for i in range(MANY)]
+    alone = [llm.complete(p, max_new_tokens=6).text for p in (prompts[0], prompts[-1])]
+    decode_batches.clear()
+
+    async def run():
+        return await asyncio.gather(*(llm.acomplete(p, max_new_tokens=6) for p in prompts))
+
+    answers = asyncio.run(run())
+    assert [answers[0].text, answers[-1].text] == alone
+    assert all(a.raw["stats"]["new_tokens"] > 0 for a in answers)
+    assert max(decode_batches) == MANY  # every call in one batch: none waited for a free thread
 
 
 def test_system_prompt_and_unknown_text(adapter_engine, llm):
