@@ -39,11 +39,15 @@ __all__ = ["ChatLazyLlama", "LazyRAGRetriever", "LazyRAG", "rag_chain"]
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "chat": None}
 
 
-def _chat_result(chunks: list[ChatGenerationChunk]) -> ChatResult:
+def _whole_message(chunks: list[AIMessageChunk]) -> AIMessage:
     """A whole answer from its streamed chunks (the last one carries usage, stats and finish reason)."""
-    msg = sum(chunks[1:], chunks[0]).message
-    message = AIMessage(content=msg.content, usage_metadata=msg.usage_metadata, response_metadata=msg.response_metadata)
-    return ChatResult(generations=[ChatGeneration(message=message, generation_info={"finish_reason": msg.response_metadata["finish_reason"]})])
+    full = sum(chunks[1:], chunks[0])
+    return AIMessage(content=full.content, usage_metadata=full.usage_metadata, response_metadata=full.response_metadata)
+
+
+def _chat_result(chunks: list[ChatGenerationChunk]) -> ChatResult:
+    message = _whole_message([c.message for c in chunks])
+    return ChatResult(generations=[ChatGeneration(message=message, generation_info={"finish_reason": message.response_metadata["finish_reason"]})])
 
 
 def _to_chat_dicts(messages: list[BaseMessage]) -> list[dict]:
@@ -310,13 +314,8 @@ class LazyRAG(RunnableSerializable[RAGInput, AIMessage]):
         async for chunk in self._achunks_stream(final, config):
             yield chunk
 
-    @staticmethod
-    def _message(chunks: list[AIMessageChunk]) -> AIMessage:
-        full = sum(chunks[1:], chunks[0])
-        return AIMessage(content=full.content, usage_metadata=full.usage_metadata, response_metadata=full.response_metadata)
-
     def invoke(self, input: RAGInput, config: Optional[RunnableConfig] = None, **kwargs: Any) -> AIMessage:
-        return self._message(list(self.stream(input, config)))
+        return _whole_message(list(self.stream(input, config)))
 
     def stream(self, input: RAGInput, config: Optional[RunnableConfig] = None, **kwargs: Any) -> Iterator[AIMessageChunk]:
         yield from self.transform(iter([input]), config)
@@ -327,7 +326,7 @@ class LazyRAG(RunnableSerializable[RAGInput, AIMessage]):
     # asyncio: the engine's scheduler batches concurrent calls (abatch, gather), no thread per request
 
     async def ainvoke(self, input: RAGInput, config: Optional[RunnableConfig] = None, **kwargs: Any) -> AIMessage:
-        return self._message([chunk async for chunk in self.astream(input, config)])
+        return _whole_message([chunk async for chunk in self.astream(input, config)])
 
     async def astream(self, input: RAGInput, config: Optional[RunnableConfig] = None, **kwargs: Any) -> AsyncIterator[AIMessageChunk]:
         async def one():

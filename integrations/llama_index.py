@@ -279,7 +279,7 @@ class LazyLlamaLLM(CustomLLM):
         async for delta in _common.astream_chunks(engine, question, chunks, self._params(kwargs),
                                                   kwargs.get("strategy", self.strategy), done, system=self.system_prompt):
             yield delta
-        self._record(done[-1])
+        self._record(done[0])
 
 
 # -- retrieval -----------------------------------------------------------------------------------

@@ -116,7 +116,8 @@ def evaluate(engine, items: list[dict], strategies: list[str], max_new_tokens: i
                     "acc": accuracy(answer, item["answers"]), "ttft_s": r.ttft_s, "prompt_tokens": st.prompt_tokens,
                     "tokens_prefilled": st.tokens_prefilled, "tokens_recomputed": st.tokens_recomputed,
                     "chunk_tokens": st.tokens_reused + st.tokens_recomputed,
-                    # what the recompute cost, in tokens through the whole model (chunks are pre-cached: no encoding)
+                    # compute beyond the new tokens, in tokens through the whole model: quality recovery, and
+                    # position_aware's re-encoding of chunks at positions it has no copy for (chunks are pre-cached)
                     "recompute_cost": st.tokens_prefilled - new_tokens,
                 })
         bar.update(len(group))
