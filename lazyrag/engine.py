@@ -14,7 +14,8 @@ from lazyrag.model.attention import make_attention_backend
 from lazyrag.model.llama import LlamaArgs, LlamaModel, build_rope
 from lazyrag.model.loader import check_llama_config, fingerprint, load_checkpoint, resolve_model_source
 from lazyrag.model.runner import ModelRunner
-from lazyrag.prompt import DEFAULT_SYSTEM_PROMPT, ChunkFinder, PromptBuilder, PromptLayout
+from lazyrag.prompt import (DEFAULT_SYSTEM_PROMPT, ChunkFinder, PromptBuilder, PromptLayout, check_chunks, check_layout,
+                            check_text)
 from lazyrag.sampling import SamplingParams
 from lazyrag.scheduler import GenerationResult, Request, RequestStats, Scheduler, SchedulerConfig  # noqa: F401  (re-exported)
 
@@ -88,6 +89,7 @@ class LazyEngine:
         self._work = threading.Event()  # set when a request arrives, for the asyncio driver thread
         self._driver: threading.Thread | None = None
         self._driver_lock = threading.Lock()
+        self._stepping_thread: int | None = None  # ident of the thread inside ``step``, if any
 
     # -- construction ---------------------------------------------------------------------
 
@@ -152,7 +154,9 @@ class LazyEngine:
         """Token ids of each segment: shared prefix, each chunk (tokenized alone), question tail."""
         if self.prompts is None:
             raise ValueError("This engine has no tokenizer; pass token ids through a PromptLayout instead.")
-        layout = self.prompts.build(question, list(chunks), system)
+        chunks = check_chunks(chunks)
+        layout = self.prompts.build(check_text(question, "question"), chunks,
+                                    None if system is None else check_text(system, "system"))
         self._check_length(layout.num_tokens)
         for text in chunks:
             self.chunk_finder.add(text)
@@ -174,7 +178,7 @@ class LazyEngine:
         """
         if self.prompts is None:
             raise ValueError("This engine has no tokenizer; pass token ids through a PromptLayout instead.")
-        layout = self.prompts.split_text(text, self.chunk_finder.find(text))
+        layout = self.prompts.split_text(check_text(text, "prompt"), self.chunk_finder.find(text))
         self._check_length(layout.num_tokens)
         return layout
 
@@ -229,6 +233,9 @@ class LazyEngine:
         ``notify`` is called from the stepping thread whenever the request has new output or ends.
         """
         strat = self._strategy(strategy)
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a lazyrag.sampling.SamplingParams; got {type(params).__name__}.")
+        check_layout(layout, self.model.args.vocab_size)
         self._check_length(layout.num_tokens, 0 if prompt_logits_only else params.max_new_tokens)
         req = Request(layout, params, strat, arrival=self.scheduler.clock() if arrival is None else arrival,
                       prompt_logits_only=prompt_logits_only, notify=notify)
@@ -239,7 +246,14 @@ class LazyEngine:
     def step(self) -> bool:
         """One forward pass over the requests in flight (a batched prefill or a batched decode step)."""
         with self._lock:
+            return self._step_locked()
+
+    def _step_locked(self) -> bool:
+        self._stepping_thread = threading.get_ident()
+        try:
             return self.scheduler.step()
+        finally:
+            self._stepping_thread = None
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
@@ -250,16 +264,17 @@ class LazyEngine:
             with self._lock:
                 if req.outputs or req.done:  # another thread stepped while this one waited for the lock
                     return
-                self.scheduler.step()
+                self._step_locked()
 
     def _abandon(self, req: Request) -> None:
         """The caller stopped listening: give the request's blocks and pins back now."""
         if not req.done:
             self.scheduler.abort(req)
             self._work.set()
-            if self._driver is None:
-                with self._lock:
-                    self.scheduler.step()
+            if self._stepping_thread == threading.get_ident():
+                return  # a finalizer inside this thread's own step: that step drops it
+            with self._lock:
+                self.scheduler.drop_aborted()
 
     def stream_layout(self, layout: PromptLayout, params: SamplingParams, strategy: str = "lazy") -> Iterator[tuple[str, int]]:
         """Yields (text delta, token id) per generated token; returns a GenerationResult (StopIteration.value).
@@ -306,8 +321,7 @@ class LazyEngine:
 
     def _drive_forever(self) -> None:
         while True:
-            with self._lock:
-                busy = self.scheduler.step()
+            busy = self.step()  # never raises for a request's fault: the scheduler fails that request alone
             if not busy:
                 self._work.clear()
                 if not self.scheduler.has_work():

@@ -57,6 +57,50 @@ class PromptLayout:
         return len(self.prefix_ids) + sum(map(len, self.chunk_ids)) + len(self.question_ids)
 
 
+def check_text(value, what: str) -> str:
+    """``value`` as prompt text, or a ValueError that names what is wrong with it."""
+    if not isinstance(value, str):
+        raise ValueError(f"{what} must be a string; got {type(value).__name__}.")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate, e.g. from a badly decoded file or JSON "\\ud800"
+        raise ValueError(f"{what} is not valid Unicode: character {e.start} is a lone surrogate "
+                         f"({value[e.start]!r}); decode the source text with errors='replace'.") from None
+    return value
+
+
+def check_chunks(chunks) -> list[str]:
+    """The chunks as a list of strings, or a ValueError that says what was passed instead."""
+    if isinstance(chunks, (str, bytes)):
+        raise ValueError("chunks must be a list of strings, not a single string (it would be read one "
+                         "character per chunk); wrap it: [text].")
+    if chunks is None:
+        raise ValueError("chunks must be a list of strings; got None (pass [] for no context).")
+    try:
+        chunks = list(chunks)
+    except TypeError:
+        raise ValueError(f"chunks must be a list of strings; got {type(chunks).__name__}.") from None
+    return [check_text(c, f"chunk {i}") for i, c in enumerate(chunks)]
+
+
+def check_layout(layout: "PromptLayout", vocab_size: int) -> None:
+    """A layout the model can run: token ids inside the vocabulary, a prefix and a question to prefill.
+    Checked before admission, since a bad id would fail inside a batch of other requests."""
+    if not layout.prefix_ids:
+        raise ValueError("The prompt layout has no prefix tokens; build it with engine.build_prompt or layout_from_text.")
+    if not layout.question_ids:
+        raise ValueError("The prompt layout has no tokens after its last chunk (the question); nothing would be prefilled.")
+    segments = [("the prefix", layout.prefix_ids), ("the question", layout.question_ids)]
+    segments += [(f"chunk {i}", c) for i, c in enumerate(layout.chunk_ids)]
+    for what, ids in segments:
+        try:
+            ok = not ids or (isinstance(min(ids), int) and min(ids) >= 0 and max(ids) < vocab_size)
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"The prompt layout's {what} holds values that are not token ids in [0, {vocab_size}).")
+
+
 class PromptBuilder:
     """Splits the model's chat template around the user's content to find the segments."""
 
@@ -116,6 +160,8 @@ class PromptBuilder:
         """A prompt with known chunks at ``found`` (start, end, chunk text) as a layout."""
         if found and not self._with_bos(self.encode(text[: found[0][0]])):
             found = found[1:]  # the strategies need a non-empty request prefix: a leading chunk becomes it
+        if found and not self.encode(text[found[-1][1] :].lstrip()):
+            found = found[:-1]  # and tokens after the last chunk to prefill: a trailing chunk becomes them
         if not found:  # nothing to reuse: the whole prompt is prefilled; its first token is the (non-empty) prefix
             ids = self._with_bos(self.encode(text))
             if not ids:

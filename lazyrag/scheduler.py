@@ -8,10 +8,16 @@ holds up a new question, and requests over the same chunks share one copy of the
 
 The scheduler is not thread-safe: one thread at a time calls ``step`` (the engine's lock).
 ``add`` and ``abort`` may be called from any thread at any time.
+
+Faults stay with their request: an exception while planning, running the model, sampling
+or notifying a consumer fails (or, for a consumer gone away, aborts) only the request(s) it
+belongs to, which give back their blocks and pins; a batch whose forward pass fails is run
+again one request at a time to find them. ``step`` itself never raises for a request's fault.
 """
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -61,6 +67,7 @@ class SchedulerConfig:
 
 
 _ids = itertools.count()
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -116,6 +123,7 @@ class Scheduler:
         self.inbox: deque[Request] = deque()  # added by any thread, taken in by ``step``
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._prefilling: list[Request] = []
         self.steps = {"prefill": 0, "decode": 0}
 
     # -- any thread ---------------------------------------------------------------------------
@@ -136,12 +144,31 @@ class Scheduler:
     def step(self) -> bool:
         """One forward pass: prefill the requests that can start, else decode all running ones.
         Returns False when there was nothing to do."""
+        try:
+            return self._step()
+        except Exception as e:  # a fault no single request owns (a bug): fail those in flight rather than hang them
+            log.exception("lazyrag scheduler step failed; failing the requests in flight")
+            for req in list(self.waiting) + self.running + self._prefilling:
+                self._fail(req, e)
+            self.waiting.clear()
+            self._prefilling = []
+            return True
+
+    def drop_aborted(self) -> None:
+        """Give back the blocks and pins of aborted requests now, without a forward pass."""
+        try:
+            self._drop_aborted()
+        except Exception:
+            log.exception("lazyrag scheduler failed to drop aborted requests")
+
+    def _step(self) -> bool:
         while self.inbox:
             self.waiting.append(self.inbox.popleft())
         self._drop_aborted()
-        admitted = self._admit()
-        if admitted:
-            self._prefill(admitted)
+        self._prefilling = self._admit()  # out of waiting, not yet running
+        if self._prefilling:
+            self._prefill(self._prefilling)
+            self._prefilling = []
             return True
         if self.running:
             self._decode()
@@ -164,9 +191,9 @@ class Scheduler:
             new_tokens = len(req.layout.question_ids)  # a lower bound before planning (full and prefix add more)
             if batch and tokens + new_tokens > self.config.max_prefill_tokens:
                 break
-            if (self.running or batch) and self.pool_cannot_fit(req):
-                break  # planning now would encode its chunks only to fail for blocks and throw them away
             try:
+                if (self.running or batch) and self.pool_cannot_fit(req):
+                    break  # planning now would encode its chunks only to fail for blocks and throw them away
                 self._plan(req)
             except OutOfBlocks as e:
                 if self.running or batch:
@@ -217,70 +244,109 @@ class Scheduler:
             req.detok = Detokenizer(self.tokenizer, req.params.stop)
 
     def _prefill(self, batch: list[Request]) -> None:
-        try:
-            logits = self.runner.prefill([r.seq for r in batch], [r.plan.new_ids for r in batch])  # [B, V]
-        except Exception as e:
-            for r in batch:
-                self._fail(r, e)
-            return
+        done = self._forward_isolated(batch, lambda rs: self.runner.prefill([r.seq for r in rs], [r.plan.new_ids for r in rs]))
         self.steps["prefill"] += 1
-        for r in batch:
-            r.strategy.finish(r.plan, r.seq)
-        self.running.extend(r for r in batch if not r.prompt_logits_only)
-        for r, row in zip(batch, logits):
+        sampled = []
+        for r, row in done:
+            try:
+                r.strategy.finish(r.plan, r.seq)
+                if r.prompt_logits_only:
+                    r.prompt_logits = row.float().cpu()
+            except Exception as e:
+                self._fail(r, e)
+                continue
             if r.prompt_logits_only:
-                r.prompt_logits = row.float().cpu()
                 self._finish(r, "length")
-        self._accept([r for r in batch if not r.prompt_logits_only], logits[[not r.prompt_logits_only for r in batch]])
+            else:
+                self.running.append(r)
+                sampled.append((r, row))
+        self._accept(sampled)
 
     def _decode(self) -> None:
         batch = list(self.running)
-        try:
-            logits = self.runner.decode([r.seq for r in batch], [r.last_token for r in batch])  # [B, V]
-        except Exception as e:
-            for r in batch:
-                self._fail(r, e)
-            return
+        done = self._forward_isolated(batch, lambda rs: self.runner.decode([r.seq for r in rs], [r.last_token for r in rs]))
         self.steps["decode"] += 1
-        self._accept(batch, logits)
+        self._accept(done)
 
-    def _accept(self, batch: list[Request], logits: torch.Tensor) -> None:
+    def _forward_isolated(self, batch: list[Request], forward: Callable[[list[Request]], torch.Tensor]) -> list[tuple[Request, torch.Tensor]]:
+        """(request, logits row) for each request whose forward pass ran. A failing batch runs again one
+        request at a time, so only the request(s) at fault fail (sequence state moves only on success)."""
+        try:
+            return list(zip(batch, forward(batch)))  # [B, V]
+        except Exception as e:
+            if len(batch) == 1:
+                self._fail(batch[0], e)
+                return []
+            log.warning("lazyrag: a batched forward of %d requests failed (%r); running them one at a time", len(batch), e)
+        done = []
+        for r in batch:
+            try:
+                done.append((r, forward([r])[0]))
+            except Exception as e:
+                self._fail(r, e)
+        return done
+
+    def _accept(self, batch: list[tuple[Request, torch.Tensor]]) -> None:
         """Sample each request's next token and apply end of turn, stop strings and the length limit."""
         if not batch:
             return
-        greedy = logits.argmax(-1).tolist()  # one device sync for the whole batch
+        greedy = torch.stack([row for _, row in batch]).argmax(-1).tolist()  # one device sync for the whole batch
         now = self.clock()
-        for r, row, best in zip(batch, logits, greedy):
-            token = best if r.params.temperature == 0 else sample(row, r.params, r.generator)
-            if r.first_token_at is None:
-                r.first_token_at = now
-            if token in self.end_tokens and not r.params.ignore_eos:
-                self._finish(r, "stop")
-                continue
-            r.seq.generated.append(token)
-            r.last_token = token
-            r.outputs.append((r.detok.push(token) if r.detok else "", token))
-            if r.detok and r.detok.stopped:
-                self._finish(r, "stop")
-            elif len(r.seq.generated) >= r.params.max_new_tokens:
-                self._finish(r, "length")
-            elif r.notify:
-                r.notify()
+        for (r, row), best in zip(batch, greedy):
+            try:
+                self._accept_one(r, row, best, now)
+            except Exception as e:  # e.g. a tokenizer that cannot decode the token: this request only
+                self._fail(r, e)
+
+    def _accept_one(self, r: Request, row: torch.Tensor, best: int, now: float) -> None:
+        token = best if r.params.temperature == 0 else sample(row, r.params, r.generator)
+        if r.first_token_at is None:
+            r.first_token_at = now
+        if token in self.end_tokens and not r.params.ignore_eos:
+            self._finish(r, "stop")
+            return
+        r.seq.generated.append(token)
+        r.last_token = token
+        r.outputs.append((r.detok.push(token) if r.detok else "", token))
+        if r.detok and r.detok.stopped:
+            self._finish(r, "stop")
+        elif len(r.seq.generated) >= r.params.max_new_tokens:
+            self._finish(r, "length")
+        else:
+            self._notify(r)
 
     def _finish(self, req: Request, reason: str) -> None:
+        if req.done:
+            return
         if req in self.running:
             self.running.remove(req)
-        self._release(req)
-        if req.detok:
-            tail = req.detok.finish()
-            if tail:
-                req.outputs.append((tail, -1))
+        try:
+            self._release(req)
+            if req.detok:
+                tail = req.detok.finish()
+                if tail:
+                    req.outputs.append((tail, -1))
+        except Exception as e:
+            log.exception("lazyrag: finishing request %d failed", req.id)
+            if req.error is None:
+                req.error, reason = e, "error"
         req.stats.new_tokens = len(req.seq.generated) if req.seq else 0
         req.finish_reason, req.finished_at, req.done = reason, self.clock(), True
-        if req.notify:
+        self._notify(req)
+
+    def _notify(self, req: Request) -> None:
+        if req.notify is None:
+            return
+        try:
             req.notify()
+        except Exception:  # its consumer is gone (say its event loop closed): stop the request, nothing else
+            log.debug("lazyrag: request %d's consumer cannot be notified; aborting it", req.id, exc_info=True)
+            req.notify = None
+            req.aborted = True
 
     def _fail(self, req: Request, error: BaseException) -> None:
+        if req.done:
+            return
         req.error = error
         self._finish(req, "error")
 
