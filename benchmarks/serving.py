@@ -78,7 +78,7 @@ def run(engine, strategy: str, prompts, params, *, rate: float | None = None, co
     engine.cache.reconfigure(CacheConfig(policy=name, admission=bool(admit), budget_bytes=int(budget_gb * GiB)))
     clock = SkipIdleClock()
     engine.scheduler.clock = clock
-    held_outside = engine.pool.num_blocks - engine.pool.num_free - engine.cache._cached_blocks  # e.g. the CUDA-graph scratch block
+    held_outside = engine.cache.pool.num_blocks - engine.cache.pool.num_free - engine.cache._cached_blocks  # e.g. the CUDA-graph scratch block
     rng = random.Random(seed)
     todo = deque(prompts)
     reqs = []
@@ -110,7 +110,7 @@ def run(engine, strategy: str, prompts, params, *, rate: float | None = None, co
     results = [r.result() for r in reqs]
     assert all(len(r.token_ids) == params.max_new_tokens for r in results)
     assert all(s.pins == 0 for s in engine.cache._segments.values()), "a finished request left a pin"
-    assert engine.pool.num_free + engine.cache._cached_blocks + held_outside == engine.pool.num_blocks, "leaked blocks"
+    assert engine.cache.pool.num_free + engine.cache._cached_blocks + held_outside == engine.cache.pool.num_blocks, "leaked blocks"
     ttft = [r.ttft_s for r in results]
     first = min(r.arrival for r in reqs)
     makespan = max(r.finished_at for r in reqs) - first

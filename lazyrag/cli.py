@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _ask(args) -> int:
     from lazyrag.engine import LazyEngine
-    from lazyrag.sampling import SamplingParams
+    from lazyrag.engine import SamplingParams
 
     chunks = list(args.chunk)
     if args.chunks_file:
@@ -93,18 +93,11 @@ def _ask(args) -> int:
         for hit in Retriever(store).retrieve(args.question, args.k):
             print(f"[retrieved {hit.score:.3f}] {hit.doc_id}: {hit.text[:90]!r}", file=sys.stderr)
             chunks.append(hit.text)
-    it = engine.stream_layout(
-        engine.build_prompt(args.question, chunks, args.system),
-        SamplingParams(args.max_new_tokens, args.temperature, args.top_p, args.stop),
-        args.strategy,
-    )
-    while True:
-        try:
-            delta, _ = next(it)
-            print(delta, end="", flush=True)
-        except StopIteration as done:
-            r = done.value
-            break
+    stream = engine.stream(args.question, chunks, SamplingParams(args.max_new_tokens, args.temperature, args.top_p,
+                                                                 args.stop, strategy=args.strategy), system=args.system)
+    for delta in stream:
+        print(delta, end="", flush=True)
+    r = stream.result()
     s = r.stats
     print(f"\n\n[{s.strategy}] TTFT {1e3 * r.ttft_s:.0f} ms, {s.new_tokens} tokens in {r.total_s:.2f} s; "
           f"chunks hit {s.chunks_hit}, missed {s.chunks_missed}; prefilled {s.tokens_prefilled} of {s.prompt_tokens} prompt tokens",

@@ -93,16 +93,16 @@ def evaluate(engine, items: list[dict], strategies: list[str], max_new_tokens: i
     continuous batch, which on a CPU decodes several times faster than one request at a time."""
     from tqdm import tqdm
 
-    from lazyrag.sampling import SamplingParams
+    from lazyrag.engine import SamplingParams
 
-    params = SamplingParams(max_new_tokens)
     per = {s: [] for s in strategies}
     bar = tqdm(total=len(items), desc="eval", unit="question", disable=not progress)
     for i in range(0, len(items), batch_items):
         group = items[i : i + batch_items]
         for item in group:
             engine.precache(item["chunks"])  # chunk encoding is not what is being compared
-        requests = [[engine.add_request(engine.build_prompt(item["question"], item["chunks"]), params, s) for s in strategies]
+        requests = [[engine.add_request(engine.build_prompt(item["question"], item["chunks"]),
+                                        SamplingParams(max_new_tokens, strategy=s)) for s in strategies]
                     for item in group]
         while engine.has_unfinished_requests():
             engine.step()

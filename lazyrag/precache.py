@@ -164,20 +164,7 @@ def chunk_documents(docs, prompts, chunk_tokens: int, overlap: int, block_size: 
 
 def _encode_kv(engine, prefix_ids: list[int], chunk_ids: list[list[int]]) -> dict:
     """Each chunk's K/V via the engine's lazy strategy (encoded after the shared prefix), copied to CPU."""
-    from lazyrag.kv.strategies import Plan
-    from lazyrag.prompt import PromptLayout
-
-    strat = engine.strategies["lazy"]
-    layout = PromptLayout(prefix_ids=prefix_ids, chunk_ids=chunk_ids, question_ids=[])
-    plan = Plan(context=[], new_ids=[], new_start=0)
-    with engine._lock:
-        try:
-            prefix, chunks = strat.base_segments(layout, plan)
-            out = {key: engine.cache.read_kv(seg) for key, seg in chunks.items()}
-            out[prefix.key] = engine.cache.read_kv(prefix)
-        finally:
-            strat.release(plan)
-    return out
+    return engine.encode_chunks(chunk_ids, prefix_ids, read=True)[1]
 
 
 def precache(engine, config: PrecacheConfig, embedder=None) -> PrecacheReport:
@@ -190,7 +177,7 @@ def precache(engine, config: PrecacheConfig, embedder=None) -> PrecacheReport:
     if not docs:
         raise StoreError(f"No documents found in {', '.join(config.inputs)}.")
     prompts = engine.prompts
-    chunks = chunk_documents(docs, prompts, config.chunk_tokens, config.overlap, engine.pool.shape.block_size)
+    chunks = chunk_documents(docs, prompts, config.chunk_tokens, config.overlap, engine.cache.pool.shape.block_size)
     embedder = embedder or load_embedder(config.embedder)
     manifest = engine_manifest(engine, embedder=config.embedder, embed_dim=_embed_dim(embedder),
                                chunk_tokens=config.chunk_tokens, overlap=config.overlap,

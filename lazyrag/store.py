@@ -113,12 +113,12 @@ def engine_manifest(engine, *, embedder: str, embed_dim: int, chunk_tokens: int,
     if engine.prompts is None:
         raise StoreError("The engine has no tokenizer; a corpus store needs one to tokenize chunks.")
     system = system or engine.prompts.system_prompt
-    shape = engine.pool.shape
+    shape = engine.cache.pool.shape
     prefix_ids = engine.prompts.prefix_ids(system)
     return StoreManifest(
         model_fingerprint=engine.fingerprint, model_name=engine.model_name, dtype=str(shape.dtype).replace("torch.", ""),
         block_size=shape.block_size, num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-        system_prompt=system, prefix_ids=list(prefix_ids), prefix_key=engine.strategies["lazy"].prefix_key(prefix_ids),
+        system_prompt=system, prefix_ids=list(prefix_ids), prefix_key=engine.kv_identity(system).prefix_key,
         embedder=embedder, embed_dim=embed_dim, chunk_tokens=chunk_tokens, overlap=overlap,
         chunks_per_shard=chunks_per_shard, index_kind=index_kind,
     )
@@ -393,6 +393,5 @@ def attach_store(engine, store: "CorpusStore | str | Path") -> CorpusStore:
     if not isinstance(store, CorpusStore):
         store = CorpusStore.open(store)
     store.check_compatible(engine)
-    if store not in engine.cache.tiers:
-        engine.cache.tiers.append(store)
+    engine.cache.add_tier(store)
     return store

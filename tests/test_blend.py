@@ -3,8 +3,8 @@ is selected, never writes the shared chunk KV, and recomputes the most-deviating
 import pytest
 import torch
 
-from lazyrag.kv.strategies import lazy_options
-from lazyrag.model.blend import select, selective_recompute
+from lazyrag.engine.blend import select, selective_recompute
+from lazyrag.engine.request import strategy_options
 from tests.test_engine import CHUNKS, QUESTION, rel_err
 
 
@@ -30,7 +30,7 @@ def test_shared_chunk_kv_is_never_written(tiny_engine):
     engine = tiny_engine
     engine.cache.clear()
     engine.precache(CHUNKS[:3])
-    pool, free = engine.pool, engine.pool.num_free
+    pool, free = engine.cache.pool, engine.cache.pool.num_free
     blocks = torch.tensor([b for s in engine.cache._segments.values() for b in s.blocks])
     k, v = pool.k[:, blocks].clone(), pool.v[:, blocks].clone()
     r = engine.generate(QUESTION, CHUNKS[:3], max_new_tokens=2, strategy="lazy:blend=0.5")
@@ -42,7 +42,7 @@ def test_shared_chunk_kv_is_never_written(tiny_engine):
 def test_the_most_deviating_tokens_are_selected(tiny_engine):
     engine = tiny_engine
     layout = engine.build_prompt(QUESTION, CHUNKS[:3])
-    lazy = engine._strategy("lazy")
+    lazy = engine.scheduler.planner["lazy"]
     plan = lazy.plan(layout)
     owned = []
 
@@ -64,7 +64,7 @@ def test_the_most_deviating_tokens_are_selected(tiny_engine):
         copies = {blk for p in b.context if p.segment.kind == "blended" for blk in p.segment.blocks}
         assert owned and set(owned) <= copies
     finally:
-        engine.pool.decref(owned)
+        engine.cache.pool.decref(owned)
         lazy.release(plan)
 
 
@@ -91,8 +91,8 @@ def test_blend_through_generate_on_the_default_model(default_engine):
 
 
 def test_strategy_names():
-    assert lazy_options("lazy:blend=0.15") == {"blend": 0.15}
-    assert lazy_options("lazy:first=16:blend=0.1:select=chunk") == {"recompute_first": 16, "blend": 0.1, "blend_per_chunk": True}
+    assert strategy_options("lazy:blend=0.15") == {"blend": 0.15}
+    assert strategy_options("lazy:first=16:blend=0.1:select=chunk") == {"recompute_first": 16, "blend": 0.1, "blend_per_chunk": True}
     for bad in ("lazy:blend=0", "lazy:blend=1.5", "lazy:blend=x", "lazy:select=chunk", "lazy:first=0", "lazy:blend=0.1:blend=0.2", "lazy:foo=1"):
         with pytest.raises(ValueError, match="lazy:blend=R"):
-            lazy_options(bad)
+            strategy_options(bad)

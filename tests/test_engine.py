@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from lazyrag.kv.strategies import LazyStitching
+from lazyrag.engine.reuse import LazyStitching
 
 CHUNKS = [
     "The Grand Canal of China, begun in the 5th century BC, links Beijing with Hangzhou over 1,776 kilometres.",
@@ -94,7 +94,7 @@ def test_prefix_caching_reuses_exact_prefix_only(engine):
     layout = engine.build_prompt(QUESTION, chunks)
     cold = engine.generate(QUESTION, chunks, max_new_tokens=1, strategy="prefix")
     warm = engine.generate(QUESTION, chunks, max_new_tokens=1, strategy="prefix")
-    bs = engine.pool.shape.block_size
+    bs = engine.cache.pool.shape.block_size
     assert cold.stats.tokens_reused == 0
     assert warm.stats.tokens_reused == (layout.num_tokens - 1) // bs * bs
     assert rel_err(engine.layout_logits(layout, "prefix"), engine.layout_logits(layout, "full")) < 1e-4
@@ -123,12 +123,12 @@ def test_stream_yields_the_generated_text(engine):
 
 def test_pool_blocks_are_returned_after_requests(engine):
     engine.cache.clear()
-    free = engine.pool.num_free
+    free = engine.cache.pool.num_free
     engine.generate(QUESTION, CHUNKS[:2], max_new_tokens=3, strategy="full")
-    assert engine.pool.num_free == free
+    assert engine.cache.pool.num_free == free
     engine.generate(QUESTION, CHUNKS[:2], max_new_tokens=3)
     cached_blocks = sum(len(s.blocks) for s in engine.cache._segments.values())
-    assert engine.pool.num_free == free - cached_blocks
+    assert engine.cache.pool.num_free == free - cached_blocks
     assert all(s.pins == 0 for s in engine.cache._segments.values())
 
 
@@ -142,14 +142,14 @@ def test_recomputing_chunk_heads_in_context(engine):
     layout = engine.build_prompt(QUESTION, chunks)
     full = engine.layout_logits(layout, "full")
     lazy = engine.layout_logits(layout, "lazy")
-    free = engine.pool.num_free
+    free = engine.cache.pool.num_free
     r = engine.generate(QUESTION, chunks, max_new_tokens=1, strategy="lazy:first=512")
     assert r.stats.tokens_recomputed == sum(map(len, layout.chunk_ids))
-    assert engine.pool.num_free == free  # the recomputed blocks went back with the request
+    assert engine.cache.pool.num_free == free  # the recomputed blocks went back with the request
     covered = engine.layout_logits(layout, "lazy:first=512")
     assert rel_err(covered, full) < 1e-4 < rel_err(lazy, full)
     part = engine.generate(QUESTION, CHUNKS[:4], max_new_tokens=1, strategy="lazy:first=16")
-    bs = engine.pool.shape.block_size
+    bs = engine.cache.pool.shape.block_size
     assert part.stats.tokens_recomputed == 4 * bs and part.stats.chunks_hit + part.stats.chunks_missed == 4
     with pytest.raises(ValueError, match="lazy:first=K"):
         engine.generate(QUESTION, chunks, strategy="lazy:first=x")
@@ -161,7 +161,7 @@ def test_a_failed_request_gives_back_what_it_pinned(tiny_engine, monkeypatch):
     engine = tiny_engine
     engine.cache.clear()
     engine.generate(QUESTION, CHUNKS[:2], max_new_tokens=1)  # prefix and two chunks cached
-    free = engine.pool.num_free
+    free = engine.cache.pool.num_free
     real = engine.cache.allocate
 
     def exhausted(n):
@@ -172,7 +172,7 @@ def test_a_failed_request_gives_back_what_it_pinned(tiny_engine, monkeypatch):
         engine.generate(QUESTION, CHUNKS[:3], max_new_tokens=1)  # hits two, fails encoding the third
     monkeypatch.setattr(engine.cache, "allocate", real)
     assert all(s.pins == 0 for s in engine.cache._segments.values())
-    assert engine.pool.num_free == free
+    assert engine.cache.pool.num_free == free
 
 
 def test_position_aware_variants_cache_what_they_say(tiny_engine):

@@ -11,7 +11,7 @@ import torch
 
 from lazyrag.engine import LazyEngine
 from lazyrag.prompt import PromptLayout
-from lazyrag.sampling import SamplingParams
+from lazyrag.engine import SamplingParams
 from tests.conftest import tiny_llama_config
 
 CUDA = torch.cuda.is_available()
@@ -70,9 +70,8 @@ def test_lazy_equals_position_aware(case, seed):
     aware = engine.layout_logits(layout, "position_aware")
     assert rel_err(lazy, aware) < tolerance(dtype)
     if dtype == torch.float32:
-        params = SamplingParams(max_new_tokens=8)
-        a = engine.generate_layout(layout, params, "lazy")
-        b = engine.generate_layout(layout, params, "position_aware")
+        a = engine.submit(layout, SamplingParams(max_new_tokens=8)).result()
+        b = engine.submit(layout, SamplingParams(max_new_tokens=8, strategy="position_aware")).result()
         assert a.token_ids == b.token_ids and len(a.token_ids) == 8
 
 
@@ -89,10 +88,10 @@ def test_full_matches_transformers_and_one_chunk_lazy_equals_full(case):
 def test_reuse_at_new_position_runs_only_the_question(case):
     engine, _, _ = case
     layout = random_layout(4)
-    engine.generate_layout(layout, SamplingParams(max_new_tokens=1), "lazy")
+    engine.submit(layout, SamplingParams(max_new_tokens=1)).result()
     moved = PromptLayout(layout.prefix_ids, layout.chunk_ids[::-1], layout.question_ids)
     before = engine.runner.tokens_forwarded
-    r = engine.generate_layout(moved, SamplingParams(max_new_tokens=1), "lazy")
+    r = engine.submit(moved, SamplingParams(max_new_tokens=1)).result()
     assert r.stats.chunks_missed == 0
     assert engine.runner.tokens_forwarded - before == len(layout.question_ids)
 
@@ -105,8 +104,8 @@ def test_cuda_graph_decode_matches_eager(hf_model):
     graphs = LazyEngine.from_hf(hf_model, None, device="cuda", dtype=torch.float32, kv_budget=32 << 20)
     eager = LazyEngine.from_hf(hf_model, None, device="cuda", dtype=torch.float32, kv_budget=32 << 20, cuda_graphs=False)
     assert graphs.runner.graphs is not None and eager.runner.graphs is None
-    a = graphs.generate_layout(layout, params, "lazy")
-    b = eager.generate_layout(layout, params, "lazy")
+    a = graphs.submit(layout, params).result()
+    b = eager.submit(layout, params).result()
     assert a.token_ids == b.token_ids
     assert graphs.runner.graphs.graphs  # something was captured and replayed
 
@@ -138,10 +137,10 @@ def test_batched_requests_match_one_at_a_time(case):
         pytest.skip("bf16 batches round differently from single requests; the fp32 cases check the tokens")
     layouts = [random_layout(10 + i) for i in range(5)]
     strategies = ["lazy", "position_aware", "full", "prefix", "lazy:first=16"]
-    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (4, 11, 6, 9, 7)]
-    alone = [engine.generate_layout(lay, p, s).token_ids for lay, p, s in zip(layouts, params, strategies)]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True, strategy=s) for n, s in zip((4, 11, 6, 9, 7), strategies)]
+    alone = [engine.submit(lay, p).result().token_ids for lay, p in zip(layouts, params)]
     prefills = engine.scheduler.steps["prefill"]
-    reqs = [engine.add_request(lay, p, s) for lay, p, s in zip(layouts, params, strategies)]
+    reqs = [engine.add_request(lay, p) for lay, p in zip(layouts, params)]
     while engine.has_unfinished_requests():
         engine.step()
     assert [r.result().token_ids for r in reqs] == alone

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from lazyrag.sampling import SamplingParams
+from lazyrag.engine import SamplingParams
 from tests.test_engine import CHUNKS, QUESTION
 from tests.test_scheduler import QUESTIONS, _assert_nothing_held, _layouts, _run_to_completion
 
@@ -41,7 +41,7 @@ def test_tiny_temperature_samples_the_top_token(fresh_engine):
     import torch
 
     logits = torch.tensor([1.0, 3.0, 2.0])
-    from lazyrag.sampling import sample
+    from lazyrag.engine.sampling import sample
 
     assert sample(logits, SamplingParams(temperature=1e-30), torch.Generator().manual_seed(0)) == 1
 
@@ -57,8 +57,8 @@ def test_a_request_that_fails_while_sampling_fails_alone(fresh_engine):
     engine = fresh_engine
     layouts = _layouts(engine, 4, seed=11)
     good = SamplingParams(max_new_tokens=6, ignore_eos=True)
-    alone = [engine.generate_layout(lay, good).token_ids for lay in layouts][:3]  # and every chunk cached
-    free_before = engine.pool.num_free
+    alone = [engine.submit(lay, good).result().token_ids for lay in layouts][:3]  # and every chunk cached
+    free_before = engine.cache.pool.num_free
 
     reqs = [engine.add_request(lay, good) for lay in layouts[:3]]
     bad = engine.add_request(layouts[3], _poisoned_params())
@@ -77,8 +77,8 @@ def test_a_failing_forward_pass_fails_only_the_request_at_fault(fresh_engine, mo
     engine = fresh_engine
     layouts = _layouts(engine, 3, seed=12)
     params = SamplingParams(max_new_tokens=5, ignore_eos=True)
-    alone = [engine.generate_layout(lay, params).token_ids for lay in layouts][:2]
-    free_before = engine.pool.num_free
+    alone = [engine.submit(lay, params).result().token_ids for lay in layouts][:2]
+    free_before = engine.cache.pool.num_free
     reqs = [engine.add_request(lay, params) for lay in layouts]
     poisoned = reqs[2]
     runner = engine.runner
@@ -102,8 +102,8 @@ def test_a_notify_callback_that_raises_aborts_only_its_request(fresh_engine):
     engine = fresh_engine
     layouts = _layouts(engine, 2, seed=13)
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
-    expected = [engine.generate_layout(lay, params).token_ids for lay in layouts][0]
-    free_before = engine.pool.num_free
+    expected = [engine.submit(lay, params).result().token_ids for lay in layouts][0]
+    free_before = engine.cache.pool.num_free
 
     def closed_loop():
         raise RuntimeError("Event loop is closed")
@@ -123,12 +123,12 @@ def test_async_faults_fail_alone_across_event_loops(fresh_engine):
     engine = fresh_engine
     layouts = _layouts(engine, 3, seed=14)
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
-    expected = [engine.generate_layout(lay, params).token_ids for lay in layouts]
-    free_before = engine.pool.num_free
+    expected = [engine.submit(lay, params).result().token_ids for lay in layouts]
+    free_before = engine.cache.pool.num_free
 
     async def with_a_poisoned_neighbour():
-        return await asyncio.gather(*(engine.agenerate_layout(lay, params) for lay in layouts),
-                                    engine.agenerate_layout(layouts[0], _poisoned_params()), return_exceptions=True)
+        return await asyncio.gather(*(engine.submit(lay, params).aresult() for lay in layouts),
+                                    engine.submit(layouts[0], _poisoned_params()).aresult(), return_exceptions=True)
 
     *good, bad = asyncio.run(asyncio.wait_for(with_a_poisoned_neighbour(), 60))
     assert [r.token_ids for r in good] == expected
@@ -137,14 +137,14 @@ def test_async_faults_fail_alone_across_event_loops(fresh_engine):
     async def cancelled():
         long = SamplingParams(max_new_tokens=2000, ignore_eos=True)
         with pytest.raises(asyncio.TimeoutError):
-            await asyncio.wait_for(engine.agenerate_layout(layouts[1], long), 0.3)
+            await asyncio.wait_for(engine.submit(layouts[1], long).aresult(), 0.3)
         # its loop closes right after; the scheduler still holds (or just dropped) the request
 
     for _ in range(2):
         asyncio.run(cancelled())
 
     async def next_loop():
-        return await asyncio.gather(*(engine.agenerate_layout(lay, params) for lay in layouts))
+        return await asyncio.gather(*(engine.submit(lay, params).aresult() for lay in layouts))
 
     again = asyncio.run(asyncio.wait_for(next_loop(), 60))  # hung forever when the driver thread died
     assert [r.token_ids for r in again] == expected
@@ -161,15 +161,15 @@ def test_threads_with_a_bad_request_among_them(fresh_engine):
     engine = fresh_engine
     layouts = _layouts(engine, 4, seed=15)
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
-    expected = [engine.generate_layout(lay, params).token_ids for lay in layouts]
-    free_before = engine.pool.num_free
+    expected = [engine.submit(lay, params).result().token_ids for lay in layouts]
+    free_before = engine.cache.pool.num_free
     got, errors = [None] * 5, [None] * 5
     start = threading.Barrier(5)
 
     def worker(i):
         start.wait()
         try:
-            got[i] = engine.generate_layout(layouts[i % 4], params if i < 4 else _poisoned_params()).token_ids
+            got[i] = engine.submit(layouts[i % 4], params if i < 4 else _poisoned_params()).result().token_ids
         except Exception as e:
             errors[i] = e
 

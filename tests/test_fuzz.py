@@ -17,7 +17,7 @@ import torch
 
 from lazyrag.kv.block_pool import OutOfBlocks
 from lazyrag.kv.cache import CacheConfig
-from lazyrag.sampling import SamplingParams
+from lazyrag.engine import SamplingParams
 
 WORDS = ["canal", "Curie", "trench", "basalt", "violin", "1903", "Beijing", "depth", "lava", "prize",
          "naïve", "café", "東京", "Ελλάδα", "😀", "e\u0301", "שלום", "\t", "—", "..."]
@@ -29,10 +29,10 @@ def _text(rng: random.Random, lo: int, hi: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(lo, hi)))
 
 
-def _params(rng: random.Random) -> SamplingParams:
+def _params(rng: random.Random, strategy: str) -> SamplingParams:
     return SamplingParams(max_new_tokens=rng.randint(1, 12), temperature=rng.choice([0.0, 0.0, 0.5, 1.3]),
                           top_p=rng.choice([1.0, 0.9, 0.3]), seed=rng.randint(0, 9), ignore_eos=rng.random() < 0.5,
-                          stop=rng.choice([[], ["."], ["prize", "😀"]]))
+                          stop=rng.choice([[], ["."], ["prize", "😀"]]), strategy=strategy)
 
 
 def _invalid_params(rng: random.Random) -> dict:
@@ -41,7 +41,7 @@ def _invalid_params(rng: random.Random) -> dict:
 
 
 def _check_quiet(engine) -> None:
-    cache, pool = engine.cache, engine.pool
+    cache, pool = engine.cache, engine.cache.pool
     assert not engine.scheduler.has_work()
     assert all(seg.pins == 0 for seg in cache._segments.values())
     cached = sum(len(seg.blocks) for seg in cache._segments.values())
@@ -54,7 +54,7 @@ def small_engine(tiny_hf, default_hf):
 
     # 96 blocks of 16 tokens; cached chunks may keep at most 40 of them
     return LazyEngine.from_hf(tiny_hf, default_hf[1], device="cpu", kv_budget=96 * 8192,
-                              cache_config=CacheConfig(budget_bytes=40 * 8192))
+                              cache=CacheConfig(budget_bytes=40 * 8192))
 
 
 def test_fuzz_requests_faults_and_aborts(small_engine):
@@ -68,12 +68,12 @@ def test_fuzz_requests_faults_and_aborts(small_engine):
             chunks = [rng.choice(corpus) for _ in range(rng.randint(0, 5))]  # repeats allowed
             layout = engine.build_prompt(_text(rng, 1, 8), chunks)
             fate = rng.choices(["ok", "poison", "abort"], [6, 1, 2])[0]
-            params = _params(rng)
+            params = _params(rng, rng.choice(STRATEGIES))
             if fate == "poison":  # valid at admission, bad in flight
                 params.temperature = math.nan
             with pytest.raises(ValueError):
                 SamplingParams(**_invalid_params(rng))
-            reqs.append(engine.add_request(layout, params, rng.choice(STRATEGIES)))
+            reqs.append(engine.add_request(layout, params))
             fates.append(fate)
         abort_at = {i: rng.randint(0, 4) for i, f in enumerate(fates) if f == "abort"}
         steps = 0
@@ -114,7 +114,7 @@ def test_fuzz_asyncio_cancellations(small_engine):
 
     async def one(layout, params, timeout):
         try:
-            return await asyncio.wait_for(engine.agenerate_layout(layout, params), timeout)
+            return await asyncio.wait_for(engine.submit(layout, params).aresult(), timeout)
         except (asyncio.TimeoutError, OutOfBlocks):
             return None
 

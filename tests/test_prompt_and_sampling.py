@@ -2,7 +2,8 @@
 import torch
 
 from lazyrag.prompt import CONTEXT_HEADER, PromptBuilder
-from lazyrag.sampling import Detokenizer, SamplingParams, sample
+from lazyrag.engine import SamplingParams
+from lazyrag.engine.sampling import Detokenizer, sample
 
 
 def test_segments_concatenate_to_the_chat_template(default_hf):

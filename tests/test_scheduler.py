@@ -2,14 +2,14 @@
 and give back every block and pin when they end, fail or are abandoned."""
 import asyncio
 import random
+from dataclasses import replace
 import threading
 import time
 
 import pytest
 
 from lazyrag.kv.block_pool import OutOfBlocks
-from lazyrag.sampling import SamplingParams
-from lazyrag.scheduler import SchedulerConfig
+from lazyrag.engine import SamplingParams, SchedulerConfig
 from tests.test_engine import CHUNKS, QUESTION
 
 QUESTIONS = [QUESTION, "How deep is the Mariana Trench?", "Where was Paganini born?", "How long is the Grand Canal?"]
@@ -28,7 +28,7 @@ def _run_to_completion(engine):
 
 def _assert_nothing_held(engine, free_before: int):
     assert not engine.scheduler.has_work()
-    assert engine.pool.num_free == free_before
+    assert engine.cache.pool.num_free == free_before
     assert all(seg.pins == 0 for seg in engine.cache._segments.values())
 
 
@@ -37,12 +37,12 @@ def test_batched_requests_match_one_at_a_time(tiny_engine):
     strategies = ["lazy", "position_aware", "full", "prefix", "lazy:first=16"]
     lengths = [3, 9, 5, 12, 7]
     layouts = _layouts(engine, len(strategies), seed=1)
-    params = [SamplingParams(max_new_tokens=k, ignore_eos=True) for k in lengths]
-    alone = [engine.generate_layout(lay, p, s) for lay, p, s in zip(layouts, params, strategies)]
-    free_before = engine.pool.num_free
+    params = [SamplingParams(max_new_tokens=k, ignore_eos=True, strategy=s) for k, s in zip(lengths, strategies)]
+    alone = [engine.submit(lay, p).result() for lay, p in zip(layouts, params)]
+    free_before = engine.cache.pool.num_free
     steps = dict(engine.scheduler.steps)
 
-    reqs = [engine.add_request(lay, p, s) for lay, p, s in zip(layouts, params, strategies)]
+    reqs = [engine.add_request(lay, p) for lay, p in zip(layouts, params)]
     _run_to_completion(engine)
 
     for req, ref in zip(reqs, alone):
@@ -58,15 +58,15 @@ def test_requests_from_threads_are_batched_and_correct(tiny_engine):
     engine = tiny_engine
     layouts = _layouts(engine, 6, seed=2)
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
-    alone = [engine.generate_layout(lay, params).token_ids for lay in layouts]
-    free_before = engine.pool.num_free
+    alone = [engine.submit(lay, params).result().token_ids for lay in layouts]
+    free_before = engine.cache.pool.num_free
     steps = dict(engine.scheduler.steps)
     got = [None] * len(layouts)
     start = threading.Barrier(len(layouts))
 
     def worker(i):
         start.wait()
-        got[i] = engine.generate_layout(layouts[i], params).token_ids
+        got[i] = engine.submit(layouts[i], params).result().token_ids
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(layouts))]
     for t in threads:
@@ -83,10 +83,10 @@ async def test_async_api_batches_concurrent_requests(default_engine):
     engine = default_engine
     layouts = _layouts(engine, 4, seed=3)
     params = SamplingParams(max_new_tokens=8)
-    alone = [engine.generate_layout(lay, params) for lay in layouts]
+    alone = [engine.submit(lay, params).result() for lay in layouts]
     steps = dict(engine.scheduler.steps)
 
-    results = await asyncio.gather(*(engine.agenerate_layout(lay, params) for lay in layouts))
+    results = await asyncio.gather(*(engine.submit(lay, params).aresult() for lay in layouts))
 
     assert [r.text for r in results] == [r.text for r in alone]
     assert [r.token_ids for r in results] == [r.token_ids for r in alone]
@@ -99,11 +99,11 @@ def test_stopping_a_stream_early_gives_everything_back(tiny_engine):
     engine = tiny_engine
     layout = _layouts(engine, 1, seed=4)[0]
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
-    engine.generate_layout(layout, params)  # chunks cached
-    free_before = engine.pool.num_free
-    stream = engine.stream_layout(layout, params)
+    engine.submit(layout, params).result()  # chunks cached
+    free_before = engine.cache.pool.num_free
+    stream = iter(engine.submit(layout, params))
     next(stream), next(stream)
-    assert engine.pool.num_free < free_before  # the request holds its own blocks
+    assert engine.cache.pool.num_free < free_before  # the request holds its own blocks
     stream.close()
     _assert_nothing_held(engine, free_before)
 
@@ -112,9 +112,9 @@ async def test_cancelled_async_stream_gives_everything_back(tiny_engine):
     engine = tiny_engine
     layout = _layouts(engine, 1, seed=5)[0]
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
-    await engine.agenerate_layout(layout, params)
-    free_before = engine.pool.num_free
-    stream = engine.astream_layout(layout, params)
+    await engine.submit(layout, params).aresult()
+    free_before = engine.cache.pool.num_free
+    stream = engine.submit(layout, params).__aiter__()
     async for _ in stream:
         break
     await stream.aclose()
@@ -129,13 +129,14 @@ def test_a_full_pool_queues_requests_and_an_impossible_one_fails_alone(tiny_hf, 
 
     # 48 blocks of 16 tokens: the chunks and one long answer fit, two long answers do not
     engine = LazyEngine.from_hf(tiny_hf, default_hf[1], device="cpu", kv_budget=48 * 8192,
-                                scheduler_config=SchedulerConfig(max_running=8))
-    assert engine.pool.num_blocks == 48
+                                scheduler=SchedulerConfig(max_running=8))
+    assert engine.cache.pool.num_blocks == 48
     layouts = _layouts(engine, 2, seed=6)
     long = SamplingParams(max_new_tokens=400, ignore_eos=True)
     before = engine.runner.tokens_forwarded
-    first, second = engine.add_request(layouts[0], long, "lazy"), engine.add_request(layouts[1], long, "position_aware")
-    impossible = engine.add_request(layouts[0], SamplingParams(max_new_tokens=1000, ignore_eos=True), "lazy")
+    first = engine.add_request(layouts[0], long)
+    second = engine.add_request(layouts[1], replace(long, strategy="position_aware"))
+    impossible = engine.add_request(layouts[0], SamplingParams(max_new_tokens=1000, ignore_eos=True))
     _run_to_completion(engine)
     assert len(first.result().token_ids) == len(second.result().token_ids) == 400
     assert second.first_token_at >= first.finished_at  # it waited for the first one's blocks
@@ -145,15 +146,15 @@ def test_a_full_pool_queues_requests_and_an_impossible_one_fails_alone(tiny_hf, 
     with pytest.raises(OutOfBlocks, match="raise kv_budget"):
         impossible.result()
     assert all(seg.pins == 0 for seg in engine.cache._segments.values())
-    assert engine.pool.num_free + sum(len(s.blocks) for s in engine.cache._segments.values()) == engine.pool.num_blocks
+    assert engine.cache.pool.num_free + sum(len(s.blocks) for s in engine.cache._segments.values()) == engine.cache.pool.num_blocks
 
 
 def test_max_running_caps_the_batch(tiny_hf, default_hf):
     from lazyrag.engine import LazyEngine
 
     engine = LazyEngine.from_hf(tiny_hf, default_hf[1], device="cpu", kv_budget=16 << 20,
-                                scheduler_config=SchedulerConfig(max_running=2))
-    reqs = [engine.add_request(lay, SamplingParams(max_new_tokens=5, ignore_eos=True), "lazy") for lay in _layouts(engine, 5, seed=7)]
+                                scheduler=SchedulerConfig(max_running=2))
+    reqs = [engine.add_request(lay, SamplingParams(max_new_tokens=5, ignore_eos=True)) for lay in _layouts(engine, 5, seed=7)]
     widest = 0
     with engine._lock:
         while engine.scheduler.has_work():

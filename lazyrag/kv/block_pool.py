@@ -7,6 +7,11 @@ from dataclasses import dataclass
 import torch
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks that hold ``num_tokens`` (the last one padded)."""
+    return -(-num_tokens // block_size)
+
+
 class OutOfBlocks(RuntimeError):
     """The pool has fewer free blocks than asked for (after eviction, if any was possible)."""
 
@@ -25,7 +30,7 @@ class KVShape:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return blocks_for(num_tokens, self.block_size)
 
 
 class BlockPool:
@@ -81,9 +86,6 @@ class BlockPool:
                 self._refcount[b] -= 1
                 if self._refcount[b] == 0:
                     self._free.append(b)
-
-    def refcount(self, block: int) -> int:
-        return self._refcount[block]
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K/V ``[T, H_kv, D]`` at pool slots ``[T]`` (block * block_size + offset)."""

@@ -24,10 +24,11 @@ import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 
-from lazyrag.kv.block_pool import BlockPool, OutOfBlocks
+from lazyrag.kv.block_pool import BlockPool, OutOfBlocks, blocks_for
 from lazyrag.kv.policies import FrequencySketch, make_policy
 from lazyrag.kv.tiers import DiskTier, HostTier, Tier, TierEntry
 
@@ -48,16 +49,27 @@ def content_key(*parts) -> str:
     return h.hexdigest()
 
 
+class SegmentKind(str, Enum):
+    CHUNK = "chunk"  # a chunk's KV, encoded after the shared prefix
+    PREFIX = "prefix"  # a prompt prefix at position 0
+    COPY = "copy"  # a chunk re-rotated to another position (position-aware caching)
+    PREFIX_BLOCK = "prefix_block"  # one block of an exact token prefix (prefix caching)
+    RECOMPUTED = "recomputed"  # a chunk's head computed again in context for one request
+    BLENDED = "blended"  # a chunk with some tokens recomputed in context, for one request
+
+    def __str__(self) -> str:  # the value, on disk and in messages
+        return self.value
+
+
 @dataclass
 class Segment:
     key: str
     blocks: list[int]
     num_tokens: int
     start: int  # position of its first token when its KV was computed
-    kind: str = "chunk"
+    kind: SegmentKind = SegmentKind.CHUNK
     pins: int = 0
     hits: int = 0
-    meta: dict = field(default_factory=dict)
     cost: float = 0.0  # what recomputing it would cost (relative FLOPs); 0 = let the manager estimate
     transient: bool = False  # not kept by the cache: its blocks are freed when the last pin goes
 
@@ -78,9 +90,9 @@ class CostModel:
     def cost(self, seg: Segment) -> float:
         # A prefix-cache block is reachable only through the blocks before it, so a deep block
         # is worth no more than a shallow one: cost it without its context.
-        mean_context = seg.num_tokens / 2 if seg.kind == "prefix_block" else seg.start + seg.num_tokens / 2
+        mean_context = seg.num_tokens / 2 if seg.kind == SegmentKind.PREFIX_BLOCK else seg.start + seg.num_tokens / 2
         c = seg.num_tokens * (1.0 + mean_context / self.attn_crossover_tokens)
-        return c * self.copy_fraction if seg.kind == "copy" else c
+        return c * self.copy_fraction if seg.kind == SegmentKind.COPY else c
 
 
 @dataclass
@@ -91,7 +103,7 @@ class CacheConfig:
     host_bytes: int = 0  # host-RAM tier (0 = none)
     disk_dir: str | None = None  # disk tier folder (None = none)
     disk_bytes: int = 0
-    demote_kinds: tuple[str, ...] = ("chunk", "prefix")  # copies and prefix blocks are cheap to redo
+    demote_kinds: tuple[SegmentKind, ...] = (SegmentKind.CHUNK, SegmentKind.PREFIX)  # copies and prefix blocks are cheap to redo
     sketch_window: int = 10_000
     cost_model: CostModel = field(default_factory=CostModel)
 
@@ -132,6 +144,14 @@ class CacheManager:
         if self.tiers and pool.device.type == "meta":
             raise ValueError("A pool on the meta device holds no values, so it cannot have host or disk tiers.")
 
+    def add_tier(self, tier: Tier) -> None:
+        """Serve misses from ``tier`` too (below the existing tiers), e.g. a corpus store; once only."""
+        if self.pool.device.type == "meta":
+            raise ValueError("A pool on the meta device holds no values, so it cannot have host or disk tiers.")
+        with self._lock:
+            if tier not in self.tiers:
+                self.tiers.append(tier)
+
     def _apply(self, config: CacheConfig) -> None:
         """Eviction policy, admission filter and budget from ``config`` (tiers are set up once, in __init__)."""
         self.config = config
@@ -158,9 +178,6 @@ class CacheManager:
     @property
     def cached_bytes(self) -> int:
         return self._cached_blocks * self.pool.shape.bytes_per_block
-
-    def peek(self, key: str) -> Segment | None:
-        return self._segments.get(key)
 
     def get(self, key: str, pin: bool = True) -> Segment | None:
         """The segment under ``key`` (pinned for the caller), promoted from a tier if need be, or None."""
@@ -346,10 +363,10 @@ class CacheManager:
 
     def _install(self, entry: TierEntry, pin: bool) -> Segment:
         bs = self.pool.shape.block_size
-        blocks = self.allocate(-(-entry.num_tokens // bs))
+        blocks = self.allocate(blocks_for(entry.num_tokens, bs))
         self.write_kv(blocks, entry.k, entry.v)
         self.stats.promotions += 1
-        return self.put(Segment(entry.key, blocks, entry.num_tokens, entry.start, entry.kind, cost=entry.cost), pin=pin)
+        return self.put(Segment(entry.key, blocks, entry.num_tokens, entry.start, SegmentKind(entry.kind), cost=entry.cost), pin=pin)
 
     def prefetch(self, keys: list[str]) -> Future:
         """Promote these keys from the tiers into the pool in a background thread; returns how many arrived."""
@@ -375,5 +392,3 @@ class CacheManager:
                     done += not seg.transient
         return done
 
-
-SegmentCache = CacheManager  # the engine core's name for it

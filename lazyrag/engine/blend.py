@@ -27,10 +27,10 @@ from typing import Callable
 import torch
 
 from lazyrag.kernels.reference import apply_rotary, gather_context, pack_block_meta
-from lazyrag.kv.cache import Segment
+from lazyrag.kv.cache import Segment, SegmentKind
 from lazyrag.model.attention import TorchAttention
 from lazyrag.model.llama import rope_at
-from lazyrag.model.runner import ModelRunner, Placement, SeqState
+from lazyrag.engine.runner import ModelRunner, Placement, SeqState
 
 SELECTION_LAYER = 1  # the first layer whose K/V depend on the context
 
@@ -143,7 +143,7 @@ def _private_copies(pool, placed: list[Placement], owner: torch.Tensor, offset: 
         blocks = list(p.segment.blocks)  # untouched blocks are read from the shared chunk itself
         for j, b in zip(touched, fresh):
             blocks[j] = b
-        seg = Segment("", blocks, p.segment.num_tokens, p.segment.start, kind="blended", transient=True)
+        seg = Segment("", blocks, p.segment.num_tokens, p.segment.start, kind=SegmentKind.BLENDED, transient=True)
         context[i] = Placement(seg, p.delta, p.first_block)
         table = torch.tensor(blocks)
         slots[mine] = table[offset[mine] // bs] * bs + offset[mine] % bs

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lazyrag.kernels.reference import apply_rotary, pack_block_meta
-from lazyrag.kv.block_pool import BlockPool
+from lazyrag.kv.block_pool import BlockPool, blocks_for
 from lazyrag.kv.cache import Segment
 from lazyrag.model.attention import AttentionMetadata
 from lazyrag.model.llama import ElementwiseOps, LlamaModel, Runtime
@@ -42,7 +42,7 @@ class SeqState:
                 for j in range(p.first_block, len(p.segment.blocks)):
                     rows.append((p.segment.blocks[j], p.delta, min(block_size, n - j * block_size)))
             self._context_rows = rows
-        own = [(self.blocks[j], 0, min(block_size, own_tokens - j * block_size)) for j in range(-(-own_tokens // block_size))]
+        own = [(self.blocks[j], 0, min(block_size, own_tokens - j * block_size)) for j in range(blocks_for(own_tokens, block_size))]
         return self._context_rows + own
 
 
@@ -60,7 +60,7 @@ class ModelRunner:
         self.ops = ElementwiseOps.compiled()
 
     def enable_cuda_graphs(self, scratch_block: int) -> None:
-        from lazyrag.model.graphs import GraphRunner
+        from lazyrag.engine.cuda_graphs import GraphRunner
 
         self.graphs = GraphRunner(self._last_logits, scratch_block * self.pool.shape.block_size, self.device)
 

@@ -1,45 +1,12 @@
 """Token sampling and incremental detokenization with stop strings."""
 from __future__ import annotations
 
-import math
-import numbers
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-
-@dataclass
-class SamplingParams:
-    max_new_tokens: int = 128
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    stop: list[str] = field(default_factory=list)
-    seed: int | None = None
-    ignore_eos: bool = False  # keep generating past end-of-turn tokens (benchmarks with fixed output lengths)
-
-    def __post_init__(self):
-        # Checked here, before admission: a bad value would otherwise fail inside a batch of other requests.
-        if self.stop is None:
-            self.stop = []
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
-            raise ValueError(f"stop must be a string or a list of strings; got {self.stop!r}")
-        self.stop = [s for s in self.stop if s]
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, numbers.Integral) or self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be an integer of at least 1; got {self.max_new_tokens!r}")
-        self.max_new_tokens = int(self.max_new_tokens)
-        if not _finite_number(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy); got {self.temperature!r}")
-        if not _finite_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be a number in (0, 1]; got {self.top_p!r}")
-        self.temperature, self.top_p = float(self.temperature), float(self.top_p)
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)):
-            raise ValueError(f"seed must be an integer or None; got {self.seed!r}")
-
-
-def _finite_number(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+if TYPE_CHECKING:
+    from lazyrag.engine.request import SamplingParams
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

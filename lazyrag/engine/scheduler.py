@@ -1,5 +1,9 @@
 """Continuous batching: many requests in flight over one model, one KV pool and one chunk cache.
 
+The scheduler owns the cache: it admits a request when the pool can hold it, asks the
+planner (engine/reuse.py) for the request's ``Plan``, runs the model, and hands the plan
+back to the planner when the request ends.
+
 Each ``step`` is one forward pass, with vLLM's prefill-first policy: requests that arrived
 are planned (their missing chunks looked up, loaded or encoded) and their new tokens
 prefilled together in one batch; when none is waiting, every running request decodes one
@@ -16,110 +20,32 @@ again one request at a time to find them. ``step`` itself never raises for a req
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
 
+from lazyrag.engine.config import SchedulerConfig
+from lazyrag.engine.request import Request
+from lazyrag.engine.reuse import Planner
+from lazyrag.engine.runner import ModelRunner, SeqState
+from lazyrag.engine.sampling import Detokenizer, sample
 from lazyrag.kv.block_pool import OutOfBlocks
-from lazyrag.kv.strategies import Plan, Strategy
-from lazyrag.model.runner import ModelRunner, SeqState
-from lazyrag.prompt import PromptLayout
-from lazyrag.sampling import Detokenizer, SamplingParams, sample
+from lazyrag.kv.cache import CacheManager
 
-
-@dataclass
-class RequestStats:
-    strategy: str
-    prompt_tokens: int = 0
-    chunks_hit: int = 0
-    chunks_missed: int = 0
-    tokens_prefilled: int = 0  # tokens run through the model for this request, chunk encoding included
-    tokens_reused: int = 0  # prompt tokens whose KV came from the cache
-    new_tokens: int = 0
-    tokens_recomputed: int = 0  # chunk tokens computed again in context (quality recovery), part of tokens_prefilled
-    recompute_cost: float = 0.0  # that recovery's compute in tokens through the whole model (blend's selection included)
-    plan_s: float = 0.0  # host time to look up, encode or copy the prompt's segments (TTFT minus prefill and sampling)
-    queue_s: float = 0.0  # time from arrival until the scheduler took the request in
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]
-    ttft_s: float
-    total_s: float
-    finish_reason: str  # "stop" (end of turn or stop string), "length", or "abort"
-    stats: RequestStats = field(default_factory=lambda: RequestStats("lazy"))
-
-
-@dataclass
-class SchedulerConfig:
-    max_running: int = 64  # sequences in flight (decoding) at once
-    max_prefill_tokens: int = 8192  # new tokens in one prefill batch (a longer single prompt still runs alone)
-
-
-_ids = itertools.count()
 log = logging.getLogger(__name__)
 
 
-@dataclass(eq=False)
-class Request:
-    """One generation in flight. The stepping thread appends to ``outputs`` and sets ``done``;
-    the caller's thread drains ``outputs`` ((text delta, token id); id -1 for a final text tail)."""
-
-    layout: PromptLayout
-    params: SamplingParams
-    strategy: Strategy
-    arrival: float
-    prompt_logits_only: bool = False  # stop after the prefill and keep the logits (no sampling)
-    notify: Callable[[], None] | None = None  # called after outputs or done change (from the stepping thread)
-    id: int = field(default_factory=lambda: next(_ids))
-
-    outputs: deque = field(default_factory=deque)
-    done: bool = False
-    aborted: bool = False
-    error: BaseException | None = None
-    finish_reason: str = "length"
-    prompt_logits: torch.Tensor | None = None  # [V] fp32 CPU, for prompt_logits_only
-    stats: RequestStats | None = None
-    first_token_at: float | None = None
-    finished_at: float | None = None
-    plan: Plan | None = None
-    seq: SeqState | None = None
-    last_token: int = -1
-    detok: Detokenizer | None = None
-    generator: torch.Generator | None = None
-
-    def __post_init__(self):
-        self.stats = RequestStats(self.strategy.name, prompt_tokens=self.layout.num_tokens)
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
-
-    def result(self) -> GenerationResult:
-        if self.error is not None:
-            raise self.error
-        assert self.done, "the request is still running"
-        text = self.detok.text if self.detok else ""
-        ttft = (self.first_token_at if self.first_token_at is not None else self.finished_at) - self.arrival
-        return GenerationResult(text, list(self.seq.generated) if self.seq else [], ttft, self.finished_at - self.arrival,
-                                self.finish_reason, self.stats)
-
-
 class Scheduler:
-    def __init__(self, runner: ModelRunner, tokenizer, end_tokens: set[int], config: SchedulerConfig | None = None,
-                 clock: Callable[[], float] = time.perf_counter):
-        self.runner, self.tokenizer, self.end_tokens = runner, tokenizer, end_tokens
+    def __init__(self, runner: ModelRunner, cache: CacheManager, planner: Planner, tokenizer, end_tokens: set[int],
+                 config: SchedulerConfig | None = None, clock: Callable[[], float] = time.perf_counter):
+        self.runner, self.cache, self.planner = runner, cache, planner
+        self.tokenizer, self.end_tokens = tokenizer, end_tokens
         self.config = config or SchedulerConfig()
         self.clock = clock
-        self.pool = runner.pool
+        self.pool = cache.pool
         self.inbox: deque[Request] = deque()  # added by any thread, taken in by ``step``
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -217,21 +143,21 @@ class Scheduler:
         layout = req.layout
         chunks = sum(shape.blocks_for(len(c)) for c in layout.chunk_ids)
         own = shape.blocks_for(layout.num_tokens + (0 if req.prompt_logits_only else req.params.max_new_tokens))
-        return req.strategy.cache.available_blocks() < 2 * chunks + own
+        return self.cache.available_blocks() < 2 * chunks + own
 
     def _plan(self, req: Request) -> None:
         """Look up, load or encode the prompt's segments and allocate the request's own blocks."""
-        bs = self.pool.shape.block_size
-        strategy, stats = req.strategy, req.stats
+        shape = self.pool.shape
+        strategy, stats = self.planner[req.params.strategy], req.stats
         forwarded0 = self.runner.tokens_forwarded
         t0 = self.clock()
         stats.queue_s = t0 - req.arrival
         plan = strategy.plan(req.layout)
         try:
             # prefix caching publishes the request's own blocks: they must lie on the prompt's block grid
-            assert strategy.name != "prefix" or plan.new_start % bs == 0
+            assert strategy.name != "prefix" or plan.new_start % shape.block_size == 0
             own = len(plan.new_ids) + (0 if req.prompt_logits_only else req.params.max_new_tokens)
-            req.seq = SeqState(context=plan.context, blocks=strategy.cache.allocate(-(-own // bs)), next_pos=plan.new_start)
+            req.seq = SeqState(context=plan.context, blocks=self.cache.allocate(shape.blocks_for(own)), next_pos=plan.new_start)
         except BaseException:
             strategy.release(plan)
             raise
@@ -249,7 +175,7 @@ class Scheduler:
         sampled = []
         for r, row in done:
             try:
-                r.strategy.finish(r.plan, r.seq)
+                self.planner[r.params.strategy].finish(r.plan, r.seq)
                 if r.prompt_logits_only:
                     r.prompt_logits = row.float().cpu()
             except Exception as e:
@@ -355,4 +281,4 @@ class Scheduler:
             self.pool.decref(req.seq.blocks)
             req.seq.blocks = []
         if req.plan is not None:
-            req.strategy.release(req.plan)
+            self.planner[req.params.strategy].release(req.plan)

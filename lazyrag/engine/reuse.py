@@ -16,28 +16,15 @@ to, and the new tokens themselves. Misses are encoded (or copied) while planning
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from lazyrag.kv.cache import Segment, SegmentCache, content_key
-from lazyrag.model.runner import ModelRunner, Placement, SeqState
+from lazyrag.engine.request import BASE_STRATEGIES, Plan, strategy_options
+from lazyrag.engine.runner import ModelRunner, Placement, SeqState
+from lazyrag.kv.block_pool import blocks_for
+from lazyrag.kv.cache import CacheManager, Segment, SegmentKind, content_key
 from lazyrag.prompt import PromptLayout
 
 ENCODE_BATCH_TOKENS = 8192
-
-
-@dataclass
-class Plan:
-    context: list[Placement]
-    new_ids: list[int]
-    new_start: int  # position of the first new token
-    pinned: list[Segment] = field(default_factory=list)
-    chunks_hit: int = 0
-    chunks_missed: int = 0
-    tokens_reused: int = 0
-    block_keys: list[str] = field(default_factory=list)  # prefix caching: hash chain of the prompt's blocks
-    owned_blocks: list[int] = field(default_factory=list)  # the request's recomputed tokens: freed with it
-    tokens_recomputed: int = 0  # chunk tokens computed again in context (quality recovery)
-    recompute_cost: float = 0.0  # its compute, in tokens through the whole model (blend: selection included)
 
 
 @dataclass
@@ -46,13 +33,13 @@ class EncodeJob:
     ids: list[int]
     start: int
     context: list[Placement]
-    kind: str = "chunk"
+    kind: SegmentKind = SegmentKind.CHUNK
 
 
 class Strategy:
     name = "base"
 
-    def __init__(self, cache: SegmentCache, runner: ModelRunner, fingerprint: str):
+    def __init__(self, cache: CacheManager, runner: ModelRunner, fingerprint: str):
         self.cache, self.runner, self.fingerprint = cache, runner, fingerprint
 
     def plan(self, layout: PromptLayout) -> Plan:
@@ -102,7 +89,7 @@ class Strategy:
             seqs = []
             try:
                 for j in batch:
-                    seqs.append(SeqState(context=j.context, blocks=self.cache.allocate(-(-len(j.ids) // bs)), next_pos=j.start))
+                    seqs.append(SeqState(context=j.context, blocks=self.cache.allocate(blocks_for(len(j.ids), bs)), next_pos=j.start))
                 self.runner.prefill(seqs, [j.ids for j in batch], logits=False)
             except BaseException:
                 for s in seqs:
@@ -133,7 +120,7 @@ class Strategy:
         key = self.prefix_key(ids)
         seg = self.cache.get(key)
         if seg is None:
-            return self.encode([EncodeJob(key, ids, 0, [], kind="prefix")], plan)[0]
+            return self.encode([EncodeJob(key, ids, 0, [], kind=SegmentKind.PREFIX)], plan)[0]
         plan.pinned.append(seg)
         return seg
 
@@ -213,7 +200,7 @@ class LazyStitching(Strategy):
 
     def _blend(self, placed: list[Placement], layout: PromptLayout, plan: Plan) -> list[Placement]:
         """Recompute the most-deviating chunk tokens (and the heads) in context into private copies of their blocks."""
-        from lazyrag.model.blend import selective_recompute
+        from lazyrag.engine.blend import selective_recompute
 
         def allocate(n: int) -> list[int]:
             blocks = self.cache.allocate(n)
@@ -229,12 +216,12 @@ class LazyStitching(Strategy):
         """Recompute each chunk's first tokens (whole blocks) attending to the prefix and the cached
         chunks before it, all chunks in one batched prefill; the chunk is then read from the next block."""
         bs = self.cache.pool.shape.block_size
-        heads = -(-self.recompute_first // bs)  # blocks
+        heads = blocks_for(self.recompute_first, bs)
         seqs, ids, spans = [], [], []
         for i, p in enumerate(placed[1:], start=1):
             seg = p.segment
             n = min(seg.num_tokens, heads * bs)
-            blocks = self.cache.allocate(-(-n // bs))
+            blocks = self.cache.allocate(blocks_for(n, bs))
             plan.owned_blocks += blocks  # release(plan) frees them with the request, even if this fails midway
             seqs.append(SeqState(context=placed[:i], blocks=blocks, next_pos=seg.start + p.delta))
             ids.append(layout.chunk_ids[i - 1][:n])
@@ -245,7 +232,7 @@ class LazyStitching(Strategy):
         for p, blocks, n in spans:
             plan.tokens_recomputed += n
             plan.recompute_cost += n
-            head = Segment("", blocks, n, p.segment.start + p.delta, kind="recomputed", transient=True)
+            head = Segment("", blocks, n, p.segment.start + p.delta, kind=SegmentKind.RECOMPUTED, transient=True)
             context.append(Placement(head, 0))
             if n < p.segment.num_tokens:
                 context.append(Placement(p.segment, p.delta, first_block=len(blocks)))
@@ -280,7 +267,7 @@ class PositionAware(Strategy):
                     base = bases[base_key]
                     blocks = self.cache.allocate(len(base.blocks))
                     self.runner.copy_rotated(base, blocks, delta)
-                    copies[key] = self.cache.put(Segment(key, blocks, base.num_tokens, base.start + delta, kind="copy"))
+                    copies[key] = self.cache.put(Segment(key, blocks, base.num_tokens, base.start + delta, kind=SegmentKind.COPY))
                     plan.pinned.append(copies[key])
             for base in bases.values():  # a source used for copies only is freed now, not at the request's end
                 if base.transient and all(copies[k] is not base for k, _, _ in wanted):
@@ -335,34 +322,9 @@ class PrefixCaching(Strategy):
                 continue
             block = seq.blocks[j]
             self.cache.pool.incref([block])
-            self.cache.put(Segment(key, [block], bs, (first + j) * bs, kind="prefix_block"), pin=False)
+            self.cache.put(Segment(key, [block], bs, (first + j) * bs, kind=SegmentKind.PREFIX_BLOCK), pin=False)
         # Like vLLM, release the chain tail first: the head, which every longer match needs, goes last.
         self.cache.touch(reversed(plan.block_keys))
-
-
-def lazy_options(name: str) -> dict:
-    """LazyStitching's keyword arguments from a strategy name: ``lazy:first=16``, ``lazy:blend=0.15``,
-    ``lazy:blend=0.15:select=chunk``, ``lazy:first=16:blend=0.1``."""
-    usage = (f"Bad strategy {name!r}: write lazy:first=K (K a positive number of tokens), lazy:blend=R (R the fraction "
-             "of chunk tokens to recompute, in (0, 1]; add :select=chunk to take R of each chunk), or both, "
-             "e.g. lazy:first=16:blend=0.1.")
-    opts = {}
-    for part in name.split(":")[1:]:
-        key, _, value = part.partition("=")
-        try:
-            if key == "first" and "recompute_first" not in opts and int(value) > 0:
-                opts["recompute_first"] = int(value)
-            elif key == "blend" and "blend" not in opts and 0 < float(value) <= 1:
-                opts["blend"] = float(value)
-            elif key == "select" and "blend_per_chunk" not in opts and value in ("chunk", "global"):
-                opts["blend_per_chunk"] = value == "chunk"
-            else:
-                raise ValueError(usage)
-        except ValueError:
-            raise ValueError(usage) from None
-    if not opts or ("blend_per_chunk" in opts and "blend" not in opts):
-        raise ValueError(usage)
-    return opts
 
 
 class RerotatingPositionAware(PositionAware):
@@ -376,3 +338,17 @@ class RerotatingPositionAware(PositionAware):
 STRATEGIES: dict[str, type[Strategy]] = {
     s.name: s for s in (FullPrefill, PrefixCaching, PositionAware, RerotatingPositionAware, LazyStitching)
 }
+assert tuple(STRATEGIES) == BASE_STRATEGIES or set(STRATEGIES) == set(BASE_STRATEGIES)
+
+
+class Planner:
+    """The strategies by name over one cache and one model runner; ``lazy:...`` variants are made on first use."""
+
+    def __init__(self, cache: CacheManager, runner: ModelRunner, fingerprint: str):
+        self.cache, self.runner, self.fingerprint = cache, runner, fingerprint
+        self._by_name: dict[str, Strategy] = {n: cls(cache, runner, fingerprint) for n, cls in STRATEGIES.items()}
+
+    def __getitem__(self, name: str) -> Strategy:
+        if name not in self._by_name:
+            self._by_name[name] = LazyStitching(self.cache, self.runner, self.fingerprint, **strategy_options(name))
+        return self._by_name[name]

@@ -1,0 +1,46 @@
+"""One configuration for an engine: which model, where, how much KV memory, and how requests are batched."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from lazyrag.kv.cache import CacheConfig
+from lazyrag.prompt import DEFAULT_SYSTEM_PROMPT
+
+DEFAULT_KV_BUDGET = {"cpu": 1 << 30, "cuda": 8 << 30}
+
+
+@dataclass
+class SchedulerConfig:
+    max_running: int = 64  # sequences in flight (decoding) at once
+    max_prefill_tokens: int = 8192  # new tokens in one prefill batch (a longer single prompt still runs alone)
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct; or a local Llama folder or .gguf file
+    device: str | torch.device | None = None  # None: cuda when available, else cpu
+    dtype: str | torch.dtype | None = None  # None: bfloat16 on cuda, float32 on cpu
+    kv_budget: int | None = None  # bytes of the paged KV pool; None: 8 GiB on cuda, 1 GiB on cpu
+    block_size: int = 16  # tokens per KV block
+    attention: str | None = None  # "triton" | "torch"; None: triton on cuda, torch on cpu
+    system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    cuda_graphs: bool | None = None  # None: on with cuda + triton
+    compile_elementwise: bool | None = None  # None: on with cuda
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+
+    def __post_init__(self):
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if self.device is None else torch.device(self.device)
+        if self.dtype is None:
+            self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        elif isinstance(self.dtype, str):
+            dtype = getattr(torch, self.dtype.replace("torch.", ""), None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"dtype must be one of float32, bfloat16, float16; got {self.dtype!r}")
+            self.dtype = dtype
+        if self.kv_budget is None:
+            self.kv_budget = DEFAULT_KV_BUDGET.get(self.device.type, 1 << 30)
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be at least 1; got {self.block_size}")

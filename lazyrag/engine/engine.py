@@ -1,0 +1,399 @@
+"""LazyEngine: the front door. Load a Llama model, lay out RAG prompts, and generate with reusable chunk KV.
+
+A request's path: ``generate`` / ``stream`` (or an adapter) -> ``submit`` -> the scheduler
+(engine/scheduler.py) -> the planner (engine/reuse.py: which KV comes from the cache) -> the
+model runner (engine/runner.py) -> the model (model/llama.py) -> an attention backend
+(model/attention.py) -> a Triton kernel (kernels/).
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, replace
+from typing import AsyncIterator, Iterator
+
+import torch
+
+from lazyrag.engine.config import EngineConfig
+from lazyrag.engine.request import GenerationResult, Plan, Request, SamplingParams
+from lazyrag.engine.reuse import Planner
+from lazyrag.engine.runner import ModelRunner
+from lazyrag.engine.scheduler import Scheduler
+from lazyrag.kv.block_pool import BlockPool, KVShape
+from lazyrag.kv.cache import CacheManager
+from lazyrag.model.attention import make_attention_backend
+from lazyrag.model.llama import LlamaArgs, LlamaModel, build_rope
+from lazyrag.model.loader import check_llama_config, fingerprint, load_checkpoint, resolve_model_source
+from lazyrag.prompt import ChunkFinder, PromptBuilder, PromptLayout, check_chunks, check_layout, check_text
+
+_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>")
+
+
+@dataclass(frozen=True)
+class KVIdentity:
+    """What a chunk's cached KV depends on besides its text: a store built under another identity is refused."""
+
+    model_fingerprint: str
+    model_name: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    system_prompt: str
+    prefix_ids: tuple[int, ...]  # the shared encoding prefix every chunk is encoded after
+    prefix_key: str
+
+
+class RequestStream:
+    """One request's output. Iterate it (``for`` in any thread, or ``async for``) for its text deltas,
+    then ``result()`` (``await aresult()``) gives the GenerationResult. Leaving the loop early, or
+    ``close()``, aborts the request and gives its blocks back. The one way every stream ends."""
+
+    def __init__(self, engine: "LazyEngine", request: Request):
+        self.engine, self.request = engine, request
+
+    def __iter__(self) -> Iterator[str]:
+        req = self.request
+        try:
+            while True:
+                self.engine._drive(req)
+                while req.outputs:
+                    delta, _ = req.outputs.popleft()
+                    if delta:
+                        yield delta
+                if req.done:
+                    return
+        finally:
+            self.close()
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        req, loop, ready = self.request, asyncio.get_running_loop(), asyncio.Event()
+        req.notify = lambda: loop.call_soon_threadsafe(ready.set)  # set before looking, so no wake-up is lost
+        self.engine._ensure_driver()
+        try:
+            while True:
+                while req.outputs:
+                    delta, _ = req.outputs.popleft()
+                    if delta:
+                        yield delta
+                if req.done:
+                    return
+                await ready.wait()
+                ready.clear()
+        finally:
+            self.close()
+
+    def result(self) -> GenerationResult:
+        """Run to the end (the deltas not read are dropped) and return the result; raises the request's error."""
+        for _ in self:
+            pass
+        return self.request.result()
+
+    async def aresult(self) -> GenerationResult:
+        async for _ in self:
+            pass
+        return self.request.result()
+
+    def close(self) -> None:
+        if not self.request.done:
+            self.engine._abandon(self.request)
+
+
+class LazyEngine:
+    """One model, one paged KV pool, one cache of position-free chunk KV, and a continuous-batching
+    scheduler that plans each request with its strategy (``SamplingParams.strategy``)."""
+
+    def __init__(self, model: LlamaModel, hf_config, tokenizer, config: EngineConfig, model_fingerprint: str,
+                 model_name: str = "model"):
+        self.model, self.hf_config, self.tokenizer, self.config = model, hf_config, tokenizer, config
+        self.fingerprint, self.model_name = model_fingerprint, model_name
+        self.device, self.dtype = config.device, config.dtype
+        args = model.args
+        shape = KVShape(args.num_layers, args.num_kv_heads, args.head_dim, config.block_size, config.dtype)
+        pool = BlockPool.with_budget(shape, config.kv_budget, config.device)
+        self.cache = CacheManager(pool, config.cache)
+        rope_cos, rope_sin, rope_scaling = build_rope(hf_config, config.device)
+        attention = make_attention_backend(config.attention, config.device)
+        self.attention_backend = attention.name
+        self.runner = ModelRunner(model, pool, attention, rope_cos, rope_sin, rope_scaling)
+        on_cuda = config.device.type == "cuda"
+        if config.compile_elementwise if config.compile_elementwise is not None else on_cuda:
+            self.runner.compile_elementwise()
+        if config.cuda_graphs if config.cuda_graphs is not None else (on_cuda and attention.name == "triton"):
+            # padding tokens of captured shapes write their K/V here; no sequence reads it
+            self.runner.enable_cuda_graphs(scratch_block=pool.allocate(1)[0])
+        self.prompts = PromptBuilder(tokenizer, config.system_prompt) if tokenizer is not None else None
+        self.chunk_finder = ChunkFinder()  # texts of known chunks, to find them inside free-form prompts
+        self.scheduler = Scheduler(self.runner, self.cache, Planner(self.cache, self.runner, model_fingerprint),
+                                   tokenizer, self._end_tokens(), config.scheduler)
+        self._lock = threading.Lock()  # held by whichever thread steps the scheduler (or touches the cache)
+        self._stepping_thread: int | None = None  # ident of the thread inside ``step``, if any
+        self._work = threading.Event()  # set when a request arrives, for the asyncio driver thread
+        self._driver: threading.Thread | None = None
+        self._driver_lock = threading.Lock()
+
+    # -- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, model: str | None = None, **config) -> "LazyEngine":
+        """Load the embedded default model (``model=None``), a local Llama folder, or a ``.gguf`` file.
+        Keyword arguments are ``EngineConfig`` fields (device, dtype, kv_budget, scheduler, cache, ...)."""
+        cfg = EngineConfig(model=model, **config)
+        source = resolve_model_source(model)
+        hf_model, tokenizer = load_checkpoint(source, cfg.dtype)
+        return cls.from_hf(hf_model, tokenizer, model_name=source.name, config=cfg)
+
+    @classmethod
+    def from_hf(cls, hf_model, tokenizer, model_name: str = "model", config: EngineConfig | None = None, **fields) -> "LazyEngine":
+        """Wrap an already-loaded transformers ``LlamaForCausalLM`` (its weights are copied)."""
+        cfg = replace(config, **fields) if config is not None else EngineConfig(**fields)
+        check_llama_config(hf_model.config)
+        state = {k: v.detach().to(cfg.dtype) for k, v in hf_model.state_dict().items()}
+        fp = fingerprint(hf_model.config, state, cfg.dtype)
+        with torch.device("meta"):
+            model = LlamaModel(LlamaArgs.from_hf(hf_model.config))
+        model = model.to_empty(device=cfg.device).to(cfg.dtype)
+        model.load_hf_state_dict(state)
+        if model.args.tie_word_embeddings:
+            model.lm_head.weight = model.embed.weight
+        return cls(model.eval(), hf_model.config, tokenizer, cfg, fp, model_name)
+
+    @classmethod
+    def from_config(cls, hf_config, tokenizer=None, seed: int = 0, **fields) -> "LazyEngine":
+        """Random weights for a Llama config: for benchmarks, where speed does not depend on values."""
+        cfg = EngineConfig(**fields)
+        check_llama_config(hf_config)
+        torch.manual_seed(seed)
+        with torch.device(cfg.device):
+            model = LlamaModel(LlamaArgs.from_hf(hf_config)).to(cfg.dtype)
+        for p in model.parameters():
+            torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
+        return cls(model.eval(), hf_config, tokenizer, cfg, f"random-{seed}", "random")
+
+    def _end_tokens(self) -> set[int]:
+        ids = set()
+        tok = self.tokenizer
+        if tok is not None:
+            if tok.eos_token_id is not None:
+                ids.add(tok.eos_token_id)
+            vocab = tok.get_vocab()
+            ids.update(vocab[t] for t in _END_OF_TURN_TOKENS if t in vocab)
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        ids.update([eos] if isinstance(eos, int) else (eos or []))
+        return ids
+
+    @property
+    def max_context(self) -> int:
+        """Tokens of prompt plus answer the model takes."""
+        return self.model.args.max_positions
+
+    def kv_identity(self, system: str | None = None) -> KVIdentity:
+        """What chunk KV computed by this engine (after ``system``'s prefix) depends on; a store must match it."""
+        prompts = self._require_prompts()
+        system = system or prompts.system_prompt
+        prefix_ids = prompts.prefix_ids(system)
+        shape = self.cache.pool.shape
+        return KVIdentity(self.fingerprint, self.model_name, str(shape.dtype).replace("torch.", ""), shape.block_size,
+                          shape.num_layers, shape.num_kv_heads, shape.head_dim, system, tuple(prefix_ids),
+                          self.scheduler.planner["lazy"].prefix_key(prefix_ids))
+
+    # -- prompts --------------------------------------------------------------------------
+
+    def _require_prompts(self) -> PromptBuilder:
+        if self.prompts is None:
+            raise ValueError("This engine has no tokenizer; pass token ids through a PromptLayout instead.")
+        return self.prompts
+
+    def build_prompt(self, question: str, chunks: list[str], system: str | None = None) -> PromptLayout:
+        """Token ids of each segment: shared prefix, each chunk (tokenized alone), question tail."""
+        chunks = check_chunks(chunks)
+        layout = self._require_prompts().build(check_text(question, "question"), chunks,
+                                               None if system is None else check_text(system, "system"))
+        self._check_length(layout.num_tokens)
+        self.register_chunks(chunks)
+        return layout
+
+    def render_chat(self, messages: list[dict]) -> str:
+        """The prompt text of chat messages ({"role", "content"}) through the model's chat template."""
+        return self._require_prompts().render(messages)
+
+    def register_chunks(self, texts) -> None:
+        """Make chunk texts findable inside free-form prompts (``layout_from_text``), e.g. retrieved nodes."""
+        for text in texts:
+            self.chunk_finder.add(text)
+
+    def layout_from_text(self, text: str) -> PromptLayout:
+        """Lay out a finished prompt (chat template applied), reusing every known chunk found in it.
+
+        Known chunks (cached, pre-cached, registered or in an attached store) are found by their
+        text, in time linear in the prompt's length. The text before the first is the request's
+        prefix, the text after the last is computed in context like a question; non-blank
+        text between chunks becomes a segment of its own (encoded once, cached by content),
+        and blank text between them is the chunks' own separator. Chunks keep their KV
+        encoded after the engine's shared encoding prefix, whatever the prompt's prefix is.
+        """
+        layout = self._require_prompts().split_text(check_text(text, "prompt"), self.chunk_finder.find(text))
+        self._check_length(layout.num_tokens)
+        return layout
+
+    def _check_length(self, num_tokens: int, max_new_tokens: int = 0) -> None:
+        if num_tokens + max_new_tokens > self.max_context:
+            raise ValueError(
+                f"The prompt has {num_tokens} tokens and asks for {max_new_tokens} more, over the model's "
+                f"{self.max_context}-token context; pass fewer or shorter chunks, or lower max_new_tokens."
+            )
+
+    # -- chunk KV ahead of time, and stores -------------------------------------------------
+
+    def encode_chunks(self, chunks: list[list[int]], prefix_ids: list[int] | None = None,
+                      read: bool = False) -> tuple[int, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+        """Encode the chunks' KV (token ids, each after ``prefix_ids``, default the shared prefix) into the
+        cache unless already there. Returns how many were new and, with ``read``, each segment's K/V
+        ``[L, T, Hkv, D]`` on the CPU by content key (the prefix's included), as a store writes them."""
+        prefix_ids = self._require_prompts().prefix_ids() if prefix_ids is None else prefix_ids
+        layout = PromptLayout(prefix_ids=list(prefix_ids), chunk_ids=[list(c) for c in chunks], question_ids=[])
+        strategy = self.scheduler.planner["lazy"]
+        plan = Plan(context=[], new_ids=[], new_start=0)
+        with self._lock:
+            try:
+                prefix, found = strategy.base_segments(layout, plan)
+                kv = {}
+                if read:
+                    kv = {key: self.cache.read_kv(seg) for key, seg in found.items()}
+                    kv[prefix.key] = self.cache.read_kv(prefix)
+            finally:
+                strategy.release(plan)
+        return plan.chunks_missed, kv
+
+    def precache(self, chunks: list[str], system: str | None = None) -> int:
+        """Encode the chunks' KV now (after the shared prefix) so later prompts hit; returns how many were new."""
+        layout = self.build_prompt("", chunks, system)
+        return self.encode_chunks(layout.chunk_ids, layout.prefix_ids)[0]
+
+    def attach_store(self, store):
+        """Serve chunk KV from a corpus store built by ``lazyrag precache``: misses load from disk, not
+        recompute, and free-form prompts find the store's chunks. Attaching the same folder again is a no-op."""
+        from lazyrag.store import CorpusStore
+
+        if not isinstance(store, CorpusStore):
+            store = CorpusStore.open(store)
+        attached = next((t for t in self.cache.tiers if isinstance(t, CorpusStore) and t.path == store.path), None)
+        if attached is not None:
+            return attached
+        store.check_compatible(self)
+        self.cache.add_tier(store)
+        self.register_chunks(row.text for row in store.rows() if row.text)
+        return store
+
+    # -- requests: every generation goes through the continuous-batching scheduler --------
+
+    def add_request(self, layout: PromptLayout, params: SamplingParams, *, arrival: float | None = None,
+                    prompt_logits_only: bool = False, notify=None) -> Request:
+        """Queue a request for the scheduler (vLLM's ``add_request``); ``step`` runs it. Any thread.
+
+        Everything about the request is checked here, so a bad one fails alone before it joins a batch.
+        ``arrival`` (on ``scheduler.clock``) is when the request arrived, for TTFT; default now.
+        ``notify`` is called from the stepping thread whenever the request has new output or ends.
+        """
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a lazyrag.SamplingParams; got {type(params).__name__}.")
+        check_layout(layout, self.model.args.vocab_size)
+        self._check_length(layout.num_tokens, 0 if prompt_logits_only else params.max_new_tokens)
+        req = Request(layout, params, arrival=self.scheduler.clock() if arrival is None else arrival,
+                      prompt_logits_only=prompt_logits_only, notify=notify)
+        self.scheduler.add(req)
+        self._work.set()
+        return req
+
+    def submit(self, layout: PromptLayout, params: SamplingParams) -> RequestStream:
+        """Queue a request and return its stream (iterate it, sync or async, then ``result()``)."""
+        return RequestStream(self, self.add_request(layout, params))
+
+    def step(self) -> bool:
+        """One forward pass over the requests in flight (a batched prefill or a batched decode step)."""
+        with self._lock:
+            return self._step_locked()
+
+    def _step_locked(self) -> bool:
+        self._stepping_thread = threading.get_ident()
+        try:
+            return self.scheduler.step()
+        finally:
+            self._stepping_thread = None
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    def _drive(self, req: Request) -> None:
+        """Step the scheduler (which advances every request in flight) until ``req`` has output or is done.
+        Thread-safe: requests from several threads are batched, whichever thread holds the lock steps them all."""
+        while not (req.outputs or req.done):
+            with self._lock:
+                if req.outputs or req.done:  # another thread stepped while this one waited for the lock
+                    return
+                self._step_locked()
+
+    def _abandon(self, req: Request) -> None:
+        """The caller stopped listening: give the request's blocks and pins back now."""
+        if not req.done:
+            self.scheduler.abort(req)
+            self._work.set()
+            if self._stepping_thread == threading.get_ident():
+                return  # a finalizer inside this thread's own step: that step drops it
+            with self._lock:
+                self.scheduler.drop_aborted()
+
+    # asyncio: a background thread steps the scheduler; coroutines wait on their request
+
+    def _ensure_driver(self) -> None:
+        with self._driver_lock:
+            if self._driver is None:
+                self._driver = threading.Thread(target=self._drive_forever, name="lazyrag-scheduler", daemon=True)
+                self._driver.start()
+
+    def _drive_forever(self) -> None:
+        while True:
+            busy = self.step()  # never raises for a request's fault: the scheduler fails that request alone
+            if not busy:
+                self._work.clear()
+                if not self.scheduler.has_work():
+                    self._work.wait()
+
+    # -- the front door -------------------------------------------------------------------
+
+    def _params(self, params: SamplingParams | None, sampling: dict) -> SamplingParams:
+        if params is not None and sampling:
+            raise ValueError(f"pass either params= or sampling keywords ({', '.join(sampling)}), not both")
+        return params if params is not None else SamplingParams(**sampling)
+
+    def generate(self, question: str, chunks: list[str], params: SamplingParams | None = None, *,
+                 system: str | None = None, **sampling) -> GenerationResult:
+        """Answer ``question`` over ``chunks``; each chunk's KV is reused from the cache when it was seen before.
+        ``sampling``: SamplingParams fields (max_new_tokens, temperature, top_p, stop, seed, strategy, ...)."""
+        return self.submit(self.build_prompt(question, chunks, system), self._params(params, sampling)).result()
+
+    def stream(self, question: str, chunks: list[str], params: SamplingParams | None = None, *,
+               system: str | None = None, **sampling) -> RequestStream:
+        """``generate``, streamed: iterate the returned stream for text deltas (then ``.result()`` for stats)."""
+        return self.submit(self.build_prompt(question, chunks, system), self._params(params, sampling))
+
+    async def agenerate(self, question: str, chunks: list[str], params: SamplingParams | None = None, *,
+                        system: str | None = None, **sampling) -> GenerationResult:
+        """``generate`` for asyncio: awaiting many at once batches them on the device."""
+        return await self.stream(question, chunks, params, system=system, **sampling).aresult()
+
+    def astream(self, question: str, chunks: list[str], params: SamplingParams | None = None, *,
+                system: str | None = None, **sampling) -> RequestStream:
+        """``stream`` for asyncio: ``async for delta in engine.astream(...)``."""
+        return self.stream(question, chunks, params, system=system, **sampling)
+
+    def layout_logits(self, layout: PromptLayout, strategy: str = "lazy") -> torch.Tensor:
+        """Logits ``[V]`` (fp32, CPU) of the token after the prompt."""
+        req = self.add_request(layout, SamplingParams(max_new_tokens=1, strategy=strategy), prompt_logits_only=True)
+        RequestStream(self, req).result()  # raises the request's error, if any
+        return req.prompt_logits
+
+    def next_token_logits(self, question: str, chunks: list[str], strategy: str = "lazy", system: str | None = None) -> torch.Tensor:
+        """Logits ``[V]`` (fp32, CPU) of the token after the prompt."""
+        return self.layout_logits(self.build_prompt(question, chunks, system), strategy)

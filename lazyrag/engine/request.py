@@ -1,0 +1,182 @@
+"""What a request is: its sampling parameters (strategy included), its state in flight, its result,
+and the plan that says where each part of its prompt's KV comes from (the scheduler-to-planner interface)."""
+from __future__ import annotations
+
+import itertools
+import math
+import numbers
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from lazyrag.engine.runner import Placement, SeqState
+from lazyrag.engine.sampling import Detokenizer
+from lazyrag.kv.cache import Segment
+from lazyrag.prompt import PromptLayout
+
+# The strategies engine/reuse.py implements; ``lazy:...`` names add quality-recovery options to ``lazy``.
+BASE_STRATEGIES = ("full", "prefix", "position_aware", "position_aware:rerotate", "lazy")
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    ignore_eos: bool = False  # keep generating past end-of-turn tokens (benchmarks with fixed output lengths)
+    strategy: str = "lazy"  # how the prompt's KV is obtained: see ``strategy_options`` and engine/reuse.py
+
+    def __post_init__(self):
+        # Checked here, before admission: a bad value would otherwise fail inside a batch of other requests.
+        if self.stop is None:
+            self.stop = []
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of strings; got {self.stop!r}")
+        self.stop = [s for s in self.stop if s]
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, numbers.Integral) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer of at least 1; got {self.max_new_tokens!r}")
+        self.max_new_tokens = int(self.max_new_tokens)
+        if not _finite_number(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy); got {self.temperature!r}")
+        if not _finite_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be a number in (0, 1]; got {self.top_p!r}")
+        self.temperature, self.top_p = float(self.temperature), float(self.top_p)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)):
+            raise ValueError(f"seed must be an integer or None; got {self.seed!r}")
+        strategy_options(self.strategy)
+
+
+def _finite_number(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def strategy_options(name: str) -> dict:
+    """The options a strategy name carries (a ValueError that teaches the syntax for a bad one): none for the
+    base strategies; LazyStitching's keyword arguments for ``lazy:first=16``, ``lazy:blend=0.15``,
+    ``lazy:blend=0.15:select=chunk``, ``lazy:first=16:blend=0.1``."""
+    if name in BASE_STRATEGIES:
+        return {}
+    if not isinstance(name, str) or not name.startswith("lazy:"):
+        raise ValueError(f"Unknown strategy {name!r}; choose one of {', '.join(BASE_STRATEGIES)} (or lazy:first=K, lazy:blend=R).")
+    usage = (f"Bad strategy {name!r}: write lazy:first=K (K a positive number of tokens), lazy:blend=R (R the fraction "
+             "of chunk tokens to recompute, in (0, 1]; add :select=chunk to take R of each chunk), or both, "
+             "e.g. lazy:first=16:blend=0.1.")
+    opts = {}
+    for part in name.split(":")[1:]:
+        key, _, value = part.partition("=")
+        try:
+            if key == "first" and "recompute_first" not in opts and int(value) > 0:
+                opts["recompute_first"] = int(value)
+            elif key == "blend" and "blend" not in opts and 0 < float(value) <= 1:
+                opts["blend"] = float(value)
+            elif key == "select" and "blend_per_chunk" not in opts and value in ("chunk", "global"):
+                opts["blend_per_chunk"] = value == "chunk"
+            else:
+                raise ValueError(usage)
+        except ValueError:
+            raise ValueError(usage) from None
+    if not opts or ("blend_per_chunk" in opts and "blend" not in opts):
+        raise ValueError(usage)
+    return opts
+
+
+
+@dataclass
+class Plan:
+    """Where a request's prompt KV comes from, as the planner (engine/reuse.py) made it: the placed
+    cached segments its new tokens attend to, the new tokens, and what it pinned or allocated,
+    which the scheduler hands back to the planner (``Strategy.release``) when the request ends."""
+
+    context: list[Placement]
+    new_ids: list[int]
+    new_start: int  # position of the first new token
+    pinned: list[Segment] = field(default_factory=list)
+    chunks_hit: int = 0
+    chunks_missed: int = 0
+    tokens_reused: int = 0
+    block_keys: list[str] = field(default_factory=list)  # prefix caching: hash chain of the prompt's blocks
+    owned_blocks: list[int] = field(default_factory=list)  # the request's recomputed tokens: freed with it
+    tokens_recomputed: int = 0  # chunk tokens computed again in context (quality recovery)
+    recompute_cost: float = 0.0  # its compute, in tokens through the whole model (blend: selection included)
+
+
+
+@dataclass
+class RequestStats:
+    strategy: str
+    prompt_tokens: int = 0
+    chunks_hit: int = 0
+    chunks_missed: int = 0
+    tokens_prefilled: int = 0  # tokens run through the model for this request, chunk encoding included
+    tokens_reused: int = 0  # prompt tokens whose KV came from the cache
+    new_tokens: int = 0
+    tokens_recomputed: int = 0  # chunk tokens computed again in context (quality recovery), part of tokens_prefilled
+    recompute_cost: float = 0.0  # that recovery's compute in tokens through the whole model (blend's selection included)
+    plan_s: float = 0.0  # host time to look up, encode or copy the prompt's segments (TTFT minus prefill and sampling)
+    queue_s: float = 0.0  # time from arrival until the scheduler took the request in
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    ttft_s: float
+    total_s: float
+    finish_reason: str  # "stop" (end of turn or stop string), "length", or "abort"
+    stats: RequestStats = field(default_factory=lambda: RequestStats("lazy"))
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation in flight. The stepping thread appends to ``outputs`` and sets ``done``;
+    the caller's thread drains ``outputs`` ((text delta, token id); id -1 for a final text tail)."""
+
+    layout: PromptLayout
+    params: SamplingParams
+    arrival: float
+    prompt_logits_only: bool = False  # stop after the prefill and keep the logits (no sampling)
+    notify: Callable[[], None] | None = None  # called after outputs or done change (from the stepping thread)
+    id: int = field(default_factory=lambda: next(_ids))
+
+    outputs: deque = field(default_factory=deque)
+    done: bool = False
+    aborted: bool = False
+    error: BaseException | None = None
+    finish_reason: str = "length"
+    prompt_logits: torch.Tensor | None = None  # [V] fp32 CPU, for prompt_logits_only
+    stats: RequestStats | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    plan: Plan | None = None
+    seq: SeqState | None = None
+    last_token: int = -1
+    detok: Detokenizer | None = None
+    generator: torch.Generator | None = None
+
+    def __post_init__(self):
+        self.stats = RequestStats(self.params.strategy, prompt_tokens=self.layout.num_tokens)
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    def result(self) -> GenerationResult:
+        if self.error is not None:
+            raise self.error
+        assert self.done, "the request is still running"
+        text = self.detok.text if self.detok else ""
+        ttft = (self.first_token_at if self.first_token_at is not None else self.finished_at) - self.arrival
+        return GenerationResult(text, list(self.seq.generated) if self.seq else [], ttft, self.finished_at - self.arrival,
+                                self.finish_reason, self.stats)
+
+
