@@ -1,6 +1,6 @@
 """Next-token KL divergence from full prefill of lazy, first-K and blend variants: a low-noise proxy for
 answer quality (NQ gold + 4 distractors, embedded SmolLM2, CPU). Variants of the deviation measure and
-selection layer are tried by swapping model/blend.py's module-level pieces.
+selection layer are tried by swapping engine/blend.py's module-level pieces.
 
     python benchmarks/blend_kl.py 40        # -> stdout; this session's run: benchmarks/results/blend_kl_cpu_log.txt
 """
@@ -12,7 +12,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import lazyrag.model.blend as blend  # noqa: E402
+import lazyrag.engine.blend as blend  # noqa: E402
 from lazyrag.engine import LazyEngine  # noqa: E402
 from lazyrag.eval import DATA, load_nq  # noqa: E402
 

@@ -40,8 +40,8 @@ sys.path.insert(0, str(ROOT))
 
 from lazyrag.kv.block_pool import BlockPool, KVShape  # noqa: E402
 from lazyrag.kv.cache import CacheConfig, CacheManager  # noqa: E402
-from lazyrag.kv.strategies import LazyStitching, PositionAware, PrefixCaching, RerotatingPositionAware  # noqa: E402
-from lazyrag.model.runner import SeqState  # noqa: E402
+from lazyrag.engine.reuse import LazyStitching, PositionAware, PrefixCaching, RerotatingPositionAware  # noqa: E402
+from lazyrag.engine.runner import SeqState  # noqa: E402
 from lazyrag.prompt import PromptLayout  # noqa: E402
 
 LLAMA_8B_KV = KVShape(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16)
@@ -112,12 +112,11 @@ def run_one(strategy: str, prompts: list[PromptLayout], budget_bytes: int, polic
     pool = BlockPool(shape, budget_bytes // shape.bytes_per_block + work_blocks, torch.device("meta"))
     cache = CacheManager(pool, CacheConfig(policy=policy, admission=admission, budget_bytes=budget_bytes))
     strat = STRATEGIES[strategy](cache, NullRunner(), "llama-3.1-8b")
-    bs = shape.block_size
     hit = total = hit_tokens = total_tokens = 0
     for layout in prompts:
         plan = strat.plan(layout)
         # The scheduler's request lifecycle (Scheduler._plan, _prefill, _release), minus the model.
-        seq = SeqState(context=plan.context, blocks=cache.allocate(-(-(len(plan.new_ids) + wl.output_tokens) // bs)),
+        seq = SeqState(context=plan.context, blocks=cache.allocate(shape.blocks_for(len(plan.new_ids) + wl.output_tokens)),
                        next_pos=plan.new_start)
         strat.runner.prefill([seq], [plan.new_ids])
         strat.finish(plan, seq)

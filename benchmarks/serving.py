@@ -35,7 +35,7 @@ import statistics
 import sys
 import time
 from collections import deque
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,7 +78,7 @@ def run(engine, strategy: str, prompts, params, *, rate: float | None = None, co
     engine.cache.reconfigure(CacheConfig(policy=name, admission=bool(admit), budget_bytes=int(budget_gb * GiB)))
     clock = SkipIdleClock()
     engine.scheduler.clock = clock
-    held_outside = engine.cache.pool.num_blocks - engine.cache.pool.num_free - engine.cache._cached_blocks  # e.g. the CUDA-graph scratch block
+    held_outside = engine.cache.pool.num_blocks - engine.cache.pool.num_free - engine.cache.cached_blocks  # e.g. the CUDA-graph scratch block
     rng = random.Random(seed)
     todo = deque(prompts)
     reqs = []
@@ -91,7 +91,7 @@ def run(engine, strategy: str, prompts, params, *, rate: float | None = None, co
             now = clock()
             while arrivals and arrivals[0][0] <= now:
                 at, layout = arrivals.popleft()
-                reqs.append(engine.add_request(layout, params, strategy, arrival=at))
+                reqs.append(engine.add_request(layout, replace(params, strategy=strategy), arrival=at))
             if not engine.has_unfinished_requests():
                 clock.skip_to(arrivals[0][0])
                 continue
@@ -100,7 +100,7 @@ def run(engine, strategy: str, prompts, params, *, rate: float | None = None, co
         in_flight = []
         while todo or in_flight:
             while todo and len(in_flight) < concurrency:
-                in_flight.append(engine.add_request(todo.popleft(), params, strategy))
+                in_flight.append(engine.add_request(todo.popleft(), replace(params, strategy=strategy)))
             engine.step()
             done = [r for r in in_flight if r.done]
             reqs += done
@@ -109,8 +109,8 @@ def run(engine, strategy: str, prompts, params, *, rate: float | None = None, co
         torch.cuda.synchronize()
     results = [r.result() for r in reqs]
     assert all(len(r.token_ids) == params.max_new_tokens for r in results)
-    assert all(s.pins == 0 for s in engine.cache._segments.values()), "a finished request left a pin"
-    assert engine.cache.pool.num_free + engine.cache._cached_blocks + held_outside == engine.cache.pool.num_blocks, "leaked blocks"
+    assert engine.cache.num_pinned == 0, "a finished request left a pin"
+    assert engine.cache.pool.num_free + engine.cache.cached_blocks + held_outside == engine.cache.pool.num_blocks, "leaked blocks"
     ttft = [r.ttft_s for r in results]
     first = min(r.arrival for r in reqs)
     makespan = max(r.finished_at for r in reqs) - first
@@ -133,16 +133,16 @@ def build_engine(args):
 
     from benchmarks.e2e_gpu import llama31_8b_config
     from lazyrag.engine import LazyEngine
-    from lazyrag.scheduler import SchedulerConfig
+    from lazyrag.engine import SchedulerConfig
 
     pool_bytes = int((max(args.budgets + [args.budget]) + args.work_gb) * GiB)
     if args.smoke:  # a tiny model on the CPU: checks the loop, not the speed
         config = llama31_8b_config(2)
         config.update(dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16))
         return LazyEngine.from_config(config, device="cpu", kv_budget=pool_bytes,
-                                      scheduler_config=SchedulerConfig(max_running=args.max_running))
+                                      scheduler=SchedulerConfig(max_running=args.max_running))
     return LazyEngine.from_config(llama31_8b_config(args.layers), device="cuda", dtype=torch.bfloat16, kv_budget=pool_bytes,
-                                  scheduler_config=SchedulerConfig(max_running=args.max_running))
+                                  scheduler=SchedulerConfig(max_running=args.max_running))
 
 
 def warm_up(engine, wl: Workload, params) -> float:
@@ -150,11 +150,11 @@ def warm_up(engine, wl: Workload, params) -> float:
     t = time.perf_counter()
     prompts = Workload(**{**asdict(wl), "requests": 64, "seed": 999}).prompts(2.1)
     for strategy in STRATEGIES:
-        engine.generate_layout(prompts[0], params, strategy)
+        engine.submit(prompts[0], replace(params, strategy=strategy)).result()
     batch = 1
     while batch <= engine.scheduler.config.max_running:
         for layout in prompts[:batch]:
-            engine.add_request(layout, params, "lazy")
+            engine.add_request(layout, params)
         while engine.has_unfinished_requests():
             engine.step()
         batch *= 2
@@ -317,7 +317,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from lazyrag.sampling import SamplingParams
+    from lazyrag.engine import SamplingParams
 
     assert torch.cuda.is_available() or args.smoke, "the serving benchmark needs a CUDA GPU (or --smoke)"
     t0 = time.perf_counter()

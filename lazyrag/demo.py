@@ -24,7 +24,7 @@ def run_demo(model: str | None = None, device: str | None = None, max_new_tokens
     docs = {d["id"]: d["text"] for d in corpus["documents"]}
     with console.status("Loading the model (the embedded SmolLM2-135M-Instruct unless --model is given)..."):
         engine = LazyEngine.from_pretrained(model, device=device)
-    console.print(f"[bold]Model[/] {engine.model_name} on {engine.device} ({engine.dtype}), attention backend: {engine.attention.name}")
+    console.print(f"[bold]Model[/] {engine.model_name} on {engine.device} ({engine.dtype}), attention backend: {engine.attention_backend}")
 
     for text in tqdm(docs.values(), desc="Pre-caching chunk KV", unit="chunk"):
         engine.precache([text])

@@ -183,8 +183,7 @@ def precache(engine, config: PrecacheConfig, embedder=None) -> PrecacheReport:
                                chunk_tokens=config.chunk_tokens, overlap=config.overlap,
                                chunks_per_shard=config.chunks_per_shard, index_kind=config.index, system=config.system)
     store = CorpusStore.create_or_resume(out, manifest)
-    strat = engine.strategies["lazy"]
-    keys = [strat.chunk_key(manifest.prefix_ids, c.ids) for c in chunks]
+    keys = [engine.chunk_key(c.ids, manifest.prefix_ids) for c in chunks]
     _check_same_input(store, keys)
 
     done = store.done_shards()

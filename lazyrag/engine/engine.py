@@ -266,6 +266,10 @@ class LazyEngine:
                 strategy.release(plan)
         return plan.chunks_missed, kv
 
+    def chunk_key(self, chunk_ids: list[int], prefix_ids: list[int]) -> str:
+        """The content key of a chunk's KV encoded after ``prefix_ids`` (what the cache and stores index by)."""
+        return self.scheduler.planner["lazy"].chunk_key(prefix_ids, chunk_ids)
+
     def precache(self, chunks: list[str], system: str | None = None) -> int:
         """Encode the chunks' KV now (after the shared prefix) so later prompts hit; returns how many were new."""
         layout = self.build_prompt("", chunks, system)

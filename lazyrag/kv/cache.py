@@ -176,6 +176,16 @@ class CacheManager:
         return key in self._segments
 
     @property
+    def num_pinned(self) -> int:
+        """Cached segments some request in flight still holds."""
+        return sum(seg.pins > 0 for seg in self._segments.values())
+
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks held by cached segments (not by requests in flight)."""
+        return self._cached_blocks
+
+    @property
     def cached_bytes(self) -> int:
         return self._cached_blocks * self.pool.shape.bytes_per_block
 
