@@ -5,7 +5,7 @@ documents per prompt drawn by Zipf(2.1) popularity (or uniformly), a 32-token sh
 prefix, a 32-token question and 16 output tokens (end-of-turn ignored), on a
 Llama-3.1-8B-shaped model with random bf16 weights (speed does not depend on the values).
 Every strategy runs in the same process, on the same model and engine: the continuous-
-batching scheduler (``lazyrag/scheduler.py``), Triton kernels and CUDA graphs. A request's
+batching scheduler (``lazyrag/engine/scheduler.py``), Triton kernels and CUDA graphs. A request's
 missing documents are encoded when it is admitted (prefix caching: its uncached prompt
 tail is prefilled), and each strategy's cache holds at most the KV budget; the pool has
 ``--work-gb`` more for the requests in flight.

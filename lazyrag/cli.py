@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a corpus store from `lazyrag precache`: retrieve the question's top --k chunks from it "
                           "and load their KV from disk instead of recomputing it")
     ask.add_argument("--k", type=int, default=5, help="chunks to retrieve from --store")
-    from lazyrag.precache import add_precache_parser  # issue 4: corpus store builder
+    from lazyrag.precache import add_precache_parser
 
     add_precache_parser(sub)
     from lazyrag.eval import add_eval_parser

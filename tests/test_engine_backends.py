@@ -148,7 +148,7 @@ def test_batched_requests_match_one_at_a_time(case):
 
 
 def test_blending_every_chunk_token_equals_full_prefill(case):
-    """CacheBlend's dense recompute path (model/blend.py) with each backend: R=1 is a full prefill."""
+    """CacheBlend's dense recompute path (engine/blend.py) with each backend: R=1 is a full prefill."""
     engine, _, dtype = case
     layout = random_layout(20, repeat_chunk=False)
     assert rel_err(engine.layout_logits(layout, "lazy:blend=1"), engine.layout_logits(layout, "full")) < tolerance(dtype)

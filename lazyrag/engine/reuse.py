@@ -169,7 +169,7 @@ class LazyStitching(Strategy):
     * ``recompute_first``: each chunk's first tokens are computed again in context (EPIC's
       LegoLink), which restores the attention they would have paid to the documents before it;
     * ``blend``: that fraction of chunk tokens, those whose cached KV deviates most in context,
-      is computed again (CacheBlend, model/blend.py); ``blend_per_chunk`` takes it of each chunk
+      is computed again (CacheBlend, engine/blend.py); ``blend_per_chunk`` takes it of each chunk
       rather than of all of them. With both, the heads are recomputed on top of the fraction.
     """
 

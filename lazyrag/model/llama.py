@@ -167,7 +167,7 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, rt) -> torch.Tensor:
         return self.after_attention(x, self.attn(self.attn_input(x, rt.ops), cos, sin, rt), rt.ops)
 
-    # The layer in two halves around its attention, for callers that attend their own way (model/blend.py).
+    # The layer in two halves around its attention, for callers that attend their own way (engine/blend.py).
 
     def attn_input(self, x: torch.Tensor, ops: ElementwiseOps) -> torch.Tensor:
         return ops.rms_norm(x, self.attn_norm.weight, self.attn_norm.eps)
