@@ -17,7 +17,7 @@ from langchain_core.output_parsers import StrOutputParser
 from lazyrag.demo import load_demo_corpus
 from lazyrag.integrations.langchain import ChatLazyLlama, LazyRAG, LazyRAGRetriever, rag_chain
 from lazyrag.integrations._common import shared_engine
-from lazyrag.precache import PrecacheConfig, precache
+from lazyrag.store.build import PrecacheConfig, precache
 
 
 def build_demo_store(out: Path) -> None:

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from lazyrag.demo import load_demo_corpus
 from lazyrag.engine import LazyEngine
-from lazyrag.precache import PrecacheConfig, precache
-from lazyrag.retriever import Retriever
+from lazyrag.store.build import PrecacheConfig, precache
+from lazyrag.store.retriever import Retriever
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, AsyncIterator, Generator, Iterator
 
 if TYPE_CHECKING:  # torch is imported only when an engine is really needed
     from lazyrag.engine import GenerationResult, LazyEngine
-    from lazyrag.retriever import Retriever
+    from lazyrag.store.retriever import Retriever
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -74,8 +74,8 @@ def attach_store_once(engine: "LazyEngine", store) -> None:
 
 def load_embedder(name: str | None = None):
     """A sentence-transformers model, loaded once per process (default: the embedded all-MiniLM-L6-v2)."""
-    from lazyrag.retriever import DEFAULT_EMBEDDER
-    from lazyrag.retriever import load_embedder as load
+    from lazyrag.store.retriever import DEFAULT_EMBEDDER
+    from lazyrag.store.retriever import load_embedder as load
 
     name = name or DEFAULT_EMBEDDER
     with _lock:
@@ -89,7 +89,7 @@ def open_retriever(store, embedder: str | None = None) -> "Retriever":
 
     Missing or unfinished stores raise lazyrag.store.StoreError (from CorpusStore.open); a
     finished store without a single chunk raises it here, since every query would return nothing."""
-    from lazyrag.retriever import Retriever
+    from lazyrag.store.retriever import Retriever
     from lazyrag.store import CorpusStore, StoreError
 
     path = Path(store).expanduser().resolve()

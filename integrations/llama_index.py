@@ -387,7 +387,7 @@ class LazyEmbedding(BaseEmbedding):
         return "LazyEmbedding"
 
     def _embed(self, texts: list[str]) -> list[list[float]]:
-        from lazyrag.retriever import embed
+        from lazyrag.store.retriever import embed
 
         if self._model is None:
             self._model = _common.load_embedder(self.model_name)

@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a corpus store from `lazyrag precache`: retrieve the question's top --k chunks from it "
                           "and load their KV from disk instead of recomputing it")
     ask.add_argument("--k", type=int, default=5, help="chunks to retrieve from --store")
-    from lazyrag.precache import add_precache_parser
+    from lazyrag.store.build import add_precache_parser
 
     add_precache_parser(sub)
     from lazyrag.eval import add_eval_parser
@@ -82,7 +82,7 @@ def _ask(args) -> int:
         chunks += [p.strip() for p in args.chunks_file.read_text().split("\n\n") if p.strip()]
     engine = LazyEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
     if args.store is not None:
-        from lazyrag.retriever import Retriever
+        from lazyrag.store.retriever import Retriever
         from lazyrag.store import StoreError
 
         try:
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_eval(args)
         if args.command == "precache":
-            from lazyrag.precache import run_precache
+            from lazyrag.store.build import run_precache
 
             return run_precache(args)
         if args.command == "ask":

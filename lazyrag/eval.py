@@ -197,7 +197,7 @@ def run_eval(args) -> int:
     strategies = args.strategies.split(",")
     engine = LazyEngine.from_pretrained(args.model, device=args.device)
     if args.store is not None:  # retrieval mode: each question's top-k chunks of the corpus, their KV from the store
-        from lazyrag.retriever import Retriever
+        from lazyrag.store.retriever import Retriever
 
         retriever = Retriever(args.store)
         for item, hits in zip(items, retriever.retrieve_batch([it["question"] for it in items], args.k)):

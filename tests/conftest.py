@@ -98,7 +98,7 @@ def tiny_corpus(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def embedder():
-    from lazyrag.retriever import load_embedder
+    from lazyrag.store.retriever import load_embedder
 
     return load_embedder()
 

@@ -5,7 +5,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_store(default_engine, tiny_corpus, embedder, tmp_path_factory):
     """A finished corpus store of the five tiny documents, built on the session engine."""
-    from lazyrag.precache import PrecacheConfig, precache
+    from lazyrag.store.build import PrecacheConfig, precache
 
     out = tmp_path_factory.mktemp("adapter-stores") / "tiny"
     precache(default_engine, PrecacheConfig([str(tiny_corpus)], str(out), progress=False), embedder)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lazyrag.precache import PrecacheConfig, chunk_documents, precache, read_documents
+from lazyrag.store.build import PrecacheConfig, chunk_documents, precache, read_documents
 from lazyrag.store import TABLE, CorpusStore
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_chunks_are_block_aligned_and_overlap(default_engine):
-    from lazyrag.precache import Document
+    from lazyrag.store.build import Document
 
     prompts = default_engine.prompts
     text = " ".join(f"Sentence number {i} talks about topic {i % 7}." for i in range(120))
@@ -52,7 +52,7 @@ def test_killed_build_resumes_to_the_same_store(default_engine, tiny_corpus, emb
     precache(default_engine, PrecacheConfig([str(tiny_corpus)], str(reference), chunks_per_shard=1, progress=False), embedder)
 
     out = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "lazyrag.precache", str(tiny_corpus), "--out", str(out), "--chunks-per-shard", "1", "--quiet"]
+    cmd = [sys.executable, "-m", "lazyrag.store.build", str(tiny_corpus), "--out", str(out), "--chunks-per-shard", "1", "--quiet"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
@@ -85,7 +85,7 @@ def test_new_process_answers_from_the_store_with_hits(default_engine, tiny_corpu
     script = textwrap.dedent(f"""
         import json
         from lazyrag.engine import LazyEngine
-        from lazyrag.retriever import Retriever
+        from lazyrag.store.retriever import Retriever
         engine = LazyEngine.from_pretrained(device="cpu")
         engine.attach_store({str(store)!r})
         q = "How deep is the Mariana Trench?"

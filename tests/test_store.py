@@ -5,8 +5,8 @@ import shutil
 import pytest
 import torch
 
-from lazyrag.precache import PrecacheConfig, precache
-from lazyrag.retriever import Retriever
+from lazyrag.store.build import PrecacheConfig, precache
+from lazyrag.store.retriever import Retriever
 from lazyrag.store import MANIFEST, CorpusStore, StoreError, StoreMismatch, attach_store
 
 pytestmark = pytest.mark.slow

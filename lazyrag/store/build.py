@@ -1,6 +1,6 @@
 """Offline pre-caching: corpus files -> chunks -> embeddings + FAISS + position-free KV in a store.
 
-    from lazyrag.precache import PrecacheConfig, precache
+    from lazyrag.store.build import PrecacheConfig, precache
     report = precache(engine, PrecacheConfig(inputs=["docs/"], out="store"))
 
 The chunk KV comes from the engine's own ``lazy`` strategy (the same code that encodes a
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from lazyrag.retriever import DEFAULT_EMBEDDER, embed, load_embedder
-from lazyrag.store import MANIFEST, PREFIX_ID, ChunkRow, CorpusStore, StoreError, engine_manifest, read_manifest
+from lazyrag.store.retriever import DEFAULT_EMBEDDER, embed, load_embedder
+from lazyrag.store.corpus import MANIFEST, PREFIX_ID, ChunkRow, CorpusStore, StoreError, engine_manifest, read_manifest
 
 TEXT_SUFFIXES = (".txt", ".md")
 
@@ -306,7 +306,7 @@ def run_precache(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m lazyrag.precache ...`` = ``lazyrag precache ...``."""
+    """``python -m lazyrag.store.build ...`` = ``lazyrag precache ...``."""
     parser = argparse.ArgumentParser(prog="lazyrag")
     add_precache_parser(parser.add_subparsers(dest="command"))
     return run_precache(parser.parse_args(["precache", *(sys.argv[1:] if argv is None else argv)]))

