@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Iterator
 
 from lazyrag.retriever import DEFAULT_EMBEDDER, embed, load_embedder
-from lazyrag.store import (MANIFEST, PREFIX_ID, ChunkRow, CorpusStore, StoreError, check_new_store_folder, clear_store,
+from lazyrag.store import (LAYOUT_VERSION, MANIFEST, PREFIX_ID, ChunkRow, CorpusStore, StoreError, check_new_store_folder, clear_store,
                            engine_manifest, read_manifest, writer_lock)
 
 log = logging.getLogger(__name__)
@@ -221,7 +221,10 @@ def _verify(out: Path) -> list[int]:
     """Drop the shards of chunks that fail their digest (the build then recomputes them); their ids."""
     if not (out / MANIFEST).is_file():
         return []
-    bad = CorpusStore(out, read_manifest(out)).verify(repair=True)
+    manifest = read_manifest(out)
+    if manifest.layout_version != LAYOUT_VERSION:
+        return []  # nothing to check chunk by chunk: create_or_resume refuses the whole store
+    bad = CorpusStore(out, manifest).verify(repair=True)
     if bad:
         log.warning("verify: %d corrupt chunk(s) in %s (%s); their shards will be rebuilt", len(bad), out, bad[:20])
     return bad
