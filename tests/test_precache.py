@@ -6,13 +6,14 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from lazyrag.store.build import PrecacheConfig, chunk_documents, precache, read_documents
-from lazyrag.store import TABLE, CorpusStore
+from lazyrag.store.corpus import LOCK, MANIFEST, TABLE, CorpusStore
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +44,7 @@ def test_reads_hotpotqa_and_gzipped_nq():
 
 def _store_snapshot(path):
     db = sqlite3.connect(Path(path) / TABLE)
-    return db.execute("SELECT id, key, doc_id, text, num_tokens, shard, checksum, embedding FROM chunks ORDER BY id").fetchall()
+    return db.execute("SELECT id, key, doc_id, text, num_tokens, start, shard, digest, embedding FROM chunks ORDER BY id").fetchall()
 
 
 @pytest.mark.slow
@@ -74,8 +75,8 @@ def test_killed_build_resumes_to_the_same_store(default_engine, tiny_corpus, emb
 
     report = precache(default_engine, PrecacheConfig([str(tiny_corpus)], str(out), chunks_per_shard=1, progress=False), embedder)
     assert report.chunks_encoded == 5 - (len(partial) - 1)  # only what the killed run had not finished
-    assert _store_snapshot(out) == _store_snapshot(reference)  # same rows, KV checksums and embeddings
-    assert CorpusStore.open(out, default_engine).verify() == []
+    assert _store_snapshot(out) == _store_snapshot(reference)  # same rows, digests and embeddings
+    assert CorpusStore.open(out).verify() == []
 
 
 @pytest.mark.slow
@@ -109,3 +110,37 @@ def test_cli_help_teaches():
     assert proc.returncode == 0
     for word in ("--chunk-tokens", "--overlap", "--index", "--limit", "resume", "nq_open_oracle_2655.jsonl.gz"):
         assert word in proc.stdout
+
+
+def _wait_for(condition, seconds=120):
+    deadline = time.time() + seconds
+    while not condition():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+@pytest.mark.slow
+def test_second_writer_waits_for_the_first_and_finds_the_work_done(default_engine, tiny_corpus, embedder, tmp_path, caplog):
+    out = tmp_path / "store"
+    config = PrecacheConfig([str(tiny_corpus)], str(out), chunks_per_shard=2, progress=False)
+    reports, errors = {}, []
+
+    def build(name):
+        try:
+            reports[name] = precache(default_engine, config, embedder)
+        except Exception as e:  # surfaced by the asserts below
+            errors.append(e)
+
+    first, second = (threading.Thread(target=build, args=(name,)) for name in ("first", "second"))
+    with caplog.at_level("WARNING", logger="lazyrag.store"):
+        with default_engine._lock:  # the first writer takes the store lock, then blocks before encoding
+            first.start()
+            _wait_for(lambda: (out / MANIFEST).is_file() and (out / LOCK).is_file())  # written under the store lock
+            second.start()
+            _wait_for(lambda: "being built by another lazyrag precache; waiting" in caplog.text or errors)
+            assert not reports  # neither got past the lock and the engine
+        first.join(300)
+        second.join(300)
+    assert not errors, errors
+    assert reports["first"].chunks_encoded == 5 and reports["second"].chunks_encoded == 0  # not done twice
+    assert CorpusStore.open(out).verify() == []

@@ -1,13 +1,19 @@
-"""The corpus store: built by precache on the default model, read back bit-exact, refused when it does not fit."""
+"""The corpus store: built by precache on the default model, read back exactly, refused when it does not fit,
+tampered or damaged."""
 import json
+import re
 import shutil
+import sqlite3
 
 import pytest
 import torch
 
 from lazyrag.store.build import PrecacheConfig, precache
 from lazyrag.store.retriever import Retriever
-from lazyrag.store import MANIFEST, CorpusStore, StoreError, StoreMismatch, attach_store
+from lazyrag.store.corpus import INDEX, MANIFEST, TABLE, CorpusStore, StoreError, StoreMismatch
+
+# Chunk KV recomputed in another batch (another batch shape) is equal only up to float rounding.
+LOGITS_TOL = dict(rtol=1e-4, atol=1e-3)
 
 pytestmark = pytest.mark.slow
 
@@ -24,14 +30,14 @@ def store_path(default_engine, tiny_corpus, embedder, tmp_path_factory):
 def attached(default_engine, store_path):
     """The session engine with the store as its bottom tier, detached afterwards."""
     default_engine.cache.clear()
-    store = attach_store(default_engine, store_path)
+    store = default_engine.attach_store(store_path)
     yield default_engine, store
     default_engine.cache.tiers.remove(store)
     default_engine.cache.clear()
 
 
 def test_manifest_and_table(store_path, default_engine):
-    store = CorpusStore.open(store_path, default_engine)
+    store = CorpusStore.open(store_path)
     m = store.manifest
     assert m.status == "complete" and m.num_chunks == len(store) == 5
     assert m.model_fingerprint == default_engine.fingerprint and m.dtype == "float32" and m.block_size == 16
@@ -60,13 +66,14 @@ def test_engine_answers_from_the_store_with_hits_and_identical_logits(attached):
     engine.cache.clear()
     computed = engine.layout_logits(layout)  # the same prompt, chunk KV recomputed
     engine.cache.tiers.append(store)
-    assert torch.equal(from_store, computed)
+    # not bit-equal: the store's chunks were encoded two per batch, these three in one batch
+    torch.testing.assert_close(from_store, computed, **LOGITS_TOL)
 
 
 def test_corrupt_shard_is_recomputed_never_used_and_repaired(default_engine, store_path, embedder, tmp_path):
     path = tmp_path / "copy"
     shutil.copytree(store_path, path)
-    store = CorpusStore.open(path, default_engine)
+    store = CorpusStore.open(path)
     victim = store.rows()[1]
     shard = path / "kv" / victim.shard
     data = bytearray(shard.read_bytes())
@@ -76,7 +83,7 @@ def test_corrupt_shard_is_recomputed_never_used_and_repaired(default_engine, sto
     assert bad and all(store.rows([b])[0].shard == victim.shard for b in bad)
 
     default_engine.cache.clear()
-    attach_store(default_engine, store)
+    default_engine.attach_store(store)
     try:
         texts = [store.rows([b])[0].text for b in bad]
         result = default_engine.generate("What is this about?", texts, max_new_tokens=1)
@@ -90,7 +97,7 @@ def test_corrupt_shard_is_recomputed_never_used_and_repaired(default_engine, sto
         CorpusStore.open(path)
     report = precache(default_engine, PrecacheConfig(store.manifest.sources, str(path), chunks_per_shard=2, progress=False), embedder)
     assert report.chunks_encoded == 2  # the one damaged shard (2 chunks), nothing else
-    assert CorpusStore.open(path, default_engine).verify() == []
+    assert CorpusStore.open(path).verify() == []
 
 
 @pytest.mark.parametrize("field,value", [("model_fingerprint", "0" * 32), ("dtype", "bfloat16"), ("block_size", 32), ("layout_version", 99)])
@@ -101,7 +108,7 @@ def test_mismatched_store_is_refused_with_what_to_do(default_engine, store_path,
     manifest[field] = value
     (path / MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(StoreMismatch, match="(?i)rebuild"):
-        attach_store(default_engine, path)
+        default_engine.attach_store(path)
     assert not any(isinstance(t, CorpusStore) for t in default_engine.cache.tiers)
 
 
@@ -111,6 +118,118 @@ def test_other_system_prompt_is_refused(default_engine, store_path):
     default_engine.prompts.system_prompt = "You are a pirate."
     try:
         with pytest.raises(StoreMismatch, match="system_prompt"):
-            store.check_compatible(default_engine)
+            store.check_compatible(default_engine.kv_identity())
     finally:
         default_engine.prompts.system_prompt = old
+
+
+# -- issue 11: integrity, confinement, clear errors ---------------------------------------------
+
+def _copy(store_path, tmp_path):
+    path = tmp_path / "store"
+    shutil.copytree(store_path, path)
+    return path
+
+
+def _tamper(path, *statements):
+    db = sqlite3.connect(path / TABLE)
+    with db:
+        for sql, params in statements:
+            db.execute(sql, params)
+    db.close()
+
+
+def _fresh_logits(engine, layout):
+    """The prompt's logits with every chunk computed now (no store attached)."""
+    engine.cache.clear()
+    return engine.layout_logits(layout)
+
+
+@pytest.mark.parametrize("tampering", ["start", "swapped keys"])
+def test_tampered_row_is_recomputed_with_correct_logits(default_engine, store_path, embedder, tmp_path, caplog, tampering):
+    path = _copy(store_path, tmp_path)
+    a, b = CorpusStore.open(path).rows()[:2]
+    if tampering == "start":  # the KV bytes are intact, but would be served as if encoded 7 positions later
+        _tamper(path, ("UPDATE chunks SET start = start + 7 WHERE id = ?", (a.id,)))
+        bad = [a.id]
+    else:  # each chunk's key now names the other chunk's KV
+        _tamper(path, ("UPDATE chunks SET key = 'x' WHERE id = ?", (a.id,)),
+                ("UPDATE chunks SET key = ? WHERE id = ?", (a.key, b.id)),
+                ("UPDATE chunks SET key = ? WHERE id = ?", (b.key, a.id)))
+        bad = [a.id, b.id]
+    store = CorpusStore.open(path)
+    assert store.verify() == bad
+
+    layout = default_engine.build_prompt("What is this about?", [a.text, b.text])
+    expected = _fresh_logits(default_engine, layout)
+    default_engine.cache.clear()
+    default_engine.attach_store(store)
+    try:
+        before = default_engine.runner.tokens_forwarded
+        with caplog.at_level("WARNING", logger="lazyrag.store"):
+            got = default_engine.layout_logits(layout)
+        recomputed = default_engine.runner.tokens_forwarded - before - len(layout.question_ids)
+    finally:
+        default_engine.cache.tiers.remove(store)
+        default_engine.cache.clear()
+    assert recomputed == sum(len(ids) for ids, r in zip(layout.chunk_ids, (a, b)) if r.id in bad)  # those chunks only
+    assert "does not match its row digest" in caplog.text and "--verify" in caplog.text
+    torch.testing.assert_close(got, expected, **LOGITS_TOL)
+
+    # lazyrag precache --verify finds the same rows and rebuilds their shards
+    report = precache(default_engine, PrecacheConfig(store.manifest.sources, str(path), chunks_per_shard=2, progress=False,
+                                                     verify=True), embedder)
+    assert report.corrupt == bad and report.chunks_encoded == 2  # one shard of two chunks
+    assert CorpusStore.open(path).verify() == []
+
+
+def test_shard_path_outside_the_store_is_refused(store_path, tmp_path):
+    path = _copy(store_path, tmp_path)
+    victim = CorpusStore.open(path).rows()[0]
+    (tmp_path / "outside").mkdir()
+    shutil.copy(path / "kv" / victim.shard, tmp_path / "outside" / "evil.safetensors")  # intact KV, outside the store
+    _tamper(path, ("UPDATE chunks SET shard = ? WHERE shard = ?", ("../../outside/evil.safetensors", victim.shard)))
+    with pytest.raises(StoreError, match=r"(?s)'\.\./\.\./outside/evil\.safetensors'.*refused.*--verify"):
+        CorpusStore.open(path)
+    raw = CorpusStore(path, CorpusStore.open(store_path).manifest)  # not opened: the row is still never read
+    with pytest.raises(StoreError, match="not a file in"):
+        raw.load_kv(victim.id)
+    assert raw.get(victim.key) is None and victim.id in raw.verify()
+
+
+def _truncate(file):
+    file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+
+
+DAMAGE = {
+    "manifest truncated": (MANIFEST, _truncate, "--overwrite"),
+    "manifest not an object": (MANIFEST, lambda f: f.write_text("[1, 2]"), "--overwrite"),
+    "manifest field missing": (MANIFEST, lambda f: f.write_text(json.dumps({"model_fingerprint": "x"})), "--overwrite"),
+    "chunk table truncated": (TABLE, _truncate, "--overwrite"),
+    "chunk table garbage": (TABLE, lambda f: f.write_bytes(b"not a database " * 300), "--overwrite"),
+    "index truncated": (INDEX, _truncate, "--verify"),
+    "index missing": (INDEX, lambda f: f.unlink(), "--verify"),
+    "shard missing": ("kv/shard-000001.safetensors", lambda f: f.unlink(), "--verify"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_store_is_refused_at_open_with_what_to_do(default_engine, store_path, tmp_path, damage):
+    name, harm, fix = DAMAGE[damage]
+    path = _copy(store_path, tmp_path)
+    harm(path / name)
+    with pytest.raises(StoreError, match=f"(?s){re.escape(name.split('/')[-1])}.*lazyrag precache .*--out {re.escape(str(path))} {fix}"):
+        default_engine.attach_store(path)
+    with pytest.raises(StoreError):
+        Retriever(path, embedder=object())
+    assert not any(isinstance(t, CorpusStore) for t in default_engine.cache.tiers)
+
+
+def test_damaged_index_is_rewritten_by_precache_verify(default_engine, store_path, embedder, tmp_path):
+    path = _copy(store_path, tmp_path)
+    _truncate(path / INDEX)
+    sources = json.loads((path / MANIFEST).read_text())["sources"]
+    report = precache(default_engine, PrecacheConfig(sources, str(path), chunks_per_shard=2, progress=False, verify=True), embedder)
+    assert report.corrupt == [] and report.chunks_encoded == 0
+    hits = Retriever(path, embedder).retrieve("How deep is the Mariana Trench?", k=1)
+    assert hits[0].doc_id == "trench.txt"

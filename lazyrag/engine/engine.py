@@ -285,7 +285,7 @@ class LazyEngine:
         attached = next((t for t in self.cache.tiers if isinstance(t, CorpusStore) and t.path == store.path), None)
         if attached is not None:
             return attached
-        store.check_compatible(self)
+        store.check_compatible(self.kv_identity())
         self.cache.add_tier(store)
         self.register_chunks(row.text for row in store.rows() if row.text)
         return store

