@@ -278,7 +278,7 @@ class LazyEngine:
     def attach_store(self, store):
         """Serve chunk KV from a corpus store built by ``lazyrag precache``: misses load from disk, not
         recompute, and free-form prompts find the store's chunks. Attaching the same folder again is a no-op."""
-        from lazyrag.store import CorpusStore
+        from lazyrag.store.corpus import CorpusStore
 
         if not isinstance(store, CorpusStore):
             store = CorpusStore.open(store)

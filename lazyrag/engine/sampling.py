@@ -1,16 +1,12 @@
 """Token sampling and incremental detokenization with stop strings."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-if TYPE_CHECKING:
-    from lazyrag.engine.request import SamplingParams
 
-
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """logits: [V] -> one token id (greedy at temperature 0, else temperature + nucleus sampling)."""
+def sample(logits: torch.Tensor, params, generator: torch.Generator | None) -> int:
+    """logits: [V] -> one token id (greedy at temperature 0, else temperature + nucleus sampling);
+    ``params``: a SamplingParams (its temperature and top_p)."""
     if params.temperature == 0:
         return int(logits.argmax())
     logits = logits.float()

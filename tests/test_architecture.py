@@ -1,0 +1,101 @@
+"""The module import graph points one way: each layer imports only from layers below it (or its own),
+and no modules import each other in a cycle. The README's code map draws the same layers."""
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# import name -> folder (pyproject's package-dir): kernels/ and integrations/ install as lazyrag.*
+PACKAGE_DIRS = {"lazyrag": ROOT / "lazyrag", "lazyrag.kernels": ROOT / "kernels", "lazyrag.integrations": ROOT / "integrations"}
+
+# lowest first; a module may import its own layer's modules and anything below
+LAYERS = [
+    ("lazyrag.kernels", "lazyrag.kv", "lazyrag.prompt"),  # layout, kernels, KV bookkeeping, prompt segments
+    ("lazyrag.model", "lazyrag.store.corpus"),  # the Llama model and its attention; a store as a KV tier
+    ("lazyrag.engine",),  # the request path
+    ("lazyrag.store", "lazyrag.integrations", "lazyrag.eval", "lazyrag.demo"),  # built on the engine
+    ("lazyrag.cli", "lazyrag.__init__"),  # the package's front door re-exports the public API
+]
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for pkg, folder in PACKAGE_DIRS.items():
+        for path in folder.rglob("*.py"):
+            rel = path.relative_to(folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            name = ".".join([pkg, *parts])
+            if pkg == "lazyrag" and parts and parts[0] in ("kernels", "integrations"):
+                continue
+            found[name] = path
+    return found
+
+
+def imports(path: Path, name: str, known: set[str]) -> set[str]:
+    """lazyrag modules ``path`` imports, at module level or inside functions."""
+    out = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            targets = [f"{base}.{a.name}" for a in node.names] + [base]
+        else:
+            continue
+        for t in targets:
+            while t and t not in known:
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                out.add(t)
+    return out
+
+
+def layer(name: str) -> int:
+    name = "lazyrag.__init__" if name == "lazyrag" else name
+    best, rank = -1, None
+    for i, prefixes in enumerate(LAYERS):
+        for p in prefixes:
+            if (name == p or name.startswith(p + ".")) and len(p) > best:
+                best, rank = len(p), i
+    assert rank is not None, f"{name} is in no layer: add it to LAYERS (and the README's code map)"
+    return rank
+
+
+def graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {name: imports(path, name, set(mods)) for name, path in mods.items()}
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    upward = [f"{a} (layer {layer(a)}) imports {b} (layer {layer(b)})"
+              for a, deps in graph().items() for b in deps if layer(b) > layer(a)]
+    assert not upward, "\n".join(upward)
+
+
+def test_kv_is_bookkeeping_only():
+    for name, deps in graph().items():
+        if name.startswith("lazyrag.kv"):
+            assert all(d.startswith("lazyrag.kv") or d == "lazyrag" for d in deps), (name, deps)
+
+
+def test_no_import_cycles():
+    g = {a: {b for b in deps if b != "lazyrag"} for a, deps in graph().items()}
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(n):
+        state[n] = 1
+        path.append(n)
+        for m in g.get(n, ()):
+            if state.get(m) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(m):] + [m]))
+            if m not in state:
+                visit(m)
+        path.pop()
+        state[n] = 2
+
+    for n in g:
+        if n not in state:
+            visit(n)
