@@ -8,7 +8,7 @@ import pytest
 
 from lazyrag.engine import SamplingParams
 from tests.test_engine import CHUNKS, QUESTION
-from tests.test_scheduler import QUESTIONS, _assert_nothing_held, _layouts, _run_to_completion
+from tests.test_scheduler import QUESTIONS, _assert_nothing_held, _layouts, _run_to_completion, run_in_threads
 
 
 @pytest.fixture
@@ -163,23 +163,9 @@ def test_threads_with_a_bad_request_among_them(fresh_engine):
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     expected = [engine.submit(lay, params).result().token_ids for lay in layouts]
     free_before = engine.cache.pool.num_free
-    got, errors = [None] * 5, [None] * 5
-    start = threading.Barrier(5)
-
-    def worker(i):
-        start.wait()
-        try:
-            got[i] = engine.submit(layouts[i % 4], params if i < 4 else _poisoned_params()).result().token_ids
-        except Exception as e:
-            errors[i] = e
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(5)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert got[:4] == expected and errors[:4] == [None] * 4
-    assert isinstance(errors[4], RuntimeError)
+    got = run_in_threads(5, lambda i: engine.submit(layouts[i % 4], params if i < 4 else _poisoned_params()).result().token_ids)
+    assert got[:4] == expected
+    assert isinstance(got[4], RuntimeError)
     _assert_nothing_held(engine, free_before)
 
 

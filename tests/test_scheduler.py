@@ -54,6 +54,26 @@ def test_batched_requests_match_one_at_a_time(tiny_engine):
     _assert_nothing_held(engine, free_before)
 
 
+def run_in_threads(n: int, work) -> list:
+    """``work(i)`` in n threads started together; each one's result, or the exception it raised."""
+    out = [None] * n
+    start = threading.Barrier(n)
+
+    def worker(i):
+        start.wait()
+        try:
+            out[i] = work(i)
+        except Exception as e:
+            out[i] = e
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return out
+
+
 def test_requests_from_threads_are_batched_and_correct(tiny_engine):
     engine = tiny_engine
     layouts = _layouts(engine, 6, seed=2)
@@ -61,18 +81,7 @@ def test_requests_from_threads_are_batched_and_correct(tiny_engine):
     alone = [engine.submit(lay, params).result().token_ids for lay in layouts]
     free_before = engine.cache.pool.num_free
     steps = dict(engine.scheduler.steps)
-    got = [None] * len(layouts)
-    start = threading.Barrier(len(layouts))
-
-    def worker(i):
-        start.wait()
-        got[i] = engine.submit(layouts[i], params).result().token_ids
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(layouts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    got = run_in_threads(len(layouts), lambda i: engine.submit(layouts[i], params).result().token_ids)
     assert got == alone
     # sequentially this takes 6 x 9 decode steps; batched, far fewer
     assert engine.scheduler.steps["decode"] - steps["decode"] < 6 * 9

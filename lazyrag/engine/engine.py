@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import AsyncIterator, Iterator
 
 import torch
@@ -21,28 +21,13 @@ from lazyrag.engine.runner import ModelRunner
 from lazyrag.engine.scheduler import Scheduler
 from lazyrag.kv.block_pool import BlockPool, KVShape
 from lazyrag.kv.cache import CacheManager
+from lazyrag.kv.identity import KVIdentity
 from lazyrag.model.attention import make_attention_backend
 from lazyrag.model.llama import LlamaArgs, LlamaModel, build_rope
 from lazyrag.model.loader import check_llama_config, fingerprint, load_checkpoint, resolve_model_source
 from lazyrag.prompt import ChunkFinder, PromptBuilder, PromptLayout, check_chunks, check_layout, check_text
 
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>")
-
-
-@dataclass(frozen=True)
-class KVIdentity:
-    """What a chunk's cached KV depends on besides its text: a store built under another identity is refused."""
-
-    model_fingerprint: str
-    model_name: str
-    dtype: str
-    block_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    system_prompt: str
-    prefix_ids: tuple[int, ...]  # the shared encoding prefix every chunk is encoded after
-    prefix_key: str
 
 
 class RequestStream:
@@ -53,16 +38,22 @@ class RequestStream:
     def __init__(self, engine: "LazyEngine", request: Request):
         self.engine, self.request = engine, request
 
+    def _ready_deltas(self) -> list[str]:
+        """The text the stepping thread has produced since the last look (empty deltas dropped)."""
+        out = []
+        while self.request.outputs:
+            delta, _ = self.request.outputs.popleft()
+            if delta:
+                out.append(delta)
+        return out
+
     def __iter__(self) -> Iterator[str]:
-        req = self.request
         try:
             while True:
-                self.engine._drive(req)
-                while req.outputs:
-                    delta, _ = req.outputs.popleft()
-                    if delta:
-                        yield delta
-                if req.done:
+                self.engine._drive(self.request)
+                done = self.request.done  # read before draining: outputs added before ``done`` are drained below
+                yield from self._ready_deltas()
+                if done:
                     return
         finally:
             self.close()
@@ -73,11 +64,10 @@ class RequestStream:
         self.engine._ensure_driver()
         try:
             while True:
-                while req.outputs:
-                    delta, _ = req.outputs.popleft()
-                    if delta:
-                        yield delta
-                if req.done:
+                done = req.done
+                for delta in self._ready_deltas():
+                    yield delta
+                if done:
                     return
                 await ready.wait()
                 ready.clear()
@@ -195,7 +185,7 @@ class LazyEngine:
         prefix_ids = prompts.prefix_ids(system)
         shape = self.cache.pool.shape
         return KVIdentity(self.fingerprint, self.model_name, str(shape.dtype).replace("torch.", ""), shape.block_size,
-                          shape.num_layers, shape.num_kv_heads, shape.head_dim, system, tuple(prefix_ids),
+                          shape.num_layers, shape.num_kv_heads, shape.head_dim, system, list(prefix_ids),
                           self.scheduler.planner["lazy"].prefix_key(prefix_ids))
 
     # -- prompts --------------------------------------------------------------------------

@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lazyrag.kv.identity import KVIdentity
 from lazyrag.kv.tiers import CorruptKV, Tier, TierEntry, atomic_write_bytes, kv_checksum
 
 log = logging.getLogger(__name__)
@@ -79,17 +80,9 @@ class StoreMismatch(StoreError):
 
 
 @dataclass
-class StoreManifest:
-    model_fingerprint: str
-    model_name: str
-    dtype: str
-    block_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    system_prompt: str
-    prefix_ids: list[int]
-    prefix_key: str
+class StoreManifest(KVIdentity):
+    """The store's KV identity (the engine's that built it) and how it was built."""
+
     embedder: str
     embed_dim: int
     chunk_tokens: int
@@ -117,13 +110,12 @@ def _short(x) -> str:
     return s if len(s) < 60 else s[:57] + "..."
 
 
-def engine_manifest(identity, *, embedder: str, embed_dim: int, chunk_tokens: int, overlap: int,
+def engine_manifest(identity: KVIdentity, *, embedder: str, embed_dim: int, chunk_tokens: int, overlap: int,
                     chunks_per_shard: int, index_kind: str = "flat") -> StoreManifest:
     """The manifest of a store whose KV an engine of this ``identity`` (``engine.kv_identity(system)``) computes."""
-    kv = {f: getattr(identity, f) for f in ("model_fingerprint", "model_name", "dtype", "block_size", "num_layers",
-                                            "num_kv_heads", "head_dim", "system_prompt", "prefix_key")}
-    return StoreManifest(**kv, prefix_ids=list(identity.prefix_ids), embedder=embedder, embed_dim=embed_dim,
-                         chunk_tokens=chunk_tokens, overlap=overlap, chunks_per_shard=chunks_per_shard, index_kind=index_kind)
+    kv = {f: getattr(identity, f) for f in KVIdentity.__dataclass_fields__}
+    return StoreManifest(**kv, embedder=embedder, embed_dim=embed_dim, chunk_tokens=chunk_tokens, overlap=overlap,
+                         chunks_per_shard=chunks_per_shard, index_kind=index_kind)
 
 
 @dataclass
@@ -242,7 +234,7 @@ class CorpusStore(Tier):
             self._index_damaged(f"it holds {self.index.ntotal} vectors of dimension {self.index.d}, "
                                 f"the store {n} chunks embedded in dimension {dim}")
 
-    def check_compatible(self, identity) -> None:
+    def check_compatible(self, identity: KVIdentity) -> None:
         """Raise StoreMismatch unless this store's KV is what an engine of this ``identity``
         (``engine.kv_identity()``) would compute for its chunks."""
         m = self.manifest
