@@ -63,6 +63,29 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def gather_contexts(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_meta: torch.Tensor,
+    num_blocks: torch.Tensor,
+    rope_cos: torch.Tensor,
+    rope_sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Materialise each sequence's context keys (re-rotated by each block's delta) and values.
+
+    block_meta: [B, W] packed; num_blocks: [B]. Returns k, v: [B, W * block_size, H_kv, D] in fp32 and
+    ``valid`` [B, W * block_size] (False for padding slots and blocks past a sequence's own).
+    """
+    B, W = block_meta.shape
+    block_ids, deltas, valid = unpack_block_meta(block_meta)
+    block_size = k_cache.shape[1]
+    k = apply_rotary(k_cache[block_ids].float(), rope_cos[deltas][:, :, None, None], rope_sin[deltas][:, :, None, None])
+    v = v_cache[block_ids].float()  # [B, W, bs, Hkv, D]
+    slot = torch.arange(block_size, device=k.device)
+    ok = (slot[None, None, :] < valid[:, :, None]) & (torch.arange(W, device=k.device)[None, :, None] < num_blocks[:, None, None].long())
+    return k.flatten(1, 2), v.flatten(1, 2), ok.flatten(1)
+
+
 def gather_context(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -70,31 +93,26 @@ def gather_context(
     rope_cos: torch.Tensor,
     rope_sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Materialise one sequence's context keys (re-rotated by each block's delta) and values.
+    """One sequence's context (``meta_row``: [n_blocks] packed): k, v [n_valid_tokens, H_kv, D] in fp32."""
+    n = torch.tensor([meta_row.numel()], device=meta_row.device)
+    k, v, ok = gather_contexts(k_cache, v_cache, meta_row[None], n, rope_cos, rope_sin)
+    return k[0][ok[0]], v[0][ok[0]]
 
-    meta_row: [n_blocks] packed metadata. Returns k, v: [n_valid_tokens, H_kv, D] in fp32.
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """Softmax attention in fp32 with grouped KV heads.
+
+    q: [B, n, Hq, D]; k, v: [B, L, Hkv, D]; mask: [B, n, L] bool (True = attend). A row that may attend
+    nowhere (batch padding) attends everywhere rather than produce NaN. Returns [B, n, Hq, D] fp32.
     """
-    block_ids, deltas, valid = unpack_block_meta(meta_row)
-    block_size = k_cache.shape[1]
-    k = k_cache[block_ids].float()  # [nb, bs, Hkv, D]
-    v = v_cache[block_ids].float()
-    cos = rope_cos[deltas][:, None, None, :]  # [nb, 1, 1, D/2]
-    sin = rope_sin[deltas][:, None, None, :]
-    k = apply_rotary(k, cos, sin)
-    keep = torch.arange(block_size, device=k.device)[None, :] < valid[:, None]  # [nb, bs]
-    return k[keep], v[keep]
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, sm_scale: float) -> torch.Tensor:
-    # q: [Tq, Hq, D]; k, v: [Tk, Hkv, D]; mask: [Tq, Tk] bool (True = attend) or None
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * sm_scale
-    if mask is not None:
-        scores = scores.masked_fill(~mask[None], float("-inf"))
-    probs = scores.softmax(dim=-1)
-    return torch.einsum("hqk,khd->qhd", probs, v.float())
+    group = q.shape[2] // k.shape[2]
+    k = k.float().repeat_interleave(group, dim=2)
+    v = v.float().repeat_interleave(group, dim=2)
+    mask = mask | ~mask.any(-1, keepdim=True)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.float().transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None], scale=sm_scale
+    )
+    return out.transpose(1, 2)
 
 
 def lazy_prefill_reference(
@@ -128,7 +146,7 @@ def lazy_prefill_reference(
         v = torch.cat((vc, v_new[s:e].float()))
         causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
         mask = torch.cat((torch.ones(n, kc.shape[0], dtype=torch.bool, device=q.device), causal), dim=1)
-        out[s:e] = _attend(q[s:e], k, v, mask, sm_scale).to(q.dtype)
+        out[s:e] = attend(q[None, s:e], k[None], v[None], mask[None], sm_scale)[0].to(q.dtype)
     return out
 
 
@@ -150,5 +168,6 @@ def lazy_decode_reference(
     out = torch.empty_like(q)
     for b in range(q.shape[0]):
         k, v = gather_context(k_cache, v_cache, block_meta[b, : int(num_blocks[b])], rope_cos, rope_sin)
-        out[b] = _attend(q[b : b + 1], k, v, None, sm_scale)[0].to(q.dtype)
+        everywhere = torch.ones(1, 1, k.shape[0], dtype=torch.bool, device=q.device)
+        out[b] = attend(q[None, b : b + 1], k[None], v[None], everywhere, sm_scale)[0, 0].to(q.dtype)
     return out

@@ -26,9 +26,8 @@ from typing import Callable
 
 import torch
 
-from lazyrag.kernels.reference import apply_rotary, gather_context, pack_block_meta
+from lazyrag.kernels.reference import apply_rotary, attend, gather_context, pack_block_meta
 from lazyrag.kv.cache import Segment, SegmentKind
-from lazyrag.model.attention import TorchAttention
 from lazyrag.model.llama import rope_at
 from lazyrag.engine.runner import ModelRunner, Placement, SeqState
 
@@ -119,7 +118,7 @@ def selective_recompute(
             break  # the last layer's K/V is all the question needs
         kc[sel], vc[sel] = k.float(), v.float()
         mask = pos[None, :] <= pos[sel][:, None]  # [S, N] causal by position
-        o = TorchAttention._attend(q[None].float(), kc[None], vc[None], mask[None], model.sm_scale)[0].to(x.dtype)
+        o = attend(q[None], kc[None], vc[None], mask[None], model.sm_scale)[0].to(x.dtype)
         x = block.after_attention(x, block.attn.wo(o.flatten(1)), runner.ops)  # [S, H]
     # every chunk token ran the layers below the selection layer, the selected ones the rest
     cost = (len(chunk_pos) * select_at + len(selected) * (len(layers) - select_at)) / len(layers)

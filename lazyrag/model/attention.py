@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from lazyrag.kernels import reference
 
@@ -31,32 +30,18 @@ class AttentionMetadata:
 
 
 class TorchAttention:
-    """PyTorch attention for CPU (and CUDA without Triton): the whole batch in one SDPA call.
-
-    Computes what ``kernels/reference.py`` specifies, but batched: every sequence's context
-    blocks are gathered and re-rotated at once (padded to the widest block table), its new
-    tokens padded to the longest, and one masked ``scaled_dot_product_attention`` runs per
-    layer. The per-sequence reference loop cost most of a CPU pre-cache run.
-    """
+    """PyTorch attention for CPU (and CUDA without Triton), built on the kernels' reference: the batch's
+    contexts gathered and re-rotated at once (``reference.gather_contexts``), new tokens padded to the
+    longest, and one masked ``reference.attend`` per layer."""
 
     name = "torch"
 
     def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, rope_cos, rope_sin, sm_scale):
-        B = meta.num_ctx_blocks.numel()
-        block_size = k_cache.shape[1]
-        nctx = meta.num_ctx_blocks.long()
-        width = int(nctx.max()) if B else 0
-        block_ids, deltas, valid = reference.unpack_block_meta(meta.block_meta[:, :width])
-        # context keys re-rotated by their block's delta: [B, width * bs, Hkv, D]
-        kc = reference.apply_rotary(k_cache[block_ids].float(), rope_cos[deltas][:, :, None, None], rope_sin[deltas][:, :, None, None])
-        vc = v_cache[block_ids].float()
-        kc, vc = kc.flatten(1, 2), vc.flatten(1, 2)
-        slot = torch.arange(block_size, device=q.device)
-        ctx_ok = (slot[None, None, :] < valid[:, :, None]) & (torch.arange(width, device=q.device)[None, :, None] < nctx[:, None, None])
-        ctx_ok = ctx_ok.flatten(1)  # [B, width * bs]
+        width = int(meta.num_ctx_blocks.max()) if meta.num_ctx_blocks.numel() else 0
+        kc, vc, ctx_ok = reference.gather_contexts(k_cache, v_cache, meta.block_meta[:, :width], meta.num_ctx_blocks,
+                                                   rope_cos, rope_sin)  # [B, width * bs, Hkv, D]
         if meta.is_decode:  # the new token's K/V is already in the pool: context only
-            out = self._attend(q[:, None].float(), kc, vc, ctx_ok[:, None, :], sm_scale)
-            return out[:, 0].to(q.dtype)
+            return reference.attend(q[:, None], kc, vc, ctx_ok[:, None, :], sm_scale)[:, 0].to(q.dtype)
         # new tokens, padded per sequence: [B, n, ...]
         cu = meta.cu_seqlens_q.long()
         lens = cu[1:] - cu[:-1]
@@ -64,23 +49,11 @@ class TorchAttention:
         pos = torch.arange(n, device=q.device)
         new_ok = pos[None, :] < lens[:, None]  # [B, n]
         idx = (cu[:-1, None] + pos[None, :]).clamp(max=q.shape[0] - 1)
-        qp, kp, vp = (t.float()[idx] for t in (q, k, v))
+        qp, kp, vp = q[idx], k[idx], v[idx]
         causal = (pos[None, :, None] >= pos[None, None, :]) & new_ok[:, None, :]  # [B, n, n]
-        mask = torch.cat((ctx_ok[:, None, :].expand(B, n, -1), causal), dim=2)
-        out = self._attend(qp, torch.cat((kc, kp), 1), torch.cat((vc, vp), 1), mask, sm_scale)
+        mask = torch.cat((ctx_ok[:, None, :].expand(-1, n, -1), causal), dim=2)
+        out = reference.attend(qp, torch.cat((kc, kp.float()), 1), torch.cat((vc, vp.float()), 1), mask, sm_scale)
         return out[new_ok].to(q.dtype)  # packed back to [T, Hq, D]
-
-    @staticmethod
-    def _attend(q, k, v, mask, sm_scale):
-        # q: [B, n, Hq, D]; k, v: [B, L, Hkv, D]; mask: [B, n, L] (True = attend)
-        group = q.shape[2] // k.shape[2]
-        k = k.repeat_interleave(group, dim=2)
-        v = v.repeat_interleave(group, dim=2)
-        mask = mask | ~mask.any(-1, keepdim=True)  # padding rows: attend anywhere rather than produce NaN
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None], scale=sm_scale
-        )
-        return out.transpose(1, 2)  # [B, n, Hq, D]
 
 
 class TritonAttention:
