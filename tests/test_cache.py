@@ -195,6 +195,25 @@ def test_corrupt_disk_tier_file_is_a_miss_not_wrong_kv(tmp_path):
     assert "a" not in DiskTier(tmp_path, 1 << 20)
 
 
+def test_disk_tier_file_moved_to_another_key_or_start_is_a_miss(tmp_path):
+    """The checksum ties the KV to its key and start: a file renamed, or its start edited, is not served."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    cache = make(num_blocks=4, disk_dir=str(tmp_path), disk_bytes=1 << 20)
+    add(cache, "a", fill=rand_kv(8, seed=2))
+    add(cache, "b", fill=rand_kv(8, seed=3))
+    cache.clear()
+    (tmp_path / "a.safetensors").replace(tmp_path / "c.safetensors")  # a's KV filed under another key
+    path = tmp_path / "b.safetensors"
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    save_file(load_file(str(path)), str(path), metadata={**meta, "start": str(int(meta["start"]) + 16)})
+    tier = DiskTier(tmp_path, 1 << 20)
+    assert tier.get("c") is None and tier.get("b") is None
+    assert "c" not in tier and "b" not in tier
+
+
 def test_prefetch_promotes_in_the_background(tmp_path):
     cache = make(num_blocks=8, disk_dir=str(tmp_path), disk_bytes=1 << 20)
     kvs = {key: rand_kv(8, seed=i) for i, key in enumerate("abc")}

@@ -42,12 +42,19 @@ class CorruptKV(RuntimeError):
     """Stored KV does not match its checksum; the caller recomputes it (never uses it)."""
 
 
-def kv_checksum(k: torch.Tensor, v: torch.Tensor) -> str:
-    """sha256 over the raw bytes of K then V (a byte view, so bf16 works too)."""
+def kv_checksum(k: torch.Tensor, v: torch.Tensor, *context: str) -> str:
+    """sha256 over ``context`` (what the KV belongs to) and the raw bytes of K then V (a byte view, so bf16 works too)."""
     h = hashlib.sha256()
+    for part in context:
+        h.update(part.encode() + b"\0")
     for t in (k, v):
         h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def _entry_context(key: str, meta: dict) -> tuple[str, ...]:
+    """What a disk file's checksum ties its KV to: the key it is filed under and where the KV was computed."""
+    return key, meta.get("start", ""), meta.get("kind", "")
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -171,7 +178,7 @@ class DiskTier(Tier):
             log.warning("disk tier: unreadable %s (%s); dropping it", path.name, e)
             self._drop(key)
             return None
-        if kv_checksum(t["k"], t["v"]) != meta.get("sha256"):
+        if kv_checksum(t["k"], t["v"], *_entry_context(key, meta)) != meta.get("sha256"):
             log.warning("disk tier: checksum mismatch in %s; dropping it, the segment will be recomputed", path.name)
             self._drop(key)
             return None
@@ -185,7 +192,8 @@ class DiskTier(Tier):
     def put(self, entry):
         from safetensors.torch import save
 
-        meta = {"start": str(entry.start), "kind": entry.kind, "cost": repr(entry.cost), "sha256": kv_checksum(entry.k, entry.v)}
+        meta = {"start": str(entry.start), "kind": str(entry.kind), "cost": repr(entry.cost)}
+        meta["sha256"] = kv_checksum(entry.k, entry.v, *_entry_context(entry.key, meta))
         data = save({"k": entry.k.contiguous(), "v": entry.v.contiguous()}, metadata=meta)
         if len(data) > self.budget_bytes:
             return [entry]
