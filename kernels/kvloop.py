@@ -1,0 +1,286 @@
+"""What the prefill and decode kernels share besides the meta layout (``common.py``): the
+segment-aligned tile table, one online-softmax KV loop, the split merge, and launch helpers
+(default/tuned configs, occupancy, reused workspaces).
+
+Tile table: the KV loops walk *segment-aligned* tiles. A tile is up to ``PAGES`` consecutive
+blocks of one segment (a segment = consecutive blocks sharing delta), so one rotation of the
+query serves a whole tile and the loop is one flat ``for`` that Triton can software-pipeline
+(round 2's per-segment ``while`` around the tile loop cost 12-14% even for one document).
+``_tile_table_kernel`` writes, per sequence, the first block of each tile followed by the
+sequence's block count as a sentinel (so tile ``t`` spans ``[tiles[t], tiles[t + 1])``) and the
+number of tiles. It depends on the block table only, so one table serves every layer of a
+forward pass (the attention backend caches it per batch metadata).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import meta_delta, meta_phys, meta_valid
+
+
+# ---------------------------------------------------------------- tile table
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _tile_table_kernel(META, NUM_BLOCKS, TILES, NUM_TILES, stride_mb, stride_tb,
+                       PAGES: tl.constexpr, CHUNK: tl.constexpr):
+    """One program per sequence: TILES[b, :n] = first block of each segment-aligned tile,
+    TILES[b, n] = number of blocks (sentinel), NUM_TILES[b] = n."""
+    b = tl.program_id(0)
+    nb = tl.load(NUM_BLOCKS + b).to(tl.int32)
+    meta_row = META + b.to(tl.int64) * stride_mb
+    tiles_row = TILES + b.to(tl.int64) * stride_tb
+    n_tiles = nb * 0
+    seg_start = nb * 0  # start of the segment open at the end of the previous chunk
+    offs = tl.arange(0, CHUNK)
+    for c0 in range(0, nb, CHUNK):
+        j = c0 + offs
+        ok = j < nb
+        d = meta_delta(tl.load(meta_row + j, mask=ok, other=0))
+        d_prev = meta_delta(tl.load(meta_row + j - 1, mask=ok & (j > 0), other=0))
+        starts_seg = ok & ((j == 0) | (d != d_prev))
+        # start of the segment holding block j: running max of the segment starts so far
+        ss = tl.maximum(tl.associative_scan(tl.where(starts_seg, j, -1), 0, _max_combine), seg_start)
+        starts_tile = ok & ((j - ss) % PAGES == 0)
+        idx = n_tiles + tl.cumsum(starts_tile.to(tl.int32), 0) - 1
+        tl.store(tiles_row + idx, j, mask=starts_tile)
+        n_tiles += tl.sum(starts_tile.to(tl.int32), 0)
+        seg_start = tl.max(tl.where(ok, ss, 0), 0)
+    tl.store(tiles_row + n_tiles, nb)
+    tl.store(NUM_TILES + b, n_tiles)
+
+
+def tile_table(block_meta: torch.Tensor, num_blocks: torch.Tensor, pages: int,
+               cache: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Segment-aligned tiles of at most ``pages`` blocks: (tiles [B, W + 1] int32, n_tiles [B] int32).
+
+    ``cache`` (a dict living as long as the block table, e.g. one forward pass) keeps the table
+    for every later call with the same ``pages``."""
+    if cache is not None and pages in cache:
+        return cache[pages]
+    B, W = block_meta.shape
+    tiles = torch.empty(B, W + 1, device=block_meta.device, dtype=torch.int32)
+    n_tiles = torch.empty(B, device=block_meta.device, dtype=torch.int32)
+    if B:
+        chunk = 16 if interpreting() else max(16, min(1024, triton.next_power_of_2(W)))
+        _tile_table_kernel[(B,)](block_meta, num_blocks, tiles, n_tiles, block_meta.stride(0), tiles.stride(0),
+                                 PAGES=pages, CHUNK=chunk, num_warps=4)
+    if cache is not None:
+        cache[pages] = (tiles, n_tiles)
+    return tiles, n_tiles
+
+
+# ---------------------------------------------------------------- the KV loop
+@triton.jit
+def softmax_step(q, k, v, keep, m_i, l_i, acc, PREC: tl.constexpr, MASKED: tl.constexpr = True):
+    """One KV tile of online softmax in base 2 (the scale and log2(e) are folded into q);
+    ``keep`` is ignored when not MASKED (tiles known to be entirely visible)."""
+    s = tl.dot(q, tl.trans(k), input_precision=PREC)
+    if MASKED:
+        s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def rotated_q(q_ptrs, q_mask, COS, SIN, delta, scale, HEAD_DIM: tl.constexpr):
+    """scale * R(-delta) q in fp32, from the original q (never un-rotate/re-rotate).
+
+    HF rotate-half: R(-d) [q1, q2] = [q1 c + q2 s, q2 c - q1 s]."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    offs_d = tl.arange(0, HEAD_DIM)
+    partner = (offs_d + HALF) % HEAD_DIM
+    x = tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32)
+    xp = tl.load(q_ptrs + (partner - offs_d)[None, :], mask=q_mask, other=0.0).to(tl.float32)
+    c = tl.load(COS + delta * HALF + offs_d % HALF) * scale
+    sn = tl.load(SIN + delta * HALF + offs_d % HALF) * scale
+    sn = tl.where(offs_d < HALF, sn, -sn)
+    return x * c[None, :] + xp * sn[None, :]
+
+
+@triton.jit
+def kv_tile_loop(q_ptrs, q_mask, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, tiles_row,
+                 t_lo, t_hi, nb, kvh,
+                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                 ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 PREC: tl.constexpr, ROT: tl.constexpr, STAGES: tl.constexpr):
+    """Online softmax of ``ROWS`` query rows over KV tiles [t_lo, t_hi) of one sequence; one flat loop.
+
+    ROT = 0: no rotation, plain tiles (tile t = blocks [t * PAGES, (t + 1) * PAGES) ∩ [0, nb));
+    ROT = 1: segment-aligned tiles from the tile table, q re-read (L1) and rotated by -delta on
+    every tile: cheap when ROWS is small (decode: the G query heads of one KV head), and nothing
+    is carried across tiles but m, l, acc;
+    ROT = 2: segment-aligned tiles, q re-rotated only when the tile's delta differs from the
+    previous tile's (loop-carried q: for prefill's large query tiles).
+    """
+    PAGES: tl.constexpr = BLOCK_N // BLOCK_SIZE
+    dtype = q_ptrs.dtype.element_ty
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    page_in_tile = offs_n // BLOCK_SIZE
+    slot = offs_n % BLOCK_SIZE
+    q = (tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32) * qk_scale).to(dtype)
+    d_prev = nb * 0 - 1
+    for t in range(t_lo, t_hi):
+        if ROT == 0:
+            s0 = t * PAGES
+            s1 = tl.minimum(s0 + PAGES, nb)
+        else:
+            s0 = tl.load(tiles_row + t)
+            s1 = tl.load(tiles_row + t + 1)
+        page = s0 + page_in_tile
+        page_ok = page < s1
+        # one int64 per page: physical id, delta and valid length in a single load
+        meta = tl.load(meta_row + page, mask=page_ok, other=0)
+        kv_ok = page_ok & (slot < meta_valid(meta))
+        phys = meta_phys(meta)
+        k = tl.load(K_CACHE + (phys * stride_kb + slot * stride_ks + kvh * stride_kh)[:, None] + offs_d[None, :],
+                    mask=kv_ok[:, None], other=0.0)
+        v = tl.load(V_CACHE + (phys * stride_vb + slot * stride_vs + kvh * stride_vh)[:, None] + offs_d[None, :],
+                    mask=kv_ok[:, None], other=0.0)
+        if ROT == 1:
+            qt = rotated_q(q_ptrs, q_mask, COS, SIN, meta_delta(tl.load(meta_row + s0)), qk_scale, HEAD_DIM).to(dtype)
+        elif ROT == 2:
+            d = meta_delta(tl.load(meta_row + s0))
+            if d != d_prev:
+                q = rotated_q(q_ptrs, q_mask, COS, SIN, d, qk_scale, HEAD_DIM).to(dtype)
+                d_prev = d
+            qt = q
+        else:
+            qt = q
+        m_i, l_i, acc = softmax_step(qt, k, v, kv_ok[None, :], m_i, l_i, acc, PREC)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def merge_splits_kernel(
+    PART_ACC, PART_ML, OUT, stride_ob, stride_oh, Hq, NUM_SPLITS,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Combine split partials [R0, Hq, NUM_SPLITS, (D | 2)] (unnormalised acc, base-2 max m,
+    sum l) into OUT[r0, h]. Used by split decode (r0 = sequence) and split prefill (r0 = token)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_ok = offs_s < NUM_SPLITS
+    part = (b.to(tl.int64) * Hq + h) * NUM_SPLITS + offs_s
+    m = tl.load(PART_ML + part * 2, mask=s_ok, other=-1.0e30)
+    l = tl.load(PART_ML + part * 2 + 1, mask=s_ok, other=0.0)
+    # rescale each split to the common max (base-2 logits, as in the main kernels)
+    m_max = tl.max(m, 0)
+    w = tl.where(s_ok, tl.math.exp2(m - m_max), 0.0)
+    l_sum = tl.sum(l * w, 0)
+    acc = tl.load(PART_ACC + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(l_sum > 0, l_sum, 1.0)
+    tl.store(OUT + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty))
+
+
+def merge_splits(part_acc, part_ml, out, splits: int) -> None:
+    R, Hq, D = out.shape
+    merge_splits_kernel[(R, Hq)](part_acc, part_ml, out, out.stride(0), out.stride(1), Hq, splits,
+                                 HEAD_DIM=D, BLOCK_S=triton.next_power_of_2(splits), num_warps=4 if D >= 128 else 2)
+
+
+# ---------------------------------------------------------------- launch helpers
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def autotune_enabled() -> bool:
+    """Timing every config costs tens of seconds of compiles per new shape, so it is opt-in
+    (``LAZYRAG_KERNEL_AUTOTUNE=1``); by default each kernel takes its measured default config."""
+    return os.environ.get("LAZYRAG_KERNEL_AUTOTUNE", "0") == "1"
+
+
+_best_config: dict[tuple, tuple] = {}
+
+
+def pick_config(key, launch, configs, default):
+    """``default`` unless autotuning is on; then time each config once per key (do_bench), keep the fastest."""
+    if key in _best_config:
+        return _best_config[key]
+    if not autotune_enabled():
+        return default
+    best, best_ms = None, float("inf")
+    for cfg in configs:
+        try:
+            ms = triton.testing.do_bench(lambda: launch(cfg), warmup=5, rep=20, return_mode="median")
+        except Exception:  # e.g. out of shared memory for this tile shape
+            continue
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    if best is None:
+        raise RuntimeError("no kernel config could run")
+    _best_config[key] = best
+    return best
+
+
+_sm_count: dict[int, int] = {}
+
+
+def num_sms(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _sm_count:
+        _sm_count[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _sm_count[idx]
+
+
+# kernel launches observed: name -> compiled-kernel resources (registers, spills, shared memory, warps)
+launch_log: dict[str, dict] = {}
+
+
+def blocks_per_sm(n_regs: int, num_warps: int, shared: int) -> int:
+    """Resident programs per SM on Hopper from the compiled kernel's resources (65536 registers,
+    allocated per warp in units of 256; 227 KB shared memory, 1 KB reserved per block; 64 warps)."""
+    regs_per_warp = ((max(n_regs, 1) * 32 + 255) // 256) * 256
+    by_regs = 65536 // (regs_per_warp * num_warps)
+    by_smem = (227 * 1024) // (shared + 1024) if shared else 32
+    return max(1, min(by_regs, by_smem, 64 // num_warps, 32))
+
+
+def record_launch(name: str, compiled, num_warps: int, grid) -> dict:
+    """Note a compiled kernel's resources (for the benchmark log); returns the entry."""
+    regs = getattr(compiled, "n_regs", 0) or 0
+    shared = int(getattr(getattr(compiled, "metadata", None), "shared", 0) or 0)
+    entry = dict(regs=regs, spills=getattr(compiled, "n_spills", 0) or 0, shared=shared, num_warps=num_warps,
+                 blocks_per_sm=blocks_per_sm(regs, num_warps, shared) if regs else None,
+                 programs=int(grid[0] * grid[1] * grid[2]) if len(grid) == 3 else int(grid[0]))
+    launch_log[name] = entry
+    return entry
+
+
+class Workspace:
+    """Scratch memory reused across calls (split partials), so an eager call allocates nothing.
+    One growing flat buffer per name; safe because kernels on one stream run in order. While a
+    CUDA graph is being captured it allocates fresh tensors instead (the graph owns those; a
+    shared buffer that later grew would hand freed graph-pool memory to another capture)."""
+
+    def __init__(self):
+        self._bufs: dict[tuple, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple, dtype, device) -> torch.Tensor:
+        n = 1
+        for s in shape:
+            n *= s
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return torch.empty(shape, dtype=dtype, device=device)
+        key = (name, dtype, str(device))
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < n:
+            buf = self._bufs[key] = torch.empty(max(n, 1), dtype=dtype, device=device)
+        return buf[:n].view(shape)
+
+
+workspace = Workspace()
