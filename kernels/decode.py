@@ -32,7 +32,7 @@ def _lazy_decode_kernel(
     stride_mb, stride_tb, stride_ob, stride_oh,
     Hq, NUM_SPLITS,
     G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ROT: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ROT: tl.constexpr, IEEE: tl.constexpr,
 ):
     PAGES: tl.constexpr = BLOCK_N // BLOCK_SIZE
     PREC: tl.constexpr = "ieee" if IEEE else "tf32"
@@ -67,7 +67,7 @@ def _lazy_decode_kernel(
     m_i, l_i, acc = kv_tile_loop(q_ptrs, q_mask, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row,
                                  tiles_row, t_lo, t_hi, nb, kvh,
                                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                 BLOCK_G, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC, ROT, STAGES)
+                                 BLOCK_G, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC, ROT)
 
     if not SPLIT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -131,6 +131,7 @@ def lazy_decode(
     config: tuple | None = None,
     out: torch.Tensor | None = None,
     tile_cache: dict | None = None,
+    rotation_mode: int = 1,
 ) -> torch.Tensor:
     """Triton version of :func:`lazyrag.kernels.reference.lazy_decode_reference`.
 
@@ -138,7 +139,8 @@ def lazy_decode(
     KV in the same layout); ``num_splits=None`` fills whole waves of the SMs;
     ``config`` = (BLOCK_N, num_warps, num_stages[, maxnreg]). ``tile_cache``: a dict that lives
     as long as ``block_meta``/``num_blocks`` (one forward pass), so the tile table is built once
-    for all layers.
+    for all layers. ``rotation_mode`` (``kvloop.kv_tile_loop``'s ROT): 1 rotates the G query rows
+    on every tile, 3 once per segment ahead of a plain tile loop.
     """
     B, Hq, D = q.shape
     nb_total, block_size, Hkv, Dc = k_cache.shape
@@ -160,7 +162,8 @@ def lazy_decode(
         return out
     qk_scale = float(sm_scale) * 1.4426950408889634
     on_gpu = q.is_cuda and not interpreting()
-    rot = 1 if apply_rotation else 0
+    assert rotation_mode in (1, 2, 3), "rotation_mode: 1, 2 or 3 (see kvloop.kv_tile_loop)"
+    rot = rotation_mode if apply_rotation else 0
     block_g = max(16, triton.next_power_of_2(G))
     W = block_meta.shape[1]
 
@@ -195,12 +198,14 @@ def lazy_decode(
             block_meta.stride(0), tiles.stride(0), out.stride(0), out.stride(1),
             Hq, splits,
             G=G, BLOCK_G=block_g, HEAD_DIM=D, BLOCK_SIZE=block_size,
-            BLOCK_N=bn, SPLIT=splits > 1, ROT=rot, IEEE=q.dtype == torch.float32, STAGES=stages,
+            BLOCK_N=bn, SPLIT=splits > 1, ROT=rot, IEEE=q.dtype == torch.float32,
             num_warps=warps, num_stages=stages, **extra,
         )
-        if on_gpu and okey not in _occupancy and getattr(compiled, "n_regs", 0):
-            e = record_launch(f"decode rot={rot} bn={bn} w={warps} s={stages} maxnreg={maxnreg}", compiled, warps, grid)
-            _occupancy[okey] = e["blocks_per_sm"]
+        if on_gpu:
+            e = record_launch("decode", f"decode rot={rot} bn={bn} w={warps} s={stages} maxnreg={maxnreg} "
+                              f"split={splits > 1}", compiled, warps, grid, splits)
+            if e is not None and okey not in _occupancy:
+                _occupancy[okey] = e["blocks_per_sm"]
         if splits > 1:
             merge_splits(part_acc, part_ml, out, splits)
         return splits

@@ -29,10 +29,16 @@ def _max_combine(a, b):
 
 
 @triton.jit
+def _min_combine(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
 def _tile_table_kernel(META, NUM_BLOCKS, TILES, NUM_TILES, stride_mb, stride_tb,
                        PAGES: tl.constexpr, CHUNK: tl.constexpr):
-    """One program per sequence: TILES[b, :n] = first block of each segment-aligned tile,
-    TILES[b, n] = number of blocks (sentinel), NUM_TILES[b] = n."""
+    """One program per sequence. TILES[b] holds (start, next_segment) int32 pairs: the first
+    block of each segment-aligned tile and the index of the first tile of the next segment;
+    the pair after the last tile starts with the number of blocks (sentinel). NUM_TILES[b] = n."""
     b = tl.program_id(0)
     nb = tl.load(NUM_BLOCKS + b).to(tl.int32)
     meta_row = META + b.to(tl.int64) * stride_mb
@@ -40,6 +46,7 @@ def _tile_table_kernel(META, NUM_BLOCKS, TILES, NUM_TILES, stride_mb, stride_tb,
     n_tiles = nb * 0
     seg_start = nb * 0  # start of the segment open at the end of the previous chunk
     offs = tl.arange(0, CHUNK)
+    # pass 1, forward over blocks: tile starts, and (temporarily) whether a tile starts a segment
     for c0 in range(0, nb, CHUNK):
         j = c0 + offs
         ok = j < nb
@@ -50,30 +57,52 @@ def _tile_table_kernel(META, NUM_BLOCKS, TILES, NUM_TILES, stride_mb, stride_tb,
         ss = tl.maximum(tl.associative_scan(tl.where(starts_seg, j, -1), 0, _max_combine), seg_start)
         starts_tile = ok & ((j - ss) % PAGES == 0)
         idx = n_tiles + tl.cumsum(starts_tile.to(tl.int32), 0) - 1
-        tl.store(tiles_row + idx, j, mask=starts_tile)
+        tl.store(tiles_row + 2 * idx, j, mask=starts_tile)
+        tl.store(tiles_row + 2 * idx + 1, starts_seg.to(tl.int32), mask=starts_tile)
         n_tiles += tl.sum(starts_tile.to(tl.int32), 0)
         seg_start = tl.max(tl.where(ok, ss, 0), 0)
-    tl.store(tiles_row + n_tiles, nb)
+    tl.store(tiles_row + 2 * n_tiles, nb)
+    tl.store(tiles_row + 2 * n_tiles + 1, n_tiles)
     tl.store(NUM_TILES + b, n_tiles)
+    # pass 2, backward over tiles: next[i] = first segment-starting tile after i (else n_tiles)
+    BIG: tl.constexpr = 1 << 30
+    carry = n_tiles  # first segment-starting tile at or after the chunk already done
+    n_chunks = tl.cdiv(n_tiles, CHUNK)
+    for c in range(0, n_chunks):
+        c0 = (n_chunks - 1 - c) * CHUNK
+        i = c0 + offs
+        ok = i < n_tiles
+        flag = tl.load(tiles_row + 2 * i + 1, mask=ok, other=0)
+        nxt_ok = (i + 1 < c0 + CHUNK) & (i + 1 < n_tiles)
+        flag_next = tl.load(tiles_row + 2 * (i + 1) + 1, mask=nxt_ok, other=0)
+        cand_next = tl.where(nxt_ok & (flag_next != 0), i + 1, BIG)
+        nxt = tl.minimum(tl.associative_scan(cand_next, 0, _min_combine, reverse=True), carry)
+        tl.debug_barrier()  # every flag of this chunk is read before any is overwritten
+        tl.store(tiles_row + 2 * i + 1, nxt, mask=ok)
+        carry = tl.minimum(carry, tl.min(tl.where(ok & (flag != 0), i, BIG), 0))
 
 
 def tile_table(block_meta: torch.Tensor, num_blocks: torch.Tensor, pages: int,
                cache: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Segment-aligned tiles of at most ``pages`` blocks: (tiles [B, W + 1] int32, n_tiles [B] int32).
+    """Segment-aligned tiles of at most ``pages`` blocks: (tiles [B, W + 1, 2] int32 of
+    (first block, first tile of the next segment), n_tiles [B] int32); see _tile_table_kernel.
 
-    ``cache`` (a dict living as long as the block table, e.g. one forward pass) keeps the table
-    for every later call with the same ``pages``."""
-    if cache is not None and pages in cache:
-        return cache[pages]
+    ``cache`` (a dict living as long as the block table's contents, e.g. one forward pass) keeps
+    the table for every later call with the same ``pages``. A CUDA-graph capture never reuses a
+    table built outside it (the graph must rebuild it from its static inputs on every replay)."""
+    capturing = block_meta.is_cuda and torch.cuda.is_current_stream_capturing()
+    key = (pages, capturing)
+    if cache is not None and key in cache:
+        return cache[key]
     B, W = block_meta.shape
-    tiles = torch.empty(B, W + 1, device=block_meta.device, dtype=torch.int32)
+    tiles = torch.empty(B, W + 1, 2, device=block_meta.device, dtype=torch.int32)
     n_tiles = torch.empty(B, device=block_meta.device, dtype=torch.int32)
     if B:
         chunk = 16 if interpreting() else max(16, min(1024, triton.next_power_of_2(W)))
         _tile_table_kernel[(B,)](block_meta, num_blocks, tiles, n_tiles, block_meta.stride(0), tiles.stride(0),
                                  PAGES=pages, CHUNK=chunk, num_warps=4)
     if cache is not None:
-        cache[pages] = (tiles, n_tiles)
+        cache[key] = (tiles, n_tiles)
     return tiles, n_tiles
 
 
@@ -110,56 +139,81 @@ def rotated_q(q_ptrs, q_mask, COS, SIN, delta, scale, HEAD_DIM: tl.constexpr):
 
 
 @triton.jit
+def _kv_tile(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, s0, s1, kvh,
+             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PREC: tl.constexpr):
+    """Online softmax over the blocks [s0, s1) (at most BLOCK_N // BLOCK_SIZE of them)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    slot = offs_n % BLOCK_SIZE
+    page = s0 + offs_n // BLOCK_SIZE
+    page_ok = page < s1
+    # one int64 per page: physical id, delta and valid length in a single load
+    meta = tl.load(meta_row + page, mask=page_ok, other=0)
+    kv_ok = page_ok & (slot < meta_valid(meta))
+    phys = meta_phys(meta)
+    k = tl.load(K_CACHE + (phys * stride_kb + slot * stride_ks + kvh * stride_kh)[:, None] + offs_d[None, :],
+                mask=kv_ok[:, None], other=0.0)
+    v = tl.load(V_CACHE + (phys * stride_vb + slot * stride_vs + kvh * stride_vh)[:, None] + offs_d[None, :],
+                mask=kv_ok[:, None], other=0.0)
+    return softmax_step(q, k, v, kv_ok[None, :], m_i, l_i, acc, PREC)
+
+
+@triton.jit
 def kv_tile_loop(q_ptrs, q_mask, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, tiles_row,
                  t_lo, t_hi, nb, kvh,
                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                  ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 PREC: tl.constexpr, ROT: tl.constexpr, STAGES: tl.constexpr):
-    """Online softmax of ``ROWS`` query rows over KV tiles [t_lo, t_hi) of one sequence; one flat loop.
+                 PREC: tl.constexpr, ROT: tl.constexpr):
+    """Online softmax of ``ROWS`` query rows over KV tiles [t_lo, t_hi) of one sequence.
 
     ROT = 0: no rotation, plain tiles (tile t = blocks [t * PAGES, (t + 1) * PAGES) ∩ [0, nb));
-    ROT = 1: segment-aligned tiles from the tile table, q re-read (L1) and rotated by -delta on
-    every tile: cheap when ROWS is small (decode: the G query heads of one KV head), and nothing
-    is carried across tiles but m, l, acc;
-    ROT = 2: segment-aligned tiles, q re-rotated only when the tile's delta differs from the
-    previous tile's (loop-carried q: for prefill's large query tiles).
+    ROT = 1: one flat loop over segment-aligned tiles (tile table); q re-read (L1) and rotated
+    by -delta on every tile: cheap when ROWS is small (decode: the G query heads of one KV
+    head), and nothing is carried across tiles but m, l, acc;
+    ROT = 2: flat loop, q re-rotated only when the tile's delta differs from the previous
+    tile's (q loop-carried in registers);
+    ROT = 3: per segment (the table's next-segment links, no scan), q rotated once in registers,
+    then the rotation-off tile loop with a loop-invariant q.
     """
     PAGES: tl.constexpr = BLOCK_N // BLOCK_SIZE
     dtype = q_ptrs.dtype.element_ty
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    page_in_tile = offs_n // BLOCK_SIZE
-    slot = offs_n % BLOCK_SIZE
-    q = (tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32) * qk_scale).to(dtype)
-    d_prev = nb * 0 - 1
-    for t in range(t_lo, t_hi):
-        if ROT == 0:
-            s0 = t * PAGES
-            s1 = tl.minimum(s0 + PAGES, nb)
-        else:
-            s0 = tl.load(tiles_row + t)
-            s1 = tl.load(tiles_row + t + 1)
-        page = s0 + page_in_tile
-        page_ok = page < s1
-        # one int64 per page: physical id, delta and valid length in a single load
-        meta = tl.load(meta_row + page, mask=page_ok, other=0)
-        kv_ok = page_ok & (slot < meta_valid(meta))
-        phys = meta_phys(meta)
-        k = tl.load(K_CACHE + (phys * stride_kb + slot * stride_ks + kvh * stride_kh)[:, None] + offs_d[None, :],
-                    mask=kv_ok[:, None], other=0.0)
-        v = tl.load(V_CACHE + (phys * stride_vb + slot * stride_vs + kvh * stride_vh)[:, None] + offs_d[None, :],
-                    mask=kv_ok[:, None], other=0.0)
-        if ROT == 1:
-            qt = rotated_q(q_ptrs, q_mask, COS, SIN, meta_delta(tl.load(meta_row + s0)), qk_scale, HEAD_DIM).to(dtype)
-        elif ROT == 2:
-            d = meta_delta(tl.load(meta_row + s0))
-            if d != d_prev:
-                q = rotated_q(q_ptrs, q_mask, COS, SIN, d, qk_scale, HEAD_DIM).to(dtype)
-                d_prev = d
-            qt = q
-        else:
-            qt = q
-        m_i, l_i, acc = softmax_step(qt, k, v, kv_ok[None, :], m_i, l_i, acc, PREC)
+    if ROT == 3:
+        t = t_lo
+        while t < t_hi:
+            t_next = tl.minimum(tl.load(tiles_row + 2 * t + 1), t_hi)
+            d = meta_delta(tl.load(meta_row + tl.load(tiles_row + 2 * t)))
+            q = rotated_q(q_ptrs, q_mask, COS, SIN, d, qk_scale, HEAD_DIM).to(dtype)
+            for tt in range(t, t_next):
+                m_i, l_i, acc = _kv_tile(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row,
+                                         tl.load(tiles_row + 2 * tt), tl.load(tiles_row + 2 * tt + 2), kvh,
+                                         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                         BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC)
+            t = t_next
+    else:
+        q = (tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32) * qk_scale).to(dtype)
+        d_prev = nb * 0 - 1
+        for t in range(t_lo, t_hi):
+            if ROT == 0:
+                s0 = t * PAGES
+                s1 = tl.minimum(s0 + PAGES, nb)
+            else:
+                s0 = tl.load(tiles_row + 2 * t)
+                s1 = tl.load(tiles_row + 2 * t + 2)
+            if ROT == 1:
+                qt = rotated_q(q_ptrs, q_mask, COS, SIN, meta_delta(tl.load(meta_row + s0)), qk_scale,
+                               HEAD_DIM).to(dtype)
+            elif ROT == 2:
+                d = meta_delta(tl.load(meta_row + s0))
+                if d != d_prev:
+                    q = rotated_q(q_ptrs, q_mask, COS, SIN, d, qk_scale, HEAD_DIM).to(dtype)
+                    d_prev = d
+                qt = q
+            else:
+                qt = q
+            m_i, l_i, acc = _kv_tile(qt, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, s0, s1, kvh,
+                                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                     BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC)
     return m_i, l_i, acc
 
 
@@ -237,8 +291,10 @@ def num_sms(device: torch.device) -> int:
     return _sm_count[idx]
 
 
-# kernel launches observed: name -> compiled-kernel resources (registers, spills, shared memory, warps)
-launch_log: dict[str, dict] = {}
+# compiled-kernel resources by launch name (registers, spills, shared memory, warps, programs per SM),
+# recorded once per name; and the last launch of each kind (name, grid, splits), for the benchmark log
+kernel_resources: dict[str, dict] = {}
+last_launch: dict[str, tuple] = {}
 
 
 def blocks_per_sm(n_regs: int, num_warps: int, shared: int) -> int:
@@ -250,14 +306,15 @@ def blocks_per_sm(n_regs: int, num_warps: int, shared: int) -> int:
     return max(1, min(by_regs, by_smem, 64 // num_warps, 32))
 
 
-def record_launch(name: str, compiled, num_warps: int, grid) -> dict:
-    """Note a compiled kernel's resources (for the benchmark log); returns the entry."""
-    regs = getattr(compiled, "n_regs", 0) or 0
-    shared = int(getattr(getattr(compiled, "metadata", None), "shared", 0) or 0)
-    entry = dict(regs=regs, spills=getattr(compiled, "n_spills", 0) or 0, shared=shared, num_warps=num_warps,
-                 blocks_per_sm=blocks_per_sm(regs, num_warps, shared) if regs else None,
-                 programs=int(grid[0] * grid[1] * grid[2]) if len(grid) == 3 else int(grid[0]))
-    launch_log[name] = entry
+def record_launch(kind: str, name: str, compiled, num_warps: int, grid, splits: int) -> dict | None:
+    """Note a launch (cheap after the first of a name); returns the compiled kernel's resources."""
+    last_launch[kind] = (name, grid, splits)
+    entry = kernel_resources.get(name)
+    if entry is None and getattr(compiled, "n_regs", 0):
+        regs = compiled.n_regs
+        shared = int(getattr(compiled.metadata, "shared", 0) or 0)
+        entry = kernel_resources[name] = dict(regs=regs, spills=getattr(compiled, "n_spills", 0) or 0, shared=shared,
+                                              num_warps=num_warps, blocks_per_sm=blocks_per_sm(regs, num_warps, shared))
     return entry
 
 

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .kvloop import (
-    interpreting, kv_tile_loop, launch_log, merge_splits, num_sms, pick_config, record_launch, softmax_step, tile_table,
+    interpreting, kv_tile_loop, merge_splits, num_sms, pick_config, record_launch, softmax_step, tile_table,
     workspace,
 )
 
@@ -38,7 +38,7 @@ def _lazy_prefill_kernel(
     Hq, NUM_SPLITS,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    ROT: tl.constexpr, IEEE: tl.constexpr, STAGES: tl.constexpr,
+    ROT: tl.constexpr, IEEE: tl.constexpr,
 ):
     TOK: tl.constexpr = BLOCK_M // G  # query tokens per tile
     PAGES: tl.constexpr = BLOCK_N // BLOCK_SIZE  # whole pages per KV tile
@@ -89,7 +89,7 @@ def _lazy_prefill_kernel(
     m_i, l_i, acc = kv_tile_loop(q_ptrs, q_mask, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row,
                                  tiles_row, t_lo, t_hi, n_ctx, kvh,
                                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                 BLOCK_M, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC, ROT, STAGES)
+                                 BLOCK_M, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC, ROT)
 
     # -- stage 2: the sequence's new tokens (true positions, delta 0), causal; the last split
     # (whose context share is the smallest) does it. Keys before the tile's first token are
@@ -98,7 +98,7 @@ def _lazy_prefill_kernel(
         q = (tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32) * qk_scale).to(dtype)
         offs_n = tl.arange(0, BLOCK_N)
         full_end = (t0 // BLOCK_N) * BLOCK_N
-        for j0 in tl.range(0, full_end, BLOCK_N, num_stages=STAGES):
+        for j0 in range(0, full_end, BLOCK_N):
             kn_off = (seq_start + j0 + offs_n).to(tl.int64)
             k = tl.load(K_NEW + (kn_off * stride_knt + kvh * stride_knh)[:, None] + offs_d[None, :])
             v = tl.load(V_NEW + (kn_off * stride_vnt + kvh * stride_vnh)[:, None] + offs_d[None, :])
@@ -171,7 +171,7 @@ def lazy_prefill(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     tile_cache: dict | None = None,
-    rotation_mode: int = 2,
+    rotation_mode: int = 3,
 ) -> torch.Tensor:
     """Triton version of :func:`lazyrag.kernels.reference.lazy_prefill_reference`.
 
@@ -181,7 +181,8 @@ def lazy_prefill(
     shape/dtype as q). ``num_splits`` splits each sequence's cached context over that many
     programs (partials merged by a second kernel); ``None`` splits only when the grid would not
     fill the GPU. ``tile_cache``: see :func:`lazyrag.kernels.decode.lazy_decode`.
-    ``rotation_mode`` 2 re-rotates q when the delta changes, 1 on every KV tile.
+    ``rotation_mode``: how the query is rotated (``kvloop.kv_tile_loop``'s ROT): 3 once per
+    segment ahead of a plain tile loop, 2 in a flat loop when the delta changes, 1 on every tile.
     """
     Tq, Hq, D = q.shape
     Hkv = k_new.shape[1]
@@ -190,7 +191,7 @@ def lazy_prefill(
     nb_total, block_size, Hkv_c, Dc = k_cache.shape
     assert Hkv_c == Hkv and Dc == D and D in (64, 128)
     assert block_size >= 16 and block_size & (block_size - 1) == 0, "block_size: power of two >= 16"
-    assert rotation_mode in (1, 2)
+    assert rotation_mode in (1, 2, 3), "rotation_mode: 1, 2 or 3 (see kvloop.kv_tile_loop)"
     B = cu_seqlens_q.numel() - 1
     q, k_new, v_new = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_new, v_new))
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
@@ -245,12 +246,12 @@ def lazy_prefill(
             block_meta.stride(0), tiles.stride(0), out.stride(0), out.stride(1),
             Hq, splits,
             G=G, HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn, SPLIT=splits > 1,
-            ROT=rot, IEEE=q.dtype == torch.float32, STAGES=stages,
+            ROT=rot, IEEE=q.dtype == torch.float32,
             num_warps=warps, num_stages=stages,
         )
-        name = f"prefill rot={rot} bm={bm} bn={bn} w={warps} s={stages} split={splits > 1}"
-        if on_gpu and name not in launch_log and getattr(compiled, "n_regs", 0):
-            record_launch(name, compiled, warps, grid)
+        if on_gpu:
+            record_launch("prefill", f"prefill rot={rot} bm={bm} bn={bn} w={warps} s={stages} split={splits > 1}",
+                          compiled, warps, grid, splits)
         if splits > 1:
             merge_splits(part_acc, part_ml, out, splits)
 

@@ -238,8 +238,8 @@ def test_prefill_split_context_matches_reference(case):
     pre = prerotated(p, cos, sin)
     off = run_prefill(pre, q, kn, vn, cu, cos, sin, scale, apply_rotation=False, num_splits=splits)
     assert rel_err(off, ref) < 1e-4
-    per_tile = run_prefill(p, q, kn, vn, cu, cos, sin, scale, num_splits=splits, rotation_mode=1)
-    assert rel_err(per_tile, ref) < 1e-4
+    for mode in (1, 2):  # the other query-rotation schedules
+        assert rel_err(run_prefill(p, q, kn, vn, cu, cos, sin, scale, num_splits=splits, rotation_mode=mode), ref) < 1e-4
 
 
 def test_prefill_rotation_off_in_the_lazy_layout():
@@ -266,7 +266,7 @@ def test_tile_table(pages):
     _, deltas, _ = unpack_block_meta(p.meta)
     for b in range(p.meta.shape[0]):
         nb, n = int(p.nblocks[b]), int(n_tiles[b])
-        starts = tiles[b, : n + 1].tolist()
+        starts = tiles[b, : n + 1, 0].tolist()
         assert starts[-1] == nb and (n == 0) == (nb == 0)
         seg_starts = {0} | {j for j in range(1, nb) if deltas[b, j] != deltas[b, j - 1]}
         want, j = [], 0
@@ -276,6 +276,9 @@ def test_tile_table(pages):
             while j < nb and j not in seg_starts and (j - want[-1]) < pages:
                 j += 1
         assert starts[:-1] == want
+        # link to the first tile of the next segment (n after the last segment)
+        seg_tiles = [i for i in range(n) if starts[i] in seg_starts]
+        assert tiles[b, :n, 1].tolist() == [min([i2 for i2 in seg_tiles if i2 > i] + [n]) for i in range(n)]
 
 
 # (seed, documents per sequence (tokens), Hq, Hkv, D, block_size, num_splits)
@@ -307,6 +310,8 @@ def test_decode_tile_spans_several_documents_and_wrong_rotation():
     out = run_decode(p, q, cos, sin, 0.125, num_splits=2, config=(64, 1, 1))
     ref = lazy_decode_reference(q, p.k_cache, p.v_cache, p.meta, p.nblocks, cos, sin, 0.125)
     assert rel_err(out, ref) < 1e-4
+    for mode in (2, 3):  # the other query-rotation schedules
+        assert rel_err(run_decode(p, q, cos, sin, 0.125, num_splits=3, config=(32, 1, 1), rotation_mode=mode), ref) < 1e-4
     ids, deltas, valid = unpack_block_meta(p.meta)
     wrong = pack_block_meta(ids, (deltas + 1) % MAX_POS, valid)
     bad = lazy_decode_reference(q, p.k_cache, p.v_cache, wrong, p.nblocks, cos, sin, 0.125)
@@ -379,8 +384,8 @@ def test_prefill_gpu_split_context(hq, hkv, d, splits):
     ref0 = ref_prefill(pre, q, kn, vn, cu, cos, sin, d ** -0.5)
     off = run_prefill(pre, q, kn, vn, cu, cos, sin, d ** -0.5, apply_rotation=False, num_splits=splits)
     assert rel_err(off, ref0) < 1e-2
-    per_tile = run_prefill(p, q, kn, vn, cu, cos, sin, d ** -0.5, num_splits=splits, rotation_mode=1)
-    assert rel_err(per_tile, ref) < 1e-2
+    for mode in (1, 2):
+        assert rel_err(run_prefill(p, q, kn, vn, cu, cos, sin, d ** -0.5, num_splits=splits, rotation_mode=mode), ref) < 1e-2
 
 
 @gpu
