@@ -201,11 +201,10 @@ def lazy_decode(
             BLOCK_N=bn, SPLIT=splits > 1, ROT=rot, IEEE=q.dtype == torch.float32,
             num_warps=warps, num_stages=stages, **extra,
         )
-        if on_gpu:
-            e = record_launch("decode", f"decode rot={rot} bn={bn} w={warps} s={stages} maxnreg={maxnreg} "
-                              f"split={splits > 1}", compiled, warps, grid, splits)
-            if e is not None and okey not in _occupancy:
-                _occupancy[okey] = e["blocks_per_sm"]
+        e = record_launch("decode", f"decode rot={rot} bn={bn} w={warps} s={stages} maxnreg={maxnreg} "
+                          f"split={splits > 1}", compiled, warps, grid, splits)
+        if e is not None and okey not in _occupancy:
+            _occupancy[okey] = e["blocks_per_sm"]
         if splits > 1:
             merge_splits(part_acc, part_ml, out, splits)
         return splits

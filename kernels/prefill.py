@@ -249,9 +249,8 @@ def lazy_prefill(
             ROT=rot, IEEE=q.dtype == torch.float32,
             num_warps=warps, num_stages=stages,
         )
-        if on_gpu:
-            record_launch("prefill", f"prefill rot={rot} bm={bm} bn={bn} w={warps} s={stages} split={splits > 1}",
-                          compiled, warps, grid, splits)
+        record_launch("prefill", f"prefill rot={rot} bm={bm} bn={bn} w={warps} s={stages} split={splits > 1}",
+                      compiled, warps, grid, splits)
         if splits > 1:
             merge_splits(part_acc, part_ml, out, splits)
 
