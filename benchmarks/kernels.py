@@ -10,8 +10,8 @@ the kernel config, registers, spills, shared memory, programs per SM and waves.
 
     python benchmarks/kernels.py [--out PATH] [--quick] [--sweep] [--no-grid]
 
-``--sweep`` first times every config and rotation schedule on a few shapes (to choose the
-defaults). Writes JSON (default benchmarks/results/kernels.json, or $OUT/kernels.json) and a PNG.
+``--sweep`` first times the leading configs and rotation schedules on a few shapes (to choose
+the defaults; ``--adopt`` then uses the fastest for the grid). Writes JSON (default benchmarks/results/kernels.json, or $OUT/kernels.json) and a PNG.
 """
 from __future__ import annotations
 
@@ -268,7 +268,7 @@ def sweep(gen, dev, cos, sin, copy_tbs, log):
         c = DecodeCase(gen, dev, cos, sin, batch, ctx, docs)
         ref = lazy_decode(c.q, c.kk, c.v, c.meta, c.nblk, cos, sin, c.scale, apply_rotation=False,
                           config=decode_mod.DEFAULT_CONFIG)
-        for cfg in decode_mod.CONFIGS:
+        for cfg in decode_mod.CONFIGS[:2]:
             for mode in (0, 1, 3):
                 fn = c.off(config=cfg) if mode == 0 else c.lazy(config=cfg, rotation_mode=mode)
                 try:
@@ -290,8 +290,8 @@ def sweep(gen, dev, cos, sin, copy_tbs, log):
     for batch, ctx, docs, new in SWEEP_PREFILL:
         c = PrefillCase(gen, dev, cos, sin, batch, ctx, docs, new)
         ref = c.off(config=prefill_mod.DEFAULT_CONFIG)()
-        for cfg in prefill_mod.CONFIGS:
-            for mode in (0, 1, 2, 3):
+        for cfg in prefill_mod.CONFIGS[:3]:
+            for mode in (0, 2, 3):
                 fn = c.off(config=cfg) if mode == 0 else c.lazy(config=cfg, rotation_mode=mode)
                 try:
                     ms = graph_ms(fn)
@@ -307,6 +307,23 @@ def sweep(gen, dev, cos, sin, copy_tbs, log):
         del c
         torch.cuda.empty_cache()
     return rows
+
+
+def adopt_sweep(rows, log):
+    """Make the fastest lazy (config, rotation mode) of the sweep, by the geometric mean of its
+    times over the sweep's shapes, each kernel's default for the rest of the run."""
+    chosen = {}
+    for kind, mod in (("decode", decode_mod), ("prefill", prefill_mod)):
+        score = {}
+        for r in rows:
+            if r["kind"] == kind and r["mode"]:
+                score.setdefault((tuple(r["config"]), r["mode"]), []).append(math.log(r["ms_graph"]))
+        n = max(len(v) for v in score.values())
+        best = min((sum(v) / n, k) for k, v in score.items() if len(v) == n)[1]
+        mod.DEFAULT_CONFIG, mod.DEFAULT_ROTATION_MODE = best
+        chosen[kind] = dict(config=list(best[0]), rotation_mode=best[1])
+        log(f"adopted for {kind}: config {best[0]}, rotation mode {best[1]}")
+    return chosen
 
 
 def plot(results, path):
@@ -352,6 +369,8 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="time every config and rotation schedule first")
     ap.add_argument("--no-grid", action="store_true", help="only the sweep")
+    ap.add_argument("--adopt", action="store_true", help="after --sweep, run the grid with the sweep's fastest "
+                    "lazy config and rotation mode as defaults (written to kernel_defaults.json beside --out)")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds: start no new row after this")
     a = ap.parse_args()
     dev = torch.device("cuda")
@@ -363,7 +382,6 @@ def main():
     summary = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                    copy_tbs=copy_tbs, command="python " + " ".join(sys.argv),
                    autotune=os.environ.get("LAZYRAG_KERNEL_AUTOTUNE", "0"),
-                   default_configs=dict(prefill=prefill_mod.DEFAULT_CONFIG, decode=decode_mod.DEFAULT_CONFIG),
                    results=[], sweep=[])
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
 
@@ -378,7 +396,13 @@ def main():
     log(f"device {torch.cuda.get_device_name()}  copy bandwidth {copy_tbs:.2f} TB/s")
     if a.sweep:
         summary["sweep"] = sweep(gen, dev, cos, sin, copy_tbs, log)
+        if a.adopt:
+            summary["adopted"] = adopt_sweep(summary["sweep"], log)
+            with open(os.path.join(os.path.dirname(os.path.abspath(a.out)), "kernel_defaults.json"), "w") as f:
+                json.dump(summary["adopted"], f)
         save()
+    summary["defaults_used"] = dict(prefill=[prefill_mod.DEFAULT_CONFIG, prefill_mod.DEFAULT_ROTATION_MODE],
+                                    decode=[decode_mod.DEFAULT_CONFIG, decode_mod.DEFAULT_ROTATION_MODE])
     if a.no_grid:
         return 0
     results = summary["results"]

@@ -4,12 +4,13 @@ Layout and semantics: see :mod:`lazyrag.kernels.reference` (``lazy_decode_refere
 
 Grid (sequence, KV head, split). A program takes the ``G`` query heads that share one KV
 head (so K/V is read once per group) over a contiguous range of the sequence's
-segment-aligned KV tiles (:func:`lazyrag.kernels.common.tile_table`) in one flat, pipelined
-loop; every tile re-reads the G query rows (L1) and rotates them by the tile's ``-delta``, so
-nothing but (m, l, acc) is carried across tiles and no scratch memory or barrier is needed.
-The kernel reads what plain paged decode reads: K, V, one int64 meta per block, plus one
-int32 per tile. Splits write partial (m, l, acc); a small second kernel merges them. The split
-count fills whole waves of the SMs at the kernel's real occupancy (its compiled registers).
+segment-aligned KV tiles (:func:`lazyrag.kernels.kvloop.tile_table`). By default
+(``rotation_mode=3``) it rotates the G query rows once per segment (document) and runs the
+rotation-off tile loop over that segment's blocks; no scratch memory, scan or barrier. The
+kernel reads what plain paged decode reads: K, V, one int64 meta per block, plus two int32 per
+segment. Splits write partial (m, l, acc); a small second kernel merges them. The split count
+fills whole waves of the SMs at the kernel's real occupancy (its compiled registers), and the
+default config caps registers at 128 so that 4 programs fit on an SM.
 """
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def _lazy_decode_kernel(
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
     meta_row = META + b.to(tl.int64) * stride_mb
-    m_i, l_i, acc = kv_tile_loop(q_ptrs, q_mask, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row,
+    m_i, l_i, acc = kv_tile_loop(Q + row_off, row_ok, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row,
                                  tiles_row, t_lo, t_hi, nb, kvh,
                                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                                  BLOCK_G, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC, ROT)
@@ -84,14 +85,15 @@ def _lazy_decode_kernel(
 # (BLOCK_N, num_warps, num_stages, maxnreg) tried by the autotuner; BLOCK_N is raised to the page size.
 # maxnreg caps registers so that more programs fit on an SM (spills, if any, sit outside the loop).
 CONFIGS = [
-    (64, 4, 3, None),
     (64, 4, 3, 128),
     (64, 4, 4, 128),
-    (32, 4, 4, 128),
+    (64, 4, 3, None),
     (32, 4, 3, None),
-    (64, 8, 3, None),
 ]
+# defaults from the H200 sweep (benchmarks/NOTES.md, round 3): 4 programs per SM under the
+# 128-register cap, q rotated once per segment ahead of the plain tile loop
 DEFAULT_CONFIG = (64, 4, 3, 128)
+DEFAULT_ROTATION_MODE = 3
 # resident programs per SM per compiled variant, learned from the first launch (see _splits)
 _occupancy: dict[tuple, int] = {}
 
@@ -131,7 +133,7 @@ def lazy_decode(
     config: tuple | None = None,
     out: torch.Tensor | None = None,
     tile_cache: dict | None = None,
-    rotation_mode: int = 1,
+    rotation_mode: int | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`lazyrag.kernels.reference.lazy_decode_reference`.
 
@@ -140,7 +142,7 @@ def lazy_decode(
     ``config`` = (BLOCK_N, num_warps, num_stages[, maxnreg]). ``tile_cache``: a dict that lives
     as long as ``block_meta``/``num_blocks`` (one forward pass), so the tile table is built once
     for all layers. ``rotation_mode`` (``kvloop.kv_tile_loop``'s ROT): 1 rotates the G query rows
-    on every tile, 3 once per segment ahead of a plain tile loop.
+    on every tile, 3 once per segment ahead of a plain tile loop; ``None``: ``DEFAULT_ROTATION_MODE``.
     """
     B, Hq, D = q.shape
     nb_total, block_size, Hkv, Dc = k_cache.shape
@@ -162,6 +164,7 @@ def lazy_decode(
         return out
     qk_scale = float(sm_scale) * 1.4426950408889634
     on_gpu = q.is_cuda and not interpreting()
+    rotation_mode = DEFAULT_ROTATION_MODE if rotation_mode is None else rotation_mode
     assert rotation_mode in (1, 2, 3), "rotation_mode: 1, 2 or 3 (see kvloop.kv_tile_loop)"
     rot = rotation_mode if apply_rotation else 0
     block_g = max(16, triton.next_power_of_2(G))

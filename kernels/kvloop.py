@@ -123,19 +123,21 @@ def softmax_step(q, k, v, keep, m_i, l_i, acc, PREC: tl.constexpr, MASKED: tl.co
 
 
 @triton.jit
-def rotated_q(q_ptrs, q_mask, COS, SIN, delta, scale, HEAD_DIM: tl.constexpr):
-    """scale * R(-delta) q in fp32, from the original q (never un-rotate/re-rotate).
+def rotated_q(q_rows, row_ok, COS, SIN, delta, scale, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """scale * R(-delta) q, [ROWS, HEAD_DIM] in fp32, from the original q (never un-rotate/re-rotate).
 
-    HF rotate-half: R(-d) [q1, q2] = [q1 c + q2 s, q2 c - q1 s]."""
+    HF rotate-half: R(-d) [q1, q2] = [q1 c + q2 s, q2 c - q1 s]. The two halves are loaded as
+    two contiguous [ROWS, D/2] tiles and cos/sin as contiguous rows (16-byte loads; a partner
+    index ``(d + D/2) % D`` defeated vectorisation), and joined back into one tile."""
     HALF: tl.constexpr = HEAD_DIM // 2
-    offs_d = tl.arange(0, HEAD_DIM)
-    partner = (offs_d + HALF) % HEAD_DIM
-    x = tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32)
-    xp = tl.load(q_ptrs + (partner - offs_d)[None, :], mask=q_mask, other=0.0).to(tl.float32)
-    c = tl.load(COS + delta * HALF + offs_d % HALF) * scale
-    sn = tl.load(SIN + delta * HALF + offs_d % HALF) * scale
-    sn = tl.where(offs_d < HALF, sn, -sn)
-    return x * c[None, :] + xp * sn[None, :]
+    offs_h = tl.arange(0, HALF)
+    ptrs = q_rows[:, None] + offs_h[None, :]
+    x1 = tl.load(ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    x2 = tl.load(ptrs + HALF, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    c = (tl.load(COS + delta * HALF + offs_h) * scale)[None, :]
+    sn = (tl.load(SIN + delta * HALF + offs_h) * scale)[None, :]
+    r = tl.join(x1 * c + x2 * sn, x2 * c - x1 * sn)  # [ROWS, HALF, 2]
+    return tl.reshape(tl.permute(r, (0, 2, 1)), (ROWS, HEAD_DIM))
 
 
 @triton.jit
@@ -160,33 +162,38 @@ def _kv_tile(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, s0, s1, kvh,
 
 
 @triton.jit
-def kv_tile_loop(q_ptrs, q_mask, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, tiles_row,
+def kv_tile_loop(q_rows, row_ok, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, tiles_row,
                  t_lo, t_hi, nb, kvh,
                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                  ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
                  PREC: tl.constexpr, ROT: tl.constexpr):
-    """Online softmax of ``ROWS`` query rows over KV tiles [t_lo, t_hi) of one sequence.
+    """Online softmax of ``ROWS`` query rows (pointers ``q_rows`` to their first feature) over KV
+    tiles [t_lo, t_hi) of one sequence.
 
     ROT = 0: no rotation, plain tiles (tile t = blocks [t * PAGES, (t + 1) * PAGES) ∩ [0, nb));
     ROT = 1: one flat loop over segment-aligned tiles (tile table); q re-read (L1) and rotated
-    by -delta on every tile: cheap when ROWS is small (decode: the G query heads of one KV
-    head), and nothing is carried across tiles but m, l, acc;
-    ROT = 2: flat loop, q re-rotated only when the tile's delta differs from the previous
-    tile's (q loop-carried in registers);
-    ROT = 3: per segment (the table's next-segment links, no scan), q rotated once in registers,
-    then the rotation-off tile loop with a loop-invariant q.
+    by -delta on every tile (nothing but m, l, acc carried across tiles);
+    ROT = 2: flat loop over the tile table, q re-rotated only when the tile's delta differs from
+    the previous tile's (q loop-carried in registers);
+    ROT = 3: per segment (the table's next-segment links, no scan): q rotated once, then the
+    rotation-off tile loop over the segment's blocks with a loop-invariant q (no table reads).
     """
     PAGES: tl.constexpr = BLOCK_N // BLOCK_SIZE
-    dtype = q_ptrs.dtype.element_ty
+    dtype = q_rows.dtype.element_ty
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_ptrs = q_rows[:, None] + offs_d[None, :]
+    q_mask = row_ok[:, None]
     if ROT == 3:
         t = t_lo
         while t < t_hi:
             t_next = tl.minimum(tl.load(tiles_row + 2 * t + 1), t_hi)
-            d = meta_delta(tl.load(meta_row + tl.load(tiles_row + 2 * t)))
-            q = rotated_q(q_ptrs, q_mask, COS, SIN, d, qk_scale, HEAD_DIM).to(dtype)
-            for tt in range(t, t_next):
-                m_i, l_i, acc = _kv_tile(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row,
-                                         tl.load(tiles_row + 2 * tt), tl.load(tiles_row + 2 * tt + 2), kvh,
+            b_lo = tl.load(tiles_row + 2 * t)
+            b_hi = tl.load(tiles_row + 2 * t_next)  # the next segment's first block (or the sentinel)
+            q = rotated_q(q_rows, row_ok, COS, SIN, meta_delta(tl.load(meta_row + b_lo)), qk_scale,
+                          ROWS, HEAD_DIM).to(dtype)
+            for s0 in range(b_lo, b_hi, PAGES):
+                m_i, l_i, acc = _kv_tile(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, s0,
+                                         tl.minimum(s0 + PAGES, b_hi), kvh,
                                          stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                                          BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC)
             t = t_next
@@ -201,12 +208,12 @@ def kv_tile_loop(q_ptrs, q_mask, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_C
                 s0 = tl.load(tiles_row + 2 * t)
                 s1 = tl.load(tiles_row + 2 * t + 2)
             if ROT == 1:
-                qt = rotated_q(q_ptrs, q_mask, COS, SIN, meta_delta(tl.load(meta_row + s0)), qk_scale,
-                               HEAD_DIM).to(dtype)
+                qt = rotated_q(q_rows, row_ok, COS, SIN, meta_delta(tl.load(meta_row + s0)), qk_scale,
+                               ROWS, HEAD_DIM).to(dtype)
             elif ROT == 2:
                 d = meta_delta(tl.load(meta_row + s0))
                 if d != d_prev:
-                    q = rotated_q(q_ptrs, q_mask, COS, SIN, d, qk_scale, HEAD_DIM).to(dtype)
+                    q = rotated_q(q_rows, row_ok, COS, SIN, d, qk_scale, ROWS, HEAD_DIM).to(dtype)
                     d_prev = d
                 qt = q
             else:

@@ -10,7 +10,7 @@ Deferred RoPE: a cached block whose segment sits ``delta`` positions later than 
 was encoded needs ``k' = R(delta) k``. Instead of touching K we rotate the *query tile*
 by ``-delta`` (``<q, R(delta) k> = <R(-delta) q, k>``), always from the original q (never
 an un-rotate/re-rotate pair). The context is walked as one flat, pipelined loop over
-segment-aligned KV tiles (:func:`lazyrag.kernels.common.tile_table`); q is re-rotated only on
+segment-aligned KV tiles (:func:`lazyrag.kernels.kvloop.tile_table`); q is re-rotated only on
 a tile whose delta differs from the previous tile's (``ROT=2``; ``ROT=1`` rotates on every
 tile), so one document costs one rotation. New tokens follow: the tiles before the query
 tile's first token need no causal mask, only the diagonal ones do. Short prefills (few
@@ -86,7 +86,7 @@ def _lazy_prefill_kernel(
     per_split = tl.cdiv(n_t, NUM_SPLITS)
     t_lo = split * per_split
     t_hi = tl.minimum(t_lo + per_split, n_t)
-    m_i, l_i, acc = kv_tile_loop(q_ptrs, q_mask, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row,
+    m_i, l_i, acc = kv_tile_loop(Q + row_off, row_ok, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row,
                                  tiles_row, t_lo, t_hi, n_ctx, kvh,
                                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                                  BLOCK_M, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC, ROT)
@@ -129,14 +129,16 @@ def _lazy_prefill_kernel(
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) tried by the autotuner; BLOCK_N is raised to the page size.
 CONFIGS = [
-    (128, 64, 8, 3),
-    (64, 64, 4, 3),
-    (128, 64, 4, 3),
     (128, 128, 8, 3),
+    (128, 64, 8, 3),
     (128, 128, 8, 2),
     (64, 128, 4, 3),
+    (64, 64, 4, 3),
 ]
-DEFAULT_CONFIG = (128, 64, 8, 3)
+# defaults from the H200 sweep (benchmarks/NOTES.md, round 3): the flat loop that re-rotates q
+# when the delta changes, 128x128 tiles
+DEFAULT_CONFIG = (128, 128, 8, 3)
+DEFAULT_ROTATION_MODE = 2
 
 
 def _auto_prefill_splits(n_programs: int, max_ctx_tiles: int, device: torch.device) -> int:
@@ -171,7 +173,7 @@ def lazy_prefill(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     tile_cache: dict | None = None,
-    rotation_mode: int = 3,
+    rotation_mode: int | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`lazyrag.kernels.reference.lazy_prefill_reference`.
 
@@ -182,7 +184,8 @@ def lazy_prefill(
     programs (partials merged by a second kernel); ``None`` splits only when the grid would not
     fill the GPU. ``tile_cache``: see :func:`lazyrag.kernels.decode.lazy_decode`.
     ``rotation_mode``: how the query is rotated (``kvloop.kv_tile_loop``'s ROT): 3 once per
-    segment ahead of a plain tile loop, 2 in a flat loop when the delta changes, 1 on every tile.
+    segment ahead of a plain tile loop, 2 in a flat loop when the delta changes, 1 on every tile;
+    ``None``: ``DEFAULT_ROTATION_MODE``.
     """
     Tq, Hq, D = q.shape
     Hkv = k_new.shape[1]
@@ -191,6 +194,7 @@ def lazy_prefill(
     nb_total, block_size, Hkv_c, Dc = k_cache.shape
     assert Hkv_c == Hkv and Dc == D and D in (64, 128)
     assert block_size >= 16 and block_size & (block_size - 1) == 0, "block_size: power of two >= 16"
+    rotation_mode = DEFAULT_ROTATION_MODE if rotation_mode is None else rotation_mode
     assert rotation_mode in (1, 2, 3), "rotation_mode: 1, 2 or 3 (see kvloop.kv_tile_loop)"
     B = cu_seqlens_q.numel() - 1
     q, k_new, v_new = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_new, v_new))
