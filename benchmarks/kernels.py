@@ -407,9 +407,8 @@ def main():
         return 0
     results = summary["results"]
     pre_grid = [(b, c, d, n) for n in (64, 512) for c in (2048, 8192, 32768) for d in (1, 10)
-                for b in (1, 8) if b * c <= 8 * 8192 or b == 1]
-    dec_grid = [(b, c, d) for b in (1, 8, 32, 64) for c in (2048, 8192, 32768) for d in (1, 10)
-                if b * c <= 64 * 8192 and (b, c) != (1, 2048)]
+                for b in (1, 8) if b * c <= 8 * 8192 and (c < 32768 or n == 512)]
+    dec_grid = [(b, c, d) for b in (1, 8, 32, 64) for c in (8192, 32768) for d in (1, 10) if b * c <= 64 * 8192]
     if a.quick:
         pre_grid, dec_grid = pre_grid[:3], dec_grid[:3]
     log("prefill: eager ms (graph ms in brackets); overhead = lazy / off - 1 on the same layout")
