@@ -88,7 +88,8 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/e2e_h200.json"))
-    ap.add_argument("--kernel-defaults", type=Path, help="JSON from benchmarks/kernels.py --adopt: kernel defaults to use")
+    ap.add_argument("--kernel-defaults", type=Path,
+                    help="JSON from benchmarks/kernels.py --adopt: kernel defaults to use")
     ap.add_argument("--profile", action="store_true", help="also record the top GPU kernels of one lazy request")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"

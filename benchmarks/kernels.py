@@ -11,7 +11,8 @@ the kernel config, registers, spills, shared memory, programs per SM and waves.
     python benchmarks/kernels.py [--out PATH] [--quick] [--sweep] [--no-grid]
 
 ``--sweep`` first times the leading configs and rotation schedules on a few shapes (to choose
-the defaults; ``--adopt`` then uses the fastest for the grid). Writes JSON (default benchmarks/results/kernels.json, or $OUT/kernels.json) and a PNG.
+the defaults; ``--adopt`` then uses the fastest for the grid). Writes JSON (default
+benchmarks/results/kernels.json, or $OUT/kernels.json) and a PNG.
 """
 from __future__ import annotations
 
@@ -302,7 +303,8 @@ def sweep(gen, dev, cos, sin, copy_tbs, log):
                 info = launch_info("prefill")
                 rows.append(dict(kind="prefill", batch=batch, ctx=ctx, docs=docs, new=new, config=list(cfg), mode=mode,
                                  ms_graph=ms, tflops=c.flops() / ms / 1e9, err_vs_off=e, **info))
-                log(f"  prefill B={batch} {ctx // 1024}k d={docs:2} new={new:3} cfg={cfg} mode={mode}: {1e3 * ms:7.1f} us "
+                log(f"  prefill B={batch} {ctx // 1024}k d={docs:2} new={new:3} cfg={cfg} mode={mode}: "
+                    f"{1e3 * ms:7.1f} us "
                     f"{c.flops() / ms / 1e9:6.1f} TF/s err {e:.1e}  {fmt_info(info)}")
         del c
         torch.cuda.empty_cache()

@@ -44,7 +44,7 @@ def _lazy_decode_kernel(
     # -- this split's share of the sequence's KV tiles
     nb = tl.load(NUM_BLOCKS + b).to(tl.int32)
     tiles_row = TILES + b.to(tl.int64) * stride_tb
-    if ROT == 0:
+    if ROT == 0 or ROT == 4:
         n_t = tl.cdiv(nb, PAGES)
     else:
         n_t = tl.load(NUM_TILES + b)
@@ -166,7 +166,7 @@ def lazy_decode(
     on_gpu = q.is_cuda and not interpreting()
     rotation_mode = DEFAULT_ROTATION_MODE if rotation_mode is None else rotation_mode
     assert rotation_mode in (1, 2, 3), "rotation_mode: 1, 2 or 3 (see kvloop.kv_tile_loop)"
-    rot = rotation_mode if apply_rotation else 0
+    rot = rotation_mode if apply_rotation else (4 if rotation_mode == 2 else 0)  # same loop, no rotation
     block_g = max(16, triton.next_power_of_2(G))
     W = block_meta.shape[1]
 
@@ -175,7 +175,7 @@ def lazy_decode(
         maxnreg = cfg[3] if len(cfg) > 3 else None
         bn = max(bn, block_size)
         pages = bn // block_size
-        tiles, n_tiles = (tile_table(block_meta, num_blocks, pages, tile_cache) if rot
+        tiles, n_tiles = (tile_table(block_meta, num_blocks, pages, tile_cache) if rot in (1, 2, 3)
                           else (block_meta, num_blocks))
         okey = (bn, warps, stages, maxnreg, rot, D, G, q.dtype)
         if splits is None:

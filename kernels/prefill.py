@@ -79,7 +79,7 @@ def _lazy_prefill_kernel(
     meta_row = META + b.to(tl.int64) * stride_mb
     tiles_row = TILES + b.to(tl.int64) * stride_tb
     n_ctx = tl.load(NUM_CTX + b).to(tl.int32)
-    if ROT == 0:
+    if ROT == 0 or ROT == 4:
         n_t = tl.cdiv(n_ctx, PAGES)
     else:
         n_t = tl.load(NUM_TILES + b)
@@ -129,15 +129,15 @@ def _lazy_prefill_kernel(
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) tried by the autotuner; BLOCK_N is raised to the page size.
 CONFIGS = [
+    (128, 128, 8, 2),
     (128, 128, 8, 3),
     (128, 64, 8, 3),
-    (128, 128, 8, 2),
     (64, 128, 4, 3),
     (64, 64, 4, 3),
 ]
-# defaults from the H200 sweep (benchmarks/NOTES.md, round 3): the flat loop that re-rotates q
-# when the delta changes, 128x128 tiles
-DEFAULT_CONFIG = (128, 128, 8, 3)
+# defaults adopted from the H200 sweep (benchmarks/NOTES.md, round 3): the flat loop that
+# re-rotates q when the delta changes, 128x128 tiles, 2 stages
+DEFAULT_CONFIG = (128, 128, 8, 2)
 DEFAULT_ROTATION_MODE = 2
 
 
@@ -219,7 +219,8 @@ def lazy_prefill(
     if B == 0 or Tq == 0 or max_seqlen_q == 0:
         return out
     qk_scale = float(sm_scale) * 1.4426950408889634  # log2(e): the kernel uses exp2
-    rot = rotation_mode if apply_rotation else 0
+    # rotation off runs the same loop structure minus the rotation (ROT 4 mirrors ROT 2's loop)
+    rot = rotation_mode if apply_rotation else (4 if rotation_mode == 2 else 0)
     on_gpu = q.is_cuda and not interpreting()
     W = block_meta.shape[1]
 
@@ -232,7 +233,8 @@ def lazy_prefill(
             n_prog = triton.cdiv(max_seqlen_q, bm // G) * Hkv * B
             splits = _auto_prefill_splits(n_prog, triton.cdiv(W, pages), q.device)
         splits = max(1, int(splits))
-        tiles, n_tiles = tile_table(block_meta, nctx, pages, tile_cache) if rot else (block_meta, nctx)
+        tiles, n_tiles = (tile_table(block_meta, nctx, pages, tile_cache) if rot in (1, 2, 3)
+                          else (block_meta, nctx))
         n_q_tiles = triton.cdiv(max_seqlen_q, bm // G)
         grid = (n_q_tiles * splits, Hkv, B)
         if splits > 1:

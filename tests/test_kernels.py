@@ -239,7 +239,8 @@ def test_prefill_split_context_matches_reference(case):
     off = run_prefill(pre, q, kn, vn, cu, cos, sin, scale, apply_rotation=False, num_splits=splits)
     assert rel_err(off, ref) < 1e-4
     for mode in (1, 2):  # the other query-rotation schedules
-        assert rel_err(run_prefill(p, q, kn, vn, cu, cos, sin, scale, num_splits=splits, rotation_mode=mode), ref) < 1e-4
+        out = run_prefill(p, q, kn, vn, cu, cos, sin, scale, num_splits=splits, rotation_mode=mode)
+        assert rel_err(out, ref) < 1e-4
 
 
 def test_prefill_rotation_off_in_the_lazy_layout():
@@ -248,10 +249,13 @@ def test_prefill_rotation_off_in_the_lazy_layout():
     cos, sin = make_rope(64, "cpu")
     pre = rotated_in_place(p, cos, sin)
     ref = ref_prefill(p, q, kn, vn, cu, cos, sin, 0.125)
-    assert rel_err(run_prefill(pre, q, kn, vn, cu, cos, sin, 0.125, apply_rotation=False), ref) < 1e-4
     qd = torch.randn(2, 4, 64)
     refd = lazy_decode_reference(qd, p.k_cache, p.v_cache, p.meta, p.nblocks, cos, sin, 0.125)
-    assert rel_err(run_decode(pre, qd, cos, sin, 0.125, apply_rotation=False, num_splits=2), refd) < 1e-4
+    for mode in (2, 3):  # each schedule's rotation-off counterpart (ROT 4 and 0)
+        off = run_prefill(pre, q, kn, vn, cu, cos, sin, 0.125, apply_rotation=False, rotation_mode=mode)
+        assert rel_err(off, ref) < 1e-4
+        offd = run_decode(pre, qd, cos, sin, 0.125, apply_rotation=False, num_splits=2, rotation_mode=mode)
+        assert rel_err(offd, refd) < 1e-4
 
 
 @pytest.mark.parametrize("pages", [1, 2, 4])
@@ -311,7 +315,8 @@ def test_decode_tile_spans_several_documents_and_wrong_rotation():
     ref = lazy_decode_reference(q, p.k_cache, p.v_cache, p.meta, p.nblocks, cos, sin, 0.125)
     assert rel_err(out, ref) < 1e-4
     for mode in (2, 3):  # the other query-rotation schedules
-        assert rel_err(run_decode(p, q, cos, sin, 0.125, num_splits=3, config=(32, 1, 1), rotation_mode=mode), ref) < 1e-4
+        out = run_decode(p, q, cos, sin, 0.125, num_splits=3, config=(32, 1, 1), rotation_mode=mode)
+        assert rel_err(out, ref) < 1e-4
     ids, deltas, valid = unpack_block_meta(p.meta)
     wrong = pack_block_meta(ids, (deltas + 1) % MAX_POS, valid)
     bad = lazy_decode_reference(q, p.k_cache, p.v_cache, wrong, p.nblocks, cos, sin, 0.125)
@@ -385,7 +390,8 @@ def test_prefill_gpu_split_context(hq, hkv, d, splits):
     off = run_prefill(pre, q, kn, vn, cu, cos, sin, d ** -0.5, apply_rotation=False, num_splits=splits)
     assert rel_err(off, ref0) < 1e-2
     for mode in (1, 2):
-        assert rel_err(run_prefill(p, q, kn, vn, cu, cos, sin, d ** -0.5, num_splits=splits, rotation_mode=mode), ref) < 1e-2
+        out = run_prefill(p, q, kn, vn, cu, cos, sin, d ** -0.5, num_splits=splits, rotation_mode=mode)
+        assert rel_err(out, ref) < 1e-2
 
 
 @gpu
