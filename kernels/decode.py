@@ -14,13 +14,15 @@ default config caps registers at 128 so that 4 programs fit on an SM.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from .kvloop import (
-    blocks_per_sm, interpreting, kv_tile_loop, merge_splits, num_sms, pick_config, record_launch, tile_table,
-    workspace,
+    blocks_per_sm, interpreting, kv_tile_loop, merge_splits, num_sms, pick_config, record_launch,
+    split_tile_range, tile_table, workspace,
 )
 
 
@@ -44,13 +46,7 @@ def _lazy_decode_kernel(
     # -- this split's share of the sequence's KV tiles
     nb = tl.load(NUM_BLOCKS + b).to(tl.int32)
     tiles_row = TILES + b.to(tl.int64) * stride_tb
-    if ROT == 0 or ROT == 4:
-        n_t = tl.cdiv(nb, PAGES)
-    else:
-        n_t = tl.load(NUM_TILES + b)
-    per_split = tl.cdiv(n_t, NUM_SPLITS)
-    t_lo = split * per_split
-    t_hi = tl.minimum(t_lo + per_split, n_t)
+    t_lo, t_hi = split_tile_range(NUM_TILES, b, nb, split, NUM_SPLITS, PAGES, ROT)
 
     # -- the G query heads of this KV head, padded to BLOCK_G rows for tl.dot
     offs_g = tl.arange(0, BLOCK_G)
@@ -103,6 +99,7 @@ def _assumed_occupancy(cfg) -> int:
     return blocks_per_sm(maxnreg or 168, warps, 0)
 
 
+@functools.lru_cache(maxsize=1024)  # called on every eager launch: keep the host path short
 def choose_splits(n_programs: int, max_tiles: int, slots: int, min_tiles: int = 4, max_splits: int = 64) -> int:
     """Fewest splits whose programs fill the SMs' ``slots`` (resident programs) in whole waves.
 

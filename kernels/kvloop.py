@@ -162,6 +162,19 @@ def _kv_tile(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, s0, s1, kvh,
 
 
 @triton.jit
+def split_tile_range(NUM_TILES, b, nb, split, NUM_SPLITS, PAGES: tl.constexpr, ROT: tl.constexpr):
+    """[t_lo, t_hi): this split's share of sequence b's KV tiles (plain tiles of PAGES blocks when
+    there is no rotation, else the tile table's segment-aligned ones)."""
+    if ROT == 0 or ROT == 4:
+        n_t = tl.cdiv(nb, PAGES)
+    else:
+        n_t = tl.load(NUM_TILES + b)
+    per_split = tl.cdiv(n_t, NUM_SPLITS)
+    t_lo = split * per_split
+    return t_lo, tl.minimum(t_lo + per_split, n_t)
+
+
+@triton.jit
 def kv_tile_loop(q_rows, row_ok, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, tiles_row,
                  t_lo, t_hi, nb, kvh,
                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,

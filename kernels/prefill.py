@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 
 from .kvloop import (
-    interpreting, kv_tile_loop, merge_splits, num_sms, pick_config, record_launch, softmax_step, tile_table,
-    workspace,
+    interpreting, kv_tile_loop, merge_splits, num_sms, pick_config, record_launch, softmax_step,
+    split_tile_range, tile_table, workspace,
 )
 
 
@@ -79,13 +79,7 @@ def _lazy_prefill_kernel(
     meta_row = META + b.to(tl.int64) * stride_mb
     tiles_row = TILES + b.to(tl.int64) * stride_tb
     n_ctx = tl.load(NUM_CTX + b).to(tl.int32)
-    if ROT == 0 or ROT == 4:
-        n_t = tl.cdiv(n_ctx, PAGES)
-    else:
-        n_t = tl.load(NUM_TILES + b)
-    per_split = tl.cdiv(n_t, NUM_SPLITS)
-    t_lo = split * per_split
-    t_hi = tl.minimum(t_lo + per_split, n_t)
+    t_lo, t_hi = split_tile_range(NUM_TILES, b, n_ctx, split, NUM_SPLITS, PAGES, ROT)
     m_i, l_i, acc = kv_tile_loop(Q + row_off, row_ok, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row,
                                  tiles_row, t_lo, t_hi, n_ctx, kvh,
                                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
