@@ -1,12 +1,18 @@
 """Benchmark the LazyAttention kernels on a GPU (Llama-3.1-8B attention shapes, bf16).
 
-Prefill: lazy (deferred RoPE) vs the same kernel with rotation off on pre-rotated KV, and
-vs torch SDPA (flash backend) on a contiguous re-rotated copy. Decode: lazy vs rotation
-off, and achieved bandwidth vs a measured device-to-device copy.
+Fair by construction: "lazy" and "off" run on the *same* shuffled paged layout (same block
+table, same physical blocks); for "off" every block's K was re-rotated in place beforehand and
+the kernel runs with rotation off, so the two differ only in the deferred rotation. Prefill is
+also compared with torch SDPA (flash backend) on a contiguous re-rotated copy; decode with a
+measured device-to-device copy. Every timing is given eager (host launch cost included, what a
+caller without CUDA graphs pays) and replayed from a CUDA graph (device time). Each row logs
+the kernel config, registers, spills, shared memory, programs per SM and waves.
 
-    python benchmarks/kernels.py [--out PATH] [--quick]
+    python benchmarks/kernels.py [--out PATH] [--quick] [--sweep] [--no-grid]
 
-Writes JSON (default benchmarks/results/kernels.json, or $OUT/kernels.json) and a PNG.
+``--sweep`` first times the leading configs and rotation schedules on a few shapes (to choose
+the defaults; ``--adopt`` then uses the fastest for the grid). Writes JSON (default
+benchmarks/results/kernels.json, or $OUT/kernels.json) and a PNG.
 """
 from __future__ import annotations
 
@@ -20,7 +26,10 @@ import time
 import torch
 import triton
 
+from lazyrag.kernels import decode as decode_mod
+from lazyrag.kernels import prefill as prefill_mod
 from lazyrag.kernels.decode import lazy_decode
+from lazyrag.kernels.kvloop import kernel_resources, last_launch, tile_table
 from lazyrag.kernels.prefill import lazy_prefill
 from lazyrag.kernels.reference import (
     apply_rotary, lazy_decode_reference, lazy_prefill_reference, pack_block_meta, rope_tables, unpack_block_meta,
@@ -64,17 +73,17 @@ def make_case(gen, batch, ctx, n_docs, dev):
     return k, v, meta.to(dev), torch.tensor(nblk, dtype=torch.int32, device=dev)
 
 
-def prerotate(k, v, meta, nblk, cos, sin):
-    """Materialised position-aware copy: each sequence's blocks re-rotated, contiguous, deltas 0."""
-    ids, dl, vl = unpack_block_meta(meta)
-    B, W = meta.shape
-    kk = torch.empty(B * W, BS, HKV, D, device=k.device, dtype=k.dtype)
-    for b in range(B):  # per sequence to bound the fp32 temporary
-        kk[b * W:(b + 1) * W] = apply_rotary(k[ids[b]].float(), cos[dl[b]][:, None, None, :],
-                                             sin[dl[b]][:, None, None, :]).to(k.dtype)
-    vv = v[ids.reshape(-1)]
-    new_ids = torch.arange(B * W, device=k.device).reshape(B, W)
-    return kk, vv, pack_block_meta(new_ids, torch.zeros_like(dl), vl)
+def rotated_in_place(k, meta, nblk, cos, sin):
+    """The same pool with every used block's K re-rotated by its delta (each block belongs to one
+    document here): the rotation-off kernel on it computes what the lazy kernel computes on k."""
+    ids, dl, _ = unpack_block_meta(meta)
+    used = torch.arange(meta.shape[1], device=meta.device)[None, :] < nblk[:, None].long()
+    ids, dl = ids[used], dl[used]
+    kk = k.clone()
+    for i in range(0, ids.numel(), 4096):  # bounded fp32 temporaries
+        bi, di = ids[i:i + 4096], dl[i:i + 4096]
+        kk[bi] = apply_rotary(k[bi].float(), cos[di][:, None, None, :], sin[di][:, None, None, :]).to(k.dtype)
+    return kk
 
 
 def rel(a, b):
@@ -88,105 +97,235 @@ def copy_bandwidth(dev):
     return 2 * x.numel() * 2 / (ms * 1e-3) / 1e12  # TB/s, read + write
 
 
-def run_prefill(gen, dev, cos, sin, batch, ctx, n_docs, n_new, sdpa_ok):
-    k, v, meta, nblk = make_case(gen, batch, ctx, n_docs, dev)
-    kk, vv, meta0 = prerotate(k, v, meta, nblk, cos, sin)
-    T = batch * n_new
-    q = torch.randn(T, HQ, D, device=dev, dtype=DT)
-    kn = torch.randn(T, HKV, D, device=dev, dtype=DT)
-    vn = torch.randn(T, HKV, D, device=dev, dtype=DT)
-    cu = torch.arange(0, T + 1, n_new, device=dev, dtype=torch.int32)
-    scale = D ** -0.5
-    args = (q, kn, vn, cu)
-    lazy = lambda: lazy_prefill(*args, k, v, meta, nblk, cos, sin, scale, max_seqlen_q=n_new)
-    off = lambda: lazy_prefill(*args, kk, vv, meta0, nblk, cos, sin, scale, max_seqlen_q=n_new,
-                               apply_rotation=False)
-    off_st = lambda: lazy_prefill(*args, kk, vv, meta0, nblk, cos, sin, scale, max_seqlen_q=n_new,
-                                  apply_rotation=False, stage_q=True)
-    lazy_ns = lambda: lazy_prefill(*args, k, v, meta, nblk, cos, sin, scale, max_seqlen_q=n_new, num_splits=1)
-    out = lazy()
-    err = rel(out, lazy_prefill_reference(*args, k, v, meta, nblk, cos, sin, scale))
-    err_off = max(rel(off(), out), rel(off_st(), out))
+def graph_ms(fn, calls=1):
+    """Median ms of one call replayed from a CUDA graph holding ``calls`` calls."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    ms = bench(g.replay) / calls
+    del g
+    return ms
+
+
+def timings(fn, calls=1):
+    """(eager ms, eager ms again, graph ms): two eager medians give the run-to-run spread."""
+    return bench(fn), bench(fn), graph_ms(fn, calls)
+
+
+def launch_info(kind):
+    """The last launch's kernel name, splits, resources, programs and waves."""
+    name, grid, splits = last_launch[kind]
+    res = dict(kernel_resources.get(name, {}))
+    programs = int(grid[0] * grid[1] * grid[2])
+    bps = res.get("blocks_per_sm")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return dict(kernel=name, splits=splits, programs=programs, waves=programs / (sms * bps) if bps else None, **res)
+
+
+def fmt_info(i):
+    return (f"{i['kernel']} splits={i['splits']} regs={i.get('regs')} spills={i.get('spills')} "
+            f"smem={i.get('shared')} blk/SM={i.get('blocks_per_sm')} waves={i['waves'] and round(i['waves'], 2)}")
+
+
+class PrefillCase:
+    def __init__(self, gen, dev, cos, sin, batch, ctx, n_docs, n_new):
+        self.batch, self.ctx, self.docs, self.new = batch, ctx, n_docs, n_new
+        self.k, self.v, self.meta, self.nblk = make_case(gen, batch, ctx, n_docs, dev)
+        self.kk = rotated_in_place(self.k, self.meta, self.nblk, cos, sin)
+        T = batch * n_new
+        self.q = torch.randn(T, HQ, D, device=dev, dtype=DT)
+        self.kn = torch.randn(T, HKV, D, device=dev, dtype=DT)
+        self.vn = torch.randn(T, HKV, D, device=dev, dtype=DT)
+        self.cu = torch.arange(0, T + 1, n_new, device=dev, dtype=torch.int32)
+        self.cos, self.sin, self.scale = cos, sin, D ** -0.5
+        self.cache = {}  # tile tables, built once (the engine builds them once per forward, for all layers)
+
+    def lazy(self, **kw):
+        return lambda: lazy_prefill(self.q, self.kn, self.vn, self.cu, self.k, self.v, self.meta, self.nblk, self.cos,
+                                    self.sin, self.scale, max_seqlen_q=self.new, tile_cache=self.cache, **kw)
+
+    def off(self, **kw):
+        return lambda: lazy_prefill(self.q, self.kn, self.vn, self.cu, self.kk, self.v, self.meta, self.nblk,
+                                    self.cos, self.sin, self.scale, max_seqlen_q=self.new, apply_rotation=False, **kw)
+
+    def flops(self):
+        return 4 * self.batch * HQ * D * self.new * (self.ctx + (self.new + 1) / 2)
+
+
+def run_prefill(gen, dev, cos, sin, batch, ctx, n_docs, n_new):
+    c = PrefillCase(gen, dev, cos, sin, batch, ctx, n_docs, n_new)
+    out = c.lazy()()
+    err = rel(out, lazy_prefill_reference(c.q, c.kn, c.vn, c.cu, c.k, c.v, c.meta, c.nblk, cos, sin, c.scale))
+    err_off = rel(c.off()(), out)
     # SDPA baseline on a contiguous re-rotated copy (valid tokens only) + the new tokens
-    ids, _, vl = unpack_block_meta(meta0)
-    keep = (torch.arange(BS, device=dev)[None, None, :] < vl[:, :, None])  # [B, W, BS]
-    kc = kk.view(batch, -1, BS, HKV, D)[keep].view(batch, -1, HKV, D)
-    vc = vv.view(batch, -1, BS, HKV, D)[keep].view(batch, -1, HKV, D)
-    ks = torch.cat((kc, kn.view(batch, n_new, HKV, D)), 1).transpose(1, 2).repeat_interleave(HQ // HKV, 1)
-    vs = torch.cat((vc, vn.view(batch, n_new, HKV, D)), 1).transpose(1, 2).repeat_interleave(HQ // HKV, 1)
-    qs = q.view(batch, n_new, HQ, D).transpose(1, 2)
+    ids, _, vl = unpack_block_meta(c.meta)
+    keep = torch.arange(BS, device=dev)[None, None, :] < vl[:, :, None]  # [B, W, BS]
+    kc = c.kk[ids][keep].view(batch, ctx, HKV, D)
+    vc = c.v[ids][keep].view(batch, ctx, HKV, D)
+    ks = torch.cat((kc, c.kn.view(batch, n_new, HKV, D)), 1).transpose(1, 2).repeat_interleave(HQ // HKV, 1)
+    vs = torch.cat((vc, c.vn.view(batch, n_new, HKV, D)), 1).transpose(1, 2).repeat_interleave(HQ // HKV, 1)
+    qs = c.q.view(batch, n_new, HQ, D).transpose(1, 2)
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
     mask = causal_lower_right(n_new, ks.shape[2])
-    t_sdpa, sdpa_err = float("nan"), float("nan")
-    if sdpa_ok:
-        try:
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                o_s = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
-                sdpa_err = rel(o_s.transpose(1, 2).reshape(T, HQ, D), out)
-                t_sdpa = bench(lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask,
-                                                                                        scale=scale))
-        except Exception as e:  # noqa: BLE001  (no lower-right causal mask on this backend)
-            print("sdpa with causal_lower_right failed, timing it without a mask:", repr(e)[:160])
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                t_sdpa = bench(lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, scale=scale))
-    t_lazy, t_off, t_st = bench(lazy), bench(off), bench(off_st)
-    t_lazy2, t_off2, t_st2 = bench(lazy), bench(off), bench(off_st)
-    # the unsplit lazy kernel, where the automatic split applies (short prefill)
-    t_ns = bench(lazy_ns) if batch * HKV * math.ceil(n_new * HQ // HKV / 128) < 132 else float("nan")
-    ctx_valid = int(vl.sum()) // batch
-    flops = 4 * batch * HQ * D * n_new * (ctx_valid + (n_new + 1) / 2)
-    tl_, to_, ts_ = min(t_lazy, t_lazy2), min(t_off, t_off2), min(t_st, t_st2)
+    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=c.scale)  # noqa
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION if dev.type == "cuda" else SDPBackend.MATH):
+        sdpa_err = rel(sdpa().transpose(1, 2).reshape(-1, HQ, D), out)
+        t_sdpa = timings(sdpa)
+    del ks, vs, kc, vc
+    t_lazy = timings(c.lazy())
+    info = launch_info("prefill")
+    t_off = timings(c.off())
+    info_off = launch_info("prefill")
+    t_ns = timings(c.lazy(num_splits=1)) if info["splits"] > 1 else None
+    table_ms = bench(lambda: tile_table(c.meta, c.nblk, info_pages(info)))
+    fl = c.flops()
+    lz, of, sd = min(t_lazy[:2]), min(t_off[:2]), min(t_sdpa[:2])
     return dict(kind="prefill", batch=batch, ctx=ctx, docs=n_docs, new=n_new, err=err, err_off=err_off,
-                err_sdpa=sdpa_err, ms_lazy=tl_, ms_off=to_, ms_off_staged=ts_, ms_lazy_nosplit=t_ns,
-                ms_lazy_runs=[t_lazy, t_lazy2], ms_off_runs=[t_off, t_off2], ms_off_staged_runs=[t_st, t_st2],
-                ms_sdpa=t_sdpa, tflops_lazy=flops / tl_ / 1e9, tflops_sdpa=flops / t_sdpa / 1e9,
-                overhead_pct=100 * (tl_ / min(to_, ts_) - 1), overhead_vs_plain_off_pct=100 * (tl_ / to_ - 1))
+                err_sdpa=sdpa_err, ms_lazy=lz, ms_off=of, ms_sdpa=sd, ms_lazy_runs=t_lazy[:2], ms_off_runs=t_off[:2],
+                ms_sdpa_runs=t_sdpa[:2], ms_lazy_graph=t_lazy[2], ms_off_graph=t_off[2], ms_sdpa_graph=t_sdpa[2],
+                ms_lazy_nosplit=t_ns and min(t_ns[:2]), ms_lazy_nosplit_graph=t_ns and t_ns[2], ms_tile_table=table_ms,
+                tflops_lazy=fl / lz / 1e9, tflops_sdpa=fl / sd / 1e9,
+                tflops_lazy_graph=fl / t_lazy[2] / 1e9, tflops_sdpa_graph=fl / t_sdpa[2] / 1e9,
+                overhead_pct=100 * (lz / of - 1), overhead_graph_pct=100 * (t_lazy[2] / t_off[2] - 1),
+                lazy_kernel=info, off_kernel=info_off)
+
+
+def info_pages(info):
+    bn = int(info["kernel"].split(" bn=")[1].split()[0])
+    return bn // BS
+
+
+class DecodeCase:
+    def __init__(self, gen, dev, cos, sin, batch, ctx, n_docs):
+        self.batch, self.ctx, self.docs = batch, ctx, n_docs
+        self.k, self.v, self.meta, self.nblk = make_case(gen, batch, ctx, n_docs, dev)
+        self.kk = rotated_in_place(self.k, self.meta, self.nblk, cos, sin)
+        self.q = torch.randn(batch, HQ, D, device=dev, dtype=DT)
+        self.cos, self.sin, self.scale = cos, sin, D ** -0.5
+        self.kv_bytes = 2 * int(self.nblk.sum()) * BS * HKV * D * 2
+        # small problems fit in L2: rotate among copies so timings read HBM, not cache
+        self.n_sets = max(1, min(8, math.ceil(4 * L2_BYTES / self.kv_bytes)))
+        self.sets = [(self.k, self.v, self.kk)] + [(self.k.clone(), self.v.clone(), self.kk.clone())
+                                                   for _ in range(self.n_sets - 1)]
+        self.cache = {}
+        self.i = 0
+
+    def _next(self):
+        self.i = (self.i + 1) % self.n_sets
+        return self.sets[self.i]
+
+    def lazy(self, **kw):
+        def f():
+            k, v, _ = self._next()
+            return lazy_decode(self.q, k, v, self.meta, self.nblk, self.cos, self.sin, self.scale,
+                               tile_cache=self.cache, **kw)
+        return f
+
+    def off(self, **kw):
+        def f():
+            _, v, kk = self._next()
+            return lazy_decode(self.q, kk, v, self.meta, self.nblk, self.cos, self.sin, self.scale,
+                               apply_rotation=False, **kw)
+        return f
+
+    def bytes_moved(self):
+        return self.kv_bytes + 2 * self.q.numel() * 2 + self.meta.numel() * 8
 
 
 def run_decode(gen, dev, cos, sin, batch, ctx, n_docs, copy_tbs):
-    k, v, meta, nblk = make_case(gen, batch, ctx, n_docs, dev)
-    kk, vv, meta0 = prerotate(k, v, meta, nblk, cos, sin)
-    q = torch.randn(batch, HQ, D, device=dev, dtype=DT)
-    scale = D ** -0.5
-    kv_bytes = 2 * int(nblk.sum()) * BS * HKV * D * 2
-    # small problems fit in L2: rotate among copies so timings read HBM, not cache
-    n_sets = max(1, min(8, math.ceil(4 * L2_BYTES / kv_bytes)))
-    sets = [(k, v, kk, vv)] + [(k.clone(), v.clone(), kk.clone(), vv.clone()) for _ in range(n_sets - 1)]
-    it = {"i": 0}
+    c = DecodeCase(gen, dev, cos, sin, batch, ctx, n_docs)
+    out = lazy_decode(c.q, c.k, c.v, c.meta, c.nblk, cos, sin, c.scale)
+    err = rel(out, lazy_decode_reference(c.q, c.k, c.v, c.meta, c.nblk, cos, sin, c.scale))
+    err_off = rel(lazy_decode(c.q, c.kk, c.v, c.meta, c.nblk, cos, sin, c.scale, apply_rotation=False), out)
+    t_lazy = timings(c.lazy(), c.n_sets)
+    info = launch_info("decode")
+    t_off = timings(c.off(), c.n_sets)
+    info_off = launch_info("decode")
+    table_ms = bench(lambda: tile_table(c.meta, c.nblk, info_pages(info)))
+    lz, of = min(t_lazy[:2]), min(t_off[:2])
+    bm = c.bytes_moved()
+    tbs = lambda ms: bm / (ms * 1e-3) / 1e12  # noqa: E731
+    return dict(kind="decode", batch=batch, ctx=ctx, docs=n_docs, err=err, err_off=err_off, ms_lazy=lz, ms_off=of,
+                ms_lazy_runs=t_lazy[:2], ms_off_runs=t_off[:2], ms_lazy_graph=t_lazy[2], ms_off_graph=t_off[2],
+                ms_tile_table=table_ms, tbs_lazy=tbs(lz), tbs_lazy_graph=tbs(t_lazy[2]),
+                bw_frac=tbs(lz) / copy_tbs, bw_frac_graph=tbs(t_lazy[2]) / copy_tbs,
+                bw_frac_off=tbs(of) / copy_tbs, bw_frac_off_graph=tbs(t_off[2]) / copy_tbs,
+                overhead_pct=100 * (lz / of - 1), overhead_graph_pct=100 * (t_lazy[2] / t_off[2] - 1),
+                l2_sets=c.n_sets, lazy_kernel=info, off_kernel=info_off)
 
-    def nxt():
-        it["i"] = (it["i"] + 1) % n_sets
-        return sets[it["i"]]
 
-    def lazy():
-        s = nxt()
-        return lazy_decode(q, s[0], s[1], meta, nblk, cos, sin, scale)
+SWEEP_DECODE = [(64, 8192, 10), (8, 32768, 10), (32, 8192, 1)]  # (batch, context, documents)
+SWEEP_PREFILL = [(8, 8192, 10, 64), (1, 8192, 1, 512), (8, 2048, 10, 512)]  # (..., new tokens)
 
-    def off():
-        s = nxt()
-        return lazy_decode(q, s[2], s[3], meta0, nblk, cos, sin, scale, apply_rotation=False)
 
-    def off_st():
-        s = nxt()
-        return lazy_decode(q, s[2], s[3], meta0, nblk, cos, sin, scale, apply_rotation=False, stage_q=True)
+def sweep(gen, dev, cos, sin, copy_tbs, log):
+    """Every config x rotation schedule on a few shapes, CUDA-graph timings (device time)."""
+    rows = []
+    for batch, ctx, docs in SWEEP_DECODE:
+        c = DecodeCase(gen, dev, cos, sin, batch, ctx, docs)
+        ref = lazy_decode(c.q, c.kk, c.v, c.meta, c.nblk, cos, sin, c.scale, apply_rotation=False,
+                          config=decode_mod.DEFAULT_CONFIG)
+        for cfg in decode_mod.CONFIGS[:2]:
+            for mode in (0, 1, 3):
+                fn = c.off(config=cfg) if mode == 0 else c.lazy(config=cfg, rotation_mode=mode)
+                try:
+                    ms = graph_ms(fn, c.n_sets)
+                    out = lazy_decode(c.q, c.k if mode else c.kk, c.v, c.meta, c.nblk, cos, sin, c.scale,
+                                      apply_rotation=bool(mode), config=cfg, rotation_mode=mode or 1)
+                    e = rel(out, ref)
+                except Exception as ex:  # noqa: BLE001
+                    log(f"decode sweep {batch} {ctx} {docs} {cfg} mode {mode} failed: {repr(ex)[:200]}")
+                    continue
+                info = launch_info("decode")
+                bw = c.bytes_moved() / (ms * 1e-3) / 1e12 / copy_tbs
+                rows.append(dict(kind="decode", batch=batch, ctx=ctx, docs=docs, config=list(cfg), mode=mode,
+                                 ms_graph=ms, bw_frac=bw, err_vs_off=e, **info))
+                log(f"  decode B={batch:2} {ctx // 1024:2}k d={docs:2} cfg={cfg} mode={mode}: {1e3 * ms:7.1f} us "
+                    f"{100 * bw:5.1f}% copy  err {e:.1e}  {fmt_info(info)}")
+        del c
+        torch.cuda.empty_cache()
+    for batch, ctx, docs, new in SWEEP_PREFILL:
+        c = PrefillCase(gen, dev, cos, sin, batch, ctx, docs, new)
+        ref = c.off(config=prefill_mod.DEFAULT_CONFIG)()
+        for cfg in prefill_mod.CONFIGS[:3]:
+            for mode in (0, 2, 3):
+                fn = c.off(config=cfg) if mode == 0 else c.lazy(config=cfg, rotation_mode=mode)
+                try:
+                    ms = graph_ms(fn)
+                    e = rel(fn(), ref)
+                except Exception as ex:  # noqa: BLE001
+                    log(f"prefill sweep {batch} {ctx} {docs} {new} {cfg} mode {mode} failed: {repr(ex)[:200]}")
+                    continue
+                info = launch_info("prefill")
+                rows.append(dict(kind="prefill", batch=batch, ctx=ctx, docs=docs, new=new, config=list(cfg), mode=mode,
+                                 ms_graph=ms, tflops=c.flops() / ms / 1e9, err_vs_off=e, **info))
+                log(f"  prefill B={batch} {ctx // 1024}k d={docs:2} new={new:3} cfg={cfg} mode={mode}: "
+                    f"{1e3 * ms:7.1f} us "
+                    f"{c.flops() / ms / 1e9:6.1f} TF/s err {e:.1e}  {fmt_info(info)}")
+        del c
+        torch.cuda.empty_cache()
+    return rows
 
-    out = lazy_decode(q, k, v, meta, nblk, cos, sin, scale)
-    err = rel(out, lazy_decode_reference(q, k, v, meta, nblk, cos, sin, scale))
-    err_off = rel(lazy_decode(q, kk, vv, meta0, nblk, cos, sin, scale, apply_rotation=False), out)
-    err_off = max(err_off, rel(lazy_decode(q, kk, vv, meta0, nblk, cos, sin, scale, apply_rotation=False,
-                                           stage_q=True), out))
-    t_lazy, t_off, t_st = bench(lazy), bench(off), bench(off_st)
-    t_lazy2, t_off2, t_st2 = bench(lazy), bench(off), bench(off_st)
-    tl_, to_, ts_ = min(t_lazy, t_lazy2), min(t_off, t_off2), min(t_st, t_st2)
-    bytes_moved = kv_bytes + 2 * q.numel() * 2 + meta.numel() * 8
-    bw = bytes_moved / (tl_ * 1e-3) / 1e12
-    bw_off = bytes_moved / (min(to_, ts_) * 1e-3) / 1e12
-    return dict(kind="decode", batch=batch, ctx=ctx, docs=n_docs, err=err, err_off=err_off, ms_lazy=tl_, ms_off=to_,
-                ms_off_staged=ts_, ms_lazy_runs=[t_lazy, t_lazy2], ms_off_runs=[t_off, t_off2],
-                ms_off_staged_runs=[t_st, t_st2], tbs_lazy=bw, bw_frac=bw / copy_tbs, bw_frac_off=bw_off / copy_tbs,
-                overhead_pct=100 * (tl_ / min(to_, ts_) - 1), overhead_vs_plain_off_pct=100 * (tl_ / to_ - 1),
-                l2_sets=n_sets)
+
+def adopt_sweep(rows, log):
+    """Make the fastest lazy (config, rotation mode) of the sweep, by the geometric mean of its
+    times over the sweep's shapes, each kernel's default for the rest of the run."""
+    chosen = {}
+    for kind, mod in (("decode", decode_mod), ("prefill", prefill_mod)):
+        score = {}
+        for r in rows:
+            if r["kind"] == kind and r["mode"]:
+                score.setdefault((tuple(r["config"]), r["mode"]), []).append(math.log(r["ms_graph"]))
+        n = max(len(v) for v in score.values())
+        best = min((sum(v) / n, k) for k, v in score.items() if len(v) == n)[1]
+        mod.DEFAULT_CONFIG, mod.DEFAULT_ROTATION_MODE = best
+        chosen[kind] = dict(config=list(best[0]), rotation_mode=best[1])
+        log(f"adopted for {kind}: config {best[0]}, rotation mode {best[1]}")
+    return chosen
 
 
 def plot(results, path):
@@ -198,24 +337,28 @@ def plot(results, path):
     dec = [r for r in results if r["kind"] == "decode"]
     lab = [f"b{r['batch']} {r['ctx'] // 1024}k d{r['docs']} n{r['new']}" for r in pre]
     x = range(len(pre))
-    ax[0].bar([i - 0.2 for i in x], [r["tflops_lazy"] for r in pre], 0.4, label="lazy")
-    ax[0].bar([i + 0.2 for i in x], [r["tflops_sdpa"] for r in pre], 0.4, label="SDPA flash (re-rotated copy)")
+    ax[0].bar([i - 0.2 for i in x], [r["tflops_lazy_graph"] for r in pre], 0.4, label="lazy")
+    ax[0].bar([i + 0.2 for i in x], [r["tflops_sdpa_graph"] for r in pre], 0.4, label="SDPA flash (re-rotated copy)")
     ax[0].set_xticks(list(x), lab, rotation=90, fontsize=6)
-    ax[0].set_ylabel("TFLOP/s")
+    ax[0].set_ylabel("TFLOP/s (CUDA graph)")
     ax[0].set_title("prefill")
     ax[0].legend(fontsize=7)
-    ax[1].bar(list(x), [r["overhead_pct"] for r in pre], color="C2")
+    ax[1].bar([i - 0.2 for i in x], [r["overhead_graph_pct"] for r in pre], 0.4, color="C2", label="CUDA graph")
+    ax[1].bar([i + 0.2 for i in x], [r["overhead_pct"] for r in pre], 0.4, color="C3", label="eager")
     ax[1].axhline(2, color="r", ls="--", lw=1)
+    ax[1].axhline(5, color="r", ls=":", lw=1)
     ax[1].set_xticks(list(x), lab, rotation=90, fontsize=6)
-    ax[1].set_ylabel("rotation overhead %")
-    ax[1].set_title("prefill: lazy vs rotation off (goal <= 2%)")
+    ax[1].set_ylabel("rotation overhead % (same layout)")
+    ax[1].set_title("prefill: lazy vs rotation off (goals 2% / 5%)")
+    ax[1].legend(fontsize=7)
     labd = [f"b{r['batch']} {r['ctx'] // 1024}k d{r['docs']}" for r in dec]
     xd = range(len(dec))
-    ax[2].bar([i - 0.2 for i in xd], [100 * r["bw_frac"] for r in dec], 0.4, label="bandwidth % of copy")
-    ax[2].bar([i + 0.2 for i in xd], [10 * r["overhead_pct"] for r in dec], 0.4, label="overhead % x10")
-    ax[2].axhline(70, color="r", ls="--", lw=1)
+    ax[2].bar([i - 0.2 for i in xd], [100 * r["bw_frac_graph"] for r in dec], 0.4, label="lazy bandwidth % of copy")
+    ax[2].bar([i + 0.2 for i in xd], [10 * r["overhead_graph_pct"] for r in dec], 0.4, label="overhead % x10")
+    ax[2].axhline(85, color="r", ls="--", lw=1)
+    ax[2].axhline(10, color="k", ls=":", lw=1)
     ax[2].set_xticks(list(xd), labd, rotation=90, fontsize=6)
-    ax[2].set_title("decode")
+    ax[2].set_title("decode (CUDA graph; goals >= 85% copy, overhead <= 1% = 10 on this axis)")
     ax[2].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -226,55 +369,85 @@ def main():
     default_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
     ap.add_argument("--out", default=os.path.join(default_dir, "kernels.json"))
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--budget", type=float, default=1e9, help="seconds: start no new config after this")
-    ap.add_argument("--prefill-budget", type=float, default=1e9, help="seconds: start no new prefill config after")
+    ap.add_argument("--sweep", action="store_true", help="time every config and rotation schedule first")
+    ap.add_argument("--no-grid", action="store_true", help="only the sweep")
+    ap.add_argument("--adopt", action="store_true", help="after --sweep, run the grid with the sweep's fastest "
+                    "lazy config and rotation mode as defaults (written to kernel_defaults.json beside --out)")
+    ap.add_argument("--budget", type=float, default=1e9, help="seconds: start no new row after this")
     a = ap.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
     cos, sin = (t.to(dev) for t in rope_tables(inv_freq, MAX_POS))
     copy_tbs = copy_bandwidth(dev)
-    print(f"device {torch.cuda.get_device_name()}  copy bandwidth {copy_tbs:.2f} TB/s", flush=True)
-    results = []
     t0 = time.time()
+    summary = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                   copy_tbs=copy_tbs, command="python " + " ".join(sys.argv),
+                   autotune=os.environ.get("LAZYRAG_KERNEL_AUTOTUNE", "0"),
+                   results=[], sweep=[])
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+
+    def save():
+        summary["seconds"] = time.time() - t0
+        with open(a.out, "w") as f:
+            json.dump(summary, f, indent=1)
+
+    def log(msg):
+        print(msg, flush=True)
+
+    log(f"device {torch.cuda.get_device_name()}  copy bandwidth {copy_tbs:.2f} TB/s")
+    if a.sweep:
+        summary["sweep"] = sweep(gen, dev, cos, sin, copy_tbs, log)
+        if a.adopt:
+            summary["adopted"] = adopt_sweep(summary["sweep"], log)
+            with open(os.path.join(os.path.dirname(os.path.abspath(a.out)), "kernel_defaults.json"), "w") as f:
+                json.dump(summary["adopted"], f)
+        save()
+    summary["defaults_used"] = dict(prefill=[prefill_mod.DEFAULT_CONFIG, prefill_mod.DEFAULT_ROTATION_MODE],
+                                    decode=[decode_mod.DEFAULT_CONFIG, decode_mod.DEFAULT_ROTATION_MODE])
+    if a.no_grid:
+        return 0
+    results = summary["results"]
     pre_grid = [(b, c, d, n) for n in (64, 512) for c in (2048, 8192, 32768) for d in (1, 10)
-                for b in (1, 8) if b * c <= 8 * 8192 or b == 1]
-    dec_grid = [(b, c, d) for b in (1, 8, 32, 64) for c in (2048, 8192, 32768) for d in (1, 10)
-                if b * c <= 64 * 8192 and (b, c) != (1, 2048)]
+                for b in (1, 8) if b * c <= 8 * 8192 and (c < 32768 or n == 512)]
+    dec_grid = [(b, c, d) for b in (1, 8, 32, 64) for c in (8192, 32768) for d in (1, 10) if b * c <= 64 * 8192]
     if a.quick:
         pre_grid, dec_grid = pre_grid[:3], dec_grid[:3]
-    print(f"{'prefill':8} {'B':>3} {'ctx':>6} {'docs':>4} {'new':>4} {'lazy ms':>8} {'off ms':>8} {'ovh %':>6} "
-          f"{'TF lazy':>7} {'TF sdpa':>7} {'ratio':>5} {'err':>7} {'offst ms':>8} {'nosplit':>7}", flush=True)
+    log("prefill: eager ms (graph ms in brackets); overhead = lazy / off - 1 on the same layout")
+    log(f"{'B':>3} {'ctx':>6} {'docs':>4} {'new':>4} {'lazy':>15} {'off':>15} {'ovh%':>11} {'sdpa':>15} "
+        f"{'lazy/sdpa':>11} {'err':>7}  kernel")
     for b, c, d, n in pre_grid:
-        if time.time() - t0 > min(a.budget, a.prefill_budget):
-            print("prefill budget spent: skipping", (b, c, d, n), flush=True)
+        if time.time() - t0 > a.budget:
+            log(f"budget spent: skipping prefill {(b, c, d, n)}")
             continue
-        r = run_prefill(gen, dev, cos, sin, b, c, d, n, sdpa_ok=True)
+        r = run_prefill(gen, dev, cos, sin, b, c, d, n)
         results.append(r)
-        print(f"{'':8} {b:3} {c:6} {d:4} {n:4} {r['ms_lazy']:8.3f} {r['ms_off']:8.3f} {r['overhead_pct']:6.2f} "
-              f"{r['tflops_lazy']:7.1f} {r['tflops_sdpa']:7.1f} {r['tflops_lazy'] / r['tflops_sdpa']:5.2f} "
-              f"{r['err']:7.1e} {r['ms_off_staged']:8.3f} {r['ms_lazy_nosplit']:7.3f}", flush=True)
+        log(f"{b:3} {c:6} {d:4} {n:4} {r['ms_lazy']:7.3f} [{r['ms_lazy_graph']:5.3f}] {r['ms_off']:7.3f} "
+            f"[{r['ms_off_graph']:5.3f}] {r['overhead_pct']:5.1f} [{r['overhead_graph_pct']:4.1f}] {r['ms_sdpa']:7.3f} "
+            f"[{r['ms_sdpa_graph']:5.3f}] {r['tflops_lazy'] / r['tflops_sdpa']:5.2f} "
+            f"[{r['tflops_lazy_graph'] / r['tflops_sdpa_graph']:4.2f}] {r['err']:7.1e}  {fmt_info(r['lazy_kernel'])}")
+        save()
         torch.cuda.empty_cache()
-    print(f"{'decode':8} {'B':>3} {'ctx':>6} {'docs':>4} {'lazy us':>8} {'off us':>8} {'ovh %':>6} {'TB/s':>6} "
-          f"{'%copy':>6} {'err':>7} {'offst us':>8} {'%copy off':>9}", flush=True)
+    log("decode: eager us (graph us in brackets); bandwidth as % of the copy")
+    log(f"{'B':>3} {'ctx':>6} {'docs':>4} {'lazy':>15} {'off':>15} {'ovh%':>11} {'%copy':>11} {'%copy off':>11} "
+        f"{'err':>7}  kernel")
     for b, c, d in dec_grid:
         if time.time() - t0 > a.budget:
-            print("budget spent: skipping", (b, c, d), flush=True)
+            log(f"budget spent: skipping decode {(b, c, d)}")
             continue
         r = run_decode(gen, dev, cos, sin, b, c, d, copy_tbs)
         results.append(r)
-        print(f"{'':8} {b:3} {c:6} {d:4} {1e3 * r['ms_lazy']:8.1f} {1e3 * r['ms_off']:8.1f} {r['overhead_pct']:6.2f} "
-              f"{r['tbs_lazy']:6.2f} {100 * r['bw_frac']:6.1f} {r['err']:7.1e} {1e3 * r['ms_off_staged']:8.1f} "
-              f"{100 * r['bw_frac_off']:9.1f}", flush=True)
+        log(f"{b:3} {c:6} {d:4} {1e3 * r['ms_lazy']:7.1f} [{1e3 * r['ms_lazy_graph']:5.1f}] {1e3 * r['ms_off']:7.1f} "
+            f"[{1e3 * r['ms_off_graph']:5.1f}] {r['overhead_pct']:5.1f} [{r['overhead_graph_pct']:4.1f}] "
+            f"{100 * r['bw_frac']:5.1f} [{100 * r['bw_frac_graph']:4.1f}] {100 * r['bw_frac_off']:5.1f} "
+            f"[{100 * r['bw_frac_off_graph']:4.1f}] {r['err']:7.1e}  {fmt_info(r['lazy_kernel'])}")
+        save()
         torch.cuda.empty_cache()
     bad = [r for r in results if not (r["err"] < 2e-2 and r["err_off"] < 2e-2)]
-    summary = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                   copy_tbs=copy_tbs, seconds=time.time() - t0, n_bad=len(bad), results=results)
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(summary, f, indent=1)
+    summary["n_bad"] = len(bad)
+    save()
     plot(results, os.path.splitext(a.out)[0] + ".png")
-    print(f"wrote {a.out}; {len(bad)} configs failed the correctness check; {time.time() - t0:.0f}s")
+    log(f"wrote {a.out}; {len(bad)} configs failed the correctness check; {time.time() - t0:.0f}s")
     return 1 if bad else 0
 
 

@@ -3,36 +3,39 @@
 Layout and semantics: see :mod:`lazyrag.kernels.reference` (``lazy_decode_reference``).
 
 Grid (sequence, KV head, split). A program takes the ``G`` query heads that share one KV
-head (so K/V is read once per group) over a contiguous range of the sequence's blocks and
-walks it segment by segment (as prefill): the query is rotated by ``-delta`` once per
-segment, staged through a per-program scratch tile and reloaded, so the tile loop is the
-rotation-free loop (23.5 KB shared memory on triton 3.6 instead of 79 KB for the old flat
-loop with its unrolled boundary path). The packed meta is one int64 per block, so the kernel reads what plain
-paged decode reads: K, V and one word per block. Splits write partial (m, l, acc); a
-small second kernel merges them.
+head (so K/V is read once per group) over a contiguous range of the sequence's
+segment-aligned KV tiles (:func:`lazyrag.kernels.kvloop.tile_table`). By default
+(``rotation_mode=3``) it rotates the G query rows once per segment (document) and runs the
+rotation-off tile loop over that segment's blocks; no scratch memory, scan or barrier. The
+kernel reads what plain paged decode reads: K, V, one int64 meta per block, plus two int32 per
+segment. Splits write partial (m, l, acc); a small second kernel merges them. The split count
+fills whole waves of the SMs at the kernel's real occupancy (its compiled registers), and the
+default config caps registers at 128 so that 4 programs fit on an SM.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
-from .prefill import (
-    _context_attention, _interpreting, _merge_splits_kernel, _num_sms, _pick_config,
+from .kvloop import (
+    blocks_per_sm, interpreting, kv_tile_loop, merge_splits, num_sms, pick_config, record_launch,
+    split_tile_range, tile_table, workspace,
 )
 
 
 @triton.jit
 def _lazy_decode_kernel(
-    Q, K_CACHE, V_CACHE, META, NUM_BLOCKS, COS, SIN, OUT, PART_ACC, PART_ML, SCR,
+    Q, K_CACHE, V_CACHE, META, NUM_BLOCKS, TILES, NUM_TILES, COS, SIN, OUT, PART_ACC, PART_ML,
     qk_scale,
     stride_qb, stride_qh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_mb, stride_ob, stride_oh,
+    stride_mb, stride_tb, stride_ob, stride_oh,
     Hq, NUM_SPLITS,
     G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    APPLY_ROT: tl.constexpr, IEEE: tl.constexpr, SCAN: tl.constexpr, STAGE_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ROT: tl.constexpr, IEEE: tl.constexpr,
 ):
     PAGES: tl.constexpr = BLOCK_N // BLOCK_SIZE
     PREC: tl.constexpr = "ieee" if IEEE else "tf32"
@@ -40,11 +43,10 @@ def _lazy_decode_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
 
-    # -- this split's block range: whole KV tiles, so only the last tile of a sequence is partial
+    # -- this split's share of the sequence's KV tiles
     nb = tl.load(NUM_BLOCKS + b).to(tl.int32)
-    per_split = tl.cdiv(tl.cdiv(nb, NUM_SPLITS), PAGES) * PAGES
-    lo = split * per_split
-    hi = tl.minimum(lo + per_split, nb)
+    tiles_row = TILES + b.to(tl.int64) * stride_tb
+    t_lo, t_hi = split_tile_range(NUM_TILES, b, nb, split, NUM_SPLITS, PAGES, ROT)
 
     # -- the G query heads of this KV head, padded to BLOCK_G rows for tl.dot
     offs_g = tl.arange(0, BLOCK_G)
@@ -58,39 +60,60 @@ def _lazy_decode_kernel(
     m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
-
     meta_row = META + b.to(tl.int64) * stride_mb
-    pid_lin = (b * tl.num_programs(1) + kvh).to(tl.int64) * tl.num_programs(2) + split
-    scr = SCR + pid_lin * (BLOCK_G * HEAD_DIM)  # this program's scratch tile (staged q)
-    m_i, l_i, acc = _context_attention(q_ptrs, q_mask, scr, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_CACHE,
-                                       meta_row, lo, hi, kvh,
-                                       stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                       BLOCK_G, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC, APPLY_ROT, STAGE_Q, SCAN)
+    m_i, l_i, acc = kv_tile_loop(Q + row_off, row_ok, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row,
+                                 tiles_row, t_lo, t_hi, nb, kvh,
+                                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                 BLOCK_G, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC, ROT)
 
     if not SPLIT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         o_ptrs = OUT + (b.to(tl.int64) * stride_ob + head * stride_oh)[:, None] + offs_d[None, :]
         tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=q_mask)
     else:
-        # partials [B, Hq, NUM_SPLITS, (D | 2)] in fp32, merged by _merge_splits_kernel
+        # partials [B, Hq, NUM_SPLITS, (D | 2)] in fp32, merged by merge_splits_kernel
         part = (b.to(tl.int64) * Hq + head) * NUM_SPLITS + split
         tl.store(PART_ACC + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=q_mask)
         tl.store(PART_ML + part * 2, m_i, mask=row_ok)
         tl.store(PART_ML + part * 2 + 1, l_i, mask=row_ok)
 
 
-# (BLOCK_N, num_warps, num_stages) tried on the GPU; BLOCK_N is raised to the page size.
-_GPU_CONFIGS = [
-    (64, 4, 3),
-    (64, 4, 4),
-    (32, 4, 4),
+# (BLOCK_N, num_warps, num_stages, maxnreg) tried by the autotuner; BLOCK_N is raised to the page size.
+# maxnreg caps registers so that more programs fit on an SM (spills, if any, sit outside the loop).
+CONFIGS = [
+    (64, 4, 3, 128),
+    (64, 4, 4, 128),
+    (64, 4, 3, None),
+    (32, 4, 3, None),
 ]
-def _auto_splits(batch: int, hkv: int, max_blocks: int, pages: int, device: torch.device) -> int:
-    """Enough programs for ~2 waves over the SMs, but at least 4 KV tiles per split."""
-    if device.type != "cuda":
-        return max(1, min(4, triton.cdiv(max_blocks, pages)))
-    want = triton.cdiv(2 * _num_sms(device), max(1, batch * hkv))
-    return max(1, min(want, triton.cdiv(max_blocks, 4 * pages), 64))
+# defaults from the H200 sweep (benchmarks/NOTES.md, round 3): 4 programs per SM under the
+# 128-register cap, q rotated once per segment ahead of the plain tile loop
+DEFAULT_CONFIG = (64, 4, 3, 128)
+DEFAULT_ROTATION_MODE = 3
+# resident programs per SM per compiled variant, learned from the first launch (see _splits)
+_occupancy: dict[tuple, int] = {}
+
+
+def _assumed_occupancy(cfg) -> int:
+    bn, warps, stages, maxnreg = cfg
+    return blocks_per_sm(maxnreg or 168, warps, 0)
+
+
+@functools.lru_cache(maxsize=1024)  # called on every eager launch: keep the host path short
+def choose_splits(n_programs: int, max_tiles: int, slots: int, min_tiles: int = 4, max_splits: int = 64) -> int:
+    """Fewest splits whose programs fill the SMs' ``slots`` (resident programs) in whole waves.
+
+    Each candidate's efficiency is programs / (waves * slots); the smallest split count within
+    3% (relative) of the best wins (fewer splits, fewer partials to merge). Every split keeps at least
+    ``min_tiles`` KV tiles so that the loop has something to pipeline."""
+    cands = []
+    for s in range(1, max_splits + 1):
+        if s > 1 and max_tiles < s * min_tiles:
+            break
+        p = n_programs * s
+        cands.append((p / (triton.cdiv(p, slots) * slots), s))
+    best = max(e for e, _ in cands)
+    return min(s for e, s in cands if e >= 0.97 * best)
 
 
 def lazy_decode(
@@ -104,15 +127,19 @@ def lazy_decode(
     sm_scale: float,
     apply_rotation: bool = True,
     num_splits: int | None = None,
-    config: tuple[int, int, int] | None = None,
+    config: tuple | None = None,
     out: torch.Tensor | None = None,
-    stage_q: bool = False,
+    tile_cache: dict | None = None,
+    rotation_mode: int | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`lazyrag.kernels.reference.lazy_decode_reference`.
 
-    ``apply_rotation=False`` skips the deferred rotation (for measuring its cost against
-    pre-rotated KV); ``num_splits=None`` picks the split count from the batch, the block
-    table width and the SM count; ``config`` = (BLOCK_N, num_warps, num_stages).
+    ``apply_rotation=False`` skips the deferred rotation (for measuring its cost on pre-rotated
+    KV in the same layout); ``num_splits=None`` fills whole waves of the SMs;
+    ``config`` = (BLOCK_N, num_warps, num_stages[, maxnreg]). ``tile_cache``: a dict that lives
+    as long as ``block_meta``/``num_blocks`` (one forward pass), so the tile table is built once
+    for all layers. ``rotation_mode`` (``kvloop.kv_tile_loop``'s ROT): 1 rotates the G query rows
+    on every tile, 3 once per segment ahead of a plain tile loop; ``None``: ``DEFAULT_ROTATION_MODE``.
     """
     B, Hq, D = q.shape
     nb_total, block_size, Hkv, Dc = k_cache.shape
@@ -121,61 +148,73 @@ def lazy_decode(
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     G = Hq // Hkv
     q = q if q.stride(-1) == 1 else q.contiguous()
-    block_meta = block_meta.to(torch.int64)
-    rope_cos = rope_cos.float().contiguous()
-    rope_sin = rope_sin.float().contiguous()
-    nblk = num_blocks.to(device=q.device, dtype=torch.int32)
+    if block_meta.dtype != torch.int64:
+        block_meta = block_meta.to(torch.int64)
+    if rope_cos.dtype != torch.float32 or not rope_cos.is_contiguous():
+        rope_cos, rope_sin = rope_cos.float().contiguous(), rope_sin.float().contiguous()
+    if num_blocks.dtype != torch.int32 or num_blocks.device != q.device:
+        num_blocks = num_blocks.to(device=q.device, dtype=torch.int32)
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.stride(-1) == 1
     if B == 0:
         return out
     qk_scale = float(sm_scale) * 1.4426950408889634
-    on_gpu = q.is_cuda and not _interpreting()
-    if config is None and not on_gpu:
-        config = (16, 1, 1)
-    pages_hint = max(config[0] if config else 64, block_size) // block_size
-    if num_splits is None:
-        num_splits = _auto_splits(B, Hkv, block_meta.shape[1], pages_hint, q.device)
-    num_splits = max(1, int(num_splits))
-    if num_splits > 1:
-        part_acc = torch.empty(B, Hq, num_splits, D, device=q.device, dtype=torch.float32)
-        part_ml = torch.empty(B, Hq, num_splits, 2, device=q.device, dtype=torch.float32)
-    else:
-        part_acc = part_ml = out  # unused
-
+    on_gpu = q.is_cuda and not interpreting()
+    rotation_mode = DEFAULT_ROTATION_MODE if rotation_mode is None else rotation_mode
+    assert rotation_mode in (1, 2, 3), "rotation_mode: 1, 2 or 3 (see kvloop.kv_tile_loop)"
+    rot = rotation_mode if apply_rotation else (4 if rotation_mode == 2 else 0)  # same loop, no rotation
     block_g = max(16, triton.next_power_of_2(G))
-    # per-program scratch tile for the staged rotated query (tiny, L2-resident)
-    stage = bool(stage_q) and not apply_rotation
-    scr = (torch.empty(B * Hkv * num_splits * block_g * D, device=q.device, dtype=q.dtype)
-           if apply_rotation or stage else out)
+    W = block_meta.shape[1]
 
-    def launch(cfg):
-        bn, warps, stages = cfg
+    def launch(cfg, splits=None):
+        bn, warps, stages = cfg[:3]
+        maxnreg = cfg[3] if len(cfg) > 3 else None
         bn = max(bn, block_size)
-        _lazy_decode_kernel[(B, Hkv, num_splits)](
-            q, k_cache, v_cache, block_meta, nblk, rope_cos, rope_sin, out, part_acc, part_ml, scr,
+        pages = bn // block_size
+        tiles, n_tiles = (tile_table(block_meta, num_blocks, pages, tile_cache) if rot in (1, 2, 3)
+                          else (block_meta, num_blocks))
+        okey = (bn, warps, stages, maxnreg, rot, D, G, q.dtype)
+        if splits is None:
+            if not on_gpu:
+                splits = max(1, min(4, triton.cdiv(W, pages)))
+            else:
+                slots = num_sms(q.device) * _occupancy.get(okey, _assumed_occupancy((bn, warps, stages, maxnreg)))
+                splits = choose_splits(B * Hkv, triton.cdiv(W, pages), slots)
+        splits = max(1, int(splits))
+        if splits > 1:
+            part_acc = workspace.get("decode_acc", (B, Hq, splits, D), torch.float32, q.device)
+            part_ml = workspace.get("decode_ml", (B, Hq, splits, 2), torch.float32, q.device)
+        else:
+            part_acc = part_ml = out  # unused
+        extra = {"maxnreg": maxnreg} if (on_gpu and maxnreg) else {}
+        grid = (B, Hkv, splits)
+        compiled = _lazy_decode_kernel[grid](
+            q, k_cache, v_cache, block_meta, num_blocks, tiles, n_tiles, rope_cos, rope_sin, out, part_acc, part_ml,
             qk_scale,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            block_meta.stride(0), out.stride(0), out.stride(1),
-            Hq, num_splits,
+            block_meta.stride(0), tiles.stride(0), out.stride(0), out.stride(1),
+            Hq, splits,
             G=G, BLOCK_G=block_g, HEAD_DIM=D, BLOCK_SIZE=block_size,
-            BLOCK_N=bn, SPLIT=num_splits > 1,
-            APPLY_ROT=bool(apply_rotation), IEEE=q.dtype == torch.float32, SCAN=128, STAGE_Q=stage,
-            num_warps=warps, num_stages=stages,
+            BLOCK_N=bn, SPLIT=splits > 1, ROT=rot, IEEE=q.dtype == torch.float32,
+            num_warps=warps, num_stages=stages, **extra,
         )
-        if num_splits > 1:
-            _merge_splits_kernel[(B, Hq)](
-                part_acc, part_ml, out, out.stride(0), out.stride(1), Hq, num_splits,
-                HEAD_DIM=D, BLOCK_S=triton.next_power_of_2(num_splits),
-                num_warps=4 if D >= 128 else 2,
-            )
+        e = record_launch("decode", f"decode rot={rot} bn={bn} w={warps} s={stages} maxnreg={maxnreg} "
+                          f"split={splits > 1}", compiled, warps, grid, splits)
+        if e is not None and okey not in _occupancy:
+            _occupancy[okey] = e["blocks_per_sm"]
+        if splits > 1:
+            merge_splits(part_acc, part_ml, out, splits)
+        return splits
 
     if config is None:
-        key = ("decode", D, G, block_size, q.dtype, bool(apply_rotation), stage, num_splits > 1,
-               triton.next_power_of_2(B * Hkv * num_splits), triton.next_power_of_2(block_meta.shape[1]))
-        config = _pick_config(key, launch, _GPU_CONFIGS)
-    launch(config)
+        if not on_gpu:
+            config = (16, 1, 1)
+        else:
+            key = ("decode", D, G, block_size, q.dtype, rot, num_splits,
+                   triton.next_power_of_2(B * Hkv), triton.next_power_of_2(W))
+            config = pick_config(key, lambda c: launch(c, num_splits), CONFIGS, DEFAULT_CONFIG)
+    launch(config, num_splits)
     return out

@@ -8,7 +8,7 @@ Layout (one place for it; the engine and the Triton kernels both follow it):
   *encoded*; when the segment is placed so that its tokens sit ``delta`` positions
   later, every key must be rotated by a further ``R(delta)``.
 * A sequence's context is a list of blocks, each described by one int64
-  ``[phys_block:32 | delta:24 | valid:8]`` (see :func:`pack_block_meta`): the physical
+  ``[phys_block:32 | delta:24 | valid:8]`` (``kernels/common.py``: :func:`pack_block_meta`): the physical
   block id, the position offset of the segment it belongs to, and how many of its
   ``block_size`` slots hold real tokens (padding is masked).
 * RoPE is the Hugging Face "rotate half" form: for ``x = [x1, x2]`` (two halves of
@@ -26,26 +26,9 @@ from __future__ import annotations
 
 import torch
 
-PHYS_BITS, DELTA_BITS, VALID_BITS = 32, 24, 8
-MAX_DELTA = (1 << DELTA_BITS) - 1
-MAX_BLOCK_SIZE = (1 << VALID_BITS) - 1
-
-
-def pack_block_meta(block_ids: torch.Tensor, deltas: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Pack per-block (physical id, position offset, valid length) into one int64 each."""
-    block_ids, deltas, valid = (t.to(torch.int64) for t in (block_ids, deltas, valid))
-    if block_ids.numel():
-        assert 0 <= int(block_ids.min()) and int(block_ids.max()) < (1 << 31), "block id out of range"
-        assert 0 <= int(deltas.min()) and int(deltas.max()) <= MAX_DELTA, "delta out of range"
-        assert 0 <= int(valid.min()) and int(valid.max()) <= MAX_BLOCK_SIZE, "valid length out of range"
-    return block_ids | (deltas << PHYS_BITS) | (valid << (PHYS_BITS + DELTA_BITS))
-
-
-def unpack_block_meta(meta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    block_ids = meta & ((1 << PHYS_BITS) - 1)
-    deltas = (meta >> PHYS_BITS) & MAX_DELTA
-    valid = (meta >> (PHYS_BITS + DELTA_BITS)) & MAX_BLOCK_SIZE
-    return block_ids, deltas, valid
+from .common import (  # noqa: F401  (the layout lives in common.py; re-exported for callers)
+    MAX_BLOCK_SIZE, MAX_DELTA, PHYS_BITS, VALID_BITS, pack_block_meta, unpack_block_meta,
+)
 
 
 def rope_tables(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:

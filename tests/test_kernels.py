@@ -13,7 +13,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from lazyrag.kernels.decode import lazy_decode
+from lazyrag.kernels.decode import CONFIGS as DECODE_CONFIGS
+from lazyrag.kernels.decode import choose_splits, lazy_decode
+from lazyrag.kernels.kvloop import tile_table
+from lazyrag.kernels.prefill import CONFIGS as PREFILL_CONFIGS
 from lazyrag.kernels.prefill import lazy_prefill
 from lazyrag.kernels.reference import (
     apply_rotary,
@@ -93,6 +96,32 @@ def make_rope(d, device, base=10000.0):
     return cos.to(device), sin.to(device)
 
 
+def rotated_in_place(p: Paged, cos, sin):
+    """The same pool, metas and layout, with every used block's K re-rotated by its delta (each
+    block belongs to one document here, except a reused one, which gets its own copy)."""
+    ids, deltas, valid = unpack_block_meta(p.meta)
+    k = p.k_cache.clone()
+    extra, meta = [], p.meta.clone()
+    seen = {}
+    for b in range(p.meta.shape[0]):
+        for j in range(int(p.nblocks[b])):
+            phys, d = int(ids[b, j]), int(deltas[b, j])
+            if phys in seen and seen[phys] != d:  # a document reused at another offset: a private block
+                extra.append((b, j, phys, d))
+                continue
+            seen[phys] = d
+            k[phys] = apply_rotary(p.k_cache[phys].float(), cos[d], sin[d]).to(k.dtype)
+    v = p.v_cache
+    if extra:
+        k = torch.cat((k, torch.stack([apply_rotary(p.k_cache[ph].float(), cos[d], sin[d]).to(k.dtype)
+                                       for _, _, ph, d in extra])))
+        v = torch.cat((v, torch.stack([p.v_cache[ph] for _, _, ph, _ in extra])))
+        for i, (b, j, _, d) in enumerate(extra):
+            meta[b, j] = pack_block_meta(torch.tensor([p.k_cache.shape[0] + i]), torch.tensor([d]),
+                                         valid[b, j].view(1))[0]
+    return Paged(k, v, meta, p.nblocks, p.docs)
+
+
 def prerotated(p: Paged, cos, sin):
     """Materialise every (sequence, block) re-rotated by its delta into its own block; deltas 0."""
     ids, deltas, valid = unpack_block_meta(p.meta)
@@ -139,6 +168,7 @@ PREFILL_CASES = [
     (2, [3, 6], [[17], [16, 40]], 6, 2, 64, 16),  # GQA 3, batch of unequal lengths
     (3, [4, 0, 2], [[33, 5], [8], []], 4, 1, 64, 16),  # MQA/GQA 4, empty query seq, 0 ctx blocks
     (4, [2], [[12, 20, 7]], 8, 1, 128, 32),  # GQA 8, head dim 128, block 32
+    (5, [40, 3], [[20], [9, 30]], 4, 2, 64, 16),  # 40 new tokens: unmasked new-token tiles before the diagonal
 ]
 
 
@@ -206,21 +236,53 @@ def test_prefill_split_context_matches_reference(case):
     out = run_prefill(p, q, kn, vn, cu, cos, sin, scale, num_splits=splits)
     assert rel_err(out, ref) < 1e-4
     pre = prerotated(p, cos, sin)
-    off = run_prefill(pre, q, kn, vn, cu, cos, sin, scale, apply_rotation=False, num_splits=splits, stage_q=True)
+    off = run_prefill(pre, q, kn, vn, cu, cos, sin, scale, apply_rotation=False, num_splits=splits)
     assert rel_err(off, ref) < 1e-4
+    for mode in (1, 2):  # the other query-rotation schedules
+        out = run_prefill(p, q, kn, vn, cu, cos, sin, scale, num_splits=splits, rotation_mode=mode)
+        assert rel_err(out, ref) < 1e-4
 
 
-def test_staged_q_rotation_off_matches():
-    # the rotation-free kernel with q sent through the scratch round trip (measurement variant)
+def test_prefill_rotation_off_in_the_lazy_layout():
+    # the benchmark's fair baseline: the same shuffled blocks and metas, K re-rotated in place
     p, q, kn, vn, cu = make_prefill(35, [3, 2], [[18, 7], [25]], 4, 2, 64, 16, torch.float32, "cpu")
     cos, sin = make_rope(64, "cpu")
-    pre = prerotated(p, cos, sin)
-    ref = ref_prefill(pre, q, kn, vn, cu, cos, sin, 0.125)
-    assert rel_err(run_prefill(pre, q, kn, vn, cu, cos, sin, 0.125, apply_rotation=False, stage_q=True), ref) < 1e-4
+    pre = rotated_in_place(p, cos, sin)
+    ref = ref_prefill(p, q, kn, vn, cu, cos, sin, 0.125)
     qd = torch.randn(2, 4, 64)
-    refd = lazy_decode_reference(qd, pre.k_cache, pre.v_cache, pre.meta, pre.nblocks, cos, sin, 0.125)
-    outd = run_decode(pre, qd, cos, sin, 0.125, apply_rotation=False, stage_q=True, num_splits=2)
-    assert rel_err(outd, refd) < 1e-4
+    refd = lazy_decode_reference(qd, p.k_cache, p.v_cache, p.meta, p.nblocks, cos, sin, 0.125)
+    for mode in (2, 3):  # each schedule's rotation-off counterpart (ROT 4 and 0)
+        off = run_prefill(pre, q, kn, vn, cu, cos, sin, 0.125, apply_rotation=False, rotation_mode=mode)
+        assert rel_err(off, ref) < 1e-4
+        offd = run_decode(pre, qd, cos, sin, 0.125, apply_rotation=False, num_splits=2, rotation_mode=mode)
+        assert rel_err(offd, refd) < 1e-4
+
+
+@pytest.mark.parametrize("pages", [1, 2, 4])
+def test_tile_table(pages):
+    # segment-aligned tiles: each tile lies in one segment, holds <= pages blocks, and together
+    # they cover every block once in order; the sentinel is the block count. Chunk of 16 blocks
+    # in the interpreter, so rows of 40 blocks cross chunk boundaries inside a segment.
+    gen = torch.Generator().manual_seed(40 + pages)
+    p = make_paged(gen, [[5, 16, 3, 300, 2, 9], [], [400], [17, 17, 17, 40]], 1, 64, 16, torch.float32, "cpu",
+                   reuse_first_doc=True)
+    tiles, n_tiles = tile_table(p.meta, p.nblocks, pages)
+    _, deltas, _ = unpack_block_meta(p.meta)
+    for b in range(p.meta.shape[0]):
+        nb, n = int(p.nblocks[b]), int(n_tiles[b])
+        starts = tiles[b, : n + 1, 0].tolist()
+        assert starts[-1] == nb and (n == 0) == (nb == 0)
+        seg_starts = {0} | {j for j in range(1, nb) if deltas[b, j] != deltas[b, j - 1]}
+        want, j = [], 0
+        while j < nb:  # expected: restart at every segment start, else every `pages` blocks
+            want.append(j)
+            j += 1
+            while j < nb and j not in seg_starts and (j - want[-1]) < pages:
+                j += 1
+        assert starts[:-1] == want
+        # link to the first tile of the next segment (n after the last segment)
+        seg_tiles = [i for i in range(n) if starts[i] in seg_starts]
+        assert tiles[b, :n, 1].tolist() == [min([i2 for i2 in seg_tiles if i2 > i] + [n]) for i in range(n)]
 
 
 # (seed, documents per sequence (tokens), Hq, Hkv, D, block_size, num_splits)
@@ -252,6 +314,9 @@ def test_decode_tile_spans_several_documents_and_wrong_rotation():
     out = run_decode(p, q, cos, sin, 0.125, num_splits=2, config=(64, 1, 1))
     ref = lazy_decode_reference(q, p.k_cache, p.v_cache, p.meta, p.nblocks, cos, sin, 0.125)
     assert rel_err(out, ref) < 1e-4
+    for mode in (2, 3):  # the other query-rotation schedules
+        out = run_decode(p, q, cos, sin, 0.125, num_splits=3, config=(32, 1, 1), rotation_mode=mode)
+        assert rel_err(out, ref) < 1e-4
     ids, deltas, valid = unpack_block_meta(p.meta)
     wrong = pack_block_meta(ids, (deltas + 1) % MAX_POS, valid)
     bad = lazy_decode_reference(q, p.k_cache, p.v_cache, wrong, p.nblocks, cos, sin, 0.125)
@@ -268,6 +333,16 @@ def test_decode_no_rotation_on_prerotated_keys():
     ref = lazy_decode_reference(q, pre.k_cache, pre.v_cache, pre.meta, pre.nblocks, cos, sin, 0.125)
     assert rel_err(out, ref) < 1e-4
     assert rel_err(run_decode(p, q, cos, sin, 0.125, num_splits=2), out) < 1e-4
+
+
+def test_choose_splits_fills_whole_waves():
+    # 132 SMs: 4 programs/SM -> B=64 x 8 KV heads (512 programs) is one wave unsplit;
+    # 3 programs/SM (396 slots) would run 1.29 waves unsplit, 3 splits fill 3.9 of 4
+    assert choose_splits(512, 128, 132 * 4) == 1
+    assert choose_splits(512, 128, 132 * 3) == 3
+    s = choose_splits(8, 512, 132 * 4)  # batch 1: split until a wave is (nearly) full
+    assert 8 * s <= 528 and 8 * s >= 0.9 * 528
+    assert choose_splits(8, 8, 528) == 2  # too few tiles: at least 4 per split
 
 
 # ---------------------------------------------------------------- GPU, bf16/fp16
@@ -312,15 +387,16 @@ def test_prefill_gpu_split_context(hq, hkv, d, splits):
     assert rel_err(run_prefill(p, q, kn, vn, cu, cos, sin, d ** -0.5, num_splits=splits), ref) < 1e-2
     pre = prerotated(p, cos, sin)
     ref0 = ref_prefill(pre, q, kn, vn, cu, cos, sin, d ** -0.5)
-    for stage in (False, True):
-        off = run_prefill(pre, q, kn, vn, cu, cos, sin, d ** -0.5, apply_rotation=False, num_splits=splits,
-                          stage_q=stage)
-        assert rel_err(off, ref0) < 1e-2
+    off = run_prefill(pre, q, kn, vn, cu, cos, sin, d ** -0.5, apply_rotation=False, num_splits=splits)
+    assert rel_err(off, ref0) < 1e-2
+    for mode in (1, 2):
+        out = run_prefill(p, q, kn, vn, cu, cos, sin, d ** -0.5, num_splits=splits, rotation_mode=mode)
+        assert rel_err(out, ref) < 1e-2
 
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("cfg", [(128, 64, 8, 3), (64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3)])
+@pytest.mark.parametrize("cfg", PREFILL_CONFIGS)
 def test_prefill_gpu_every_config(cfg):
     # the autotuner may pick any of these: each must be right, block size 32 too
     p, q, kn, vn, cu = make_prefill(300, [77, 200], [[300, 45, 500], [1000]], 32, 8, 128, 32, torch.bfloat16,
@@ -354,7 +430,7 @@ def test_decode_gpu(dtype, hq, hkv, d, splits):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("cfg", [(64, 4, 3), (64, 4, 4), (32, 4, 4)])
+@pytest.mark.parametrize("cfg", DECODE_CONFIGS)
 def test_decode_gpu_every_config(cfg):
     gen = torch.Generator().manual_seed(400)
     p = make_paged(gen, [[300, 45, 500], [1000], [17, 17, 17]], 8, 128, 32, torch.bfloat16, "cuda",

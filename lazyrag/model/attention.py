@@ -5,7 +5,7 @@ paged pool; the model neither knows nor cares whether keys are rotated lazily.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,8 @@ class AttentionMetadata:
     num_ctx_blocks: torch.Tensor  # [B] int32
     slot_mapping: torch.Tensor  # [T] int64: pool slot (block * block_size + offset) for each new token's K/V
     max_seqlen_q: int = 0
+    # kernels' per-batch derived tables (Triton tile tables), built by the first layer, reused by the rest
+    kernel_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 class TorchAttention:
@@ -69,10 +71,11 @@ class TritonAttention:
 
     def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, rope_cos, rope_sin, sm_scale):
         if meta.is_decode:
-            return self._decode(q, k_cache, v_cache, meta.block_meta, meta.num_ctx_blocks, rope_cos, rope_sin, sm_scale)
+            return self._decode(q, k_cache, v_cache, meta.block_meta, meta.num_ctx_blocks, rope_cos, rope_sin, sm_scale,
+                                tile_cache=meta.kernel_cache)
         return self._prefill(
             q, k, v, meta.cu_seqlens_q, k_cache, v_cache, meta.block_meta, meta.num_ctx_blocks,
-            rope_cos, rope_sin, sm_scale, max_seqlen_q=meta.max_seqlen_q,
+            rope_cos, rope_sin, sm_scale, max_seqlen_q=meta.max_seqlen_q, tile_cache=meta.kernel_cache,
         )
 
 

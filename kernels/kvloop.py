@@ -1,0 +1,370 @@
+"""What the prefill and decode kernels share besides the meta layout (``common.py``): the
+segment-aligned tile table, one online-softmax KV loop, the split merge, and launch helpers
+(default/tuned configs, occupancy, reused workspaces).
+
+Tile table: the KV loops walk *segment-aligned* tiles. A tile is up to ``PAGES`` consecutive
+blocks of one segment (a segment = consecutive blocks sharing delta), so one rotation of the
+query serves a whole tile and the loop is one flat ``for`` that Triton can software-pipeline
+(round 2's per-segment ``while`` around the tile loop cost 12-14% even for one document).
+``_tile_table_kernel`` writes, per sequence, the first block of each tile followed by the
+sequence's block count as a sentinel (so tile ``t`` spans ``[tiles[t], tiles[t + 1])``) and the
+number of tiles. It depends on the block table only, so one table serves every layer of a
+forward pass (the attention backend caches it per batch metadata).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import meta_delta, meta_phys, meta_valid
+
+
+# ---------------------------------------------------------------- tile table
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _min_combine(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
+def _tile_table_kernel(META, NUM_BLOCKS, TILES, NUM_TILES, stride_mb, stride_tb,
+                       PAGES: tl.constexpr, CHUNK: tl.constexpr):
+    """One program per sequence. TILES[b] holds (start, next_segment) int32 pairs: the first
+    block of each segment-aligned tile and the index of the first tile of the next segment;
+    the pair after the last tile starts with the number of blocks (sentinel). NUM_TILES[b] = n."""
+    b = tl.program_id(0)
+    nb = tl.load(NUM_BLOCKS + b).to(tl.int32)
+    meta_row = META + b.to(tl.int64) * stride_mb
+    tiles_row = TILES + b.to(tl.int64) * stride_tb
+    n_tiles = nb * 0
+    seg_start = nb * 0  # start of the segment open at the end of the previous chunk
+    offs = tl.arange(0, CHUNK)
+    # pass 1, forward over blocks: tile starts, and (temporarily) whether a tile starts a segment
+    for c0 in range(0, nb, CHUNK):
+        j = c0 + offs
+        ok = j < nb
+        d = meta_delta(tl.load(meta_row + j, mask=ok, other=0))
+        d_prev = meta_delta(tl.load(meta_row + j - 1, mask=ok & (j > 0), other=0))
+        starts_seg = ok & ((j == 0) | (d != d_prev))
+        # start of the segment holding block j: running max of the segment starts so far
+        ss = tl.maximum(tl.associative_scan(tl.where(starts_seg, j, -1), 0, _max_combine), seg_start)
+        starts_tile = ok & ((j - ss) % PAGES == 0)
+        idx = n_tiles + tl.cumsum(starts_tile.to(tl.int32), 0) - 1
+        tl.store(tiles_row + 2 * idx, j, mask=starts_tile)
+        tl.store(tiles_row + 2 * idx + 1, starts_seg.to(tl.int32), mask=starts_tile)
+        n_tiles += tl.sum(starts_tile.to(tl.int32), 0)
+        seg_start = tl.max(tl.where(ok, ss, 0), 0)
+    tl.store(tiles_row + 2 * n_tiles, nb)
+    tl.store(tiles_row + 2 * n_tiles + 1, n_tiles)
+    tl.store(NUM_TILES + b, n_tiles)
+    # pass 2, backward over tiles: next[i] = first segment-starting tile after i (else n_tiles)
+    BIG: tl.constexpr = 1 << 30
+    carry = n_tiles  # first segment-starting tile at or after the chunk already done
+    n_chunks = tl.cdiv(n_tiles, CHUNK)
+    for c in range(0, n_chunks):
+        c0 = (n_chunks - 1 - c) * CHUNK
+        i = c0 + offs
+        ok = i < n_tiles
+        flag = tl.load(tiles_row + 2 * i + 1, mask=ok, other=0)
+        nxt_ok = (i + 1 < c0 + CHUNK) & (i + 1 < n_tiles)
+        flag_next = tl.load(tiles_row + 2 * (i + 1) + 1, mask=nxt_ok, other=0)
+        cand_next = tl.where(nxt_ok & (flag_next != 0), i + 1, BIG)
+        nxt = tl.minimum(tl.associative_scan(cand_next, 0, _min_combine, reverse=True), carry)
+        tl.debug_barrier()  # every flag of this chunk is read before any is overwritten
+        tl.store(tiles_row + 2 * i + 1, nxt, mask=ok)
+        carry = tl.minimum(carry, tl.min(tl.where(ok & (flag != 0), i, BIG), 0))
+
+
+def tile_table(block_meta: torch.Tensor, num_blocks: torch.Tensor, pages: int,
+               cache: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Segment-aligned tiles of at most ``pages`` blocks: (tiles [B, W + 1, 2] int32 of
+    (first block, first tile of the next segment), n_tiles [B] int32); see _tile_table_kernel.
+
+    ``cache`` (a dict living as long as the block table's contents, e.g. one forward pass) keeps
+    the table for every later call with the same ``pages``. A CUDA-graph capture never reuses a
+    table built outside it (the graph must rebuild it from its static inputs on every replay)."""
+    capturing = block_meta.is_cuda and torch.cuda.is_current_stream_capturing()
+    key = (pages, capturing)
+    if cache is not None and key in cache:
+        return cache[key]
+    B, W = block_meta.shape
+    tiles = torch.empty(B, W + 1, 2, device=block_meta.device, dtype=torch.int32)
+    n_tiles = torch.empty(B, device=block_meta.device, dtype=torch.int32)
+    if B:
+        chunk = 16 if interpreting() else max(16, min(1024, triton.next_power_of_2(W)))
+        _tile_table_kernel[(B,)](block_meta, num_blocks, tiles, n_tiles, block_meta.stride(0), tiles.stride(0),
+                                 PAGES=pages, CHUNK=chunk, num_warps=4)
+    if cache is not None:
+        cache[key] = (tiles, n_tiles)
+    return tiles, n_tiles
+
+
+# ---------------------------------------------------------------- the KV loop
+@triton.jit
+def softmax_step(q, k, v, keep, m_i, l_i, acc, PREC: tl.constexpr, MASKED: tl.constexpr = True):
+    """One KV tile of online softmax in base 2 (the scale and log2(e) are folded into q);
+    ``keep`` is ignored when not MASKED (tiles known to be entirely visible)."""
+    s = tl.dot(q, tl.trans(k), input_precision=PREC)
+    if MASKED:
+        s = tl.where(keep, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def rotated_q(q_rows, row_ok, COS, SIN, delta, scale, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """scale * R(-delta) q, [ROWS, HEAD_DIM] in fp32, from the original q (never un-rotate/re-rotate).
+
+    HF rotate-half: R(-d) [q1, q2] = [q1 c + q2 s, q2 c - q1 s]. The two halves are loaded as
+    two contiguous [ROWS, D/2] tiles and cos/sin as contiguous rows (16-byte loads; a partner
+    index ``(d + D/2) % D`` defeated vectorisation), and joined back into one tile."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    offs_h = tl.arange(0, HALF)
+    ptrs = q_rows[:, None] + offs_h[None, :]
+    x1 = tl.load(ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    x2 = tl.load(ptrs + HALF, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    c = (tl.load(COS + delta * HALF + offs_h) * scale)[None, :]
+    sn = (tl.load(SIN + delta * HALF + offs_h) * scale)[None, :]
+    r = tl.join(x1 * c + x2 * sn, x2 * c - x1 * sn)  # [ROWS, HALF, 2]
+    return tl.reshape(tl.permute(r, (0, 2, 1)), (ROWS, HEAD_DIM))
+
+
+@triton.jit
+def _kv_tile(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, s0, s1, kvh,
+             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PREC: tl.constexpr):
+    """Online softmax over the blocks [s0, s1) (at most BLOCK_N // BLOCK_SIZE of them)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    slot = offs_n % BLOCK_SIZE
+    page = s0 + offs_n // BLOCK_SIZE
+    page_ok = page < s1
+    # one int64 per page: physical id, delta and valid length in a single load
+    meta = tl.load(meta_row + page, mask=page_ok, other=0)
+    kv_ok = page_ok & (slot < meta_valid(meta))
+    phys = meta_phys(meta)
+    k = tl.load(K_CACHE + (phys * stride_kb + slot * stride_ks + kvh * stride_kh)[:, None] + offs_d[None, :],
+                mask=kv_ok[:, None], other=0.0)
+    v = tl.load(V_CACHE + (phys * stride_vb + slot * stride_vs + kvh * stride_vh)[:, None] + offs_d[None, :],
+                mask=kv_ok[:, None], other=0.0)
+    return softmax_step(q, k, v, kv_ok[None, :], m_i, l_i, acc, PREC)
+
+
+@triton.jit
+def split_tile_range(NUM_TILES, b, nb, split, NUM_SPLITS, PAGES: tl.constexpr, ROT: tl.constexpr):
+    """[t_lo, t_hi): this split's share of sequence b's KV tiles (plain tiles of PAGES blocks when
+    there is no rotation, else the tile table's segment-aligned ones)."""
+    if ROT == 0 or ROT == 4:
+        n_t = tl.cdiv(nb, PAGES)
+    else:
+        n_t = tl.load(NUM_TILES + b)
+    per_split = tl.cdiv(n_t, NUM_SPLITS)
+    t_lo = split * per_split
+    return t_lo, tl.minimum(t_lo + per_split, n_t)
+
+
+@triton.jit
+def kv_tile_loop(q_rows, row_ok, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, tiles_row,
+                 t_lo, t_hi, nb, kvh,
+                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                 ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                 PREC: tl.constexpr, ROT: tl.constexpr):
+    """Online softmax of ``ROWS`` query rows (pointers ``q_rows`` to their first feature) over KV
+    tiles [t_lo, t_hi) of one sequence.
+
+    ROT = 0: no rotation, plain tiles (tile t = blocks [t * PAGES, (t + 1) * PAGES) ∩ [0, nb));
+    ROT = 1: one flat loop over segment-aligned tiles (tile table); q re-read (L1) and rotated
+    by -delta on every tile (nothing but m, l, acc carried across tiles);
+    ROT = 2: flat loop over the tile table, q re-rotated only when the tile's delta differs from
+    the previous tile's (q loop-carried in registers);
+    ROT = 3: per segment (the table's next-segment links, no scan): q rotated once, then the
+    rotation-off tile loop over the segment's blocks with a loop-invariant q (no table reads);
+    ROT = 4: no rotation, plain tiles, q carried through the loop as in ROT = 2: the rotation-off
+    counterpart of ROT = 2 (Triton keeps a loop-carried q in registers; a loop-invariant one it
+    re-reads from shared memory on every tile, which measured up to 27% slower on 128x128 tiles).
+    """
+    PAGES: tl.constexpr = BLOCK_N // BLOCK_SIZE
+    dtype = q_rows.dtype.element_ty
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_ptrs = q_rows[:, None] + offs_d[None, :]
+    q_mask = row_ok[:, None]
+    if ROT == 3:
+        t = t_lo
+        while t < t_hi:
+            t_next = tl.minimum(tl.load(tiles_row + 2 * t + 1), t_hi)
+            b_lo = tl.load(tiles_row + 2 * t)
+            b_hi = tl.load(tiles_row + 2 * t_next)  # the next segment's first block (or the sentinel)
+            q = rotated_q(q_rows, row_ok, COS, SIN, meta_delta(tl.load(meta_row + b_lo)), qk_scale,
+                          ROWS, HEAD_DIM).to(dtype)
+            for s0 in range(b_lo, b_hi, PAGES):
+                m_i, l_i, acc = _kv_tile(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, s0,
+                                         tl.minimum(s0 + PAGES, b_hi), kvh,
+                                         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                         BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC)
+            t = t_next
+    else:
+        q = (tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32) * qk_scale).to(dtype)
+        d_prev = nb * 0 - 1
+        for t in range(t_lo, t_hi):
+            if ROT == 0 or ROT == 4:
+                s0 = t * PAGES
+                s1 = tl.minimum(s0 + PAGES, nb)
+            else:
+                s0 = tl.load(tiles_row + 2 * t)
+                s1 = tl.load(tiles_row + 2 * t + 2)
+            if ROT == 1:
+                qt = rotated_q(q_rows, row_ok, COS, SIN, meta_delta(tl.load(meta_row + s0)), qk_scale,
+                               ROWS, HEAD_DIM).to(dtype)
+            elif ROT == 2:
+                d = meta_delta(tl.load(meta_row + s0))
+                if d != d_prev:
+                    q = rotated_q(q_rows, row_ok, COS, SIN, d, qk_scale, ROWS, HEAD_DIM).to(dtype)
+                    d_prev = d
+                qt = q
+            elif ROT == 4:
+                if t == t_lo:  # loaded inside the loop like ROT=2's q, so both loops compile alike
+                    q = (tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32) * qk_scale).to(dtype)
+                qt = q
+            else:
+                qt = q
+            m_i, l_i, acc = _kv_tile(qt, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, s0, s1, kvh,
+                                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                     BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def merge_splits_kernel(
+    PART_ACC, PART_ML, OUT, stride_ob, stride_oh, Hq, NUM_SPLITS,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Combine split partials [R0, Hq, NUM_SPLITS, (D | 2)] (unnormalised acc, base-2 max m,
+    sum l) into OUT[r0, h]. Used by split decode (r0 = sequence) and split prefill (r0 = token)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_ok = offs_s < NUM_SPLITS
+    part = (b.to(tl.int64) * Hq + h) * NUM_SPLITS + offs_s
+    m = tl.load(PART_ML + part * 2, mask=s_ok, other=-1.0e30)
+    l = tl.load(PART_ML + part * 2 + 1, mask=s_ok, other=0.0)
+    # rescale each split to the common max (base-2 logits, as in the main kernels)
+    m_max = tl.max(m, 0)
+    w = tl.where(s_ok, tl.math.exp2(m - m_max), 0.0)
+    l_sum = tl.sum(l * w, 0)
+    acc = tl.load(PART_ACC + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.where(l_sum > 0, l_sum, 1.0)
+    tl.store(OUT + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty))
+
+
+def merge_splits(part_acc, part_ml, out, splits: int) -> None:
+    R, Hq, D = out.shape
+    merge_splits_kernel[(R, Hq)](part_acc, part_ml, out, out.stride(0), out.stride(1), Hq, splits,
+                                 HEAD_DIM=D, BLOCK_S=triton.next_power_of_2(splits), num_warps=4 if D >= 128 else 2)
+
+
+# ---------------------------------------------------------------- launch helpers
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def autotune_enabled() -> bool:
+    """Timing every config costs tens of seconds of compiles per new shape, so it is opt-in
+    (``LAZYRAG_KERNEL_AUTOTUNE=1``); by default each kernel takes its measured default config."""
+    return os.environ.get("LAZYRAG_KERNEL_AUTOTUNE", "0") == "1"
+
+
+_best_config: dict[tuple, tuple] = {}
+
+
+def pick_config(key, launch, configs, default):
+    """``default`` unless autotuning is on; then time each config once per key (do_bench), keep the fastest."""
+    if key in _best_config:
+        return _best_config[key]
+    if not autotune_enabled():
+        return default
+    best, best_ms = None, float("inf")
+    for cfg in configs:
+        try:
+            ms = triton.testing.do_bench(lambda: launch(cfg), warmup=5, rep=20, return_mode="median")
+        except Exception:  # e.g. out of shared memory for this tile shape
+            continue
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    if best is None:
+        raise RuntimeError("no kernel config could run")
+    _best_config[key] = best
+    return best
+
+
+_sm_count: dict[int, int] = {}
+
+
+def num_sms(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _sm_count:
+        _sm_count[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _sm_count[idx]
+
+
+# compiled-kernel resources by launch name (registers, spills, shared memory, warps, programs per SM),
+# recorded once per name; and the last launch of each kind (name, grid, splits), for the benchmark log
+kernel_resources: dict[str, dict] = {}
+last_launch: dict[str, tuple] = {}
+
+
+def blocks_per_sm(n_regs: int, num_warps: int, shared: int) -> int:
+    """Resident programs per SM on Hopper from the compiled kernel's resources (65536 registers,
+    allocated per warp in units of 256; 227 KB shared memory, 1 KB reserved per block; 64 warps)."""
+    regs_per_warp = ((max(n_regs, 1) * 32 + 255) // 256) * 256
+    by_regs = 65536 // (regs_per_warp * num_warps)
+    by_smem = (227 * 1024) // (shared + 1024) if shared else 32
+    return max(1, min(by_regs, by_smem, 64 // num_warps, 32))
+
+
+def record_launch(kind: str, name: str, compiled, num_warps: int, grid, splits: int) -> dict | None:
+    """Note a launch (cheap after the first of a name); returns the compiled kernel's resources."""
+    last_launch[kind] = (name, grid, splits)
+    entry = kernel_resources.get(name)
+    if entry is None and getattr(compiled, "n_regs", 0):
+        regs = compiled.n_regs
+        shared = int(getattr(compiled.metadata, "shared", 0) or 0)
+        entry = kernel_resources[name] = dict(regs=regs, spills=getattr(compiled, "n_spills", 0) or 0, shared=shared,
+                                              num_warps=num_warps, blocks_per_sm=blocks_per_sm(regs, num_warps, shared))
+    return entry
+
+
+class Workspace:
+    """Scratch memory reused across calls (split partials), so an eager call allocates nothing.
+    One growing flat buffer per name; safe because kernels on one stream run in order. While a
+    CUDA graph is being captured it allocates fresh tensors instead (the graph owns those; a
+    shared buffer that later grew would hand freed graph-pool memory to another capture)."""
+
+    def __init__(self):
+        self._bufs: dict[tuple, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple, dtype, device) -> torch.Tensor:
+        n = 1
+        for s in shape:
+            n *= s
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return torch.empty(shape, dtype=dtype, device=device)
+        key = (name, dtype, str(device))
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < n:
+            buf = self._bufs[key] = torch.empty(max(n, 1), dtype=dtype, device=device)
+        return buf[:n].view(shape)
+
+
+workspace = Workspace()
