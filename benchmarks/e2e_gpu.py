@@ -15,6 +15,7 @@ import random
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -65,10 +66,10 @@ def profile_request(engine, layout, SamplingParams, top: int = 15) -> dict:
 
     out = {}
     for what, n in (("ttft", 1), ("decode16", 17)):
-        engine.generate_layout(layout, SamplingParams(max_new_tokens=n), "lazy")  # warm
+        engine.submit(layout, SamplingParams(max_new_tokens=n)).result()  # warm
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            engine.generate_layout(layout, SamplingParams(max_new_tokens=n), "lazy")
+            engine.submit(layout, SamplingParams(max_new_tokens=n)).result()
             torch.cuda.synchronize()
         rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
         out[what] = {"gpu_us_total": sum(e.device_time_total for e in rows if e.device_time_total > 0),
@@ -106,7 +107,7 @@ def main() -> int:
             mod.DEFAULT_CONFIG = tuple(chosen[kind]["config"])
             mod.DEFAULT_ROTATION_MODE = chosen[kind]["rotation_mode"]
     from lazyrag.prompt import PromptLayout
-    from lazyrag.sampling import SamplingParams
+    from lazyrag.engine import SamplingParams
 
     config = llama31_8b_config(args.layers)
     torch.manual_seed(0)
@@ -156,14 +157,14 @@ def main() -> int:
     # -- lazyrag: documents cached once; each timed request places them in a new order
     def measure(engine) -> tuple[dict, list[float]]:
         one = SamplingParams(max_new_tokens=1)
-        engine.generate_layout(layout, one, "lazy")  # encodes and caches the documents
+        engine.submit(layout, one).result()  # encodes and caches the documents
         ttft = {"lazy": [], "position_aware": [], "full": []}
         plan = []
         for strategy in ttft:
             for i in range(args.reps + 3):
                 order = docs[:]
                 rng.shuffle(order)
-                r = engine.generate_layout(PromptLayout(prefix, order, question), one, strategy)
+                r = engine.submit(PromptLayout(prefix, order, question), replace(one, strategy=strategy)).result()
                 if i >= 3:
                     ttft[strategy].append(r.ttft_s)
                     if strategy == "lazy":
@@ -173,7 +174,7 @@ def main() -> int:
         gen = SamplingParams(max_new_tokens=args.decode_tokens)
         decode = []
         for _ in range(5):
-            r = engine.generate_layout(layout, gen, "lazy")
+            r = engine.submit(layout, gen).result()
             decode.append((r.total_s - r.ttft_s) / max(1, len(r.token_ids) - 1))
         res["lazyrag_lazy_plan_ms"] = 1e3 * statistics.median(plan)
         return ttft, decode

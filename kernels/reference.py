@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import (  # noqa: F401  (the layout lives in common.py; re-exported for callers)
-    MAX_BLOCK_SIZE, MAX_DELTA, PHYS_BITS, VALID_BITS, pack_block_meta, unpack_block_meta,
-)
+from .common import unpack_block_meta
 
 
 def rope_tables(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,14 +18,8 @@ from lazyrag.kernels.decode import choose_splits, lazy_decode
 from lazyrag.kernels.kvloop import tile_table
 from lazyrag.kernels.prefill import CONFIGS as PREFILL_CONFIGS
 from lazyrag.kernels.prefill import lazy_prefill
-from lazyrag.kernels.reference import (
-    apply_rotary,
-    lazy_decode_reference,
-    lazy_prefill_reference,
-    pack_block_meta,
-    rope_tables,
-    unpack_block_meta,
-)
+from lazyrag.kernels.common import pack_block_meta, unpack_block_meta
+from lazyrag.kernels.reference import apply_rotary, lazy_decode_reference, lazy_prefill_reference, rope_tables
 
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu

@@ -26,7 +26,8 @@ from typing import Callable
 
 import torch
 
-from lazyrag.kernels.reference import apply_rotary, attend, gather_context, pack_block_meta
+from lazyrag.kernels.common import pack_block_meta
+from lazyrag.kernels.reference import apply_rotary, attend, gather_context
 from lazyrag.kv.cache import Segment, SegmentKind
 from lazyrag.model.llama import rope_at
 from lazyrag.engine.runner import ModelRunner, Placement, SeqState

@@ -5,7 +5,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lazyrag.kernels.reference import apply_rotary, pack_block_meta
+from lazyrag.kernels.common import pack_block_meta
+from lazyrag.kernels.reference import apply_rotary
 from lazyrag.kv.block_pool import BlockPool, blocks_for
 from lazyrag.kv.cache import Segment
 from lazyrag.model.attention import AttentionMetadata
