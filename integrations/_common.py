@@ -9,9 +9,14 @@ the two ways a request reaches the engine.
 from __future__ import annotations
 
 import asyncio
+import difflib
 import threading
+import weakref
+from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING, AsyncIterator, Generator, Iterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Generator, Iterable, Iterator
+
+from lazyrag.strategy_names import check_strategy  # noqa: F401  (the adapters' strategy validator)
 
 if TYPE_CHECKING:  # torch is imported only when an engine is really needed
     from lazyrag.engine import GenerationResult, LazyEngine
@@ -105,6 +110,84 @@ def open_retriever(store, embedder: str | None = None) -> "Retriever":
     retriever = Retriever(corpus, load_embedder(embedder or corpus.manifest.embedder))
     with _lock:
         return _retrievers.setdefault(key, retriever)
+
+
+# -- learning chunks from any retriever ----------------------------------------------------------
+# A framework prompt is a string; the engine finds the chunks it knows inside it. The adapters'
+# retrieval hooks (LlamaIndex instrumentation, a LangChain callback handler) register what any
+# retriever returns, so a stock vector store's chunks are found (and cached) from the 2nd prompt on.
+
+_learning_engines: "weakref.WeakSet" = weakref.WeakSet()
+_recently_retrieved: deque = deque(maxlen=4096)  # texts seen before an adapter loaded its engine
+
+
+def learn_into(engine: "LazyEngine") -> None:
+    """Register every chunk text retrieved from now on (and the recent ones) in ``engine``."""
+    with _lock:
+        _learning_engines.add(engine)
+        pending = list(_recently_retrieved)
+    for text in pending:
+        engine.chunk_finder.add(text)
+
+
+def learn_chunks(texts: Iterable[str]) -> None:
+    """Chunk texts a retriever returned: registration only, the KV is encoded when a prompt first uses one."""
+    texts = [t for t in texts if t]
+    with _lock:
+        _recently_retrieved.extend(texts)
+        engines = list(_learning_engines)
+    for engine in engines:
+        for text in texts:
+            engine.chunk_finder.add(text)
+
+
+# -- constructor arguments ------------------------------------------------------------------------
+
+# names other local-model adapters take that have no meaning here, and what to do instead
+_NOT_HERE = {
+    "device_map": "lazyrag runs the whole model on one device: pass device='cuda' or device='cpu'.",
+    "tokenizer_name": "the tokenizer is read from the model folder or .gguf file.",
+    "tokenizer": "the tokenizer is read from the model folder or .gguf file.",
+    "model_kwargs": "pass dtype= (float32, bfloat16, float16) and device=; there are no other load options.",
+    "tokenizer_kwargs": "the tokenizer is read from the model folder or .gguf file.",
+    "pipeline_kwargs": "pass max_tokens/max_new_tokens, temperature, top_p, seed and stop directly.",
+}
+_GENERATE_KEYS = ("temperature", "top_p", "seed", "max_new_tokens", "do_sample", "stop")
+
+
+def _did_you_mean(name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1)
+    return f"did you mean {close[0]}?" if close else "not an argument of this model."
+
+
+def init_kwargs(cls, data: Any, renames: dict[str, str]) -> Any:
+    """A pydantic ``mode="before"`` validator's work for an adapter's constructor: the names users bring
+    from HuggingFaceLLM / ChatHuggingFace mapped to ours (``renames``; ``generate_kwargs`` spread into
+    the sampling fields), and a clear error for anything else, instead of silently dropping it."""
+    if not isinstance(data, dict):
+        return data
+    data = dict(data)
+    for old, new in renames.items():
+        if old in data:
+            if new in data:
+                raise ValueError(f"{cls.__name__} got both {old}= and {new}=; pass {new}= only.")
+            data[new] = data.pop(old)
+    gen = dict(data.pop("generate_kwargs", None) or {})
+    bad = [k for k in gen if k not in _GENERATE_KEYS]
+    if bad:
+        raise ValueError(f"{cls.__name__} cannot honour generate_kwargs {', '.join(map(repr, bad))}: it samples with "
+                         f"{', '.join(_GENERATE_KEYS)} only. Remove them.")
+    if "do_sample" in gen:  # as in transformers: greedy unless sampling, which defaults to temperature 1
+        gen.setdefault("temperature", 1.0) if gen.pop("do_sample") else gen.update(temperature=0.0)
+    for key, value in gen.items():
+        data.setdefault(renames.get(key, key), value)  # an explicit constructor argument wins
+    unknown = [k for k in data if k not in cls.model_fields]
+    if unknown:
+        known = sorted(set(cls.model_fields) | set(renames) | {"generate_kwargs"})
+        hints = "".join(f"\n  {k}: {_NOT_HERE.get(k) or _did_you_mean(k, known)}" for k in unknown)
+        raise ValueError(f"{cls.__name__} got unknown argument(s) {', '.join(map(repr, unknown))}.{hints}\n"
+                         f"It takes: {', '.join(known)}.")
+    return data
 
 
 # -- requests ------------------------------------------------------------------------------------

@@ -33,7 +33,8 @@ class RequestStats:
     chunks_hit: int = 0
     chunks_missed: int = 0
     tokens_prefilled: int = 0  # tokens run through the model for this request, chunk encoding included
-    tokens_reused: int = 0  # prompt tokens whose KV came from the cache
+    tokens_reused: int = 0  # prompt tokens whose KV was not computed in context (cached, or encoded position-free now)
+    tokens_cached: int = 0  # of those, the tokens whose KV was already in the cache (0 on a cold cache): usage's cache_read
     new_tokens: int = 0
     tokens_recomputed: int = 0  # chunk tokens computed again in context (quality recovery), part of tokens_prefilled
     recompute_cost: float = 0.0  # that recovery's compute in tokens through the whole model (blend's selection included)
@@ -213,6 +214,8 @@ class Scheduler:
         stats.tokens_prefilled = self.runner.tokens_forwarded - forwarded0 + len(plan.new_ids)
         stats.chunks_hit, stats.chunks_missed, stats.tokens_reused = plan.chunks_hit, plan.chunks_missed, plan.tokens_reused
         stats.tokens_recomputed, stats.recompute_cost = plan.tokens_recomputed, plan.recompute_cost
+        encoded = stats.tokens_prefilled - len(plan.new_ids) - plan.tokens_recomputed  # chunks (and prefix) missed and encoded now
+        stats.tokens_cached = max(0, plan.tokens_reused - encoded)
         if self.tokenizer is not None:
             req.detok = Detokenizer(self.tokenizer, req.params.stop)
 

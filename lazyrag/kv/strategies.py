@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from lazyrag.kv.cache import Segment, SegmentCache, content_key
 from lazyrag.model.runner import ModelRunner, Placement, SeqState
 from lazyrag.prompt import PromptLayout
+from lazyrag.strategy_names import lazy_options  # noqa: F401  (re-exported: the engine imports it from here)
 
 ENCODE_BATCH_TOKENS = 8192
 
@@ -338,31 +339,6 @@ class PrefixCaching(Strategy):
             self.cache.put(Segment(key, [block], bs, (first + j) * bs, kind="prefix_block"), pin=False)
         # Like vLLM, release the chain tail first: the head, which every longer match needs, goes last.
         self.cache.touch(reversed(plan.block_keys))
-
-
-def lazy_options(name: str) -> dict:
-    """LazyStitching's keyword arguments from a strategy name: ``lazy:first=16``, ``lazy:blend=0.15``,
-    ``lazy:blend=0.15:select=chunk``, ``lazy:first=16:blend=0.1``."""
-    usage = (f"Bad strategy {name!r}: write lazy:first=K (K a positive number of tokens), lazy:blend=R (R the fraction "
-             "of chunk tokens to recompute, in (0, 1]; add :select=chunk to take R of each chunk), or both, "
-             "e.g. lazy:first=16:blend=0.1.")
-    opts = {}
-    for part in name.split(":")[1:]:
-        key, _, value = part.partition("=")
-        try:
-            if key == "first" and "recompute_first" not in opts and int(value) > 0:
-                opts["recompute_first"] = int(value)
-            elif key == "blend" and "blend" not in opts and 0 < float(value) <= 1:
-                opts["blend"] = float(value)
-            elif key == "select" and "blend_per_chunk" not in opts and value in ("chunk", "global"):
-                opts["blend_per_chunk"] = value == "chunk"
-            else:
-                raise ValueError(usage)
-        except ValueError:
-            raise ValueError(usage) from None
-    if not opts or ("blend_per_chunk" in opts and "blend" not in opts):
-        raise ValueError(usage)
-    return opts
 
 
 class RerotatingPositionAware(PositionAware):
