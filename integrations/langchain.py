@@ -168,7 +168,7 @@ class ChatLazyLlama(BaseChatModel):
     # -- token counting with the model's own tokenizer (LangChain's default downloads GPT-2's) --
 
     def get_token_ids(self, text: str) -> list[int]:
-        return self.engine.tokenizer.encode(text, add_special_tokens=False)
+        return self.engine.prompts.encode(text)
 
     def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Optional[Sequence] = None) -> int:
         """The prompt tokens of ``messages`` as this model sees them (chat template applied): what

@@ -3,9 +3,14 @@ langchain-tests standard suites, KV reuse through ``retriever | rag``, and clear
 import asyncio
 
 import pytest
+from langchain_core.callbacks import UsageMetadataCallbackHandler
 from langchain_core.documents import Document
+from langchain_core.embeddings import Embeddings
 from langchain_core.messages import HumanMessage
 from langchain_core.output_parsers import StrOutputParser
+from langchain_core.prompts import ChatPromptTemplate
+from langchain_core.runnables import RunnablePassthrough
+from langchain_core.vectorstores import InMemoryVectorStore
 from langchain_tests.integration_tests import ChatModelIntegrationTests, RetrieversIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 
@@ -170,3 +175,101 @@ def test_clear_errors(adapter_engine, tiny_store, tmp_path):
         LazyRAG().invoke([Document(page_content="a document from some other retriever")])
     with pytest.raises(ValueError, match="no retriever"):
         LazyRAG().invoke(QUESTION)
+
+
+# -- any retriever's Documents are reusable chunks (issue 13) ---------------------------------------
+
+# paragraphs no other test registers with the engine, so only this module's retrieval hook can make them known
+FRESH_DOCS = [
+    "The Lighthouse of Alexandria stood on the island of Pharos and guided ships into the harbour for centuries.",
+    "The Great Wall of China was built over many dynasties to protect northern borders from nomadic raids.",
+    "Machu Picchu is an Inca citadel set high in the Andes mountains of Peru, above the Urubamba valley.",
+    "The Colosseum in Rome could hold tens of thousands of spectators watching gladiators and public spectacles.",
+    "Petra, in southern Jordan, is famous for buildings carved directly into rose-coloured sandstone cliffs.",
+]
+FRESH_QUESTIONS = ["Where did the Lighthouse of Alexandria stand?", "Why was the Great Wall of China built?",
+                   "Where is Machu Picchu?", "What could the Colosseum hold?"]
+
+
+class _MiniLM(Embeddings):
+    """The embedded sentence-transformers model as LangChain Embeddings, for a stock vector store."""
+
+    def embed_documents(self, texts):
+        from lazyrag.integrations._common import load_embedder
+        from lazyrag.retriever import embed
+
+        return embed(load_embedder(), list(texts)).tolist()
+
+    def embed_query(self, text):
+        return self.embed_documents([text])[0]
+
+
+@pytest.fixture
+def stock_store():
+    store = InMemoryVectorStore(_MiniLM())
+    store.add_texts(FRESH_DOCS)
+    return store
+
+
+def _format_docs(docs):
+    return "\n\n".join(d.page_content for d in docs)
+
+
+def test_standard_rag_chain_over_a_stock_vector_store_reuses_chunks(adapter_engine, stock_store):
+    adapter_engine.cache.clear()
+    # every question retrieves the same documents, in its own order: chunk KV is reused at any position
+    stock_retriever = stock_store.as_retriever(search_kwargs={"k": len(FRESH_DOCS)})
+    llm = ChatLazyLlama(device="cpu", max_tokens=4)  # no store: only the retrieval hook can make the chunks known
+    prompt = ChatPromptTemplate.from_template("Answer from the context.\n\n{context}\n\nQuestion: {question}")
+    chain = {"context": stock_retriever | _format_docs, "question": RunnablePassthrough()} | prompt | llm
+    stats = [chain.invoke(q).response_metadata["lazyrag"] for q in FRESH_QUESTIONS]
+    for s in stats[1:]:
+        assert s["chunks_hit"] >= 0.8 * (s["chunks_hit"] + s["chunks_missed"]) and s["chunks_hit"] >= 4, stats
+    assert stats[0]["chunks_hit"] == 0  # a cold cache: the chunks were encoded by the first question
+
+
+def test_any_retriever_pipes_into_lazy_rag_with_llm_callbacks(adapter_engine, stock_store):
+    adapter_engine.cache.clear()
+    stock_retriever = stock_store.as_retriever(search_kwargs={"k": 3})
+    llm = ChatLazyLlama(device="cpu", max_tokens=6)
+    usage = UsageMetadataCallbackHandler()
+    chain = stock_retriever | LazyRAG(llm=llm)
+    cold = chain.invoke(FRESH_QUESTIONS[2])
+    warm = chain.invoke(FRESH_QUESTIONS[2], config={"callbacks": [usage]})
+    assert warm.content == cold.content
+    # the first time the chunks were encoded, not read: at most the shared prefix's KV came from the cache
+    # (it does when an earlier test left it in a tier)
+    texts = [d.page_content for d in stock_retriever.invoke(FRESH_QUESTIONS[2])]
+    layout = adapter_engine.build_prompt(FRESH_QUESTIONS[2], texts)
+    assert cold.response_metadata["lazyrag"]["chunks_missed"] == 3
+    assert cold.usage_metadata["input_token_details"]["cache_read"] <= len(layout.prefix_ids)
+    hit = warm.response_metadata["lazyrag"]
+    assert hit["chunks_hit"] == 3 and warm.usage_metadata["input_token_details"]["cache_read"] == hit["tokens_reused"] > 0
+    # the LLM run is reported to callback handlers like a chat model's
+    assert usage.usage_metadata[llm.model_name]["input_tokens"] == warm.usage_metadata["input_tokens"]
+
+
+# -- constructor arguments, token counting (issue 13) -----------------------------------------------
+
+def test_unknown_arguments_are_refused_and_hugging_face_names_accepted():
+    for bad, hint in [({"device_map": "auto"}, "device="), ({"temprature": 0.2}, "did you mean temperature"),
+                      ({"generate_kwargs": {"top_k": 5}}, "cannot honour"), ({"strategy": "lazzy"}, "Unknown strategy"),
+                      ({"strategy": "lazy:first=x"}, "lazy:first=K")]:
+        with pytest.raises(ValueError, match=hint):
+            ChatLazyLlama(**bad)
+    llm = ChatLazyLlama(model_id="/models/x", max_new_tokens=7, stop_sequences=["\n"],
+                        generate_kwargs={"do_sample": True, "top_p": 0.9})
+    assert (llm.model, llm.max_tokens, llm.stop, llm.temperature, llm.top_p) == ("/models/x", 7, ["\n"], 1.0, 0.9)
+    assert ChatLazyLlama(model_name="/m", generate_kwargs={"temperature": 0.3}, temperature=0.5).temperature == 0.5
+    with pytest.raises(ValueError, match="pass model= only"):
+        ChatLazyLlama(model="/a", model_id="/b")
+
+
+def test_token_counts_are_the_model_tokenizer_s(adapter_engine):
+    llm = ChatLazyLlama(device="cpu", max_tokens=4, system_prompt="You answer briefly.")
+    text = "Paganini was born in Genoa in 1782."
+    assert llm.get_num_tokens(text) == len(adapter_engine.tokenizer(text, add_special_tokens=False).input_ids)
+    messages = [HumanMessage("Say hello to Genoa.")]
+    answer = llm.invoke(messages)
+    assert llm.get_num_tokens_from_messages(messages) == answer.usage_metadata["input_tokens"]
+    assert answer.usage_metadata["output_tokens"] == answer.response_metadata["lazyrag"]["new_tokens"]
