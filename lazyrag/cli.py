@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
+
+from lazyrag.strategy_names import check_strategy
 
 DESCRIPTION = """\
 lazyrag answers questions over retrieved chunks while reusing each chunk's KV cache at
@@ -61,13 +64,102 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a corpus store from `lazyrag precache`: retrieve the question's top --k chunks from it "
                           "and load their KV from disk instead of recomputing it")
     ask.add_argument("--k", type=int, default=5, help="chunks to retrieve from --store")
-    from lazyrag.precache import add_precache_parser  # issue 4: corpus store builder
+    from lazyrag.eval import add_eval_parser
+    from lazyrag.precache_args import add_precache_parser  # the parser only: no torch for --help
 
     add_precache_parser(sub)
-    from lazyrag.eval import add_eval_parser
-
     add_eval_parser(sub)
+    for p in sub.choices.values():
+        p.add_argument("-v", "--verbose", action="store_true", help="show model-loading progress bars and library logs")
+        p.add_argument("--debug", action="store_true", help="on an error, show the full traceback too")
     return parser
+
+
+# -- argument checks that need no model: a mistake is reported in a second, not after the load --
+
+class UsageError(ValueError):
+    """A command-line argument that cannot work; the message says what to pass instead."""
+
+
+def _check_model(model: str | None) -> None:
+    if model is not None and not Path(model).expanduser().exists():
+        raise UsageError(f"--model {model} does not exist. Pass a local folder with config.json and *.safetensors, "
+                         "a .gguf file, or leave --model out for the embedded default model.")
+
+
+def _check_store(store: Path) -> None:
+    from lazyrag.store import CorpusStore
+
+    CorpusStore.open(store)  # StoreError (what to do) for a missing, foreign or unfinished store
+
+
+def _check_ask(args) -> None:
+    check_strategy(args.strategy)
+    _check_model(args.model)
+    if args.chunks_file and not args.chunks_file.is_file():
+        raise UsageError(f"--chunks-file {args.chunks_file} does not exist; pass a text file whose paragraphs "
+                         "(separated by blank lines) are the chunks.")
+    if args.max_new_tokens <= 0 or args.k <= 0:
+        raise UsageError("--max-new-tokens and --k must be positive.")
+    if args.store is not None:
+        _check_store(args.store)
+
+
+def _check_precache(args) -> None:
+    _check_model(args.model)
+    missing = [i for i in args.inputs if not Path(i).exists()]
+    if missing:
+        raise UsageError(f"precache input(s) not found: {', '.join(missing)}. Pass folders of .txt/.md files, "
+                         ".txt/.md files, or .jsonl(.gz) files.")
+    if args.chunk_tokens <= 0 or args.chunk_tokens % 16:
+        raise UsageError(f"--chunk-tokens {args.chunk_tokens} must be a positive multiple of the KV block size, 16.")
+    if not 0 <= args.overlap < args.chunk_tokens:
+        raise UsageError(f"--overlap {args.overlap} must be at least 0 and below --chunk-tokens {args.chunk_tokens}.")
+    if args.limit is not None and args.limit <= 0:
+        raise UsageError("--limit must be a positive number of documents.")
+    if args.chunks_per_shard <= 0:
+        raise UsageError("--chunks-per-shard must be positive.")
+
+
+def _check_eval(args) -> None:
+    _check_model(args.model)
+    for name in args.strategies.split(","):
+        check_strategy(name)
+    if args.store is not None:
+        _check_store(args.store)
+
+
+def _finished_store(args) -> str | None:
+    """A summary if ``--out`` already holds a finished build of these inputs and options, so rerunning
+    the command returns at once instead of loading the model to find nothing to do."""
+    from lazyrag.defaults import DEFAULT_EMBEDDER
+    from lazyrag.prompt import DEFAULT_SYSTEM_PROMPT
+    from lazyrag.store import MANIFEST, read_manifest
+
+    out = Path(args.out)
+    if args.overwrite or args.verify or not (out / MANIFEST).is_file():
+        return None
+    m = read_manifest(out)
+    asked = {"chunk_tokens": args.chunk_tokens, "overlap": args.overlap, "chunks_per_shard": args.chunks_per_shard,
+             "index_kind": args.index, "embedder": args.embedder or DEFAULT_EMBEDDER,
+             "system_prompt": args.system or DEFAULT_SYSTEM_PROMPT}
+    if m.status != "complete" or any(getattr(m, k) != v for k, v in asked.items()):
+        return None  # unfinished or other settings: the build resumes or explains the mismatch
+    if args.dtype is not None and args.dtype != m.dtype:
+        return None
+    if args.model is not None and Path(args.model).expanduser().name != m.model_name:
+        return None
+    if not {str(Path(i)) for i in args.inputs} <= set(m.sources):
+        return None
+    built = (out / MANIFEST).stat().st_mtime
+    inputs = [f for i in args.inputs for f in ([Path(i)] if Path(i).is_file() else Path(i).rglob("*"))]
+    if any(f.stat().st_mtime > built for f in inputs):
+        return None  # an input changed since the build
+    return (f"{out} is already a finished store of these inputs ({m.num_chunks} chunks, {m.num_tokens} tokens); "
+            "nothing to do. Pass --verify to check its checksums or --overwrite to rebuild it.")
+
+
+CHECKS = {"ask": _check_ask, "precache": _check_precache, "eval": _check_eval}
 
 
 def _ask(args) -> int:
@@ -75,21 +167,13 @@ def _ask(args) -> int:
     from lazyrag.sampling import SamplingParams
 
     chunks = list(args.chunk)
-    if args.chunks_file:
-        if not args.chunks_file.is_file():
-            print(f"error: --chunks-file {args.chunks_file} does not exist", file=sys.stderr)
-            return 2
+    if args.chunks_file:  # checked before the model loads (_check_ask)
         chunks += [p.strip() for p in args.chunks_file.read_text().split("\n\n") if p.strip()]
     engine = LazyEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
     if args.store is not None:
         from lazyrag.retriever import Retriever
-        from lazyrag.store import StoreError
 
-        try:
-            store = engine.attach_store(args.store)
-        except StoreError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+        store = engine.attach_store(args.store)  # StoreError (model mismatch, ...) is reported by main
         for hit in Retriever(store).retrieve(args.question, args.k):
             print(f"[retrieved {hit.score:.3f}] {hit.doc_id}: {hit.text[:90]!r}", file=sys.stderr)
             chunks.append(hit.text)
@@ -112,35 +196,60 @@ def _ask(args) -> int:
     return 0
 
 
+def _quiet_loading() -> None:
+    """No model-loading progress bars or library warnings on every start (``-v`` shows them)."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # also turns off transformers' bars
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+def _usage_errors() -> tuple[type, ...]:
+    """The errors whose message says what to do: bad input, a broken or mismatched store, a model that
+    cannot load. (Read from the modules already imported: importing torch just to report is slow.)"""
+    found = [ValueError]
+    for module, name in (("lazyrag.store", "StoreError"), ("lazyrag.model.loader", "ModelLoadError")):
+        if module in sys.modules:
+            found.append(getattr(sys.modules[module], name))
+    return tuple(found)
+
+
+def _run(args) -> int:
+    if args.command == "demo":
+        from lazyrag.demo import run_demo
+
+        run_demo(args.model, args.device, args.max_new_tokens, args.repeats, args.seed)
+        return 0
+    if args.command == "eval":
+        from lazyrag.eval import run_eval
+
+        return run_eval(args)
+    if args.command == "precache":
+        done = _finished_store(args)
+        if done:
+            print(done)
+            return 0
+        from lazyrag.precache import run_precache
+
+        return run_precache(args)
+    return _ask(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 0
-    from lazyrag.model.loader import ModelLoadError
-
+    if not args.verbose:
+        _quiet_loading()
     try:
-        if args.command == "demo":
-            from lazyrag.demo import run_demo
-
-            run_demo(args.model, args.device, args.max_new_tokens, args.repeats, args.seed)
-            return 0
-        if args.command == "eval":
-            from lazyrag.eval import run_eval
-
-            return run_eval(args)
-        if args.command == "precache":
-            from lazyrag.precache import run_precache
-
-            return run_precache(args)
-        if args.command == "ask":
-            return _ask(args)
-    except ModelLoadError as e:
+        CHECKS.get(args.command, lambda a: None)(args)
+        return _run(args)
+    except Exception as e:
+        if args.debug or not isinstance(e, _usage_errors()):
+            raise  # a bug, not a usage problem: the traceback is what is needed
         print(f"error: {e}", file=sys.stderr)
+        print(f"(run `lazyrag {args.command} ... --debug` to see where it failed)", file=sys.stderr)
         return 2
-    parser.error(f"unknown command {args.command}")
-    return 2
 
 
 if __name__ == "__main__":
