@@ -196,10 +196,14 @@ def _ask(args) -> int:
     return 0
 
 
-def _quiet_loading() -> None:
+def _quiet_loading(command: str) -> None:
     """No model-loading progress bars or library warnings on every start (``-v`` shows them)."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # also turns off transformers' bars
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if command == "ask":
+        # the GGUF reader's bar is a bare tqdm: only tqdm's own switch stops it (demo, precache and eval keep
+        # theirs, which report the run's progress; --quiet there)
+        os.environ.setdefault("TQDM_DISABLE", "1")
 
 
 def _usage_errors() -> tuple[type, ...]:
@@ -240,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     if not args.verbose:
-        _quiet_loading()
+        _quiet_loading(args.command)
     try:
         CHECKS.get(args.command, lambda a: None)(args)
         return _run(args)
