@@ -276,6 +276,30 @@ class ChatLazyLlama(BaseChatModel):
                          run_manager: Optional[AsyncCallbackManagerForLLMRun] = None, **kwargs: Any) -> ChatResult:
         return _chat_result([chunk async for chunk in self._astream(messages, stop, run_manager, **kwargs)])
 
+    # -- structured output --
+
+    def bind_tools(self, tools: Sequence, *, tool_choice: Optional[str] = None, **kwargs: Any) -> Runnable:
+        raise NotImplementedError(
+            "ChatLazyLlama has no tool calling: the small local models it runs do not emit tool calls reliably, and "
+            "it has no tool-call parser. For JSON answers use llm.with_structured_output(PydanticModel or JSON schema) "
+            "(validated and retried); for agents, use a text (ReAct-style) prompt."
+        )
+
+    def with_structured_output(self, schema: Any, *, include_raw: bool = False, max_attempts: int = 3,
+                               **kwargs: Any) -> Runnable:
+        """Answers as ``schema`` (a Pydantic model, a TypedDict or a JSON schema dict): the schema is put in
+        the prompt, the first JSON object of the answer is parsed and validated (Pydantic), and a failed
+        attempt is retried with the error shown to the model, up to ``max_attempts`` times; then
+        OutputParserException. ``method`` (json_schema, json_mode, function_calling) is accepted and
+        means the same here. ``include_raw=True`` returns ``{"raw", "parsed", "parsing_error"}``."""
+        from lazyrag.integrations.structured import StructuredOutput
+
+        kwargs.pop("method", None)
+        kwargs.pop("strict", None)
+        if kwargs:
+            raise ValueError(f"with_structured_output got unsupported arguments {sorted(kwargs)}.")
+        return StructuredOutput(self, schema, include_raw=include_raw, max_attempts=max_attempts).runnable()
+
 
 class LazyRAGRetriever(BaseRetriever):
     """The k chunks of a lazyrag corpus store most similar to the query (FAISS + sentence-transformers).

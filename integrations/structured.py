@@ -1,0 +1,106 @@
+"""Structured output for a chat model without constrained decoding: the JSON schema goes into the
+prompt, the first JSON object of the answer is parsed and validated with Pydantic, and a failed
+attempt is retried with the error shown to the model."""
+from __future__ import annotations
+
+import json
+from typing import Any, Optional
+
+from langchain_core.exceptions import OutputParserException
+from langchain_core.language_models import LanguageModelInput
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
+from langchain_core.runnables import Runnable, RunnableConfig, RunnableLambda
+from langchain_core.utils.function_calling import convert_to_json_schema
+from pydantic import TypeAdapter, ValidationError
+
+
+def first_json_object(text: str) -> Any:
+    """The first JSON object in ``text`` (prose or a ```json fence around it is ignored)."""
+    decoder = json.JSONDecoder()
+    start = text.find("{")
+    while start != -1:
+        try:
+            obj, _ = decoder.raw_decode(text, start)
+            if isinstance(obj, dict):
+                return obj
+        except json.JSONDecodeError:
+            pass
+        start = text.find("{", start + 1)
+    raise ValueError("the answer holds no JSON object")
+
+
+class StructuredOutput:
+    """The prompt, parse, validate and retry loop around one chat model and one schema."""
+
+    def __init__(self, llm, schema: Any, include_raw: bool = False, max_attempts: int = 3):
+        if max_attempts < 1:
+            raise ValueError("max_attempts must be at least 1.")
+        self.llm, self.schema, self.include_raw, self.max_attempts = llm, schema, include_raw, max_attempts
+        self.json_schema = convert_to_json_schema(schema)  # ValueError for what is not a schema
+        is_dict_schema = isinstance(schema, dict)
+        # Pydantic validates models and TypedDicts; a raw JSON-schema dict is checked for its required keys
+        self._adapter = None if is_dict_schema else TypeAdapter(schema)
+        self._required = list(self.json_schema.get("required", [])) if is_dict_schema else []
+
+    def instructions(self) -> str:
+        return ("Reply with only a JSON object, no other text, that conforms to this JSON schema:\n"
+                + json.dumps(self.json_schema))
+
+    def validate(self, text: str) -> Any:
+        obj = first_json_object(text)
+        if self._adapter is not None:
+            return self._adapter.validate_python(obj)
+        missing = [k for k in self._required if k not in obj]
+        if missing:
+            raise ValueError(f"the JSON object lacks the required key(s) {', '.join(missing)}")
+        return obj
+
+    def messages(self, input: LanguageModelInput) -> list[BaseMessage]:
+        messages = list(self.llm._convert_input(input).to_messages())
+        if messages and isinstance(messages[0], SystemMessage):
+            return [SystemMessage(f"{messages[0].text}\n\n{self.instructions()}"), *messages[1:]]
+        return [SystemMessage(self.instructions()), *messages]
+
+    @staticmethod
+    def _retry(messages: list[BaseMessage], answer: AIMessage, error: Exception) -> list[BaseMessage]:
+        return [*messages, AIMessage(answer.text),
+                HumanMessage(f"That answer is not valid: {error}. Reply with only the corrected JSON object.")]
+
+    def _outcome(self, answer: AIMessage, parsed: Any, error: Optional[Exception]) -> Any:
+        if self.include_raw:
+            return {"raw": answer, "parsed": parsed, "parsing_error": error}
+        if error is not None:
+            raise error
+        return parsed
+
+    def _failure(self, answer: AIMessage, error: Exception) -> OutputParserException:
+        return OutputParserException(
+            f"ChatLazyLlama gave no JSON matching the schema in {self.max_attempts} attempt(s); last error: {error}. "
+            "Try a larger model, a simpler schema, a higher max_tokens, or more max_attempts.",
+            llm_output=answer.text)
+
+    def invoke(self, input: LanguageModelInput, config: Optional[RunnableConfig] = None) -> Any:
+        messages = self.messages(input)
+        for _ in range(self.max_attempts):
+            answer = self.llm.invoke(messages, config)
+            try:
+                return self._outcome(answer, self.validate(answer.text), None)
+            except (ValueError, ValidationError) as e:
+                error = e
+                messages = self._retry(messages, answer, e)
+        return self._outcome(answer, None, self._failure(answer, error))
+
+    async def ainvoke(self, input: LanguageModelInput, config: Optional[RunnableConfig] = None) -> Any:
+        messages = self.messages(input)
+        for _ in range(self.max_attempts):
+            answer = await self.llm.ainvoke(messages, config)
+            try:
+                return self._outcome(answer, self.validate(answer.text), None)
+            except (ValueError, ValidationError) as e:
+                error = e
+                messages = self._retry(messages, answer, e)
+        return self._outcome(answer, None, self._failure(answer, error))
+
+    def runnable(self) -> Runnable:
+        name = getattr(self.schema, "__name__", None) or self.json_schema.get("title", "schema")
+        return RunnableLambda(self.invoke, afunc=self.ainvoke, name=f"ChatLazyLlamaStructuredOutput[{name}]")
