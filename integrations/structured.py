@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from langchain_core.exceptions import OutputParserException
 from langchain_core.language_models import LanguageModelInput
-from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, SystemMessage
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
 from langchain_core.runnables import Runnable, RunnableConfig, RunnableLambda
 from langchain_core.utils.function_calling import convert_to_json_schema
 from pydantic import TypeAdapter, ValidationError
@@ -43,6 +43,13 @@ class StructuredOutput:
         self._required = list(self.json_schema.get("required", [])) if is_dict_schema else []
 
     def instructions(self) -> str:
+        # Small models copy a schema back; a skeleton of the keys and their types they fill in. The full
+        # schema is given only when a field is more than a plain value.
+        props = self.json_schema.get("properties", {})
+        plain = props and all(p.get("type") in ("string", "integer", "number", "boolean") for p in props.values())
+        if plain:
+            keys = ", ".join(f'"{k}": <{p["type"]}>' for k, p in props.items())
+            return f"Reply with only this JSON object filled in, no other text: {{{keys}}}"
         return ("Reply with only a JSON object, no other text, that conforms to this JSON schema:\n"
                 + json.dumps(self.json_schema))
 
@@ -56,10 +63,11 @@ class StructuredOutput:
         return obj
 
     def messages(self, input: LanguageModelInput) -> list[BaseMessage]:
+        """The input's messages with the instructions after the last one (where small models heed them)."""
         messages = list(self.llm._convert_input(input).to_messages())
-        if messages and isinstance(messages[0], SystemMessage):
-            return [SystemMessage(f"{messages[0].text}\n\n{self.instructions()}"), *messages[1:]]
-        return [SystemMessage(self.instructions()), *messages]
+        if messages and isinstance(messages[-1], HumanMessage):
+            return [*messages[:-1], HumanMessage(f"{messages[-1].text}\n\n{self.instructions()}")]
+        return [*messages, HumanMessage(self.instructions())]
 
     @staticmethod
     def _retry(messages: list[BaseMessage], answer: AIMessage, error: Exception) -> list[BaseMessage]:
