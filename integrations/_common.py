@@ -155,6 +155,20 @@ _NOT_HERE = {
 _GENERATE_KEYS = ("temperature", "top_p", "seed", "max_new_tokens", "do_sample", "stop")
 
 
+def adapter_validators(renames: dict[str, str]) -> tuple:
+    """An adapter class's pydantic validators: its constructor's arguments (``init_kwargs``) and its
+    ``strategy`` field (checked before any model loads). In the class: ``_a, _b = adapter_validators(...)``."""
+    from pydantic import field_validator, model_validator
+
+    def known_arguments(cls, data: Any) -> Any:
+        return init_kwargs(cls, data, renames)
+
+    def strategy_exists(cls, name: str) -> str:
+        return check_strategy(name)
+
+    return model_validator(mode="before")(classmethod(known_arguments)), field_validator("strategy")(classmethod(strategy_exists))
+
+
 def _did_you_mean(name: str, known: list[str]) -> str:
     close = difflib.get_close_matches(name, known, n=1)
     return f"did you mean {close[0]}?" if close else "not an argument of this model."

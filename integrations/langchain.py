@@ -35,7 +35,7 @@ from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable, RunnableConfig, RunnablePassthrough, RunnableSerializable
 from langchain_core.runnables.config import get_async_callback_manager_for_config, get_callback_manager_for_config
 from langchain_core.tracers.context import register_configure_hook
-from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr
 
 from lazyrag.integrations import _common
 
@@ -137,15 +137,7 @@ class ChatLazyLlama(BaseChatModel):
 
     _engine: Any = PrivateAttr(default=None)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _known_arguments(cls, data: Any) -> Any:
-        return _common.init_kwargs(cls, data, _RENAMES)
-
-    @field_validator("strategy")
-    @classmethod
-    def _strategy_exists(cls, name: str) -> str:
-        return _common.check_strategy(name)
+    _known_arguments, _strategy_exists = _common.adapter_validators(_RENAMES)
 
     def __init__(self, engine=None, **kwargs: Any):
         super().__init__(**kwargs)

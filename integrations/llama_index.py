@@ -39,7 +39,7 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
 )
 from llama_index.core.base.response.schema import AsyncStreamingResponse, Response, StreamingResponse
-from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.embeddings import BaseEmbedding
 from llama_index.core.instrumentation import get_dispatcher
@@ -131,15 +131,7 @@ class LazyLlamaLLM(CustomLLM):
     _engine: Any = PrivateAttr(default=None)
     _stats: Any = PrivateAttr(default_factory=lambda: deque(maxlen=1000))
 
-    @model_validator(mode="before")
-    @classmethod
-    def _known_arguments(cls, data: Any) -> Any:
-        return _common.init_kwargs(cls, data, _RENAMES)
-
-    @field_validator("strategy")
-    @classmethod
-    def _strategy_exists(cls, name: str) -> str:
-        return _common.check_strategy(name)
+    _known_arguments, _strategy_exists = _common.adapter_validators(_RENAMES)
 
     def __init__(self, engine=None, messages_to_prompt=None, completion_to_prompt=None, **kwargs: Any) -> None:
         # Like HuggingFaceLLM: the model's own chat template unless the user passes a formatter.

@@ -87,27 +87,28 @@ class StructuredOutput:
             "Try a larger model, a simpler schema, a higher max_tokens, or more max_attempts.",
             llm_output=answer.text)
 
+    def _check(self, answer: AIMessage, messages: list[BaseMessage], attempt: int) -> tuple[Optional[tuple], list]:
+        """``((outcome,), messages)`` when done, else ``(None, messages for the retry)``."""
+        try:
+            return (self._outcome(answer, self.validate(answer.text), None),), messages
+        except (ValueError, ValidationError) as e:
+            if attempt + 1 < self.max_attempts:
+                return None, self._retry(messages, answer, e)
+            return (self._outcome(answer, None, self._failure(answer, e)),), messages
+
     def invoke(self, input: LanguageModelInput, config: Optional[RunnableConfig] = None) -> Any:
-        messages = self.messages(input)
-        for _ in range(self.max_attempts):
-            answer = self.llm.invoke(messages, config)
-            try:
-                return self._outcome(answer, self.validate(answer.text), None)
-            except (ValueError, ValidationError) as e:
-                error = e
-                messages = self._retry(messages, answer, e)
-        return self._outcome(answer, None, self._failure(answer, error))
+        messages, done = self.messages(input), None
+        for attempt in range(self.max_attempts):
+            done, messages = self._check(self.llm.invoke(messages, config), messages, attempt)
+            if done:
+                return done[0]
 
     async def ainvoke(self, input: LanguageModelInput, config: Optional[RunnableConfig] = None) -> Any:
-        messages = self.messages(input)
-        for _ in range(self.max_attempts):
-            answer = await self.llm.ainvoke(messages, config)
-            try:
-                return self._outcome(answer, self.validate(answer.text), None)
-            except (ValueError, ValidationError) as e:
-                error = e
-                messages = self._retry(messages, answer, e)
-        return self._outcome(answer, None, self._failure(answer, error))
+        messages, done = self.messages(input), None
+        for attempt in range(self.max_attempts):
+            done, messages = self._check(await self.llm.ainvoke(messages, config), messages, attempt)
+            if done:
+                return done[0]
 
     def runnable(self) -> Runnable:
         name = getattr(self.schema, "__name__", None) or self.json_schema.get("title", "schema")
