@@ -27,6 +27,7 @@ from langchain_core.callbacks import (
     CallbackManagerForRetrieverRun,
 )
 from langchain_core.documents import Document
+from langchain_core.embeddings import Embeddings
 from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage
 from langchain_core.messages.ai import UsageMetadata
@@ -35,11 +36,11 @@ from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable, RunnableConfig, RunnablePassthrough, RunnableSerializable
 from langchain_core.runnables.config import get_async_callback_manager_for_config, get_callback_manager_for_config
 from langchain_core.tracers.context import register_configure_hook
-from pydantic import ConfigDict, Field, PrivateAttr
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from lazyrag.integrations import _common
 
-__all__ = ["ChatLazyLlama", "LazyRAGRetriever", "LazyRAG", "LazyRAGCallbackHandler", "rag_chain"]
+__all__ = ["ChatLazyLlama", "LazyRAGRetriever", "LazyRAG", "LazyRAGCallbackHandler", "LazyRAGEmbeddings", "rag_chain"]
 
 
 class LazyRAGCallbackHandler(BaseCallbackHandler):
@@ -321,6 +322,23 @@ class LazyRAGRetriever(BaseRetriever):
         import asyncio
 
         return await asyncio.to_thread(self._get_relevant_documents, query, run_manager=run_manager.get_sync(), **kwargs)
+
+
+class LazyRAGEmbeddings(BaseModel, Embeddings):
+    """sentence-transformers embeddings for LangChain's stock vector stores, offline: the embedded
+    all-MiniLM-L6-v2 by default (the model lazyrag stores index with)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_name: Optional[str] = Field(default=None, description="A local sentence-transformers folder; None = the embedded all-MiniLM-L6-v2.")
+
+    def embed_documents(self, texts: list[str]) -> list[list[float]]:
+        from lazyrag.retriever import embed
+
+        return embed(_common.load_embedder(self.model_name), list(texts)).tolist()
+
+    def embed_query(self, text: str) -> list[float]:
+        return self.embed_documents([text])[0]
 
 
 RAGInput = Union[str, dict, list]

@@ -5,7 +5,6 @@ import asyncio
 import pytest
 from langchain_core.callbacks import UsageMetadataCallbackHandler
 from langchain_core.documents import Document
-from langchain_core.embeddings import Embeddings
 from langchain_core.exceptions import OutputParserException
 from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage, HumanMessage
@@ -17,7 +16,7 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests, Retriev
 from langchain_tests.unit_tests import ChatModelUnitTests
 from pydantic import BaseModel
 
-from lazyrag.integrations.langchain import ChatLazyLlama, LazyRAG, LazyRAGRetriever, rag_chain
+from lazyrag.integrations.langchain import ChatLazyLlama, LazyRAG, LazyRAGEmbeddings, LazyRAGRetriever, rag_chain
 from lazyrag.integrations.structured import StructuredOutput
 from lazyrag.store import StoreError
 from tests.integration_fixtures import MANY, adapter_engine, decode_batches, tiny_store  # noqa: F401 (fixtures)
@@ -215,22 +214,9 @@ FRESH_QUESTIONS = ["Where did the Lighthouse of Alexandria stand?", "Why was the
                    "Where is Machu Picchu?", "What could the Colosseum hold?"]
 
 
-class _MiniLM(Embeddings):
-    """The embedded sentence-transformers model as LangChain Embeddings, for a stock vector store."""
-
-    def embed_documents(self, texts):
-        from lazyrag.integrations._common import load_embedder
-        from lazyrag.retriever import embed
-
-        return embed(load_embedder(), list(texts)).tolist()
-
-    def embed_query(self, text):
-        return self.embed_documents([text])[0]
-
-
 @pytest.fixture
 def stock_store():
-    store = InMemoryVectorStore(_MiniLM())
+    store = InMemoryVectorStore(LazyRAGEmbeddings())
     store.add_texts(FRESH_DOCS)
     return store
 
