@@ -147,7 +147,9 @@ def _finished_store(args) -> str | None:
         return None  # unfinished or other settings: the build resumes or explains the mismatch
     if args.dtype is not None and args.dtype != m.dtype:
         return None
-    if args.model is not None and Path(args.model).expanduser().name != m.model_name:
+    from lazyrag.model.loader import resolve_model_source  # no weights read: the name the engine would carry
+
+    if resolve_model_source(args.model).name != m.model_name:
         return None
     if not {str(Path(i)) for i in args.inputs} <= set(m.sources):
         return None
