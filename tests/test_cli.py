@@ -1,5 +1,6 @@
 """The command line, as a user runs it."""
 import json
+import shutil
 import subprocess
 import sys
 
@@ -91,9 +92,15 @@ def test_unfinished_store_says_how_to_finish(tmp_path, tiny_store):
     assert r.returncode == 2 and "rerun the same lazyrag precache command" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_precache_on_a_finished_store_returns_without_loading_the_model(tiny_store, tiny_corpus):
-    r = probe("precache", str(tiny_corpus), "--out", str(tiny_store))
+def test_precache_on_a_finished_store_returns_without_loading_the_model(tiny_store, tiny_corpus, tmp_path):
+    from lazyrag.model.loader import resolve_model_source
+
+    store = tmp_path / "store"
+    shutil.copytree(tiny_store, store)
+    manifest = json.loads((store / "manifest.json").read_text())  # as `lazyrag precache` names the default model
+    (store / "manifest.json").write_text(json.dumps({**manifest, "model_name": resolve_model_source(None).name}))
+    r = probe("precache", str(tiny_corpus), "--out", str(store))
     assert r.returncode == 0, r.stderr[-2000:]
     assert "already a finished store" in r.stdout and "engine imported" not in r.stdout
-    other = probe("precache", str(tiny_corpus), "--out", str(tiny_store), "--chunk-tokens", "128")
+    other = probe("precache", str(tiny_corpus), "--out", str(store), "--chunk-tokens", "128")
     assert other.returncode == 2 and "other settings" in other.stderr  # not mistaken for done: the build explains
