@@ -104,3 +104,10 @@ def test_precache_on_a_finished_store_returns_without_loading_the_model(tiny_sto
     assert "already a finished store" in r.stdout and "engine imported" not in r.stdout
     other = probe("precache", str(tiny_corpus), "--out", str(store), "--chunk-tokens", "128")
     assert other.returncode == 2 and "other settings" in other.stderr  # not mistaken for done: the build explains
+
+
+def test_strategy_names_checked_without_torch_are_the_engine_s():
+    from lazyrag.kv.strategies import STRATEGIES
+    from lazyrag.strategy_names import STRATEGY_NAMES
+
+    assert tuple(STRATEGIES) == STRATEGY_NAMES
