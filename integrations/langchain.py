@@ -9,9 +9,13 @@ answers with the retrieved chunks' cached KV stitched together.
         print(chunk.content, end="")
 
 ``ChatLazyLlama`` renders messages with the model's chat template; known chunks pasted into a
-message (pre-cached, in an attached store, or seen by ``LazyRAG`` before) reuse their KV. ``LazyRAG``
-hands the documents' texts straight to the engine (no string search). Both report the reuse
-stats in ``response_metadata["lazyrag"]`` and token counts in ``usage_metadata``.
+message (pre-cached, in an attached store, seen by ``LazyRAG`` before, or returned by any LangChain
+retriever: ``LazyRAGCallbackHandler``, installed for every run on import) reuse their KV, so the
+standard ``retriever | format_docs | prompt | ChatLazyLlama()`` chain over a stock vector store
+hits from the second question on. ``LazyRAG`` hands the documents' texts straight to the engine
+(no string search). Both report the reuse stats in ``response_metadata["lazyrag"]`` and token
+counts in ``usage_metadata`` (``cache_read``: prompt tokens whose KV was already cached), and
+fire the LLM callbacks. ``with_structured_output`` validates and retries JSON; no tool calling.
 """
 from __future__ import annotations
 
