@@ -9,12 +9,17 @@ the two ways a request reaches the engine.
 from __future__ import annotations
 
 import asyncio
+import difflib
 import threading
+import weakref
+from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING, AsyncIterator, Generator, Iterator
+from typing import TYPE_CHECKING, Any, Iterable
+
+from lazyrag.strategy_names import check_strategy
 
 if TYPE_CHECKING:  # torch is imported only when an engine is really needed
-    from lazyrag.engine import GenerationResult, LazyEngine
+    from lazyrag.engine import GenerationResult, LazyEngine, RequestStream
     from lazyrag.store.retriever import Retriever
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -31,16 +36,16 @@ def model_name(model: str | None) -> str:
 
 
 def _engine_key(model: str | None, device, dtype) -> tuple:
-    from lazyrag.engine import _resolve_device, _resolve_dtype
+    from lazyrag.engine import EngineConfig
 
-    dev = _resolve_device(device)
-    return (str(Path(model).expanduser().resolve()) if model else None, str(dev), str(_resolve_dtype(dtype, dev)))
+    cfg = EngineConfig(device=device, dtype=dtype)  # resolves the defaults (cuda if present, its dtype)
+    return (str(Path(model).expanduser().resolve()) if model else None, str(cfg.device), str(cfg.dtype))
 
 
 def shared_engine(model: str | None = None, device=None, dtype=None, kv_budget: int | None = None) -> "LazyEngine":
     """One engine per (model, device, dtype) in a process, so every adapter instance shares one
     model load and one chunk cache (chunks cached through LangChain hit in LlamaIndex too).
-    ``kv_budget`` applies when the engine is first loaded."""
+    ``kv_budget`` sets the pool when the engine is first loaded; asking a loaded one for another raises."""
     key = _engine_key(model, device, dtype)
     with _lock:
         engine = _engines.get(key)
@@ -49,6 +54,12 @@ def shared_engine(model: str | None = None, device=None, dtype=None, kv_budget: 
 
             kw = {"kv_budget": kv_budget} if kv_budget else {}
             engine = _engines[key] = LazyEngine.from_pretrained(model, device=device, dtype=dtype, **kw)
+        elif kv_budget and kv_budget != engine.config.kv_budget:
+            raise ValueError(
+                f"The shared engine for {model_name(model)} on {key[1]} is already loaded with kv_budget="
+                f"{engine.config.kv_budget} bytes, and one process shares one engine (and its chunk cache) per model; "
+                f"leave kv_budget unset here, or pass {engine.config.kv_budget}."
+            )
         return engine
 
 
@@ -59,17 +70,13 @@ def register_engine(engine: "LazyEngine", model: str | None = None) -> None:
 
 
 def attach_store_once(engine: "LazyEngine", store) -> None:
-    """Attach a corpus store (path) to the engine unless this store folder is already attached.
+    """Attach a corpus store (path) to the engine; attaching the same folder again does nothing.
 
     Raises lazyrag.store.StoreError for a missing or unfinished store and StoreMismatch for a
     store built for another model/dtype/prefix (messages say how to fix it)."""
-    if store is None:
-        return
-    path = Path(store).expanduser().resolve()
-    with _lock:
-        if any(Path(getattr(t, "path", "")).resolve() == path for t in engine.cache.tiers if getattr(t, "name", "") == "store"):
-            return
-        engine.attach_store(path)
+    if store is not None:
+        with _lock:
+            engine.attach_store(Path(store).expanduser())
 
 
 def load_embedder(name: str | None = None):
@@ -90,7 +97,7 @@ def open_retriever(store, embedder: str | None = None) -> "Retriever":
     Missing or unfinished stores raise lazyrag.store.StoreError (from CorpusStore.open); a
     finished store without a single chunk raises it here, since every query would return nothing."""
     from lazyrag.store.retriever import Retriever
-    from lazyrag.store import CorpusStore, StoreError
+    from lazyrag.store.corpus import CorpusStore, StoreError
 
     path = Path(store).expanduser().resolve()
     key = (str(path), embedder)
@@ -107,36 +114,107 @@ def open_retriever(store, embedder: str | None = None) -> "Retriever":
         return _retrievers.setdefault(key, retriever)
 
 
-# -- requests ------------------------------------------------------------------------------------
+# -- learning chunks from any retriever ----------------------------------------------------------
+# A framework prompt is a string; the engine finds the chunks it knows inside it. The adapters'
+# retrieval hooks (LlamaIndex instrumentation, a LangChain callback handler) register what any
+# retriever returns, so a stock vector store's chunks are found (and cached) from the 2nd prompt on.
 
-def _text_deltas(events: Iterator[tuple[str, int]]) -> Generator[str, None, "GenerationResult"]:
-    """engine.stream_layout's (delta, token) events as non-empty text deltas; returns its result."""
-    while True:
-        try:
-            delta, _ = next(events)
-        except StopIteration as done:
-            return done.value
-        if delta:
-            yield delta
+_learning_engines: "weakref.WeakSet" = weakref.WeakSet()
+_recently_retrieved: deque = deque(maxlen=4096)  # texts seen before an adapter loaded its engine
 
 
-def stream_prompt(engine: "LazyEngine", prompt: str, params, strategy: str) -> Generator[str, None, "GenerationResult"]:
+def learn_into(engine: "LazyEngine") -> None:
+    """Register every chunk text retrieved from now on (and the recent ones) in ``engine``."""
+    with _lock:
+        _learning_engines.add(engine)
+        pending = list(_recently_retrieved)
+    engine.register_chunks(pending)
+
+
+def learn_chunks(texts: Iterable[str]) -> None:
+    """Chunk texts a retriever returned: registration only, the KV is encoded when a prompt first uses one."""
+    texts = [t for t in texts if t]
+    with _lock:
+        _recently_retrieved.extend(texts)
+        engines = list(_learning_engines)
+    for engine in engines:
+        engine.register_chunks(texts)
+
+
+# -- constructor arguments ------------------------------------------------------------------------
+
+# names other local-model adapters take that have no meaning here, and what to do instead
+_NOT_HERE = {
+    "device_map": "lazyrag runs the whole model on one device: pass device='cuda' or device='cpu'.",
+    "tokenizer_name": "the tokenizer is read from the model folder or .gguf file.",
+    "tokenizer": "the tokenizer is read from the model folder or .gguf file.",
+    "model_kwargs": "pass dtype= (float32, bfloat16, float16) and device=; there are no other load options.",
+    "tokenizer_kwargs": "the tokenizer is read from the model folder or .gguf file.",
+    "pipeline_kwargs": "pass max_tokens/max_new_tokens, temperature, top_p, seed and stop directly.",
+}
+_GENERATE_KEYS = ("temperature", "top_p", "seed", "max_new_tokens", "do_sample", "stop")
+
+
+def adapter_validators(renames: dict[str, str]) -> tuple:
+    """An adapter class's pydantic validators: its constructor's arguments (``init_kwargs``) and its
+    ``strategy`` field (checked before any model loads). In the class: ``_a, _b = adapter_validators(...)``."""
+    from pydantic import field_validator, model_validator
+
+    def known_arguments(cls, data: Any) -> Any:
+        return init_kwargs(cls, data, renames)
+
+    def strategy_exists(cls, name: str) -> str:
+        return check_strategy(name)
+
+    return model_validator(mode="before")(classmethod(known_arguments)), field_validator("strategy")(classmethod(strategy_exists))
+
+
+def _did_you_mean(name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1)
+    return f"did you mean {close[0]}?" if close else "not an argument of this model."
+
+
+def init_kwargs(cls, data: Any, renames: dict[str, str]) -> Any:
+    """A pydantic ``mode="before"`` validator's work for an adapter's constructor: the names users bring
+    from HuggingFaceLLM / ChatHuggingFace mapped to ours (``renames``; ``generate_kwargs`` spread into
+    the sampling fields), and a clear error for anything else, instead of silently dropping it."""
+    if not isinstance(data, dict):
+        return data
+    data = dict(data)
+    for old, new in renames.items():
+        if old in data:
+            if new in data:
+                raise ValueError(f"{cls.__name__} got both {old}= and {new}=; pass {new}= only.")
+            data[new] = data.pop(old)
+    gen = dict(data.pop("generate_kwargs", None) or {})
+    bad = [k for k in gen if k not in _GENERATE_KEYS]
+    if bad:
+        raise ValueError(f"{cls.__name__} cannot honour generate_kwargs {', '.join(map(repr, bad))}: it samples with "
+                         f"{', '.join(_GENERATE_KEYS)} only. Remove them.")
+    if "do_sample" in gen:  # as in transformers: greedy unless sampling, which defaults to temperature 1
+        gen.setdefault("temperature", 1.0) if gen.pop("do_sample") else gen.update(temperature=0.0)
+    for key, value in gen.items():
+        data.setdefault(renames.get(key, key), value)  # an explicit constructor argument wins
+    unknown = [k for k in data if k not in cls.model_fields]
+    if unknown:
+        known = sorted(set(cls.model_fields) | set(renames) | {"generate_kwargs"})
+        hints = "".join(f"\n  {k}: {_NOT_HERE.get(k) or _did_you_mean(k, known)}" for k in unknown)
+        raise ValueError(f"{cls.__name__} got unknown argument(s) {', '.join(map(repr, unknown))}.{hints}\n"
+                         f"It takes: {', '.join(known)}.")
+    return data
+
+
+# -- requests: each is the engine's RequestStream: iterate it (``for`` or ``async for``) for text, then
+# ``result()`` / ``await aresult()``; concurrent ones are batched by the engine's scheduler ---------------
+
+def stream_prompt(engine: "LazyEngine", prompt: str, params) -> "RequestStream":
     """A finished prompt text (chat template applied); known chunks inside it reuse their KV."""
-    return _text_deltas(engine.stream_layout(engine.layout_from_text(prompt), params, strategy))
+    return engine.submit(engine.layout_from_text(prompt), params)
 
 
-def stream_chunks(engine: "LazyEngine", question: str, chunks: list[str], params, strategy: str,
-                  system: str | None = None) -> Generator[str, None, "GenerationResult"]:
+def stream_chunks(engine: "LazyEngine", question: str, chunks: list[str], params, system: str | None = None) -> "RequestStream":
     """The fast path: chunk texts handed straight to the engine, tokenized alone, no string search."""
-    return _text_deltas(engine.stream_layout(engine.build_prompt(question, chunks, system), params, strategy))
-
-
-def drain(gen: Generator[str, None, "GenerationResult"]) -> "GenerationResult":
-    while True:
-        try:
-            next(gen)
-        except StopIteration as done:
-            return done.value
+    return engine.submit(engine.build_prompt(question, chunks, system), params)
 
 
 def result_info(result: "GenerationResult") -> dict:
@@ -152,22 +230,3 @@ async def aload_engine(adapter) -> "LazyEngine":
     if getattr(adapter, "_engine", None) is None:
         await asyncio.to_thread(lambda: adapter.engine)
     return adapter.engine
-
-
-async def _atext_deltas(events: AsyncIterator[tuple[str, int]]) -> AsyncIterator[str]:
-    async for delta, _ in events:
-        if delta:
-            yield delta
-
-
-def astream_prompt(engine: "LazyEngine", prompt: str, params, strategy: str, done: list) -> AsyncIterator[str]:
-    """``stream_prompt`` for asyncio: text deltas; the GenerationResult is appended to ``done`` at the end.
-    Concurrent calls are batched by the engine's scheduler (no thread per request)."""
-    return _atext_deltas(engine.astream_layout(engine.layout_from_text(prompt), params, strategy, on_finish=done.append))
-
-
-def astream_chunks(engine: "LazyEngine", question: str, chunks: list[str], params, strategy: str, done: list,
-                   system: str | None = None) -> AsyncIterator[str]:
-    """``stream_chunks`` for asyncio (see astream_prompt)."""
-    layout = engine.build_prompt(question, chunks, system)
-    return _atext_deltas(engine.astream_layout(layout, params, strategy, on_finish=done.append))

@@ -9,32 +9,77 @@ answers with the retrieved chunks' cached KV stitched together.
         print(chunk.content, end="")
 
 ``ChatLazyLlama`` renders messages with the model's chat template; known chunks pasted into a
-message (pre-cached, in an attached store, or seen by ``LazyRAG`` before) reuse their KV. ``LazyRAG``
-hands the documents' texts straight to the engine (no string search). Both report the reuse
-stats in ``response_metadata["lazyrag"]`` and token counts in ``usage_metadata``.
+message (pre-cached, in an attached store, seen by ``LazyRAG`` before, or returned by any LangChain
+retriever: ``LazyRAGCallbackHandler``, installed for every run on import) reuse their KV, so the
+standard ``retriever | format_docs | prompt | ChatLazyLlama()`` chain over a stock vector store
+hits from the second question on. ``LazyRAG`` hands the documents' texts straight to the engine
+(no string search). Both report the reuse stats in ``response_metadata["lazyrag"]`` and token
+counts in ``usage_metadata`` (``cache_read``: prompt tokens whose KV was already cached), and
+fire the LLM callbacks. ``with_structured_output`` validates and retries JSON; no tool calling.
 """
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Iterator, Optional, Union
+from contextvars import ContextVar
+from typing import Any, AsyncIterator, Iterator, Optional, Sequence, Union
+from uuid import UUID
 
 from langchain_core.callbacks import (
     AsyncCallbackManagerForLLMRun,
     AsyncCallbackManagerForRetrieverRun,
+    BaseCallbackHandler,
     CallbackManagerForLLMRun,
     CallbackManagerForRetrieverRun,
 )
 from langchain_core.documents import Document
+from langchain_core.embeddings import Embeddings
 from langchain_core.language_models import BaseChatModel, LangSmithParams
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
+from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage
 from langchain_core.messages.ai import UsageMetadata
-from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult, LLMResult
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable, RunnableConfig, RunnablePassthrough, RunnableSerializable
-from pydantic import ConfigDict, Field, PrivateAttr
+from langchain_core.runnables.config import get_async_callback_manager_for_config, get_callback_manager_for_config
+from langchain_core.tracers.context import register_configure_hook
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from lazyrag.integrations import _common
 
-__all__ = ["ChatLazyLlama", "LazyRAGRetriever", "LazyRAG", "rag_chain"]
+__all__ = ["ChatLazyLlama", "LazyRAGRetriever", "LazyRAG", "LazyRAGCallbackHandler", "LazyRAGEmbeddings", "rag_chain"]
+
+
+class LazyRAGCallbackHandler(BaseCallbackHandler):
+    """Makes any LangChain retriever's Documents reusable chunks: on retriever end, each Document's
+    ``page_content`` is registered with the engines of the ChatLazyLlama models in this process (so a
+    prompt that pastes it, e.g. through ``format_docs``, reuses its KV from the 2nd time on), and the
+    query is recorded in ``metadata["query"]`` where absent (so ``any_retriever | LazyRAG()`` knows the
+    question). Importing this module installs one for every run (a LangChain configure hook), as the
+    LlamaIndex adapter's instrumentation handler does; pass another in ``callbacks`` only if you
+    removed it."""
+
+    run_inline = True  # the query must be in the Documents before the retriever returns them
+
+    def __init__(self) -> None:
+        self._queries: dict[UUID, str] = {}
+
+    def on_retriever_start(self, serialized: dict, query: str, *, run_id: UUID, **kwargs: Any) -> None:
+        self._queries[run_id] = query
+
+    def on_retriever_end(self, documents: Sequence[Document], *, run_id: UUID, **kwargs: Any) -> None:
+        query = self._queries.pop(run_id, None)
+        _common.learn_chunks(d.page_content for d in documents)
+        if query is not None:
+            for d in documents:
+                d.metadata.setdefault("query", query)
+
+    def on_retriever_error(self, error: BaseException, *, run_id: UUID, **kwargs: Any) -> None:
+        self._queries.pop(run_id, None)
+
+
+# The configure hook adds the handler held by this variable to every callback manager, in every
+# thread (the default value is seen by contexts that never set it).
+_retrieval_handler: ContextVar[Optional[LazyRAGCallbackHandler]] = ContextVar("lazyrag_retrieval_handler",
+                                                                               default=LazyRAGCallbackHandler())
+register_configure_hook(_retrieval_handler, inheritable=True)
 
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "chat": None}
 
@@ -65,8 +110,18 @@ def _to_chat_dicts(messages: list[BaseMessage]) -> list[dict]:
     return out
 
 
+# names users bring from other local-model adapters, and ours
+_RENAMES = {"model_id": "model", "model_name": "model", "max_new_tokens": "max_tokens", "stop_sequences": "stop"}
+
+
 class ChatLazyLlama(BaseChatModel):
-    """A lazyrag engine as a LangChain chat model (local, offline; one engine per model is shared)."""
+    """A lazyrag engine as a LangChain chat model (local, offline; one engine per model is shared).
+
+    Unknown arguments are refused. Names from ChatHuggingFace / HuggingFacePipeline are accepted:
+    ``model_id`` and ``model_name`` (= ``model``), ``max_new_tokens`` (= ``max_tokens``),
+    ``stop_sequences`` (= ``stop``) and ``generate_kwargs`` (temperature, top_p, seed, do_sample, ...)."""
+
+    model_config = ConfigDict(extra="forbid")
 
     model: Optional[str] = Field(default=None, description="Local Llama folder or .gguf file; None = the embedded SmolLM2-135M-Instruct.")
     device: Optional[str] = None
@@ -76,9 +131,10 @@ class ChatLazyLlama(BaseChatModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: Optional[int] = None
     stop: Optional[list[str]] = None
-    strategy: str = Field(default="lazy", description="full, prefix, position_aware or lazy.")
+    strategy: str = Field(default="lazy", description="full, prefix, position_aware, lazy, lazy:first=K or lazy:blend=R.")
     store: Optional[str] = Field(default=None, description="A corpus store folder (lazyrag precache) to serve chunk KV from.")
     kv_budget: Optional[int] = Field(default=None, description="Bytes of KV pool, when this model loads the shared engine.")
+    system_prompt: Optional[str] = Field(default=None, description="A system message put first when the messages have none.")
     streaming: bool = False
     # Accepted because callers pass them to every chat model; a local engine has no network to time out or retry.
     timeout: Optional[float] = None
@@ -86,19 +142,43 @@ class ChatLazyLlama(BaseChatModel):
 
     _engine: Any = PrivateAttr(default=None)
 
+    _known_arguments, _strategy_exists = _common.adapter_validators(_RENAMES)
+
     def __init__(self, engine=None, **kwargs: Any):
         super().__init__(**kwargs)
         self._engine = engine
         if engine is not None:
-            _common.attach_store_once(engine, self.store)
+            self._setup(engine)
 
     @property
     def engine(self):
         """The LazyEngine, loaded on first use and shared with every adapter on the same model."""
         if self._engine is None:
             self._engine = _common.shared_engine(self.model, self.device, self.dtype, self.kv_budget)
-            _common.attach_store_once(self._engine, self.store)
+            self._setup(self._engine)
         return self._engine
+
+    def _setup(self, engine) -> None:
+        _common.attach_store_once(engine, self.store)
+        _common.learn_into(engine)  # Documents any retriever returns become reusable chunks
+
+    # -- token counting with the model's own tokenizer (LangChain's default downloads GPT-2's) --
+
+    def get_token_ids(self, text: str) -> list[int]:
+        return self.engine.prompts.encode(text)
+
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage], tools: Optional[Sequence] = None) -> int:
+        """The prompt tokens of ``messages`` as this model sees them (chat template applied): what
+        ``usage_metadata["input_tokens"]`` reports for them."""
+        if tools:
+            raise ValueError("ChatLazyLlama has no tool calling; count messages without tools.")
+        return len(self.get_token_ids(self.engine.render_chat(self._chat_dicts(messages))))
+
+    def _chat_dicts(self, messages: list[BaseMessage]) -> list[dict]:
+        msgs = _to_chat_dicts(messages)
+        if self.system_prompt and not any(m["role"] == "system" for m in msgs):
+            msgs.insert(0, {"role": "system", "content": self.system_prompt})
+        return msgs
 
     @property
     def model_name(self) -> str:
@@ -122,7 +202,7 @@ class ChatLazyLlama(BaseChatModel):
         return params
 
     def sampling_params(self, stop: Optional[list[str]] = None, **kwargs: Any):
-        from lazyrag.sampling import SamplingParams
+        from lazyrag.engine import SamplingParams
 
         return SamplingParams(
             max_new_tokens=kwargs.get("max_tokens", self.max_tokens),
@@ -130,50 +210,45 @@ class ChatLazyLlama(BaseChatModel):
             top_p=kwargs.get("top_p", self.top_p),
             stop=list(stop if stop is not None else (self.stop or [])),
             seed=kwargs.get("seed", self.seed),
+            strategy=kwargs.get("strategy", self.strategy),
         )
 
     # -- generation --
 
     def _stream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
                 run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
-        prompt = self.engine.render_chat(_to_chat_dicts(messages))
-        gen = _common.stream_prompt(self.engine, prompt, self.sampling_params(stop, **kwargs), kwargs.get("strategy", self.strategy))
-        yield from self.generation_chunks(gen, run_manager)
+        prompt = self.engine.render_chat(self._chat_dicts(messages))
+        stream = _common.stream_prompt(self.engine, prompt, self.sampling_params(stop, **kwargs))
+        yield from self.generation_chunks(stream, run_manager)
 
     def _generate(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
                   run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> ChatResult:
         return _chat_result(list(self._stream(messages, stop, run_manager, **kwargs)))
 
-    def generation_chunks(self, gen, run_manager: Optional[CallbackManagerForLLMRun] = None) -> Iterator[ChatGenerationChunk]:
-        """An engine text stream (see _common.stream_prompt) as chat chunks; the last one (empty text,
+    def generation_chunks(self, stream, run_manager: Optional[CallbackManagerForLLMRun] = None) -> Iterator[ChatGenerationChunk]:
+        """An engine RequestStream (see _common.stream_prompt) as chat chunks; the last one (empty text,
         ``chunk_position="last"``) carries the token usage and the reuse stats."""
-        while True:
-            try:
-                delta = next(gen)
-            except StopIteration as done:
-                result = done.value
-                break
+        for delta in stream:
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
             if run_manager:
                 run_manager.on_llm_new_token(delta, chunk=chunk)
             yield chunk
-        yield self.last_chunk(result)
+        yield self.last_chunk(stream.result())
 
-    async def ageneration_chunks(self, deltas: AsyncIterator[str], done: list,
-                                 run_manager: Optional[AsyncCallbackManagerForLLMRun] = None) -> AsyncIterator[ChatGenerationChunk]:
-        """``generation_chunks`` for asyncio (see _common.astream_prompt)."""
-        async for delta in deltas:
+    async def ageneration_chunks(self, stream, run_manager: Optional[AsyncCallbackManagerForLLMRun] = None) -> AsyncIterator[ChatGenerationChunk]:
+        """``generation_chunks`` for asyncio: the event loop waits on the engine's scheduler thread."""
+        async for delta in stream:
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
             if run_manager:
                 await run_manager.on_llm_new_token(delta, chunk=chunk)
             yield chunk
-        yield self.last_chunk(done[0])
+        yield self.last_chunk(await stream.aresult())
 
     def last_chunk(self, result) -> ChatGenerationChunk:
         """The stream's last chunk: empty text, the token usage and the reuse stats of ``result``."""
         s = result.stats
         usage = UsageMetadata(input_tokens=s.prompt_tokens, output_tokens=s.new_tokens, total_tokens=s.prompt_tokens + s.new_tokens,
-                              input_token_details={"cache_read": s.tokens_reused})
+                              input_token_details={"cache_read": s.tokens_cached})
         info = _common.result_info(result)
         meta = {"model_name": self.model_name, "model_provider": "lazyrag", "finish_reason": info["finish_reason"],
                 "ttft_s": info["ttft_s"], "lazyrag": info["stats"]}
@@ -183,15 +258,38 @@ class ChatLazyLlama(BaseChatModel):
                        run_manager: Optional[AsyncCallbackManagerForLLMRun] = None, **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
         # the engine's scheduler batches concurrent calls; the event loop only waits for tokens
         engine = await _common.aload_engine(self)
-        prompt = engine.render_chat(_to_chat_dicts(messages))
-        done: list = []
-        deltas = _common.astream_prompt(engine, prompt, self.sampling_params(stop, **kwargs), kwargs.get("strategy", self.strategy), done)
-        async for chunk in self.ageneration_chunks(deltas, done, run_manager):
+        prompt = engine.render_chat(self._chat_dicts(messages))
+        stream = _common.stream_prompt(engine, prompt, self.sampling_params(stop, **kwargs))
+        async for chunk in self.ageneration_chunks(stream, run_manager):
             yield chunk
 
     async def _agenerate(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
                          run_manager: Optional[AsyncCallbackManagerForLLMRun] = None, **kwargs: Any) -> ChatResult:
         return _chat_result([chunk async for chunk in self._astream(messages, stop, run_manager, **kwargs)])
+
+    # -- structured output --
+
+    def bind_tools(self, tools: Sequence, *, tool_choice: Optional[str] = None, **kwargs: Any) -> Runnable:
+        raise NotImplementedError(
+            "ChatLazyLlama has no tool calling: the small local models it runs do not emit tool calls reliably, and "
+            "it has no tool-call parser. For JSON answers use llm.with_structured_output(PydanticModel or JSON schema) "
+            "(validated and retried); for agents, use a text (ReAct-style) prompt."
+        )
+
+    def with_structured_output(self, schema: Any, *, include_raw: bool = False, max_attempts: int = 3,
+                               **kwargs: Any) -> Runnable:
+        """Answers as ``schema`` (a Pydantic model, a TypedDict or a JSON schema dict): the schema is put in
+        the prompt, the first JSON object of the answer is parsed and validated (Pydantic), and a failed
+        attempt is retried with the error shown to the model, up to ``max_attempts`` times; then
+        OutputParserException. ``method`` (json_schema, json_mode, function_calling) is accepted and
+        means the same here. ``include_raw=True`` returns ``{"raw", "parsed", "parsing_error"}``."""
+        from lazyrag.integrations.structured import StructuredOutput
+
+        kwargs.pop("method", None)
+        kwargs.pop("strict", None)
+        if kwargs:
+            raise ValueError(f"with_structured_output got unsupported arguments {sorted(kwargs)}.")
+        return StructuredOutput(self, schema, include_raw=include_raw, max_attempts=max_attempts).runnable()
 
 
 class LazyRAGRetriever(BaseRetriever):
@@ -224,6 +322,23 @@ class LazyRAGRetriever(BaseRetriever):
         return await asyncio.to_thread(self._get_relevant_documents, query, run_manager=run_manager.get_sync(), **kwargs)
 
 
+class LazyRAGEmbeddings(BaseModel, Embeddings):
+    """sentence-transformers embeddings for LangChain's stock vector stores, offline: the embedded
+    all-MiniLM-L6-v2 by default (the model lazyrag stores index with)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_name: Optional[str] = Field(default=None, description="A local sentence-transformers folder; None = the embedded all-MiniLM-L6-v2.")
+
+    def embed_documents(self, texts: list[str]) -> list[list[float]]:
+        from lazyrag.store.retriever import embed
+
+        return embed(_common.load_embedder(self.model_name), list(texts)).tolist()
+
+    def embed_query(self, text: str) -> list[float]:
+        return self.embed_documents([text])[0]
+
+
 RAGInput = Union[str, dict, list]
 
 
@@ -254,8 +369,9 @@ class LazyRAG(RunnableSerializable[RAGInput, AIMessage]):
         elif isinstance(input, list):
             queries = {d.metadata.get("query") for d in input if isinstance(d, Document)}
             if len(queries) != 1 or None in queries:
-                raise ValueError("LazyRAG got a list of documents without the question: use a LazyRAGRetriever (it records "
-                                 "the query in each Document), or rag_chain(retriever, rag), or pass {'question', 'documents'}.")
+                raise ValueError("LazyRAG got a list of documents without the question (Documents a retriever returns carry "
+                                 "it in metadata['query']): pipe a retriever into LazyRAG, use rag_chain(retriever, rag), "
+                                 "or pass {'question', 'documents'}.")
             question, docs = queries.pop(), input
         else:
             raise TypeError(f"LazyRAG takes a question (str), a dict or a list of Documents, not {type(input).__name__}.")
@@ -275,23 +391,52 @@ class LazyRAG(RunnableSerializable[RAGInput, AIMessage]):
     def _texts(docs: list) -> list[str]:
         return [d.page_content if isinstance(d, Document) else str(d) for d in docs]
 
+    def _llm_start(self, question: str, texts: list[str]) -> tuple:
+        """on_chat_model_start's arguments for the answer LazyRAG generates, so callback handlers
+        (tracing, UsageMetadataCallbackHandler, token counters) see an LLM run as for ChatLazyLlama."""
+        llm = self.llm
+        messages = [HumanMessage(content="\n\n".join([*texts, f"Question: {question}"]))]
+        return (llm._serialized, [messages]), {"invocation_params": llm._get_invocation_params(), "name": llm.get_name(),
+                                                "batch_size": 1}
+
+    @staticmethod
+    def _llm_result(chunks: list[ChatGenerationChunk]) -> LLMResult:
+        return LLMResult(generations=[_chat_result(chunks).generations])
+
     def _chunks_stream(self, input: RAGInput, config: Optional[RunnableConfig]) -> Iterator[AIMessageChunk]:
         question, docs = self._parse(input)
         docs = list(self.retriever.invoke(question, config) if docs is None else docs)
-        llm = self.llm
-        gen = _common.stream_chunks(llm.engine, question, self._texts(docs), llm.sampling_params(), llm.strategy)
-        for chunk in llm.generation_chunks(gen):
-            yield self._with_sources(chunk, docs)
+        llm, texts = self.llm, self._texts(docs)
+        args, kw = self._llm_start(question, texts)
+        (run,) = get_callback_manager_for_config(config or {}).on_chat_model_start(*args, **kw)
+        chunks: list[ChatGenerationChunk] = []
+        try:
+            stream = _common.stream_chunks(llm.engine, question, texts, llm.sampling_params(), llm.system_prompt)
+            for chunk in llm.generation_chunks(stream, run):
+                chunks.append(chunk)
+                yield self._with_sources(chunk, docs)
+        except BaseException as e:
+            run.on_llm_error(e)
+            raise
+        run.on_llm_end(self._llm_result(chunks))
 
     async def _achunks_stream(self, input: RAGInput, config: Optional[RunnableConfig]) -> AsyncIterator[AIMessageChunk]:
         question, docs = self._parse(input)
         docs = list(await self.retriever.ainvoke(question, config) if docs is None else docs)
-        llm = self.llm
-        engine = await _common.aload_engine(llm)
-        done: list = []
-        deltas = _common.astream_chunks(engine, question, self._texts(docs), llm.sampling_params(), llm.strategy, done)
-        async for chunk in llm.ageneration_chunks(deltas, done):
-            yield self._with_sources(chunk, docs)
+        llm, texts = self.llm, self._texts(docs)
+        args, kw = self._llm_start(question, texts)
+        (run,) = await get_async_callback_manager_for_config(config or {}).on_chat_model_start(*args, **kw)
+        chunks: list[ChatGenerationChunk] = []
+        try:
+            engine = await _common.aload_engine(llm)
+            stream = _common.stream_chunks(engine, question, texts, llm.sampling_params(), llm.system_prompt)
+            async for chunk in llm.ageneration_chunks(stream, run):
+                chunks.append(chunk)
+                yield self._with_sources(chunk, docs)
+        except BaseException as e:
+            await run.on_llm_error(e)
+            raise
+        await run.on_llm_end(self._llm_result(chunks))
 
     @staticmethod
     def _add_up(final: Any, x: Any) -> Any:

@@ -18,7 +18,6 @@ second question over the same chunks on.
 from __future__ import annotations
 
 import asyncio
-import weakref
 from collections import deque
 from typing import Any, Optional, Sequence
 
@@ -27,6 +26,7 @@ from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.base.llms.generic_utils import (
     astream_completion_response_to_chat_response,
     completion_response_to_chat_response,
+    stream_completion_response_to_chat_response,
 )
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -34,11 +34,12 @@ from llama_index.core.base.llms.types import (
     ChatResponseAsyncGen,
     CompletionResponse,
     CompletionResponseAsyncGen,
+    ChatResponseGen,
     CompletionResponseGen,
     LLMMetadata,
 )
 from llama_index.core.base.response.schema import AsyncStreamingResponse, Response, StreamingResponse
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.embeddings import BaseEmbedding
 from llama_index.core.instrumentation import get_dispatcher
@@ -64,28 +65,27 @@ def register_node(engine, node) -> None:
     """Make the engine find a node inside prompts: its prompt text (above) and its bare text too,
     because simple_summarize formats the context as a Python list's repr, where newlines are
     escaped and only a single-line bare text still appears verbatim."""
-    engine.chunk_finder.add(node_chunk_text(node))
-    engine.chunk_finder.add(getattr(node, "node", node).get_content(metadata_mode=MetadataMode.NONE))
+    for text in _node_texts(node):
+        engine.register_chunks([text])
+
+
+def _node_texts(node) -> tuple[str, str]:
+    return node_chunk_text(node), getattr(node, "node", node).get_content(metadata_mode=MetadataMode.NONE)
 
 
 # -- learning chunks from retrievals ------------------------------------------------------------
 
-_live_engines: "weakref.WeakSet" = weakref.WeakSet()  # engines of LazyLlamaLLMs created so far
-
-
 class _RegisterRetrievedNodes(BaseEventHandler):
-    """Registers every retrieved node's prompt text in the chunk finder of each live LazyLlamaLLM
-    engine (registration only: the KV is encoded when a prompt first uses the chunk)."""
+    """Registers every retrieved node's prompt texts (see register_node) with the engines of the
+    LazyLlamaLLMs in this process (registration only: the KV is encoded when a prompt first uses it)."""
 
     @classmethod
     def class_name(cls) -> str:
         return "LazyRAGRegisterRetrievedNodes"
 
     def handle(self, event, **kwargs) -> None:
-        if isinstance(event, RetrievalEndEvent) and _live_engines:
-            for engine in list(_live_engines):
-                for node in event.nodes or []:
-                    register_node(engine, node)
+        if isinstance(event, RetrievalEndEvent):
+            _common.learn_chunks(text for node in event.nodes or [] for text in _node_texts(node))
 
 
 _handler: _RegisterRetrievedNodes | None = None
@@ -100,9 +100,19 @@ def _install_retrieval_hook() -> None:
 
 # -- the LLM -------------------------------------------------------------------------------------
 
+# names users bring from other local-model adapters, and ours
+_RENAMES = {"model_name": "model", "model_id": "model", "max_tokens": "max_new_tokens", "stop_sequences": "stop"}
+
+
 class LazyLlamaLLM(CustomLLM):
     """A lazyrag engine as a LlamaIndex LLM (conventions of llama-index-llms-huggingface: public
-    config in fields, the heavy engine in a private attribute, loaded on first use)."""
+    config in fields, the heavy engine in a private attribute, loaded on first use).
+
+    Unknown arguments are refused. HuggingFaceLLM's names are accepted: ``model_name`` (= ``model``),
+    ``context_window``, ``max_new_tokens``, ``system_prompt``, ``device``, ``generate_kwargs``
+    (temperature, top_p, seed, do_sample, ...); also ``max_tokens`` and ``stop_sequences``."""
+
+    model_config = ConfigDict(extra="forbid")
 
     model: Optional[str] = Field(default=None, description="Local Llama folder or .gguf file; None = the embedded SmolLM2-135M-Instruct.")
     device: Optional[str] = Field(default=None, description="cpu or cuda (default: cuda if available).")
@@ -112,7 +122,7 @@ class LazyLlamaLLM(CustomLLM):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: Optional[int] = Field(default=None, description="Sampling seed (temperature > 0).")
     stop: list[str] = Field(default_factory=list, description="Stop strings.")
-    strategy: str = Field(default="lazy", description="full, prefix, position_aware or lazy (see the README).")
+    strategy: str = Field(default="lazy", description="full, prefix, position_aware, lazy, lazy:first=K or lazy:blend=R (see the README).")
     store: Optional[str] = Field(default=None, description="A corpus store folder (lazyrag precache) to serve chunk KV from.")
     kv_budget: Optional[int] = Field(default=None, description="Bytes of KV pool, when this LLM loads the shared engine.")
     context_window: Optional[int] = Field(default=None, description="Override the model's context length (tokens).")
@@ -120,6 +130,8 @@ class LazyLlamaLLM(CustomLLM):
 
     _engine: Any = PrivateAttr(default=None)
     _stats: Any = PrivateAttr(default_factory=lambda: deque(maxlen=1000))
+
+    _known_arguments, _strategy_exists = _common.adapter_validators(_RENAMES)
 
     def __init__(self, engine=None, messages_to_prompt=None, completion_to_prompt=None, **kwargs: Any) -> None:
         # Like HuggingFaceLLM: the model's own chat template unless the user passes a formatter.
@@ -150,14 +162,14 @@ class LazyLlamaLLM(CustomLLM):
     def _setup(self, engine) -> None:
         _common.attach_store_once(engine, self.store)
         if self.learn_retrieved_chunks:
-            _live_engines.add(engine)
             _install_retrieval_hook()
+            _common.learn_into(engine)
 
     @property
     def metadata(self) -> LLMMetadata:
         engine = self.engine
         return LLMMetadata(
-            context_window=self.context_window or engine.model.args.max_positions,
+            context_window=self.context_window or engine.max_context,
             num_output=self.max_new_tokens,
             model_name=engine.model_name,
             is_chat_model=True,
@@ -185,7 +197,7 @@ class LazyLlamaLLM(CustomLLM):
         return self._render_messages([ChatMessage(role="user", content=prompt)])
 
     def _params(self, kwargs: dict):
-        from lazyrag.sampling import SamplingParams
+        from lazyrag.engine import SamplingParams
 
         return SamplingParams(
             max_new_tokens=kwargs.get("max_new_tokens", self.max_new_tokens),
@@ -193,6 +205,7 @@ class LazyLlamaLLM(CustomLLM):
             top_p=kwargs.get("top_p", self.top_p),
             stop=list(kwargs.get("stop", self.stop)),
             seed=kwargs.get("seed", self.seed),
+            strategy=kwargs.get("strategy", self.strategy),
         )
 
     def _record(self, result) -> dict:
@@ -200,36 +213,55 @@ class LazyLlamaLLM(CustomLLM):
         self._stats.append(info["stats"])
         return info
 
-    # -- completion (chat goes through CustomLLM: messages_to_prompt, then complete(formatted=True)) --
+    # -- completion and chat: each fires one LLM event (CustomLLM's chat would call the decorated
+    # complete, and token counters would count every answer twice) --
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        *_, last = self._stream(prompt, formatted, kwargs)
-        return CompletionResponse(text=last.text, raw=last.raw, additional_kwargs=last.additional_kwargs)
+        return self._complete(prompt, formatted, kwargs)
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
         return self._stream(prompt, formatted, kwargs)
 
+    @llm_chat_callback()
+    def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        return completion_response_to_chat_response(self._complete(self.messages_to_prompt(messages), True, kwargs))
+
+    @llm_chat_callback()
+    def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
+        return stream_completion_response_to_chat_response(self._stream(self.messages_to_prompt(messages), True, kwargs))
+
+    def _complete(self, prompt: str, formatted: bool, kwargs: dict) -> CompletionResponse:
+        *_, last = self._stream(prompt, formatted, kwargs)
+        return CompletionResponse(text=last.text, raw=last.raw, additional_kwargs=last.additional_kwargs)
+
     def _stream(self, prompt: str, formatted: bool, kwargs: dict) -> CompletionResponseGen:
         """Deltas as they come, then one last response (empty delta) carrying the request's stats."""
         text = prompt if formatted else self.completion_to_prompt(prompt)
-        gen = _common.stream_prompt(self.engine, text, self._params(kwargs), kwargs.get("strategy", self.strategy))
+        stream = _common.stream_prompt(self.engine, text, self._params(kwargs))
         out = ""
-        while True:
-            try:
-                delta = next(gen)
-            except StopIteration as done:
-                info = self._record(done.value)
-                yield CompletionResponse(text=done.value.text, delta="", raw=info, additional_kwargs=info)
-                return
+        for delta in stream:
             out += delta
             yield CompletionResponse(text=out, delta=delta)
+        yield self._last_response(stream.result())
+
+    def _last_response(self, result) -> CompletionResponse:
+        """The empty last delta: the whole text, the stats, and the token usage (``raw["usage"]``, what
+        LlamaIndex's TokenCountingHandler reads instead of re-tokenizing with another tokenizer)."""
+        info = self._record(result)
+        s = result.stats
+        raw = {**info, "usage": {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.new_tokens,
+                                 "total_tokens": s.prompt_tokens + s.new_tokens, "cached_tokens": s.tokens_cached}}
+        return CompletionResponse(text=result.text, delta="", raw=raw, additional_kwargs=info)
 
     # -- async: the engine's scheduler batches concurrent calls; no thread per request --
 
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return await self._acomplete(prompt, formatted, kwargs)
+
+    async def _acomplete(self, prompt: str, formatted: bool, kwargs: dict) -> CompletionResponse:
         last = None
         async for last in self._astream(prompt, formatted, kwargs):
             pass
@@ -243,43 +275,29 @@ class LazyLlamaLLM(CustomLLM):
         """``_stream`` for asyncio."""
         engine = await _common.aload_engine(self)
         text = prompt if formatted else self.completion_to_prompt(prompt)
-        done: list = []
+        stream = _common.stream_prompt(engine, text, self._params(kwargs))
         out = ""
-        async for delta in _common.astream_prompt(engine, text, self._params(kwargs), kwargs.get("strategy", self.strategy), done):
+        async for delta in stream:
             out += delta
             yield CompletionResponse(text=out, delta=delta)
-        info = self._record(done[0])
-        yield CompletionResponse(text=done[0].text, delta="", raw=info, additional_kwargs=info)
+        yield self._last_response(await stream.aresult())
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         await _common.aload_engine(self)  # messages_to_prompt renders with the model's chat template
-        return completion_response_to_chat_response(await self.acomplete(self.messages_to_prompt(messages), formatted=True, **kwargs))
+        return completion_response_to_chat_response(await self._acomplete(self.messages_to_prompt(messages), True, kwargs))
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
         await _common.aload_engine(self)
-        stream = await self.astream_complete(self.messages_to_prompt(messages), formatted=True, **kwargs)
-        return astream_completion_response_to_chat_response(stream)
+        return astream_completion_response_to_chat_response(self._astream(self.messages_to_prompt(messages), True, kwargs))
 
     # -- the fast path, used by LazyRAGQueryEngine --
 
     def stream_over_chunks(self, question: str, chunks: list[str], **kwargs: Any):
-        """Text deltas of an answer over chunk texts handed straight to the engine (no string search);
-        the generator's return value is the engine's GenerationResult, and its stats are recorded."""
-        gen = _common.stream_chunks(self.engine, question, chunks, self._params(kwargs),
-                                    kwargs.get("strategy", self.strategy), system=self.system_prompt)
-        result = yield from gen
-        self._record(result)
-        return result
-
-    async def astream_over_chunks(self, question: str, chunks: list[str], done: list, **kwargs: Any):
-        """``stream_over_chunks`` for asyncio: text deltas; the GenerationResult is appended to ``done``."""
-        engine = await _common.aload_engine(self)
-        async for delta in _common.astream_chunks(engine, question, chunks, self._params(kwargs),
-                                                  kwargs.get("strategy", self.strategy), done, system=self.system_prompt):
-            yield delta
-        self._record(done[0])
+        """An answer over chunk texts handed straight to the engine (no string search): its RequestStream
+        (iterate it, sync or async, for text deltas; then ``result()`` / ``await aresult()``)."""
+        return _common.stream_chunks(self.engine, question, chunks, self._params(kwargs), system=self.system_prompt)
 
 
 # -- retrieval -----------------------------------------------------------------------------------
@@ -342,32 +360,31 @@ class LazyRAGQueryEngine(BaseQueryEngine):
         return nodes, self.llm.stream_over_chunks(query_bundle.query_str, chunks)
 
     def _query(self, query_bundle: QueryBundle):
-        nodes, gen = self._answer(query_bundle)
+        nodes, stream = self._answer(query_bundle)
         if not self.streaming:
-            result = _common.drain(gen)
-            return Response(response=result.text, source_nodes=nodes, metadata=_common.result_info(result))
+            result = stream.result()
+            return Response(response=result.text, source_nodes=nodes, metadata=self.llm._record(result))
         metadata: dict = {}
 
         def deltas():
-            result = yield from gen
-            metadata.update(_common.result_info(result))
+            yield from stream
+            metadata.update(self.llm._record(stream.result()))
 
         return StreamingResponse(response_gen=deltas(), source_nodes=nodes, metadata=metadata)
 
     async def _aquery(self, query_bundle: QueryBundle):
         nodes = await self.retriever.aretrieve(query_bundle)
-        done: list = []
-        deltas = self.llm.astream_over_chunks(query_bundle.query_str, [node_chunk_text(n) for n in nodes], done)
+        await _common.aload_engine(self.llm)
+        stream = self.llm.stream_over_chunks(query_bundle.query_str, [node_chunk_text(n) for n in nodes])
         if not self.streaming:
-            async for _ in deltas:
-                pass
-            return Response(response=done[0].text, source_nodes=nodes, metadata=_common.result_info(done[0]))
+            result = await stream.aresult()
+            return Response(response=result.text, source_nodes=nodes, metadata=self.llm._record(result))
         metadata: dict = {}
 
         async def response_gen():
-            async for delta in deltas:
+            async for delta in stream:
                 yield delta
-            metadata.update(_common.result_info(done[0]))
+            metadata.update(self.llm._record(await stream.aresult()))
 
         return AsyncStreamingResponse(response_gen=response_gen(), source_nodes=nodes, metadata=metadata)
 

@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
+
+from lazyrag.defaults import DEFAULT_EMBEDDER
+from lazyrag.strategy_names import check_strategy
 
 DESCRIPTION = """\
 lazyrag answers questions over retrieved chunks while reusing each chunk's KV cache at
@@ -20,6 +24,30 @@ examples:
 
 strategies (--strategy): lazy (default, ours), position_aware (a re-rotated copy per position),
 prefix (exact token-prefix reuse only), full (no reuse; the quality reference).
+"""
+
+
+PRECACHE_HELP = """\
+Build a corpus store: chunk the documents with the model's tokenizer, embed them, index them
+with FAISS, and compute each chunk's position-free KV once (after the shared prompt prefix).
+A later `engine.attach_store(STORE)` (Python) then loads chunk KV from
+the store instead of recomputing it.
+
+Inputs: folders of .txt/.md files, or .jsonl / .jsonl.gz files with HotpotQA records
+(contexts[].paragraph_text), NQ/DPR records (ctxs[].text) or plain {"id", "title", "text"}.
+
+Interrupted? Rerun the same command: finished shards are kept and the build resumes.
+The KV is stored in the engine's dtype (--dtype), unpadded, and read back exactly; budget about
+2 * layers * kv_heads * head_dim * bytes per token (SmolLM2-135M fp32: 46 KB/token, so the NQ
+corpus of 2655 passages is about 15 GB; --dtype bfloat16 halves that, for a bf16 engine).
+"""
+
+PRECACHE_EPILOG = """\
+examples:
+  lazyrag precache ../shared/data/nq_open_oracle_2655.jsonl.gz --out stores/nq
+  lazyrag precache ../shared/data/hotpotqa_dev_500.jsonl --out stores/hotpot --limit 200
+  lazyrag precache my_docs/ --out stores/docs --chunk-tokens 512 --overlap 64 --index hnsw
+  lazyrag precache my_docs/ --out stores/docs --verify     # check row digests, rebuild bad shards and the index
 """
 
 
@@ -61,35 +89,163 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a corpus store from `lazyrag precache`: retrieve the question's top --k chunks from it "
                           "and load their KV from disk instead of recomputing it")
     ask.add_argument("--k", type=int, default=5, help="chunks to retrieve from --store")
-    from lazyrag.store.build import add_precache_parser
-
     add_precache_parser(sub)
-    from lazyrag.eval import add_eval_parser
-
     add_eval_parser(sub)
+    for p in sub.choices.values():
+        p.add_argument("-v", "--verbose", action="store_true", help="show model-loading progress bars and library logs")
+        p.add_argument("--debug", action="store_true", help="on an error, show the full traceback too")
     return parser
 
 
+def add_precache_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("precache", help="build a corpus store (chunks, FAISS index, chunk KV) for later reuse",
+                              description=PRECACHE_HELP, epilog=PRECACHE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("inputs", nargs="+", help="folders of .txt/.md files, .txt/.md files, or .jsonl(.gz) files")
+    p.add_argument("--out", required=True, help="store folder (created, or resumed if it holds an unfinished build)")
+    p.add_argument("--model", default=None, help="local Llama folder or .gguf file; default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="model and KV dtype: float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA); "
+                                                  "the store only serves engines with the same dtype")
+    p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk incl. its separator; a multiple of the KV block size (16)")
+    p.add_argument("--overlap", type=int, default=32, help="tokens repeated between consecutive chunks of a long document")
+    p.add_argument("--chunks-per-shard", type=int, default=32, help="chunks per KV file (the unit of resume)")
+    p.add_argument("--index", default="flat", choices=["flat", "ivf", "hnsw"], help="FAISS index: exact (flat) or approximate for large corpora")
+    p.add_argument("--embedder", default=DEFAULT_EMBEDDER, help=f"sentence-transformers model folder (default: {DEFAULT_EMBEDDER}, embedded)")
+    p.add_argument("--limit", type=int, default=None, help="read only the first N documents (quick runs)")
+    p.add_argument("--system", default=None, help="system prompt encoded before every chunk (must match the engine that reads the store)")
+    p.add_argument("--kv-budget", type=int, default=None, help="bytes of the engine's KV pool while encoding (default: 1 GiB on CPU)")
+    p.add_argument("--verify", action="store_true", help="check every stored chunk (KV, key, start, text) against its digest "
+                                                          "first; corrupt shards are rebuilt, and the index rewritten")
+    p.add_argument("--overwrite", action="store_true", help="delete an existing store at --out and build from scratch")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def add_eval_parser(sub) -> argparse.ArgumentParser:
+    from lazyrag import eval as quality  # no torch: its description is the module's docstring
+
+    p = sub.add_parser("eval", help="answer quality of the strategies side by side on NQ or HotpotQA",
+                       description=quality.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dataset", choices=["nq", "hotpotqa"], default="nq")
+    p.add_argument("--data", type=Path, default=None, help="the dataset file (default: ../shared/data/...)")
+    p.add_argument("--n", type=int, default=100, help="questions")
+    p.add_argument("--distractors", type=int, default=4, help="nq: random passages besides the gold one")
+    p.add_argument("--shuffle", action="store_true", help="hotpotqa: shuffle the paragraphs")
+    p.add_argument("--store", type=Path, default=None,
+                   help="nq retrieval mode: chunks are the top --k of this corpus store (lazyrag precache), not gold + distractors")
+    p.add_argument("--k", type=int, default=5, help="retrieval mode: chunks per question")
+    p.add_argument("--strategies", default="full,position_aware,lazy,lazy:first=16,lazy:first=32",
+                   help="comma-separated: full, prefix, position_aware, lazy, lazy:first=K (each chunk's first K tokens "
+                        "recomputed in context), lazy:blend=R (CacheBlend: the fraction R of chunk tokens whose KV deviates "
+                        "most; add :select=chunk for R of each chunk), or both, e.g. lazy:first=16:blend=0.1")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--batch", type=int, default=4, help="questions whose requests (all strategies) run as one batch")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/quality.json"))
+    return p
+
+
+# -- argument checks that need no model: a mistake is reported in a second, not after the load --
+
+class UsageError(ValueError):
+    """A command-line argument that cannot work; the message says what to pass instead."""
+
+
+def _check_model(model: str | None) -> None:
+    if model is not None and not Path(model).expanduser().exists():
+        raise UsageError(f"--model {model} does not exist. Pass a local folder with config.json and *.safetensors, "
+                         "a .gguf file, or leave --model out for the embedded default model.")
+
+
+def _check_store(store: Path) -> None:
+    from lazyrag.store.corpus import CorpusStore
+
+    CorpusStore.open(store)  # StoreError (what to do) for a missing, foreign or unfinished store
+
+
+def _check_ask(args) -> None:
+    check_strategy(args.strategy)
+    _check_model(args.model)
+    if args.chunks_file and not args.chunks_file.is_file():
+        raise UsageError(f"--chunks-file {args.chunks_file} does not exist; pass a text file whose paragraphs "
+                         "(separated by blank lines) are the chunks.")
+    if args.max_new_tokens <= 0 or args.k <= 0:
+        raise UsageError("--max-new-tokens and --k must be positive.")
+    if args.store is not None:
+        _check_store(args.store)
+
+
+def _check_precache(args) -> None:
+    _check_model(args.model)
+    missing = [i for i in args.inputs if not Path(i).exists()]
+    if missing:
+        raise UsageError(f"precache input(s) not found: {', '.join(missing)}. Pass folders of .txt/.md files, "
+                         ".txt/.md files, or .jsonl(.gz) files.")
+    if args.chunk_tokens <= 0 or args.chunk_tokens % 16:
+        raise UsageError(f"--chunk-tokens {args.chunk_tokens} must be a positive multiple of the KV block size, 16.")
+    if not 0 <= args.overlap < args.chunk_tokens:
+        raise UsageError(f"--overlap {args.overlap} must be at least 0 and below --chunk-tokens {args.chunk_tokens}.")
+    if args.limit is not None and args.limit <= 0:
+        raise UsageError("--limit must be a positive number of documents.")
+    if args.chunks_per_shard <= 0:
+        raise UsageError("--chunks-per-shard must be positive.")
+
+
+def _check_eval(args) -> None:
+    _check_model(args.model)
+    for name in args.strategies.split(","):
+        check_strategy(name)
+    if args.store is not None:
+        _check_store(args.store)
+
+
+def _finished_store(args) -> str | None:
+    """A summary if ``--out`` already holds a finished build of these inputs and options, so rerunning
+    the command returns at once instead of loading the model to find nothing to do."""
+    from lazyrag.prompt import DEFAULT_SYSTEM_PROMPT
+    from lazyrag.store.corpus import MANIFEST, read_manifest
+
+    out = Path(args.out)
+    if args.overwrite or args.verify or not (out / MANIFEST).is_file():
+        return None
+    m = read_manifest(out)
+    asked = {"chunk_tokens": args.chunk_tokens, "overlap": args.overlap, "chunks_per_shard": args.chunks_per_shard,
+             "index_kind": args.index, "embedder": args.embedder or DEFAULT_EMBEDDER,
+             "system_prompt": args.system or DEFAULT_SYSTEM_PROMPT}
+    if m.status != "complete" or any(getattr(m, k) != v for k, v in asked.items()):
+        return None  # unfinished or other settings: the build resumes or explains the mismatch
+    if args.dtype is not None and args.dtype != m.dtype:
+        return None
+    from lazyrag.model.loader import resolve_model_source  # no weights read: the name the engine would carry
+
+    if resolve_model_source(args.model).name != m.model_name:
+        return None
+    if not {str(Path(i)) for i in args.inputs} <= set(m.sources):
+        return None
+    built = (out / MANIFEST).stat().st_mtime
+    inputs = [f for i in args.inputs for f in ([Path(i)] if Path(i).is_file() else Path(i).rglob("*"))]
+    if any(f.stat().st_mtime > built for f in inputs):
+        return None  # an input changed since the build
+    return (f"{out} is already a finished store of these inputs ({m.num_chunks} chunks, {m.num_tokens} tokens); "
+            "nothing to do. Pass --verify to check its checksums or --overwrite to rebuild it.")
+
+
+CHECKS = {"ask": _check_ask, "precache": _check_precache, "eval": _check_eval}
+
+
 def _ask(args) -> int:
-    from lazyrag.engine import LazyEngine
-    from lazyrag.engine import SamplingParams
+    from lazyrag.engine import LazyEngine, SamplingParams
 
     chunks = list(args.chunk)
-    if args.chunks_file:
-        if not args.chunks_file.is_file():
-            print(f"error: --chunks-file {args.chunks_file} does not exist", file=sys.stderr)
-            return 2
+    if args.chunks_file:  # checked before the model loads (_check_ask)
         chunks += [p.strip() for p in args.chunks_file.read_text().split("\n\n") if p.strip()]
     engine = LazyEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
     if args.store is not None:
         from lazyrag.store.retriever import Retriever
-        from lazyrag.store import StoreError
 
-        try:
-            store = engine.attach_store(args.store)
-        except StoreError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
+        store = engine.attach_store(args.store)  # StoreError (model mismatch, ...) is reported by main
         for hit in Retriever(store).retrieve(args.question, args.k):
             print(f"[retrieved {hit.score:.3f}] {hit.doc_id}: {hit.text[:90]!r}", file=sys.stderr)
             chunks.append(hit.text)
@@ -105,35 +261,77 @@ def _ask(args) -> int:
     return 0
 
 
+def _precache(args) -> int:
+    from lazyrag.engine import LazyEngine
+    from lazyrag.prompt import DEFAULT_SYSTEM_PROMPT
+    from lazyrag.store.build import PrecacheConfig, precache
+
+    kw = {"kv_budget": args.kv_budget} if args.kv_budget else {}
+    config = PrecacheConfig(list(args.inputs), args.out, args.chunk_tokens, args.overlap, args.chunks_per_shard, args.index,
+                            args.embedder, args.limit, args.system, progress=not args.quiet,
+                            verify=args.verify, overwrite=args.overwrite)
+    engine = LazyEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
+                                        system_prompt=args.system or DEFAULT_SYSTEM_PROMPT, **kw)
+    print(precache(engine, config).summary())  # StoreError / ValueError are reported by main
+    return 0
+
+
+def _quiet_loading(command: str) -> None:
+    """No model-loading progress bars or library warnings on every start (``-v`` shows them)."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # also turns off transformers' bars
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    if command == "ask":
+        # the GGUF reader's bar is a bare tqdm: only tqdm's own switch stops it (demo, precache and eval keep
+        # theirs, which report the run's progress; --quiet there)
+        os.environ.setdefault("TQDM_DISABLE", "1")
+
+
+def _usage_errors() -> tuple[type, ...]:
+    """The errors whose message says what to do: bad input, a broken or mismatched store, a model that
+    cannot load. (Read from the modules already imported: importing torch just to report is slow.)"""
+    found = [ValueError]
+    for module, name in (("lazyrag.store", "StoreError"), ("lazyrag.model.loader", "ModelLoadError")):
+        if module in sys.modules:
+            found.append(getattr(sys.modules[module], name))
+    return tuple(found)
+
+
+def _run(args) -> int:
+    if args.command == "demo":
+        from lazyrag.demo import run_demo
+
+        run_demo(args.model, args.device, args.max_new_tokens, args.repeats, args.seed)
+        return 0
+    if args.command == "eval":
+        from lazyrag.eval import run_eval
+
+        return run_eval(args)
+    if args.command == "precache":
+        done = _finished_store(args)
+        if done:
+            print(done)
+            return 0
+        return _precache(args)
+    return _ask(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
         return 0
-    from lazyrag.model.loader import ModelLoadError
-
+    if not args.verbose:
+        _quiet_loading(args.command)
     try:
-        if args.command == "demo":
-            from lazyrag.demo import run_demo
-
-            run_demo(args.model, args.device, args.max_new_tokens, args.repeats, args.seed)
-            return 0
-        if args.command == "eval":
-            from lazyrag.eval import run_eval
-
-            return run_eval(args)
-        if args.command == "precache":
-            from lazyrag.store.build import run_precache
-
-            return run_precache(args)
-        if args.command == "ask":
-            return _ask(args)
-    except ModelLoadError as e:
+        CHECKS.get(args.command, lambda a: None)(args)
+        return _run(args)
+    except Exception as e:
+        if args.debug or not isinstance(e, _usage_errors()):
+            raise  # a bug, not a usage problem: the traceback is what is needed
         print(f"error: {e}", file=sys.stderr)
+        print(f"(run `lazyrag {args.command} ... --debug` to see where it failed)", file=sys.stderr)
         return 2
-    parser.error(f"unknown command {args.command}")
-    return 2
 
 
 if __name__ == "__main__":

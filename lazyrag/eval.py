@@ -13,7 +13,6 @@ identical to ``position_aware`` (the lazy kernel must give the same answers).
 """
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import random
@@ -158,30 +157,6 @@ def plot(summary: dict, path: Path, title: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-
-
-def add_eval_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("eval", help="answer quality of the strategies side by side on NQ or HotpotQA",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dataset", choices=["nq", "hotpotqa"], default="nq")
-    p.add_argument("--data", type=Path, default=None, help="the dataset file (default: ../shared/data/...)")
-    p.add_argument("--n", type=int, default=100, help="questions")
-    p.add_argument("--distractors", type=int, default=4, help="nq: random passages besides the gold one")
-    p.add_argument("--shuffle", action="store_true", help="hotpotqa: shuffle the paragraphs")
-    p.add_argument("--store", type=Path, default=None,
-                   help="nq retrieval mode: chunks are the top --k of this corpus store (lazyrag precache), not gold + distractors")
-    p.add_argument("--k", type=int, default=5, help="retrieval mode: chunks per question")
-    p.add_argument("--strategies", default="full,position_aware,lazy,lazy:first=16,lazy:first=32",
-                   help="comma-separated: full, prefix, position_aware, lazy, lazy:first=K (each chunk's first K tokens "
-                        "recomputed in context), lazy:blend=R (CacheBlend: the fraction R of chunk tokens whose KV deviates "
-                        "most; add :select=chunk for R of each chunk), or both, e.g. lazy:first=16:blend=0.1")
-    p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--batch", type=int, default=4, help="questions whose requests (all strategies) run as one batch")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", default=None)
-    p.add_argument("--device", default=None)
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/quality.json"))
-    return p
 
 
 def run_eval(args) -> int:

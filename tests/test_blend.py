@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lazyrag.engine.blend import select, selective_recompute
-from lazyrag.engine.request import strategy_options
+from lazyrag.strategy_names import lazy_options
 from tests.test_engine import CHUNKS, QUESTION, rel_err
 
 
@@ -91,8 +91,8 @@ def test_blend_through_generate_on_the_default_model(default_engine):
 
 
 def test_strategy_names():
-    assert strategy_options("lazy:blend=0.15") == {"blend": 0.15}
-    assert strategy_options("lazy:first=16:blend=0.1:select=chunk") == {"recompute_first": 16, "blend": 0.1, "blend_per_chunk": True}
+    assert lazy_options("lazy:blend=0.15") == {"blend": 0.15}
+    assert lazy_options("lazy:first=16:blend=0.1:select=chunk") == {"recompute_first": 16, "blend": 0.1, "blend_per_chunk": True}
     for bad in ("lazy:blend=0", "lazy:blend=1.5", "lazy:blend=x", "lazy:select=chunk", "lazy:first=0", "lazy:blend=0.1:blend=0.2", "lazy:foo=1"):
         with pytest.raises(ValueError, match="lazy:blend=R"):
-            strategy_options(bad)
+            lazy_options(bad)

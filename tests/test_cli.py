@@ -1,16 +1,38 @@
 """The command line, as a user runs it."""
+import json
+import shutil
 import subprocess
 import sys
+
+import pytest
+
+from tests.integration_fixtures import tiny_store  # noqa: F401 (fixture)
+
+# runs the CLI, then says whether the engine module (torch, the model) was ever imported
+_PROBE = ("import sys; from lazyrag.cli import main; rc = main(sys.argv[1:]); "
+          "print('engine imported' if 'lazyrag.engine' in sys.modules else 'no engine', "
+          "'torch imported' if 'torch' in sys.modules else 'no torch'); sys.exit(rc)")
 
 
 def run(*args, timeout=600):
     return subprocess.run([sys.executable, "-m", "lazyrag.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
+def probe(*args, timeout=120):
+    return subprocess.run([sys.executable, "-c", _PROBE, *args], capture_output=True, text=True, timeout=timeout)
+
+
 def test_help_teaches():
     r = run("--help")
     assert r.returncode == 0
     assert "lazyrag demo" in r.stdout and "strategies" in r.stdout
+
+
+def test_help_imports_no_torch():
+    for args in (["--help"], ["precache", "--help"], ["ask", "--help"]):
+        code = "import sys; from lazyrag.cli import main\ntry: main(sys.argv[1:])\nexcept SystemExit: pass\nprint('torch' in sys.modules)"
+        r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60)
+        assert r.stdout.strip().endswith("False"), (args, r.stdout[-300:], r.stderr[-300:])
 
 
 def test_demo_runs_offline_and_compares_ttft():
@@ -25,3 +47,67 @@ def test_ask_reports_reuse_and_errors_clearly(tmp_path):
     assert r.returncode == 2 and "does not exist" in r.stderr
     r = run("ask", "Who?", "--model", str(tmp_path / "no-model"))
     assert r.returncode == 2 and "does not exist" in r.stderr
+    r = run("ask", "Who found penicillin?", "--chunk", "Alexander Fleming found penicillin in 1928 in London.",
+            "--max-new-tokens", "3")
+    assert r.returncode == 0 and "chunks hit 0, missed 1" in r.stderr
+    assert "Loading weights" not in r.stderr and "GGUF" not in r.stderr  # no loading bars unless -v
+
+
+def _broken_store(tmp_path):
+    store = tmp_path / "broken"
+    store.mkdir()
+    (store / "manifest.json").write_text("{not json")
+    return store
+
+
+@pytest.mark.parametrize("args, message", [
+    (["ask", "Who?", "--chunk", "x", "--strategy", "lazzy"], "Unknown strategy 'lazzy'"),
+    (["ask", "Who?", "--strategy", "lazy:first=x"], "lazy:first=K"),
+    (["ask", "Who?", "--store", "{tmp}/missing"], "not a lazyrag store"),
+    (["ask", "Who?", "--store", "{broken}"], ""),
+    (["precache", "{tmp}/no-corpus", "--out", "{tmp}/out"], "not found"),
+    (["precache", "{tmp}", "--out", "{tmp}/out", "--chunk-tokens", "100"], "multiple of the KV block size"),
+    (["eval", "--strategies", "full,lazy:blend=2"], "Bad strategy"),
+])
+def test_bad_arguments_are_reported_before_any_model_loads(tmp_path, args, message):
+    broken = _broken_store(tmp_path)
+    args = [a.format(tmp=tmp_path, broken=broken) for a in args]
+    r = probe(*args)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.startswith("error: ") and message in r.stderr and "--debug" in r.stderr
+    assert "Traceback" not in r.stderr and "engine imported" not in r.stdout
+
+
+def test_debug_shows_the_traceback(tmp_path):
+    r = probe("ask", "Who?", "--store", str(tmp_path / "missing"), "--debug")
+    assert r.returncode != 0 and "Traceback" in r.stderr and "StoreError" in r.stderr
+
+
+def test_unfinished_store_says_how_to_finish(tmp_path, tiny_store):
+    unfinished = tmp_path / "unfinished"
+    unfinished.mkdir()
+    manifest = json.loads((tiny_store / "manifest.json").read_text())
+    (unfinished / "manifest.json").write_text(json.dumps({**manifest, "status": "building"}))
+    r = probe("ask", "Who?", "--store", str(unfinished))
+    assert r.returncode == 2 and "rerun the same lazyrag precache command" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_precache_on_a_finished_store_returns_without_loading_the_model(tiny_store, tiny_corpus, tmp_path):
+    from lazyrag.model.loader import resolve_model_source
+
+    store = tmp_path / "store"
+    shutil.copytree(tiny_store, store)
+    manifest = json.loads((store / "manifest.json").read_text())  # as `lazyrag precache` names the default model
+    (store / "manifest.json").write_text(json.dumps({**manifest, "model_name": resolve_model_source(None).name}))
+    r = probe("precache", str(tiny_corpus), "--out", str(store))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "already a finished store" in r.stdout and "engine imported" not in r.stdout
+    other = probe("precache", str(tiny_corpus), "--out", str(store), "--chunk-tokens", "128")
+    assert other.returncode == 2 and "other settings" in other.stderr  # not mistaken for done: the build explains
+
+
+def test_strategy_names_checked_without_torch_are_the_engine_s():
+    from lazyrag.engine.reuse import STRATEGIES
+    from lazyrag.strategy_names import STRATEGY_NAMES
+
+    assert tuple(STRATEGIES) == STRATEGY_NAMES

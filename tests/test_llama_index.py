@@ -4,7 +4,8 @@ response mode; the fast path; pre-caching an index; clear errors."""
 import asyncio
 
 import pytest
-from llama_index.core import Document, VectorStoreIndex
+from llama_index.core import Document, Settings, VectorStoreIndex
+from llama_index.core.callbacks import CallbackManager, TokenCountingHandler
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events.llm import LLMChatStartEvent
@@ -172,3 +173,30 @@ def test_clear_errors(llm, tmp_path):
         llm.complete("lorem ipsum " * 5000)
     with pytest.raises(ValueError, match="holds no nodes"):
         precache_index(llm, VectorStoreIndex([], embed_model=LazyEmbedding()))
+
+
+def test_token_counting_handler_counts_each_answer_once_with_the_model_s_tokens(index, adapter_engine, monkeypatch):
+    counter = TokenCountingHandler(tokenizer=adapter_engine.prompts.encode)
+    monkeypatch.setattr(Settings, "callback_manager", CallbackManager([counter]))  # as the LlamaIndex docs set it up
+    llm = LazyLlamaLLM(engine=adapter_engine, max_new_tokens=MAX_NEW)
+    index.as_query_engine(llm=llm, similarity_top_k=2).query(QUESTION)
+    stats = llm.stats_log[-1]
+    assert len(counter.llm_token_counts) == 1  # one LLM event per answer, not chat + complete
+    assert counter.prompt_llm_token_count == stats["prompt_tokens"]
+    assert counter.completion_llm_token_count == stats["new_tokens"]
+    counter.reset_counts()
+    chat = llm.chat([ChatMessage(role="user", content="Name a colour.")])
+    list(llm.stream_chat([ChatMessage(role="user", content="Name a colour.")]))
+    assert len(counter.llm_token_counts) == 2 and chat.raw["usage"]["prompt_tokens"] == llm.last_stats["prompt_tokens"]
+
+
+def test_unknown_arguments_are_refused_and_hugging_face_names_accepted():
+    for bad, hint in [({"device_map": "auto"}, "device="), ({"tokenizer_name": "x"}, "tokenizer"),
+                      ({"max_new_tokns": 5}, "did you mean max_new_tokens"), ({"strategy": "lazzy"}, "Unknown strategy")]:
+        with pytest.raises(ValueError, match=hint):
+            LazyLlamaLLM(**bad)
+    llm = LazyLlamaLLM(model_name="/models/x", context_window=2048, max_new_tokens=9, system_prompt="Be brief.", device="cpu",
+                       generate_kwargs={"temperature": 0.7, "top_p": 0.8})
+    assert (llm.model, llm.context_window, llm.max_new_tokens, llm.system_prompt, llm.device) == ("/models/x", 2048, 9, "Be brief.", "cpu")
+    assert (llm.temperature, llm.top_p) == (0.7, 0.8)
+    assert LazyLlamaLLM(generate_kwargs={"do_sample": False, "temperature": 0.9}).temperature == 0.0  # greedy, as transformers

