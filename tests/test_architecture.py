@@ -9,7 +9,7 @@ PACKAGE_DIRS = {"lazyrag": ROOT / "lazyrag", "lazyrag.kernels": ROOT / "kernels"
 
 # lowest first; a module may import its own layer's modules and anything below
 LAYERS = [
-    ("lazyrag.kernels", "lazyrag.kv", "lazyrag.prompt"),  # layout, kernels, KV bookkeeping, prompt segments
+    ("lazyrag.kernels", "lazyrag.kv", "lazyrag.prompt", "lazyrag.strategy_names", "lazyrag.defaults"),  # kernels, KV bookkeeping, prompts, names
     ("lazyrag.model", "lazyrag.store.corpus"),  # the Llama model and its attention; a store as a KV tier
     ("lazyrag.engine",),  # the request path
     ("lazyrag.store", "lazyrag.integrations", "lazyrag.eval", "lazyrag.demo"),  # built on the engine
