@@ -86,20 +86,19 @@ class ModelRunner:
             max_seqlen_q=max(new_counts),
         )
 
-    def _eager_forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        rt = Runtime(self.pool, meta, self.attention, self.rope_cos, self.rope_sin, self.rope_scaling, self.model.sm_scale, self.ops)
-        return self.model(ids, positions, rt)
+    def _runtime(self, meta: AttentionMetadata) -> Runtime:
+        return Runtime(self.pool, meta, self.attention, self.rope_cos, self.rope_sin, self.rope_scaling, self.model.sm_scale, self.ops)
 
     def _last_logits(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Logits ``[B, V]`` of each sequence's last new token (what a CUDA graph captures, too)."""
-        hidden = self._eager_forward(ids, positions, meta)
+        hidden = self.model(ids, positions, self._runtime(meta))
         return self.model.logits(hidden.index_select(0, meta.cu_seqlens_q[1:].long() - 1))
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits: bool) -> torch.Tensor | None:
         """Logits ``[B, V]`` of each sequence's last new token (or None); K/V of every new token is written."""
         self.tokens_forwarded += ids.numel()
         if not logits:
-            self._eager_forward(ids, positions, meta)
+            self.model(ids, positions, self._runtime(meta))
             return None
         if self.graphs is not None and self.graphs.supports(ids.numel(), meta.num_ctx_blocks.numel(), meta.is_decode):
             return self.graphs.run(ids, positions, meta)

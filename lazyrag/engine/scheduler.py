@@ -71,7 +71,18 @@ class Scheduler:
         """One forward pass: prefill the requests that can start, else decode all running ones.
         Returns False when there was nothing to do."""
         try:
-            return self._step()
+            while self.inbox:
+                self.waiting.append(self.inbox.popleft())
+            self._drop_aborted()
+            self._prefilling = self._admit()  # out of waiting, not yet running
+            if self._prefilling:
+                self._prefill(self._prefilling)
+                self._prefilling = []
+                return True
+            if self.running:
+                self._decode()
+                return True
+            return False
         except Exception as e:  # a fault no single request owns (a bug): fail those in flight rather than hang them
             log.exception("lazyrag scheduler step failed; failing the requests in flight")
             for req in list(self.waiting) + self.running + self._prefilling:
@@ -86,20 +97,6 @@ class Scheduler:
             self._drop_aborted()
         except Exception:
             log.exception("lazyrag scheduler failed to drop aborted requests")
-
-    def _step(self) -> bool:
-        while self.inbox:
-            self.waiting.append(self.inbox.popleft())
-        self._drop_aborted()
-        self._prefilling = self._admit()  # out of waiting, not yet running
-        if self._prefilling:
-            self._prefill(self._prefilling)
-            self._prefilling = []
-            return True
-        if self.running:
-            self._decode()
-            return True
-        return False
 
     def _drop_aborted(self) -> None:
         for req in [r for r in self.waiting if r.aborted]:
