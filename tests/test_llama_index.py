@@ -200,3 +200,15 @@ def test_unknown_arguments_are_refused_and_hugging_face_names_accepted():
     assert (llm.model, llm.context_window, llm.max_new_tokens, llm.system_prompt, llm.device) == ("/models/x", 2048, 9, "Be brief.", "cpu")
     assert (llm.temperature, llm.top_p) == (0.7, 0.8)
     assert LazyLlamaLLM(generate_kwargs={"do_sample": False, "temperature": 0.9}).temperature == 0.0  # greedy, as transformers
+
+
+def test_a_shared_engine_asked_for_another_kv_budget_raises(adapter_engine):
+    """One process shares one engine (and chunk cache) per model: a different pool size is refused, not ignored."""
+    from lazyrag.integrations._common import shared_engine
+
+    budget = adapter_engine.config.kv_budget
+    assert shared_engine(device="cpu", kv_budget=budget) is adapter_engine
+    with pytest.raises(ValueError, match=f"already loaded with kv_budget={budget}"):
+        shared_engine(device="cpu", kv_budget=budget // 2)
+    with pytest.raises(ValueError, match="kv_budget"):
+        LazyLlamaLLM(device="cpu", kv_budget=budget // 2).complete("hi")
