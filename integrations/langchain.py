@@ -248,7 +248,7 @@ class ChatLazyLlama(BaseChatModel):
         """The stream's last chunk: empty text, the token usage and the reuse stats of ``result``."""
         s = result.stats
         usage = UsageMetadata(input_tokens=s.prompt_tokens, output_tokens=s.new_tokens, total_tokens=s.prompt_tokens + s.new_tokens,
-                              input_token_details={"cache_read": s.tokens_cached})
+                              input_token_details={"cache_read": s.tokens_reused})
         info = _common.result_info(result)
         meta = {"model_name": self.model_name, "model_provider": "lazyrag", "finish_reason": info["finish_reason"],
                 "ttft_s": info["ttft_s"], "lazyrag": info["stats"]}

@@ -252,7 +252,7 @@ class LazyLlamaLLM(CustomLLM):
         info = self._record(result)
         s = result.stats
         raw = {**info, "usage": {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.new_tokens,
-                                 "total_tokens": s.prompt_tokens + s.new_tokens, "cached_tokens": s.tokens_cached}}
+                                 "total_tokens": s.prompt_tokens + s.new_tokens, "cached_tokens": s.tokens_reused}}
         return CompletionResponse(text=result.text, delta="", raw=raw, additional_kwargs=info)
 
     # -- async: the engine's scheduler batches concurrent calls; no thread per request --

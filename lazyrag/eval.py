@@ -109,12 +109,12 @@ def evaluate(engine, items: list[dict], strategies: list[str], max_new_tokens: i
             for s, req in zip(strategies, reqs):
                 r = req.result()
                 answer, st = r.text.strip(), r.stats
-                new_tokens = st.prompt_tokens - st.tokens_reused - st.tokens_recomputed  # the question tail (or all, for full)
+                new_tokens = st.prompt_tokens - st.tokens_context - st.tokens_recomputed  # the question tail (or all, for full)
                 per[s].append({
                     "answer": answer, "em": exact_match(answer, item["answers"]), "f1": f1(answer, item["answers"]),
                     "acc": accuracy(answer, item["answers"]), "ttft_s": r.ttft_s, "prompt_tokens": st.prompt_tokens,
                     "tokens_prefilled": st.tokens_prefilled, "tokens_recomputed": st.tokens_recomputed,
-                    "chunk_tokens": st.tokens_reused + st.tokens_recomputed,
+                    "chunk_tokens": st.tokens_context + st.tokens_recomputed,
                     # compute beyond the new tokens, in tokens through the whole model: quality recovery, and
                     # position_aware's re-encoding of chunks at positions it has no copy for (chunks are pre-cached)
                     "recompute_cost": st.tokens_prefilled - new_tokens,

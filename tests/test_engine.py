@@ -190,3 +190,14 @@ def test_position_aware_variants_cache_what_they_say(tiny_engine):
         assert (forwarded > 0) == encodes_again, (name, forwarded)
         assert rel_err(first, engine.layout_logits(layout, "lazy")) < 1e-5
         assert rel_err(again, engine.layout_logits(moved, "lazy")) < 1e-5
+
+
+def test_reuse_stats_count_only_kv_taken_from_the_cache(tiny_hf, default_hf):
+    """On a cold cache nothing is reused (the chunks are encoded now, then read in place); warm, all of it is."""
+    from lazyrag.engine import LazyEngine
+
+    engine = LazyEngine.from_hf(tiny_hf, default_hf[1], device="cpu", kv_budget=16 << 20)
+    cold = engine.generate(QUESTION, CHUNKS[:3], max_new_tokens=1).stats
+    warm = engine.generate(QUESTION, CHUNKS[:3][::-1], max_new_tokens=1).stats
+    assert cold.chunks_missed == 3 and cold.tokens_reused == 0 and cold.tokens_context > 0
+    assert warm.chunks_hit == 3 and warm.tokens_reused == warm.tokens_context == cold.tokens_context

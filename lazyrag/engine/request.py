@@ -80,8 +80,8 @@ class RequestStats:
     chunks_hit: int = 0
     chunks_missed: int = 0
     tokens_prefilled: int = 0  # tokens run through the model for this request, chunk encoding included
-    tokens_reused: int = 0  # prompt tokens whose KV was not computed in context (cached, or encoded position-free now)
-    tokens_cached: int = 0  # of those, the tokens whose KV was already in the cache (0 on a cold cache): usage's cache_read
+    tokens_context: int = 0  # prompt tokens read as placed context, not computed in context (cached, or encoded alone now)
+    tokens_reused: int = 0  # of those, the tokens whose KV was already in the cache (0 on a cold cache): usage's cache_read
     new_tokens: int = 0
     tokens_recomputed: int = 0  # chunk tokens computed again in context (quality recovery), part of tokens_prefilled
     recompute_cost: float = 0.0  # that recovery's compute in tokens through the whole model (blend's selection included)

@@ -161,10 +161,10 @@ class Scheduler:
         req.plan = plan
         stats.plan_s = self.clock() - t0
         stats.tokens_prefilled = self.runner.tokens_forwarded - forwarded0 + len(plan.new_ids)
-        stats.chunks_hit, stats.chunks_missed, stats.tokens_reused = plan.chunks_hit, plan.chunks_missed, plan.tokens_reused
+        stats.chunks_hit, stats.chunks_missed, stats.tokens_context = plan.chunks_hit, plan.chunks_missed, plan.tokens_reused
         stats.tokens_recomputed, stats.recompute_cost = plan.tokens_recomputed, plan.recompute_cost
         encoded = stats.tokens_prefilled - len(plan.new_ids) - plan.tokens_recomputed  # chunks (and prefix) missed and encoded now
-        stats.tokens_cached = max(0, plan.tokens_reused - encoded)
+        stats.tokens_reused = max(0, plan.tokens_reused - encoded)
         if self.tokenizer is not None:
             req.detok = Detokenizer(self.tokenizer, req.params.stop)
 
