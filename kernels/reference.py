@@ -64,6 +64,8 @@ def gather_contexts(
     v = v_cache[block_ids].float()  # [B, W, bs, Hkv, D]
     slot = torch.arange(block_size, device=k.device)
     ok = (slot[None, None, :] < valid[:, :, None]) & (torch.arange(W, device=k.device)[None, :, None] < num_blocks[:, None, None].long())
+    # padding slots hold whatever the pool held: zero them, since a masked weight times NaN is still NaN
+    k, v = (t.masked_fill(~ok[..., None, None], 0.0) for t in (k, v))
     return k.flatten(1, 2), v.flatten(1, 2), ok.flatten(1)
 
 

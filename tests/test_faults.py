@@ -5,6 +5,7 @@ import math
 import threading
 
 import pytest
+import torch
 
 from lazyrag.engine import SamplingParams
 from tests.test_engine import CHUNKS, QUESTION
@@ -188,3 +189,19 @@ def test_a_layout_with_ids_outside_the_vocabulary_is_refused(fresh_engine):
     with pytest.raises(ValueError, match="chunk 1"):
         fresh_engine.add_request(layout, SamplingParams(max_new_tokens=2))
     assert not fresh_engine.scheduler.has_work()
+
+
+def test_whatever_the_pool_held_never_reaches_the_logits(tiny_hf, default_hf):
+    """Every slot a request reads is written first or masked as padding: a pool full of NaN (recycled
+    memory can hold anything) gives the logits of a clean one."""
+    from lazyrag.engine import LazyEngine
+
+    clean = LazyEngine.from_hf(tiny_hf, default_hf[1], device="cpu", kv_budget=16 << 20)
+    dirty = LazyEngine.from_hf(tiny_hf, default_hf[1], device="cpu", kv_budget=16 << 20)
+    dirty.cache.pool.k.fill_(float("nan"))
+    dirty.cache.pool.v.fill_(float("nan"))
+    for strategy in ("lazy", "position_aware", "full", "lazy:blend=0.3", "lazy:first=4"):
+        layout = clean.build_prompt(QUESTIONS[2], CHUNKS[:3])
+        want, got = clean.layout_logits(layout, strategy), dirty.layout_logits(layout, strategy)
+        assert torch.isfinite(got).all(), strategy
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), strategy

@@ -53,7 +53,7 @@ def test_killed_build_resumes_to_the_same_store(default_engine, tiny_corpus, emb
     precache(default_engine, PrecacheConfig([str(tiny_corpus)], str(reference), chunks_per_shard=1, progress=False), embedder)
 
     out = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "lazyrag.store.build", str(tiny_corpus), "--out", str(out), "--chunks-per-shard", "1", "--quiet"]
+    cmd = [sys.executable, "-m", "lazyrag.cli", "precache", str(tiny_corpus), "--out", str(out), "--chunks-per-shard", "1", "--quiet"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:

@@ -44,8 +44,10 @@ class BlockPool:
         assert num_blocks > 0, "the KV pool needs at least one block"
         self.shape, self.num_blocks, self.device = shape, num_blocks, device
         dims = (shape.num_layers, num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim)
-        self.k = torch.empty(dims, dtype=shape.dtype, device=device)
-        self.v = torch.empty(dims, dtype=shape.dtype, device=device)
+        # zeros, not empty: padding slots are masked out of attention, but a masked score times a NaN
+        # left in recycled memory is still NaN (0 * NaN), so the slots must hold finite values
+        self.k = torch.zeros(dims, dtype=shape.dtype, device=device)
+        self.v = torch.zeros(dims, dtype=shape.dtype, device=device)
         self._refcount = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
         self._lock = threading.Lock()
