@@ -72,7 +72,7 @@ class RequestStream:
                 await ready.wait()
                 ready.clear()
         finally:
-            self.close()
+            self.close(wait=False)
 
     def result(self) -> GenerationResult:
         """Run to the end (the deltas not read are dropped) and return the result; raises the request's error."""
@@ -85,9 +85,9 @@ class RequestStream:
             pass
         return self.request.result()
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         if not self.request.done:
-            self.engine._abandon(self.request)
+            self.engine._abandon(self.request, wait)
 
 
 class LazyEngine:
@@ -328,13 +328,14 @@ class LazyEngine:
                     return
                 self._step_locked()
 
-    def _abandon(self, req: Request) -> None:
-        """The caller stopped listening: give the request's blocks and pins back now."""
+    def _abandon(self, req: Request, wait: bool = True) -> None:
+        """The caller stopped listening: give the request's blocks and pins back now (``wait=False``:
+        at the driver thread's next step, without waiting for the lock)."""
         if not req.done:
             self.scheduler.abort(req)
             self._work.set()
-            if self._stepping_thread == threading.get_ident():
-                return  # a finalizer inside this thread's own step: that step drops it
+            if not wait or self._stepping_thread == threading.get_ident():
+                return  # the next step drops it (the driver's, for an event loop that must not block; or this thread's own)
             with self._lock:
                 self.scheduler.drop_aborted()
 
