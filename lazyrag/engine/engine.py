@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from dataclasses import replace
+from pathlib import Path
 from typing import AsyncIterator, Iterator
 
 import torch
@@ -270,11 +271,12 @@ class LazyEngine:
         recompute, and free-form prompts find the store's chunks. Attaching the same folder again is a no-op."""
         from lazyrag.store.corpus import CorpusStore
 
-        if not isinstance(store, CorpusStore):
-            store = CorpusStore.open(store)
-        attached = next((t for t in self.cache.tiers if isinstance(t, CorpusStore) and t.path == store.path), None)
+        folder = Path(store.path if isinstance(store, CorpusStore) else store).expanduser().resolve()
+        attached = next((t for t in self.cache.tiers if isinstance(t, CorpusStore) and t.path.resolve() == folder), None)
         if attached is not None:
             return attached
+        if not isinstance(store, CorpusStore):
+            store = CorpusStore.open(folder)
         store.check_compatible(self.kv_identity())
         self.cache.add_tier(store)
         self.register_chunks(row.text for row in store.rows() if row.text)
