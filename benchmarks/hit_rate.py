@@ -128,7 +128,7 @@ def run_one(strategy: str, prompts: list[PromptLayout], budget_bytes: int, polic
         total += len(layout.chunk_ids)
         total_tokens += n_chunk_tokens
         if strategy == "prefix":
-            hit_tokens += min(max(0, plan.tokens_reused - len(layout.prefix_ids)), n_chunk_tokens)
+            hit_tokens += min(max(0, plan.tokens_context - len(layout.prefix_ids)), n_chunk_tokens)
         else:
             hit_tokens += plan.chunks_hit * wl.doc_tokens
     assert pool.num_free + cache._cached_blocks == pool.num_blocks, "leaked blocks"

@@ -17,6 +17,7 @@ from lazyrag.kv.cache import Segment
 from lazyrag.prompt import PromptLayout
 from lazyrag.strategy_names import check_strategy
 
+
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 128
@@ -65,12 +66,11 @@ class Plan:
     pinned: list[Segment] = field(default_factory=list)
     chunks_hit: int = 0
     chunks_missed: int = 0
-    tokens_reused: int = 0
+    tokens_context: int = 0  # prompt tokens read as placed context rather than computed in context
     block_keys: list[str] = field(default_factory=list)  # prefix caching: hash chain of the prompt's blocks
     owned_blocks: list[int] = field(default_factory=list)  # the request's recomputed tokens: freed with it
     tokens_recomputed: int = 0  # chunk tokens computed again in context (quality recovery)
     recompute_cost: float = 0.0  # its compute, in tokens through the whole model (blend: selection included)
-
 
 
 @dataclass
@@ -145,5 +145,3 @@ class Request:
         ttft = (self.first_token_at if self.first_token_at is not None else self.finished_at) - self.arrival
         return GenerationResult(text, list(self.seq.generated) if self.seq else [], ttft, self.finished_at - self.arrival,
                                 self.finish_reason, self.stats)
-
-

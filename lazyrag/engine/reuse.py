@@ -197,7 +197,7 @@ class LazyStitching(Strategy):
         elif self.recompute_first:
             placed = self._recompute_heads(placed, layout, plan)
         plan.context = placed
-        plan.tokens_reused = layout.num_tokens - len(plan.new_ids) - plan.tokens_recomputed
+        plan.tokens_context = layout.num_tokens - len(plan.new_ids) - plan.tokens_recomputed
 
     def _blend(self, placed: list[Placement], layout: PromptLayout, plan: Plan) -> list[Placement]:
         """Recompute the most-deviating chunk tokens (and the heads) in context into private copies of their blocks."""
@@ -278,7 +278,7 @@ class PositionAware(Strategy):
         plan.chunks_hit, plan.chunks_missed = hits, len(wanted) - hits
         plan.context.append(Placement(prefix, 0))
         plan.context.extend(Placement(copies[key], 0) for key, _, _ in wanted)
-        plan.tokens_reused = layout.num_tokens - len(plan.new_ids)
+        plan.tokens_context = layout.num_tokens - len(plan.new_ids)
 
 
 class PrefixCaching(Strategy):
@@ -307,7 +307,7 @@ class PrefixCaching(Strategy):
             plan.context.append(Placement(seg, 0))
         self.cache.record(keys[len(plan.context) + 1 :])  # asked for too, though the walk stopped at the first miss
         cached = len(plan.context) * bs
-        plan.new_ids, plan.new_start, plan.tokens_reused = ids[cached:], cached, cached
+        plan.new_ids, plan.new_start, plan.tokens_context = ids[cached:], cached, cached
         # A chunk counts as hit when all of it lies in the reused prefix.
         ends = [s + len(c) for s, c in zip(layout.chunk_starts(), layout.chunk_ids)]
         plan.chunks_hit = sum(e <= cached for e in ends)

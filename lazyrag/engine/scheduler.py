@@ -161,18 +161,20 @@ class Scheduler:
         req.plan = plan
         stats.plan_s = self.clock() - t0
         stats.tokens_prefilled = self.runner.tokens_forwarded - forwarded0 + len(plan.new_ids)
-        stats.chunks_hit, stats.chunks_missed, stats.tokens_context = plan.chunks_hit, plan.chunks_missed, plan.tokens_reused
+        stats.chunks_hit, stats.chunks_missed, stats.tokens_context = plan.chunks_hit, plan.chunks_missed, plan.tokens_context
         stats.tokens_recomputed, stats.recompute_cost = plan.tokens_recomputed, plan.recompute_cost
         encoded = stats.tokens_prefilled - len(plan.new_ids) - plan.tokens_recomputed  # chunks (and prefix) missed and encoded now
-        stats.tokens_reused = max(0, plan.tokens_reused - encoded)
+        stats.tokens_reused = max(0, plan.tokens_context - encoded)
         if self.tokenizer is not None:
             req.detok = Detokenizer(self.tokenizer, req.params.stop)
 
     def _prefill(self, batch: list[Request]) -> None:
-        done = self._forward_isolated(batch, lambda rs: self.runner.prefill([r.seq for r in rs], [r.plan.new_ids for r in rs]))
+        done, logits = self._forward_isolated(batch, lambda rs: self.runner.prefill([r.seq for r in rs], [r.plan.new_ids for r in rs]))
         self.steps["prefill"] += 1
-        sampled = []
-        for r, row in done:
+        if not done:
+            return
+        sampled = []  # indices into ``done`` of the requests that go on to decode
+        for i, (r, row) in enumerate(zip(done, logits)):
             try:
                 self.planner[r.params.strategy].finish(r.plan, r.seq)
                 if r.prompt_logits_only:
@@ -184,40 +186,42 @@ class Scheduler:
                 self._finish(r, "length")
             else:
                 self.running.append(r)
-                sampled.append((r, row))
-        self._accept(sampled)
+                sampled.append(i)
+        if len(sampled) < len(done):
+            logits = logits[torch.tensor(sampled, dtype=torch.long, device=logits.device)]
+        self._accept([done[i] for i in sampled], logits)
 
     def _decode(self) -> None:
         batch = list(self.running)
-        done = self._forward_isolated(batch, lambda rs: self.runner.decode([r.seq for r in rs], [r.last_token for r in rs]))
+        self._accept(*self._forward_isolated(batch, lambda rs: self.runner.decode([r.seq for r in rs], [r.last_token for r in rs])))
         self.steps["decode"] += 1
-        self._accept(done)
 
-    def _forward_isolated(self, batch: list[Request], forward: Callable[[list[Request]], torch.Tensor]) -> list[tuple[Request, torch.Tensor]]:
-        """(request, logits row) for each request whose forward pass ran. A failing batch runs again one
+    def _forward_isolated(self, batch: list[Request], forward: Callable[[list[Request]], torch.Tensor]) -> tuple[list[Request], torch.Tensor]:
+        """The requests whose forward pass ran and their logits ``[B', V]``. A failing batch runs again one
         request at a time, so only the request(s) at fault fail (sequence state moves only on success)."""
         try:
-            return list(zip(batch, forward(batch)))  # [B, V]
+            return batch, forward(batch)  # [B, V]
         except Exception as e:
             if len(batch) == 1:
                 self._fail(batch[0], e)
-                return []
+                return [], None
             log.warning("lazyrag: a batched forward of %d requests failed (%r); running them one at a time", len(batch), e)
-        done = []
+        done, rows = [], []
         for r in batch:
             try:
-                done.append((r, forward([r])[0]))
+                rows.append(forward([r])[0])
+                done.append(r)
             except Exception as e:
                 self._fail(r, e)
-        return done
+        return done, torch.stack(rows) if rows else None
 
-    def _accept(self, batch: list[tuple[Request, torch.Tensor]]) -> None:
-        """Sample each request's next token and apply end of turn, stop strings and the length limit."""
+    def _accept(self, batch: list[Request], logits: torch.Tensor | None) -> None:
+        """Sample each request's next token (``logits`` [B, V]) and apply end of turn, stop strings and the length limit."""
         if not batch:
             return
-        greedy = torch.stack([row for _, row in batch]).argmax(-1).tolist()  # one device sync for the whole batch
+        greedy = logits.argmax(-1).tolist()  # one device sync for the whole batch
         now = self.clock()
-        for (r, row), best in zip(batch, greedy):
+        for r, row, best in zip(batch, logits, greedy):
             try:
                 self._accept_one(r, row, best, now)
             except Exception as e:  # e.g. a tokenizer that cannot decode the token: this request only
