@@ -94,7 +94,8 @@ def check_layout(layout: "PromptLayout", vocab_size: int) -> None:
     segments += [(f"chunk {i}", c) for i, c in enumerate(layout.chunk_ids)]
     for what, ids in segments:
         try:
-            ok = not ids or (isinstance(min(ids), int) and min(ids) >= 0 and max(ids) < vocab_size)
+            lo = min(ids, default=0)
+            ok = isinstance(lo, int) and lo >= 0 and max(ids, default=0) < vocab_size
         except TypeError:
             ok = False
         if not ok:

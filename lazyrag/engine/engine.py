@@ -99,7 +99,6 @@ class LazyEngine:
                  model_name: str = "model"):
         self.model, self.hf_config, self.tokenizer, self.config = model, hf_config, tokenizer, config
         self.fingerprint, self.model_name = model_fingerprint, model_name
-        self.device, self.dtype = config.device, config.dtype
         args = model.args
         shape = KVShape(args.num_layers, args.num_kv_heads, args.head_dim, config.block_size, config.dtype)
         pool = BlockPool.with_budget(shape, config.kv_budget, config.device)
@@ -173,6 +172,14 @@ class LazyEngine:
         eos = getattr(self.hf_config, "eos_token_id", None)
         ids.update([eos] if isinstance(eos, int) else (eos or []))
         return ids
+
+    @property
+    def device(self) -> torch.device:
+        return self.config.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.config.dtype
 
     @property
     def max_context(self) -> int:
