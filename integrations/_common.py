@@ -20,6 +20,7 @@ from lazyrag.strategy_names import check_strategy
 
 if TYPE_CHECKING:  # torch is imported only when an engine is really needed
     from lazyrag.engine import GenerationResult, LazyEngine, RequestStream
+    from lazyrag.store.corpus import CorpusStore
     from lazyrag.store.retriever import Retriever
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -28,6 +29,7 @@ _lock = threading.Lock()
 _engines: dict[tuple, "LazyEngine"] = {}
 _embedders: dict[str, object] = {}
 _retrievers: dict[tuple, "Retriever"] = {}
+_stores: dict[Path, "CorpusStore"] = {}
 
 
 def model_name(model: str | None) -> str:
@@ -75,8 +77,24 @@ def attach_store_once(engine: "LazyEngine", store) -> None:
     Raises lazyrag.store.StoreError for a missing or unfinished store and StoreMismatch for a
     store built for another model/dtype/prefix (messages say how to fix it)."""
     if store is not None:
+        corpus = open_store(store)
         with _lock:
-            engine.attach_store(Path(store).expanduser())
+            engine.attach_store(corpus)
+
+
+def open_store(store) -> "CorpusStore":
+    """A store folder opened (manifest, table and FAISS index checked and read) once per process, for the
+    engine's KV tier and the retrievers alike."""
+    from lazyrag.store.corpus import CorpusStore
+
+    path = Path(store).expanduser().resolve()
+    with _lock:
+        found = _stores.get(path)
+    if found is None:
+        found = CorpusStore.open(path)  # StoreError for a missing, unfinished or damaged store
+        with _lock:
+            found = _stores.setdefault(path, found)
+    return found
 
 
 def load_embedder(name: str | None = None):
@@ -96,8 +114,8 @@ def open_retriever(store, embedder: str | None = None) -> "Retriever":
 
     Missing or unfinished stores raise lazyrag.store.StoreError (from CorpusStore.open); a
     finished store without a single chunk raises it here, since every query would return nothing."""
+    from lazyrag.store.corpus import StoreError
     from lazyrag.store.retriever import Retriever
-    from lazyrag.store.corpus import CorpusStore, StoreError
 
     path = Path(store).expanduser().resolve()
     key = (str(path), embedder)
@@ -105,7 +123,7 @@ def open_retriever(store, embedder: str | None = None) -> "Retriever":
         found = _retrievers.get(key)
     if found is not None:
         return found
-    corpus = CorpusStore.open(path)
+    corpus = open_store(path)
     if len(corpus) == 0:
         raise StoreError(f"The store at {path} holds no chunks, so there is nothing to retrieve; "
                          "build it from a non-empty corpus with: lazyrag precache CORPUS --out STORE")

@@ -159,10 +159,10 @@ def _check_model(model: str | None) -> None:
                          "a .gguf file, or leave --model out for the embedded default model.")
 
 
-def _check_store(store: Path) -> None:
+def _check_store(store: Path):
     from lazyrag.store.corpus import CorpusStore
 
-    CorpusStore.open(store)  # StoreError (what to do) for a missing, foreign or unfinished store
+    return CorpusStore.open(store)  # StoreError (what to do) for a missing, foreign or unfinished store
 
 
 def _check_ask(args) -> None:
@@ -174,7 +174,7 @@ def _check_ask(args) -> None:
     if args.max_new_tokens <= 0 or args.k <= 0:
         raise UsageError("--max-new-tokens and --k must be positive.")
     if args.store is not None:
-        _check_store(args.store)
+        args.store = _check_store(args.store)  # opened once: the command attaches and searches this one
 
 
 def _check_precache(args) -> None:
@@ -198,7 +198,7 @@ def _check_eval(args) -> None:
     for name in args.strategies.split(","):
         check_strategy(name)
     if args.store is not None:
-        _check_store(args.store)
+        args.store = _check_store(args.store)  # opened once: the command attaches and searches this one
 
 
 def _finished_store(args) -> str | None:
