@@ -142,7 +142,9 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=4, help="questions whose requests (all strategies) run as one batch")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None)
-    p.add_argument("--device", default=None)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="model and KV dtype (default: bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/quality.json"))
     return p
 

@@ -159,8 +159,16 @@ def plot(summary: dict, path: Path, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _device_name(engine) -> str:
+    import torch
+
+    if engine.device.type == "cuda":
+        return f"cuda ({torch.cuda.get_device_name(engine.device)})"
+    return str(engine.device)
+
+
 def run_eval(args) -> int:
-    from lazyrag.engine import LazyEngine
+    from lazyrag.engine import LazyEngine, SchedulerConfig
 
     default = {"nq": DATA / "nq_open_oracle_2655.jsonl.gz", "hotpotqa": DATA / "hotpotqa_dev_500.jsonl"}[args.dataset]
     path = args.data or default
@@ -170,7 +178,9 @@ def run_eval(args) -> int:
     items = (load_nq(path, args.n, args.distractors, args.seed) if args.dataset == "nq"
              else load_hotpotqa(path, args.n, args.shuffle, args.seed))
     strategies = args.strategies.split(",")
-    engine = LazyEngine.from_pretrained(args.model, device=args.device)
+    # every request of a batch (questions x strategies) runs as one continuous batch
+    scheduler = SchedulerConfig(max_running=max(64, args.batch * len(strategies)))
+    engine = LazyEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, scheduler=scheduler)
     if args.store is not None:  # retrieval mode: each question's top-k chunks of the corpus, their KV from the store
         from lazyrag.store.retriever import Retriever
 
@@ -180,10 +190,12 @@ def run_eval(args) -> int:
         engine.attach_store(args.store)
     t = time.time()
     result = evaluate(engine, items, strategies, args.max_new_tokens, batch_items=args.batch)
-    result.update({"dataset": args.dataset, "n": len(items), "model": engine.model_name, "device": str(engine.device),
+    result.update({"dataset": args.dataset, "n": len(items), "model": engine.model_name, "device": _device_name(engine),
+                   "dtype": str(engine.dtype).replace("torch.", ""),
                    "command": "lazyrag " + " ".join(sys.argv[1:]), "seconds": time.time() - t,
                    "mode": "retrieval" if args.store is not None else "oracle"})
-    print(f"\n{args.dataset}, n={len(items)}, {engine.model_name} on {engine.device}")
+    print(f"\n{args.dataset}, n={len(items)}, {engine.model_name} on {result['device']}, {result['dtype']}, "
+          f"{result['seconds']:.0f} s")
     width = max(18, *(len(s) + 2 for s in strategies))
     print(f"{'strategy':<{width}}{'acc':>7}{'F1':>7}{'EM':>7}{'recomp%':>9}{'tokens%':>9}{'prefill%':>9}{'same as PA':>11}"
           f"{'same as full':>13}")
