@@ -15,13 +15,13 @@ if [ ! -f "$M" ]; then
 fi
 echo "$(cat .model/b/sha)  $M" | sha256sum -c
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2  # 8 worker processes share 16 cores
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
 run() {  # dataset n strategies out [extra]
   local left=$(( budget - ($(date +%s) - start) ))
   [ "$left" -gt 60 ] || { echo "skip $1: ${left}s left"; return 0; }
   timeout "$left" python3 -m lazyrag.cli eval --dataset "$1" --n "$2" --strategies "$3" --out "$OUT/$4" \
-    --device cuda --dtype float32 --batch 64 --max-new-tokens 32 --model "$M" "${@:5}" || echo "eval $1 exited $?"
+    --device cuda --dtype float32 --batch 32 --workers "${WORKERS:-8}" --max-new-tokens 32 --model "$M" "${@:5}" || echo "eval $1 exited $?"
 }
 run nq "$n_nq" "$nq" quality_nq_gpu.json --data .data/nq_open_oracle_2655.jsonl.gz
 if [ -n "$hp" ]; then

@@ -139,7 +139,11 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
                         "recomputed in context), lazy:blend=R (CacheBlend: the fraction R of chunk tokens whose KV deviates "
                         "most; add :select=chunk for R of each chunk), or both, e.g. lazy:first=16:blend=0.1")
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--batch", type=int, default=4, help="questions whose requests (all strategies) run as one batch")
+    p.add_argument("--batch", type=int, default=4, help="questions whose requests (all strategies) run as one batch "
+                   "(on a GPU, 32-64)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes sharing the device, each with its own engine and KV budget. On a GPU the eval is "
+                        "bound by host work per request, so 8 workers run several times faster; on a laptop keep 1")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -197,6 +201,8 @@ def _check_precache(args) -> None:
 
 def _check_eval(args) -> None:
     _check_model(args.model)
+    if args.n <= 0 or args.batch <= 0 or args.workers <= 0 or args.max_new_tokens <= 0:
+        raise UsageError("--n, --batch, --workers and --max-new-tokens must be positive.")
     for name in args.strategies.split(","):
         check_strategy(name)
     if args.store is not None:

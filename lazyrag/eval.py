@@ -88,14 +88,22 @@ def load_hotpotqa(path: Path, n: int, shuffle: bool, seed: int) -> list[dict]:
 
 def evaluate(engine, items: list[dict], strategies: list[str], max_new_tokens: int = 32, progress: bool = True,
              batch_items: int = 4) -> dict:
-    """Every strategy's answer to every item; ``batch_items`` items' requests (all strategies) run as one
-    continuous batch, which on a CPU decodes several times faster than one request at a time."""
+    """Every strategy's answer to every item, scored and summarised (see ``score`` and ``summarize``)."""
     from tqdm import tqdm
 
+    bar = tqdm(total=len(items), desc="eval", unit="question", disable=not progress)
+    per = score(engine, items, strategies, max_new_tokens, batch_items, on_group=bar.update)
+    bar.close()
+    return summarize(per)
+
+
+def score(engine, items: list[dict], strategies: list[str], max_new_tokens: int, batch_items: int,
+          on_group=None) -> dict[str, list[dict]]:
+    """Each strategy's scored answer to each item, in item order. ``batch_items`` items' requests (all
+    strategies) run as one continuous batch, which decodes several times faster than one request at a time."""
     from lazyrag.engine import SamplingParams
 
     per = {s: [] for s in strategies}
-    bar = tqdm(total=len(items), desc="eval", unit="question", disable=not progress)
     for i in range(0, len(items), batch_items):
         group = items[i : i + batch_items]
         for item in group:
@@ -111,7 +119,7 @@ def evaluate(engine, items: list[dict], strategies: list[str], max_new_tokens: i
                 answer, st = r.text.strip(), r.stats
                 new_tokens = st.prompt_tokens - st.tokens_context - st.tokens_recomputed  # the question tail (or all, for full)
                 per[s].append({
-                    "answer": answer, "em": exact_match(answer, item["answers"]), "f1": f1(answer, item["answers"]),
+                    "question": item["question"], "answer": answer, "em": exact_match(answer, item["answers"]), "f1": f1(answer, item["answers"]),
                     "acc": accuracy(answer, item["answers"]), "ttft_s": r.ttft_s, "prompt_tokens": st.prompt_tokens,
                     "tokens_prefilled": st.tokens_prefilled, "tokens_recomputed": st.tokens_recomputed,
                     "chunk_tokens": st.tokens_context + st.tokens_recomputed,
@@ -119,8 +127,13 @@ def evaluate(engine, items: list[dict], strategies: list[str], max_new_tokens: i
                     # position_aware's re-encoding of chunks at positions it has no copy for (chunks are pre-cached)
                     "recompute_cost": st.tokens_prefilled - new_tokens,
                 })
-        bar.update(len(group))
-    bar.close()
+        if on_group is not None:
+            on_group(len(group))
+    return per
+
+
+def summarize(per: dict[str, list[dict]]) -> dict:
+    """Mean scores and costs of each strategy, and how often its answer equals the references'."""
     summary = {}
     for s, rows in per.items():
         mean = lambda key: 100 * statistics.fmean(r[key] for r in rows)  # noqa: E731
@@ -138,6 +151,45 @@ def evaluate(engine, items: list[dict], strategies: list[str], max_new_tokens: i
                 same = sum(a["answer"] == b["answer"] for a, b in zip(rows, per[ref]))
                 summary[s][f"identical_to_{ref}_pct"] = 100 * same / len(rows)
     return {"summary": summary, "answers": {s: [r["answer"] for r in rows] for s, rows in per.items()}}
+
+
+# -- several processes on one device: on a GPU the eval is bound by host work per request (planning,
+# launches, bookkeeping), not by the device, so N processes sharing it run nearly N times faster.
+
+_worker_engine = None
+
+
+def _start_worker(engine_kwargs: dict, store) -> None:
+    global _worker_engine
+    from lazyrag.engine import LazyEngine
+
+    _worker_engine = LazyEngine.from_pretrained(**engine_kwargs)
+    if store is not None:
+        _worker_engine.attach_store(store)
+
+
+def _score_in_worker(job):
+    first, items, strategies, max_new_tokens, batch_items = job
+    return first, score(_worker_engine, items, strategies, max_new_tokens, batch_items)
+
+
+def score_parallel(engine_kwargs: dict, items: list[dict], strategies: list[str], max_new_tokens: int, batch_items: int,
+                   workers: int, store=None, progress: bool = True) -> dict[str, list[dict]]:
+    """``score`` over ``workers`` processes, each with its own engine (``LazyEngine.from_pretrained(**engine_kwargs)``)
+    and KV budget, taking ``batch_items`` items at a time; rows come back in item order."""
+    import multiprocessing
+
+    from tqdm import tqdm
+
+    jobs = [(i, items[i : i + batch_items], strategies, max_new_tokens, batch_items) for i in range(0, len(items), batch_items)]
+    parts = {}
+    ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
+    with ctx.Pool(workers, initializer=_start_worker, initargs=(engine_kwargs, store)) as pool, \
+            tqdm(total=len(items), desc=f"eval ({workers} workers)", unit="question", disable=not progress) as bar:
+        for first, rows in pool.imap_unordered(_score_in_worker, jobs):
+            parts[first] = rows
+            bar.update(len(rows[strategies[0]]))
+    return {s: [row for first in sorted(parts) for row in parts[first][s]] for s in strategies}
 
 
 def plot(summary: dict, path: Path, title: str) -> None:
@@ -159,16 +211,17 @@ def plot(summary: dict, path: Path, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
-def _device_name(engine) -> str:
+def _device_name(device) -> str:
     import torch
 
-    if engine.device.type == "cuda":
-        return f"cuda ({torch.cuda.get_device_name(engine.device)})"
-    return str(engine.device)
+    return f"cuda ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
 
 
 def run_eval(args) -> int:
-    from lazyrag.engine import LazyEngine, SchedulerConfig
+    from tqdm import tqdm
+
+    from lazyrag.engine import EngineConfig, LazyEngine, SchedulerConfig
+    from lazyrag.model.loader import resolve_model_source
 
     default = {"nq": DATA / "nq_open_oracle_2655.jsonl.gz", "hotpotqa": DATA / "hotpotqa_dev_500.jsonl"}[args.dataset]
     path = args.data or default
@@ -179,22 +232,34 @@ def run_eval(args) -> int:
              else load_hotpotqa(path, args.n, args.shuffle, args.seed))
     strategies = args.strategies.split(",")
     # every request of a batch (questions x strategies) runs as one continuous batch
-    scheduler = SchedulerConfig(max_running=max(64, args.batch * len(strategies)))
-    engine = LazyEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, scheduler=scheduler)
+    engine_kwargs = dict(model=args.model, device=args.device, dtype=args.dtype,
+                         scheduler=SchedulerConfig(max_running=max(64, args.batch * len(strategies))))
     if args.store is not None:  # retrieval mode: each question's top-k chunks of the corpus, their KV from the store
         from lazyrag.store.retriever import Retriever
 
         retriever = Retriever(args.store)
         for item, hits in zip(items, retriever.retrieve_batch([it["question"] for it in items], args.k)):
             item["chunks"] = [h.text for h in hits]
-        engine.attach_store(args.store)
+    config = EngineConfig(**engine_kwargs)  # the device and dtype the engines resolve to
     t = time.time()
-    result = evaluate(engine, items, strategies, args.max_new_tokens, batch_items=args.batch)
-    result.update({"dataset": args.dataset, "n": len(items), "model": engine.model_name, "device": _device_name(engine),
-                   "dtype": str(engine.dtype).replace("torch.", ""),
+    if args.workers > 1:
+        store = None if args.store is None else str(getattr(args.store, "path", args.store))
+        per = score_parallel(engine_kwargs, items, strategies, args.max_new_tokens, args.batch, args.workers, store)
+    else:
+        engine = LazyEngine.from_pretrained(**engine_kwargs)
+        if args.store is not None:
+            engine.attach_store(args.store)
+        bar = tqdm(total=len(items), desc="eval", unit="question")
+        per = score(engine, items, strategies, args.max_new_tokens, args.batch, on_group=bar.update)
+        bar.close()
+    result = summarize(per)
+    model_name = resolve_model_source(args.model).name
+    result.update({"dataset": args.dataset, "n": len(items), "model": model_name, "device": _device_name(config.device),
+                   "dtype": str(config.dtype).replace("torch.", ""),
+                   "workers": args.workers,
                    "command": "lazyrag " + " ".join(sys.argv[1:]), "seconds": time.time() - t,
                    "mode": "retrieval" if args.store is not None else "oracle"})
-    print(f"\n{args.dataset}, n={len(items)}, {engine.model_name} on {result['device']}, {result['dtype']}, "
+    print(f"\n{args.dataset}, n={len(items)}, {model_name} on {result['device']}, {result['dtype']}, "
           f"{result['seconds']:.0f} s")
     width = max(18, *(len(s) + 2 for s in strategies))
     print(f"{'strategy':<{width}}{'acc':>7}{'F1':>7}{'EM':>7}{'recomp%':>9}{'tokens%':>9}{'prefill%':>9}{'same as PA':>11}"
@@ -207,6 +272,6 @@ def run_eval(args) -> int:
     print("recomp%: the recompute's cost, in chunk tokens through the whole model; tokens%: chunk tokens recomputed")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    plot(result["summary"], args.out.with_suffix(".png"), f"{args.dataset} n={len(items)}, {engine.model_name}")
+    plot(result["summary"], args.out.with_suffix(".png"), f"{args.dataset} n={len(items)}, {model_name}")
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return 0

@@ -1,7 +1,7 @@
 """`lazyrag eval`: SQuAD-style scoring and the batched side-by-side evaluation."""
 import pytest
 
-from lazyrag.eval import DATA, accuracy, evaluate, exact_match, f1, normalize
+from lazyrag.eval import DATA, accuracy, evaluate, exact_match, f1, normalize, score_parallel
 from tests.test_engine import CHUNKS
 
 
@@ -30,6 +30,18 @@ def test_batched_evaluation_matches_one_request_at_a_time(default_engine):
     assert summary["full"]["prefilled_pct_of_prompt"] == 100.0
     assert summary["lazy"]["prefilled_pct_of_prompt"] < 50  # the question tails only
     assert 0 <= summary["full"]["accuracy"] <= 100
+
+
+def test_worker_processes_give_the_same_rows_in_item_order(default_engine):
+    """``--workers``: items are scored in spawned processes, each with its own engine; the rows come back in item
+    order and each is the answer a single engine gives."""
+    items = [{"question": q, "answers": ["x"], "chunks": CHUNKS[i : i + 2]}
+             for i, q in enumerate(["Who won Nobel Prizes in 1903 and 1911?", "How deep is the Mariana Trench?",
+                                    "Where was Paganini born?"])]
+    rows = score_parallel({"device": "cpu"}, items, ["lazy"], max_new_tokens=4, batch_items=1, workers=2, progress=False)["lazy"]
+    assert [r["question"] for r in rows] == [it["question"] for it in items]
+    alone = [default_engine.generate(it["question"], it["chunks"], max_new_tokens=4, strategy="lazy").text.strip() for it in items]
+    assert [r["answer"] for r in rows] == alone
 
 
 @pytest.mark.skipif(not (DATA / "nq_open_oracle_2655.jsonl.gz").is_file(), reason="the shared NQ data is not beside this checkout")
