@@ -115,7 +115,11 @@ def score(engine, items: list[dict], strategies: list[str], max_new_tokens: int,
             engine.step()
         for item, reqs in zip(group, requests):
             for s, req in zip(strategies, reqs):
-                r = req.result()
+                try:
+                    r = req.result()
+                except Exception as e:  # a failed request scores 0 and is counted; the others go on
+                    per[s].append(_failed_row(item, e))
+                    continue
                 answer, st = r.text.strip(), r.stats
                 new_tokens = st.prompt_tokens - st.tokens_context - st.tokens_recomputed  # the question tail (or all, for full)
                 per[s].append({
@@ -132,6 +136,13 @@ def score(engine, items: list[dict], strategies: list[str], max_new_tokens: int,
     return per
 
 
+def _failed_row(item: dict, error: Exception) -> dict:
+    print(f"warning: a request failed ({type(error).__name__}: {error}); it scores 0", file=sys.stderr)
+    return {"question": item["question"], "answer": "", "error": f"{type(error).__name__}: {error}", "em": 0.0, "f1": 0.0,
+            "acc": 0.0, "ttft_s": float("nan"), "prompt_tokens": 0, "tokens_prefilled": 0, "tokens_recomputed": 0,
+            "chunk_tokens": 0, "recompute_cost": 0}
+
+
 def summarize(per: dict[str, list[dict]]) -> dict:
     """Mean scores and costs of each strategy, and how often its answer equals the references'."""
     summary = {}
@@ -140,17 +151,21 @@ def summarize(per: dict[str, list[dict]]) -> dict:
         chunk_tokens = sum(r["chunk_tokens"] for r in rows) or 1
         summary[s] = {
             "em": mean("em"), "f1": mean("f1"), "accuracy": mean("acc"),
-            "median_ttft_ms": 1e3 * statistics.median(r["ttft_s"] for r in rows),  # inside a batch: compare with care
+            # inside a batch: compare with care
+            "median_ttft_ms": 1e3 * statistics.median([r["ttft_s"] for r in rows if "error" not in r] or [float("nan")]),
+            "failed": sum("error" in r for r in rows),
             "recomputed_pct_of_chunk_tokens": 100 * sum(r["tokens_recomputed"] for r in rows) / chunk_tokens,
             # blend runs every chunk token through layer 0 to select: its cost exceeds its tokens
             "recompute_cost_pct_of_chunk_tokens": 100 * sum(r["recompute_cost"] for r in rows) / chunk_tokens,
-            "prefilled_pct_of_prompt": 100 * sum(r["tokens_prefilled"] for r in rows) / sum(r["prompt_tokens"] for r in rows),
+            "prefilled_pct_of_prompt": 100 * sum(r["tokens_prefilled"] for r in rows) / (sum(r["prompt_tokens"] for r in rows) or 1),
         }
         for ref in ("position_aware", "full"):  # the kernel's exactness; how close recovery gets to the reference
             if ref in per:
                 same = sum(a["answer"] == b["answer"] for a, b in zip(rows, per[ref]))
                 summary[s][f"identical_to_{ref}_pct"] = 100 * same / len(rows)
-    return {"summary": summary, "answers": {s: [r["answer"] for r in rows] for s, rows in per.items()}}
+    errors = {s: {i: r["error"] for i, r in enumerate(rows) if "error" in r} for s, rows in per.items()}
+    return {"summary": summary, "answers": {s: [r["answer"] for r in rows] for s, rows in per.items()},
+            "errors": {s: e for s, e in errors.items() if e}}
 
 
 # -- several processes on one device: on a GPU the eval is bound by host work per request (planning,
@@ -270,6 +285,9 @@ def run_eval(args) -> int:
               f"{m['recomputed_pct_of_chunk_tokens']:>9.1f}{m['prefilled_pct_of_prompt']:>9.1f}{same:>11.1f}"
               f"{m.get('identical_to_full_pct', float('nan')):>13.1f}")
     print("recomp%: the recompute's cost, in chunk tokens through the whole model; tokens%: chunk tokens recomputed")
+    for s, m in result["summary"].items():
+        if m["failed"]:
+            print(f"warning: {m['failed']} {s} requests failed and scored 0 (their errors are in {args.out})", file=sys.stderr)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     plot(result["summary"], args.out.with_suffix(".png"), f"{args.dataset} n={len(items)}, {model_name}")
