@@ -5,7 +5,7 @@ from __future__ import annotations
 # the strategies engine/reuse.py defines (it asserts the two agree); lazy:... adds quality recovery to lazy
 STRATEGY_NAMES = ("full", "prefix", "position_aware", "position_aware:rerotate", "lazy")
 # how lazy:blend=R chooses its tokens (engine/blend.py SELECTIONS; it asserts the two agree)
-BLEND_SELECTIONS = ("global", "chunk", "attn", "attn*dev", "gradual")
+BLEND_SELECTIONS = ("global", "chunk", "attn", "attn_dev", "gradual")
 
 
 def lazy_options(name: str) -> dict:
@@ -13,7 +13,7 @@ def lazy_options(name: str) -> dict:
     ``lazy:blend=0.15:select=chunk``, ``lazy:first=16:blend=0.1``."""
     usage = (f"Bad strategy {name!r}: write lazy:first=K (K a positive number of tokens), lazy:blend=R (R the fraction "
              "of chunk tokens to recompute, in (0, 1]; add :select=S to choose them otherwise: chunk (R of each chunk), "
-             "attn (by the question's attention), attn*dev, gradual), or both, "
+             "attn (by the question's attention), attn_dev, gradual), or both, "
              "e.g. lazy:first=16:blend=0.1.")
     opts = {}
     for part in name.split(":")[1:]:

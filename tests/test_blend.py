@@ -93,12 +93,14 @@ def test_blend_through_generate_on_the_default_model(default_engine):
 def test_strategy_names():
     assert lazy_options("lazy:blend=0.15") == {"blend": 0.15}
     assert lazy_options("lazy:first=16:blend=0.1:select=chunk") == {"recompute_first": 16, "blend": 0.1, "blend_select": "chunk"}
-    for bad in ("lazy:blend=0", "lazy:blend=1.5", "lazy:blend=x", "lazy:select=chunk", "lazy:first=0", "lazy:blend=0.1:blend=0.2", "lazy:foo=1"):
+    assert lazy_options("lazy:first=4:blend=0.12:select=attn_dev") == {"recompute_first": 4, "blend": 0.12, "blend_select": "attn_dev"}
+    assert lazy_options("lazy:blend=0.15:select=gradual") == {"blend": 0.15, "blend_select": "gradual"}
+    for bad in ("lazy:blend=0.1:select=attention", "lazy:blend=1.5", "lazy:blend=x", "lazy:select=chunk", "lazy:first=0", "lazy:blend=0.1:blend=0.2", "lazy:foo=1"):
         with pytest.raises(ValueError, match="lazy:blend=R"):
             lazy_options(bad)
 
 
-@pytest.mark.parametrize("selection", ["attn", "attn*dev", "gradual", "chunk"])
+@pytest.mark.parametrize("selection", ["attn", "attn_dev", "gradual", "chunk"])
 def test_every_selection_blending_every_token_is_full_prefill(engine, selection):
     """R=1 under any selection recomputes every chunk token in context: full prefill's logits."""
     layout = engine.build_prompt(QUESTION, CHUNKS[:4])

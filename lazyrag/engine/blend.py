@@ -67,11 +67,11 @@ def select(deviation: torch.Tensor, chunk: torch.Tensor, ratio: float, forced: t
 # * "global" / "chunk": the top R by layer-1 K/V deviation, of all chunk tokens or of each chunk (CacheBlend);
 # * "attn": the top R by the attention the question pays them over the cached (lazy) context, summed over
 #   heads, question tokens and ATTN_LAYERS; the question is first run over the context (its K/V dropped);
-# * "attn*dev": the top R by deviation times that attention (the error a token's stale K/V puts into the
+# * "attn_dev": the top R by deviation times that attention (the error a token's stale K/V puts into the
 #   question's attention is about the weight it gets times how far its K/V are off);
 # * "gradual": CacheBlend's gradual filtering: GRADUAL_FACTOR x R tokens by layer-1 deviation run layer 1,
 #   the top R of those by layer-2 deviation go on through the other layers.
-SELECTIONS = ("global", "chunk", "attn", "attn*dev", "gradual")
+SELECTIONS = ("global", "chunk", "attn", "attn_dev", "gradual")
 assert SELECTIONS == BLEND_SELECTIONS, "lazyrag/strategy_names.py lists the selections defined here"
 ATTN_LAYERS: tuple[int, int] | None = None  # [lo, hi) layers whose attention counts; None: all of them
 GRADUAL_FACTOR = 2.0
@@ -122,7 +122,7 @@ def selective_recompute(
     """Blend the placements whose token ``ids`` are given (``None``: read as cached, e.g. the prefix).
 
     ``first`` tokens of each chunk are always recomputed (EPIC's heads), on top of ``ratio``.
-    ``selection``: one of SELECTIONS (``per_chunk=True`` is "chunk"); "attn" and "attn*dev" need the
+    ``selection``: one of SELECTIONS (``per_chunk=True`` is "chunk"); "attn" and "attn_dev" need the
     ``question`` (token ids) and where it starts.
     ``allocate(n)`` gives n fresh blocks for the private copies; the caller owns and frees them.
     """
@@ -150,7 +150,7 @@ def selective_recompute(
     chunk_of, forced = owner[chunk_pos], offset[chunk_pos] < first
     cost = 0.0  # in tokens through the whole model
     attn = None
-    if selection in ("attn", "attn*dev"):
+    if selection in ("attn", "attn_dev"):
         assert question, "selection by the question's attention needs the question"
         score, ran = question_attention(runner, meta, len(pos), question, question_start, ATTN_LAYERS)
         attn, cost = score[chunk_pos.to(dev)].cpu(), len(question) * ran / L
