@@ -156,6 +156,26 @@ def full_greedy(e: LazyEngine, layout, n: int):
         e.cache.pool.decref(blocks)
 
 
+def report(args, labels, rows, seconds, file=sys.stdout):
+    """The table (and, with --out, the JSON) over the items done so far."""
+    n = len(rows[labels[0]])
+    header = f"{args.dataset}{' shuffled' if args.shuffle else ''}, seed {args.seed}, n={n}, {args.answer_tokens} answer tokens, {seconds:.0f} s"
+    print(header, file=file)
+    print(f"{'variant':<24} {'KL/token':>8} {'+-se':>6} {'KL first':>8} {'top1 %':>6} {'recomp %':>8} {'cost %':>6}", file=file)
+    summary = {}
+    for lab in labels:
+        r = rows[lab]
+        kl = torch.tensor([x["kl"] for x in r])
+        s = {"strategy": VARIANTS[lab][0], "knobs": {k: list(v) if isinstance(v, tuple) else v for k, v in VARIANTS[lab][1].items()},
+             "kl": float(kl.mean()), "kl_se": float(kl.std() / math.sqrt(len(kl))),
+             "kl_first": sum(x["kl0"] for x in r) / n, "top1": 100 * sum(x["top1"] for x in r) / n,
+             "recomputed": 100 * sum(x["recomputed"] for x in r) / n, "cost": 100 * sum(x["cost"] for x in r) / n}
+        summary[lab] = s
+        print(f"{lab:<24} {s['kl']:8.4f} {s['kl_se']:6.4f} {s['kl_first']:8.4f} {s['top1']:6.1f} {s['recomputed']:8.1f} {s['cost']:6.1f}", file=file)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"args": vars(args), "header": header, "summary": summary, "rows": rows}, indent=1))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=40)
@@ -200,23 +220,9 @@ def main():
                               "recomputed": rec / chunk_tokens, "cost": cost / chunk_tokens, "chunk_tokens": chunk_tokens})
         blend.SELECTION_LAYER, blend.ATTN_LAYERS, blend.GRADUAL_FACTOR = defaults
         print(f"item {i + 1}/{len(items)} {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
-    n = len(rows[labels[0]])
-    header = f"{args.dataset}{' shuffled' if args.shuffle else ''}, n={n}, {args.answer_tokens} answer tokens, {time.time() - t0:.0f} s"
-    print(header)
-    print(f"{'variant':<22} {'KL/token':>8} {'+-se':>6} {'KL first':>8} {'top1 %':>6} {'recomp %':>8} {'cost %':>6}")
-    summary = {}
-    for lab in labels:
-        r = rows[lab]
-        kl = torch.tensor([x["kl"] for x in r])
-        s = {"strategy": VARIANTS[lab][0], "knobs": {k: list(v) if isinstance(v, tuple) else v for k, v in VARIANTS[lab][1].items()},
-             "kl": float(kl.mean()), "kl_se": float(kl.std() / math.sqrt(len(kl))),
-             "kl_first": sum(x["kl0"] for x in r) / n, "top1": 100 * sum(x["top1"] for x in r) / n,
-             "recomputed": 100 * sum(x["recomputed"] for x in r) / n, "cost": 100 * sum(x["cost"] for x in r) / n}
-        summary[lab] = s
-        print(f"{lab:<22} {s['kl']:8.4f} {s['kl_se']:6.4f} {s['kl_first']:8.4f} {s['top1']:6.1f} {s['recomputed']:8.1f} {s['cost']:6.1f}")
-    if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "header": header, "summary": summary, "rows": rows}, indent=1))
-
+        if (i + 1) % 2 == 0:  # a partial table (and JSON) every 2 items, so a slow run still reports
+            report(args, labels, rows, time.time() - t0, file=sys.stderr)
+    report(args, labels, rows, time.time() - t0)
 
 if __name__ == "__main__":
     main()
