@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--chunks-file", type=Path, help="a text file; paragraphs separated by blank lines become chunks")
     ask.add_argument("--strategy", default="lazy", help="lazy (default), position_aware, prefix, full, lazy:first=K "
                      "(lazy, recomputing each chunk's first K tokens in context for quality) or lazy:blend=R "
-                     "(recomputing the fraction R of chunk tokens whose KV deviates most, CacheBlend)")
+                     "(recomputing the fraction R of chunk tokens whose KV deviates most, CacheBlend; add :select=attn_dev to "
+                     "choose them by deviation x the question's attention, the best recovery measured, README)")
     ask.add_argument("--max-new-tokens", type=int, default=128)
     ask.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ask.add_argument("--top-p", type=float, default=1.0)
@@ -137,7 +138,9 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--strategies", default="full,position_aware,lazy,lazy:first=16,lazy:first=32",
                    help="comma-separated: full, prefix, position_aware, lazy, lazy:first=K (each chunk's first K tokens "
                         "recomputed in context), lazy:blend=R (CacheBlend: the fraction R of chunk tokens whose KV deviates "
-                        "most; add :select=chunk for R of each chunk), or both, e.g. lazy:first=16:blend=0.1")
+                        "most; add :select=S to choose otherwise: chunk = R of each chunk, attn = by the question's attention, "
+                        "attn_dev = deviation x attention, gradual = CacheBlend's 2-stage filter), or both, "
+                        "e.g. lazy:first=4:blend=0.12:select=attn_dev")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--batch", type=int, default=4, help="questions whose requests (all strategies) run as one batch "
                    "(on a GPU, 32-64)")

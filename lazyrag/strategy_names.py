@@ -4,13 +4,16 @@ from __future__ import annotations
 
 # the strategies engine/reuse.py defines (it asserts the two agree); lazy:... adds quality recovery to lazy
 STRATEGY_NAMES = ("full", "prefix", "position_aware", "position_aware:rerotate", "lazy")
+# how lazy:blend=R chooses its tokens (engine/blend.py SELECTIONS; it asserts the two agree)
+BLEND_SELECTIONS = ("global", "chunk", "attn", "attn_dev", "gradual")
 
 
 def lazy_options(name: str) -> dict:
     """LazyStitching's keyword arguments from a strategy name: ``lazy:first=16``, ``lazy:blend=0.15``,
     ``lazy:blend=0.15:select=chunk``, ``lazy:first=16:blend=0.1``."""
     usage = (f"Bad strategy {name!r}: write lazy:first=K (K a positive number of tokens), lazy:blend=R (R the fraction "
-             "of chunk tokens to recompute, in (0, 1]; add :select=chunk to take R of each chunk), or both, "
+             "of chunk tokens to recompute, in (0, 1]; add :select=S to choose them otherwise: chunk (R of each chunk), "
+             "attn (by the question's attention), attn_dev, gradual), or both, "
              "e.g. lazy:first=16:blend=0.1.")
     opts = {}
     for part in name.split(":")[1:]:
@@ -20,13 +23,13 @@ def lazy_options(name: str) -> dict:
                 opts["recompute_first"] = int(value)
             elif key == "blend" and "blend" not in opts and 0 < float(value) <= 1:
                 opts["blend"] = float(value)
-            elif key == "select" and "blend_per_chunk" not in opts and value in ("chunk", "global"):
-                opts["blend_per_chunk"] = value == "chunk"
+            elif key == "select" and "blend_select" not in opts and value in BLEND_SELECTIONS:
+                opts["blend_select"] = value
             else:
                 raise ValueError(usage)
         except ValueError:
             raise ValueError(usage) from None
-    if not opts or ("blend_per_chunk" in opts and "blend" not in opts):
+    if not opts or ("blend_select" in opts and "blend" not in opts):
         raise ValueError(usage)
     return opts
 

@@ -92,7 +92,87 @@ def test_blend_through_generate_on_the_default_model(default_engine):
 
 def test_strategy_names():
     assert lazy_options("lazy:blend=0.15") == {"blend": 0.15}
-    assert lazy_options("lazy:first=16:blend=0.1:select=chunk") == {"recompute_first": 16, "blend": 0.1, "blend_per_chunk": True}
-    for bad in ("lazy:blend=0", "lazy:blend=1.5", "lazy:blend=x", "lazy:select=chunk", "lazy:first=0", "lazy:blend=0.1:blend=0.2", "lazy:foo=1"):
+    assert lazy_options("lazy:first=16:blend=0.1:select=chunk") == {"recompute_first": 16, "blend": 0.1, "blend_select": "chunk"}
+    assert lazy_options("lazy:first=4:blend=0.12:select=attn_dev") == {"recompute_first": 4, "blend": 0.12, "blend_select": "attn_dev"}
+    assert lazy_options("lazy:blend=0.15:select=gradual") == {"blend": 0.15, "blend_select": "gradual"}
+    for bad in ("lazy:blend=0.1:select=attention", "lazy:blend=1.5", "lazy:blend=x", "lazy:select=chunk", "lazy:first=0", "lazy:blend=0.1:blend=0.2", "lazy:foo=1"):
         with pytest.raises(ValueError, match="lazy:blend=R"):
             lazy_options(bad)
+
+
+@pytest.mark.parametrize("selection", ["attn", "attn_dev", "gradual", "chunk"])
+def test_every_selection_blending_every_token_is_full_prefill(engine, selection):
+    """R=1 under any selection recomputes every chunk token in context: full prefill's logits."""
+    layout = engine.build_prompt(QUESTION, CHUNKS[:4])
+    full = engine.layout_logits(layout, "full")
+    assert rel_err(engine.layout_logits(layout, f"lazy:blend=1:select={selection}"), full) < 1e-4
+    # and with nothing selected, plain lazy
+    lazy = engine.layout_logits(layout, "lazy")
+    assert torch.equal(engine.layout_logits(layout, f"lazy:blend=1e-9:select={selection}"), lazy)
+
+
+def _blend(engine, layout, ratio, **kw):
+    lazy = engine.scheduler.planner["lazy"]
+    plan = lazy.plan(layout)
+    owned = []
+
+    def allocate(n):
+        owned.extend(engine.cache.allocate(n))
+        return owned[-n:]
+
+    try:
+        return plan, selective_recompute(engine.runner, plan.context, [None, *layout.chunk_ids], ratio, allocate,
+                                         question=list(layout.question_ids), question_start=layout.question_start, **kw)
+    finally:
+        engine.cache.pool.decref(owned)
+        lazy.release(plan)
+
+
+def test_attention_selection_takes_what_the_question_reads(default_engine):
+    """select=attn recomputes the chunk tokens the question attends to most over the cached context:
+    here the question quotes one chunk's rare phrase, and that chunk gets most of the picks."""
+    engine = default_engine
+    chunks = [CHUNKS[0], "The zorblax quartermaster of Vellinghaven keeps seventeen copper lanterns in the tower.", CHUNKS[2]]
+    question = "How many copper lanterns does the zorblax quartermaster of Vellinghaven keep?"
+    layout = engine.build_prompt(question, chunks)
+    plan, b = _blend(engine, layout, 0.1, selection="attn")
+    sizes = [len(c) for c in layout.chunk_ids]
+    C = sum(sizes)
+    assert len(b.selected) == round(0.1 * C)
+    # the same scores, computed on their own: the selection is their top R
+    from lazyrag.engine.blend import question_attention
+
+    engine.precache(chunks)
+    plan2 = engine.scheduler.planner["lazy"].plan(layout)
+    try:
+        bs = engine.cache.pool.shape.block_size
+        from lazyrag.engine.runner import SeqState
+        from lazyrag.kernels.common import pack_block_meta
+
+        rows = torch.tensor(SeqState(context=plan2.context, blocks=[], next_pos=0).block_rows(bs, 0), dtype=torch.int64)
+        meta = pack_block_meta(rows[:, 0], rows[:, 1], rows[:, 2])
+        n_prefix = plan2.context[0].segment.num_tokens
+        score, ran = question_attention(engine.runner, meta, n_prefix + C, list(layout.question_ids), layout.question_start)
+    finally:
+        engine.scheduler.planner["lazy"].release(plan2)
+    assert ran == len(engine.model.layers)
+    top = score[n_prefix:].topk(len(b.selected)).indices.sort().values
+    assert torch.equal(b.selected, top)
+    owner = torch.repeat_interleave(torch.arange(3), torch.tensor(sizes))
+    picks = torch.bincount(owner[b.selected], minlength=3).float() / torch.tensor(sizes)
+    assert picks.argmax() == 1  # the quoted chunk, densest in picks
+    # cost: the question through every layer, then only the selected tokens (no layer-0 pass over all chunks)
+    assert b.cost == pytest.approx(len(layout.question_ids) + len(b.selected))
+
+
+def test_gradual_filtering_keeps_a_subset_of_the_first_pick(default_engine):
+    engine = default_engine  # 30 layers (the tiny model has too few for two filtering stages)
+    layout = engine.build_prompt(QUESTION, CHUNKS[:3])
+    _, one = _blend(engine, layout, 0.3)
+    _, grad = _blend(engine, layout, 0.15, selection="gradual")
+    C = one.deviation.numel()
+    assert len(grad.selected) == round(0.15 * C)
+    assert set(grad.selected.tolist()) <= set(one.selected.tolist())  # 2R by layer-1 deviation, then R by layer 2's
+    assert torch.allclose(grad.deviation, one.deviation)
+    L = len(engine.model.layers)
+    assert grad.cost == pytest.approx((C + len(one.selected) + len(grad.selected) * (L - 2)) / L)

@@ -30,6 +30,7 @@ from lazyrag.kernels.common import pack_block_meta
 from lazyrag.kernels.reference import apply_rotary, attend, gather_context
 from lazyrag.kv.cache import Segment, SegmentKind
 from lazyrag.model.llama import rope_at
+from lazyrag.strategy_names import BLEND_SELECTIONS
 from lazyrag.engine.runner import ModelRunner, Placement, SeqState
 
 SELECTION_LAYER = 1  # the first layer whose K/V depend on the context
@@ -62,6 +63,49 @@ def select(deviation: torch.Tensor, chunk: torch.Tensor, ratio: float, forced: t
     return torch.cat(picks).sort().values
 
 
+# How tokens are chosen (``lazy:blend=R:select=...``):
+# * "global" / "chunk": the top R by layer-1 K/V deviation, of all chunk tokens or of each chunk (CacheBlend);
+# * "attn": the top R by the attention the question pays them over the cached (lazy) context, summed over
+#   heads, question tokens and ATTN_LAYERS; the question is first run over the context (its K/V dropped);
+# * "attn_dev": the top R by deviation times that attention (the error a token's stale K/V puts into the
+#   question's attention is about the weight it gets times how far its K/V are off);
+# * "gradual": CacheBlend's gradual filtering: GRADUAL_FACTOR x R tokens by layer-1 deviation run layer 1,
+#   the top R of those by layer-2 deviation go on through the other layers.
+SELECTIONS = ("global", "chunk", "attn", "attn_dev", "gradual")
+assert SELECTIONS == BLEND_SELECTIONS, "lazyrag/strategy_names.py lists the selections defined here"
+ATTN_LAYERS: tuple[int, int] | None = None  # [lo, hi) layers whose attention counts; None: all of them
+GRADUAL_FACTOR = 2.0
+
+
+@torch.inference_mode()
+def question_attention(runner: ModelRunner, meta: torch.Tensor, n_ctx: int, question: list[int], start: int,
+                       layers: tuple[int, int] | None = None) -> tuple[torch.Tensor, int]:
+    """[N]: the attention each context token gets from the question run over the context as cached, summed over
+    heads and question tokens in layers [lo, hi); and the number of layers the question ran through."""
+    model, dev, ops = runner.model, runner.device, runner.ops
+    L = len(model.layers)
+    lo, hi = layers or (0, L)
+    x = model.embed(torch.tensor(question, device=dev))
+    cos, sin = rope_at(runner.rope_cos, runner.rope_sin, torch.arange(start, start + len(question), device=dev), x.dtype)
+    T = len(question)
+    causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+    score = torch.zeros(n_ctx, device=dev)
+    for layer, block in enumerate(model.layers[:hi]):
+        kc, vc = gather_context(runner.pool.k[layer], runner.pool.v[layer], meta, runner.rope_cos, runner.rope_sin)
+        q, k, v = block.attn.project(block.attn_input(x, ops), cos, sin, ops, runner.rope_scaling)
+        group = q.shape[1] // k.shape[1]
+        keys = torch.cat((kc, k.float())).repeat_interleave(group, dim=1)  # [N+T, Hq, D]
+        vals = torch.cat((vc, v.float())).repeat_interleave(group, dim=1)
+        logits = torch.einsum("thd,nhd->htn", q.float(), keys) * model.sm_scale
+        logits[:, :, n_ctx:] = logits[:, :, n_ctx:].masked_fill(~causal, float("-inf"))
+        p = logits.softmax(-1)  # [Hq, T, N+T]
+        if layer >= lo:
+            score += p[:, :, :n_ctx].sum((0, 1))
+        o = torch.einsum("htn,nhd->thd", p, vals).to(x.dtype)
+        x = block.after_attention(x, block.attn.wo(o.flatten(1)), ops)
+    return score, hi
+
+
 @torch.inference_mode()
 def selective_recompute(
     runner: ModelRunner,
@@ -71,14 +115,23 @@ def selective_recompute(
     allocate: Callable[[int], list[int]],
     first: int = 0,
     per_chunk: bool = False,
+    selection: str = "global",
+    question: list[int] | None = None,
+    question_start: int = 0,
 ) -> Blend:
     """Blend the placements whose token ``ids`` are given (``None``: read as cached, e.g. the prefix).
 
     ``first`` tokens of each chunk are always recomputed (EPIC's heads), on top of ``ratio``.
+    ``selection``: one of SELECTIONS (``per_chunk=True`` is "chunk"); "attn" and "attn_dev" need the
+    ``question`` (token ids) and where it starts.
     ``allocate(n)`` gives n fresh blocks for the private copies; the caller owns and frees them.
     """
+    if per_chunk:
+        selection = "chunk"
+    assert selection in SELECTIONS, selection
     pool, model, dev = runner.pool, runner.model, runner.device
     bs, layers = pool.shape.block_size, model.layers
+    L = len(layers)
     # every context token in prompt order: its position, delta, placement and index in the segment
     tok = [torch.arange(p.first_block * bs, p.segment.num_tokens) for p in placed]
     pos = torch.cat([p.segment.start + p.delta + t for p, t in zip(placed, tok)]).to(dev)  # [N]
@@ -90,41 +143,85 @@ def selective_recompute(
     meta = pack_block_meta(rows[:, 0], rows[:, 1], rows[:, 2]).to(dev)
 
     chunk_pos = blended.nonzero()[:, 0]  # [C] the chunk tokens' places in the context
-    if not len(chunk_pos):
+    C = len(chunk_pos)
+    if not C:
         return Blend(list(placed), torch.zeros(0, dtype=torch.int64), torch.zeros(0), 0.0)
     chunk_ids = torch.tensor([ids[i][j] for i, j in zip(owner[chunk_pos].tolist(), offset[chunk_pos].tolist())], device=dev)
-    sel = chunk_pos.to(dev)  # context places of the tokens being recomputed: all of them up to the selection layer
+    chunk_of, forced = owner[chunk_pos], offset[chunk_pos] < first
+    cost = 0.0  # in tokens through the whole model
+    attn = None
+    if selection in ("attn", "attn_dev"):
+        assert question, "selection by the question's attention needs the question"
+        score, ran = question_attention(runner, meta, len(pos), question, question_start, ATTN_LAYERS)
+        attn, cost = score[chunk_pos.to(dev)].cpu(), len(question) * ran / L
+    sel_layer = min(SELECTION_LAYER, L - 1)
+    # (layer, tokens kept there, score from the deviation there or None: the attention, before the layer runs)
+    if selection == "attn":
+        stages = [(0, ratio, None)]
+    elif selection == "gradual" and sel_layer + 1 < L:
+        stages = [(sel_layer, min(1.0, GRADUAL_FACTOR * ratio), "dev"), (sel_layer + 1, ratio, "dev")]
+    else:
+        stages = [(sel_layer, ratio, "dev")]
+    cur = torch.arange(C)  # the chunk tokens (indices into the C) still running
+    sel = chunk_pos.to(dev)  # their places in the context
     x = model.embed(chunk_ids)  # [C, H]
-    deviation, selected = torch.zeros(len(chunk_pos)), torch.arange(len(chunk_pos))
-    context, slots = list(placed), None
-    select_at = min(SELECTION_LAYER, len(layers) - 1)
+    deviation = torch.zeros(C)
+    pending = []  # (layer, cur then, k, v): fresh K/V of layers >= 1, written once the final tokens are known
+    context, slots, back = list(placed), None, None
+
+    def keep(score: torch.Tensor, r: float) -> torch.Tensor:
+        """The tokens of ``cur`` to keep: rows of the current tensors (sorted), by ``score`` [C]."""
+        full = torch.full((C,), float("-inf"))
+        full[cur] = score[cur]
+        return torch.searchsorted(cur, select(full, chunk_of, r, forced, selection == "chunk"))
+
     for layer, block in enumerate(layers):
+        stage = next((s for s in stages if s[0] == layer), None)
+        if stage is not None and stage[2] is None:  # chosen before the layer runs: the dropped tokens cost nothing
+            rows_kept = keep(attn, stage[1])
+            cur, sel, x = cur[rows_kept], sel[rows_kept.to(dev)], x[rows_kept.to(dev)]
         kc, vc = gather_context(pool.k[layer], pool.v[layer], meta, runner.rope_cos, runner.rope_sin)  # [N, Hkv, D] fp32, as cached
         cos, sin = rope_at(runner.rope_cos, runner.rope_sin, pos[sel], x.dtype)
         q, k, v = block.attn.project(block.attn_input(x, runner.ops), cos, sin, runner.ops, runner.rope_scaling)
-        if layer == select_at:
-            deviation = kv_deviation(k, v, kc[sel], vc[sel])
-            forced = offset[chunk_pos] < first
-            selected = select(deviation.cpu(), owner[chunk_pos], ratio, forced, per_chunk)
-            if not len(selected):
-                break
-            keep = selected.to(dev)
-            sel, x, q, k, v = sel[keep], x[keep], q[keep], k[keep], v[keep]
-            context, slots = _private_copies(pool, placed, owner[chunk_pos[selected]], offset[chunk_pos[selected]], allocate)
-            d = delta[chunk_pos[selected]].to(dev)
+        if stage is not None and stage[2] == "dev":
+            d = kv_deviation(k, v, kc[sel], vc[sel]).cpu()
+            if layer == stages[0][0]:
+                deviation[cur] = d
+            score = torch.zeros(C)
+            score[cur] = d
+            if attn is not None:
+                score = score * attn
+            rows_kept = keep(score, stage[1])
+            r = rows_kept.to(dev)
+            cur, sel, x, q, k, v = cur[rows_kept], sel[r], x[r], q[r], k[r], v[r]
+        cost += len(cur) / L  # a layer's projections for the dropped tokens are not counted
+        if not len(cur):
+            break
+        final = stage is not None and stage is stages[-1]
+        if final:  # the tokens are known: their private copies, and the fresh K/V of the layers before
+            context, slots = _private_copies(pool, placed, owner[chunk_pos[cur]], offset[chunk_pos[cur]], allocate)
+            d = delta[chunk_pos[cur]].to(dev)
             back = runner.rope_cos[d][:, None], -runner.rope_sin[d][:, None]  # R(-delta): the copy is read at the chunk's delta
-        if layer >= select_at:  # below it the cached K/V are exact
-            pool.write(layer, slots, apply_rotary(k.float(), *back), v)
-        if layer == len(layers) - 1:
+            for lay, was, kk, vv in pending:
+                r = torch.searchsorted(was, cur).to(dev)
+                pool.write(lay, slots, apply_rotary(kk[r].float(), *back), vv[r])
+            pending = []
+        if layer >= 1:  # layer 0's K/V depend on token and position only: the cached ones are exact
+            if slots is not None:
+                pool.write(layer, slots, apply_rotary(k.float(), *back), v)
+            else:
+                pending.append((layer, cur, k, v))
+        if layer == L - 1:
             break  # the last layer's K/V is all the question needs
         kc[sel], vc[sel] = k.float(), v.float()
         mask = pos[None, :] <= pos[sel][:, None]  # [S, N] causal by position
         o = attend(q[None], kc[None], vc[None], mask[None], model.sm_scale)[0].to(x.dtype)
         x = block.after_attention(x, block.attn.wo(o.flatten(1)), runner.ops)  # [S, H]
-    # every chunk token ran the layers below the selection layer, the selected ones the rest
-    cost = (len(chunk_pos) * select_at + len(selected) * (len(layers) - select_at)) / len(layers)
+    selected = cur if len(cur) and slots is not None else torch.zeros(0, dtype=torch.int64)
+    if not len(selected):
+        context = list(placed)
     runner.tokens_forwarded += round(cost)
-    return Blend(context, selected, deviation.cpu(), cost)
+    return Blend(context, selected, deviation, cost)
 
 
 def _private_copies(pool, placed: list[Placement], owner: torch.Tensor, offset: torch.Tensor, allocate):

@@ -23,7 +23,7 @@ from lazyrag.engine.runner import ModelRunner, Placement, SeqState
 from lazyrag.kv.block_pool import blocks_for
 from lazyrag.kv.cache import CacheManager, Segment, SegmentKind, content_key
 from lazyrag.prompt import PromptLayout
-from lazyrag.strategy_names import STRATEGY_NAMES, check_strategy, lazy_options
+from lazyrag.strategy_names import BLEND_SELECTIONS, STRATEGY_NAMES, check_strategy, lazy_options
 
 ENCODE_BATCH_TOKENS = 8192
 
@@ -170,18 +170,22 @@ class LazyStitching(Strategy):
     * ``recompute_first``: each chunk's first tokens are computed again in context (EPIC's
       LegoLink), which restores the attention they would have paid to the documents before it;
     * ``blend``: that fraction of chunk tokens, those whose cached KV deviates most in context,
-      is computed again (CacheBlend, engine/blend.py); ``blend_per_chunk`` takes it of each chunk
-      rather than of all of them. With both, the heads are recomputed on top of the fraction.
+      is computed again (CacheBlend, engine/blend.py); ``blend_select`` says how the tokens are chosen
+      (engine/blend.py SELECTIONS: by deviation over all chunks or per chunk, by the question's
+      attention, ...). With both, the heads are recomputed on top of the fraction.
     """
 
     name = "lazy"
 
-    def __init__(self, cache, runner, fingerprint, recompute_first: int = 0, blend: float = 0.0, blend_per_chunk: bool = False):
+    def __init__(self, cache, runner, fingerprint, recompute_first: int = 0, blend: float = 0.0, blend_per_chunk: bool = False,
+                 blend_select: str = "global"):
         super().__init__(cache, runner, fingerprint)
-        self.recompute_first, self.blend, self.blend_per_chunk = recompute_first, blend, blend_per_chunk
+        self.recompute_first, self.blend = recompute_first, blend
+        self.blend_select = "chunk" if blend_per_chunk else blend_select
+        assert self.blend_select in BLEND_SELECTIONS, blend_select
         options = [f"first={recompute_first}"] * bool(recompute_first) + [f"blend={blend:g}"] * bool(blend)
-        if blend and blend_per_chunk:
-            options.append("select=chunk")
+        if blend and self.blend_select != "global":
+            options.append(f"select={self.blend_select}")
         if options:
             self.name = "lazy:" + ":".join(options)
 
@@ -209,7 +213,8 @@ class LazyStitching(Strategy):
             return blocks
 
         b = selective_recompute(self.runner, placed, [None, *layout.chunk_ids], self.blend, allocate,
-                                first=self.recompute_first, per_chunk=self.blend_per_chunk)
+                                first=self.recompute_first, selection=self.blend_select,
+                                question=list(layout.question_ids), question_start=layout.question_start)
         plan.tokens_recomputed, plan.recompute_cost = len(b.selected), b.cost
         return b.context
 
