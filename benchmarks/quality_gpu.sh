@@ -15,15 +15,18 @@ if [ ! -f "$M" ]; then
 fi
 echo "$(cat .model/b/sha)  $M" | sha256sum -c
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2  # 8 worker processes share 16 cores
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1  # the worker processes share 16 cores
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
-run() {  # dataset n strategies out [extra]
-  local left=$(( budget - ($(date +%s) - start) ))
-  [ "$left" -gt 60 ] || { echo "skip $1: ${left}s left"; return 0; }
-  timeout "$left" python3 -m lazyrag.cli eval --dataset "$1" --n "$2" --strategies "$3" --out "$OUT/$4" \
-    --device cuda --dtype float32 --batch 32 --workers "${WORKERS:-8}" --max-new-tokens 32 --model "$M" "${@:5}" || echo "eval $1 exited $?"
+run() {  # dataset n strategies out seconds batch [extra]: a time-limited eval (partial n if the time runs out)
+  local left=$(( budget - ($(date +%s) - start) )) limit=$5
+  [ "$limit" -lt "$left" ] || limit=$left
+  [ "$limit" -gt 60 ] || { echo "skip $1: ${limit}s left"; return 0; }
+  timeout "$limit" python3 -m lazyrag.cli eval --time-limit $(( limit - 25 )) --dataset "$1" --n "$2" --strategies "$3" \
+    --out "$OUT/$4" --device cuda --dtype float32 --batch "$6" --workers "${WORKERS:-12}" --eager \
+    --max-new-tokens "${NEW_TOKENS:-16}" --model "$M" "${@:7}" || echo "eval $1 exited $?"
 }
-run nq "$n_nq" "$nq" quality_nq_gpu.json --data .data/nq_open_oracle_2655.jsonl.gz
+if [ -n "$hp" ]; then nq_share=$(( budget * 62 / 100 )); else nq_share=$budget; fi
+run nq "$n_nq" "$nq" quality_nq_gpu.json "$nq_share" 32 --data .data/nq_open_oracle_2655.jsonl.gz
 if [ -n "$hp" ]; then
-  run hotpotqa "$n_hp" "$hp" quality_hotpotqa_gpu.json --shuffle --data .data/hotpotqa_dev_500.jsonl
+  run hotpotqa "$n_hp" "$hp" quality_hotpotqa_gpu.json "$budget" 16 --shuffle --data .data/hotpotqa_dev_500.jsonl
 fi

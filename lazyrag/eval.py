@@ -98,13 +98,16 @@ def evaluate(engine, items: list[dict], strategies: list[str], max_new_tokens: i
 
 
 def score(engine, items: list[dict], strategies: list[str], max_new_tokens: int, batch_items: int,
-          on_group=None) -> dict[str, list[dict]]:
+          on_group=None, deadline: float | None = None) -> dict[str, list[dict]]:
     """Each strategy's scored answer to each item, in item order. ``batch_items`` items' requests (all
-    strategies) run as one continuous batch, which decodes several times faster than one request at a time."""
+    strategies) run as one continuous batch, which decodes several times faster than one request at a time.
+    Past ``deadline`` (``time.monotonic()``) no new batch starts: the items scored so far are returned."""
     from lazyrag.engine import SamplingParams
 
     per = {s: [] for s in strategies}
     for i in range(0, len(items), batch_items):
+        if deadline is not None and time.monotonic() > deadline:
+            break
         group = items[i : i + batch_items]
         for item in group:
             engine.precache(item["chunks"])  # chunk encoding is not what is being compared
@@ -189,9 +192,10 @@ def _score_in_worker(job):
 
 
 def score_parallel(engine_kwargs: dict, items: list[dict], strategies: list[str], max_new_tokens: int, batch_items: int,
-                   workers: int, store=None, progress: bool = True) -> dict[str, list[dict]]:
+                   workers: int, store=None, progress: bool = True, deadline: float | None = None) -> dict[str, list[dict]]:
     """``score`` over ``workers`` processes, each with its own engine (``LazyEngine.from_pretrained(**engine_kwargs)``)
-    and KV budget, taking ``batch_items`` items at a time; rows come back in item order."""
+    and KV budget, taking ``batch_items`` items at a time; rows come back in item order. Past ``deadline``
+    the workers are stopped and the items scored so far are returned."""
     import multiprocessing
 
     from tqdm import tqdm
@@ -204,6 +208,8 @@ def score_parallel(engine_kwargs: dict, items: list[dict], strategies: list[str]
         for first, rows in pool.imap_unordered(_score_in_worker, jobs):
             parts[first] = rows
             bar.update(len(rows[strategies[0]]))
+            if deadline is not None and time.monotonic() > deadline:
+                break  # leaving the block terminates the workers
     return {s: [row for first in sorted(parts) for row in parts[first][s]] for s in strategies}
 
 
@@ -249,6 +255,8 @@ def run_eval(args) -> int:
     # every request of a batch (questions x strategies) runs as one continuous batch
     engine_kwargs = dict(model=args.model, device=args.device, dtype=args.dtype,
                          scheduler=SchedulerConfig(max_running=max(64, args.batch * len(strategies))))
+    if args.eager:
+        engine_kwargs.update(cuda_graphs=False, compile_elementwise=False)
     if args.store is not None:  # retrieval mode: each question's top-k chunks of the corpus, their KV from the store
         from lazyrag.store.retriever import Retriever
 
@@ -257,24 +265,31 @@ def run_eval(args) -> int:
             item["chunks"] = [h.text for h in hits]
     config = EngineConfig(**engine_kwargs)  # the device and dtype the engines resolve to
     t = time.time()
+    deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
     if args.workers > 1:
         store = None if args.store is None else str(getattr(args.store, "path", args.store))
-        per = score_parallel(engine_kwargs, items, strategies, args.max_new_tokens, args.batch, args.workers, store)
+        per = score_parallel(engine_kwargs, items, strategies, args.max_new_tokens, args.batch, args.workers, store,
+                             deadline=deadline)
     else:
         engine = LazyEngine.from_pretrained(**engine_kwargs)
         if args.store is not None:
             engine.attach_store(args.store)
         bar = tqdm(total=len(items), desc="eval", unit="question")
-        per = score(engine, items, strategies, args.max_new_tokens, args.batch, on_group=bar.update)
+        per = score(engine, items, strategies, args.max_new_tokens, args.batch, on_group=bar.update, deadline=deadline)
         bar.close()
+    done = len(per[strategies[0]])
+    if done < len(items):
+        print(f"warning: --time-limit reached: {done} of {len(items)} questions scored", file=sys.stderr)
+        if not done:
+            return 1
     result = summarize(per)
     model_name = resolve_model_source(args.model).name
-    result.update({"dataset": args.dataset, "n": len(items), "model": model_name, "device": _device_name(config.device),
+    result.update({"dataset": args.dataset, "n": done, "n_asked": len(items), "model": model_name, "device": _device_name(config.device),
                    "dtype": str(config.dtype).replace("torch.", ""),
                    "workers": args.workers,
                    "command": "lazyrag " + " ".join(sys.argv[1:]), "seconds": time.time() - t,
                    "mode": "retrieval" if args.store is not None else "oracle"})
-    print(f"\n{args.dataset}, n={len(items)}, {model_name} on {result['device']}, {result['dtype']}, "
+    print(f"\n{args.dataset}, n={done}, {model_name} on {result['device']}, {result['dtype']}, "
           f"{result['seconds']:.0f} s")
     width = max(18, *(len(s) + 2 for s in strategies))
     print(f"{'strategy':<{width}}{'acc':>7}{'F1':>7}{'EM':>7}{'recomp%':>9}{'tokens%':>9}{'prefill%':>9}{'same as PA':>11}"
@@ -290,6 +305,6 @@ def run_eval(args) -> int:
             print(f"warning: {m['failed']} {s} requests failed and scored 0 (their errors are in {args.out})", file=sys.stderr)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    plot(result["summary"], args.out.with_suffix(".png"), f"{args.dataset} n={len(items)}, {model_name}")
+    plot(result["summary"], args.out.with_suffix(".png"), f"{args.dataset} n={done}, {model_name}")
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     return 0
