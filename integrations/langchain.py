@@ -131,7 +131,7 @@ class ChatLazyLlama(BaseChatModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: Optional[int] = None
     stop: Optional[list[str]] = None
-    strategy: str = Field(default="lazy", description="full, prefix, position_aware, lazy, lazy:first=K or lazy:blend=R[:select=attn_dev].")
+    strategy: str = Field(default="lazy", description="full, prefix, position_aware, lazy, lazy+recover (lazy with quality recovery, ~15% of chunk tokens recomputed), lazy:first=K or lazy:blend=R[:select=attn_dev].")
     store: Optional[str] = Field(default=None, description="A corpus store folder (lazyrag precache) to serve chunk KV from.")
     kv_budget: Optional[int] = Field(default=None, description="Bytes of KV pool, when this model loads the shared engine.")
     system_prompt: Optional[str] = Field(default=None, description="A system message put first when the messages have none.")

@@ -122,7 +122,7 @@ class LazyLlamaLLM(CustomLLM):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     seed: Optional[int] = Field(default=None, description="Sampling seed (temperature > 0).")
     stop: list[str] = Field(default_factory=list, description="Stop strings.")
-    strategy: str = Field(default="lazy", description="full, prefix, position_aware, lazy, lazy:first=K or lazy:blend=R[:select=attn_dev] (see the README).")
+    strategy: str = Field(default="lazy", description="full, prefix, position_aware, lazy, lazy+recover (lazy with quality recovery, ~15% of chunk tokens recomputed), lazy:first=K or lazy:blend=R[:select=attn_dev] (see the README).")
     store: Optional[str] = Field(default=None, description="A corpus store folder (lazyrag precache) to serve chunk KV from.")
     kv_budget: Optional[int] = Field(default=None, description="Bytes of KV pool, when this LLM loads the shared engine.")
     context_window: Optional[int] = Field(default=None, description="Override the model's context length (tokens).")

@@ -77,10 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("question")
     ask.add_argument("--chunk", action="append", default=[], help="a chunk of context text (repeat for more)")
     ask.add_argument("--chunks-file", type=Path, help="a text file; paragraphs separated by blank lines become chunks")
-    ask.add_argument("--strategy", default="lazy", help="lazy (default), position_aware, prefix, full, lazy:first=K "
-                     "(lazy, recomputing each chunk's first K tokens in context for quality) or lazy:blend=R "
-                     "(recomputing the fraction R of chunk tokens whose KV deviates most, CacheBlend; add :select=attn_dev to "
-                     "choose them by deviation x the question's attention, the best recovery measured, README)")
+    ask.add_argument("--strategy", default="lazy", help="lazy (default: cached chunks read as they are, fastest), "
+                     "lazy+recover (lazy, plus about 15%% of chunk tokens recomputed in context, chosen by KV deviation x "
+                     "the question's attention: closer to full prefill's answers, see the README's quality table), "
+                     "position_aware, prefix, full, or the recovery spelled out: lazy:first=K (each chunk's first K "
+                     "tokens recomputed), lazy:blend=R[:select=attn|attn_dev|chunk|gradual] (the fraction R of chunk tokens)")
     ask.add_argument("--max-new-tokens", type=int, default=128)
     ask.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ask.add_argument("--top-p", type=float, default=1.0)
@@ -136,7 +137,8 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
                    help="nq retrieval mode: chunks are the top --k of this corpus store (lazyrag precache), not gold + distractors")
     p.add_argument("--k", type=int, default=5, help="retrieval mode: chunks per question")
     p.add_argument("--strategies", default="full,position_aware,lazy,lazy:first=16,lazy:first=32",
-                   help="comma-separated: full, prefix, position_aware, lazy, lazy:first=K (each chunk's first K tokens "
+                   help="comma-separated: full, prefix, position_aware, lazy, lazy+recover (the named recovery, "
+                        "= lazy:blend=0.15:select=attn_dev), lazy:first=K (each chunk's first K tokens "
                         "recomputed in context), lazy:blend=R (CacheBlend: the fraction R of chunk tokens whose KV deviates "
                         "most; add :select=S to choose otherwise: chunk = R of each chunk, attn = by the question's attention, "
                         "attn_dev = deviation x attention, gradual = CacheBlend's 2-stage filter), or both, "

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 # the strategies engine/reuse.py defines (it asserts the two agree); lazy:... adds quality recovery to lazy
 STRATEGY_NAMES = ("full", "prefix", "position_aware", "position_aware:rerotate", "lazy")
+# The named quality recovery: ``strategy="lazy+recover"`` is lazy stitching plus this selective recompute
+# (benchmarks/NOTES.md, "Answer quality, third pass", has the variants it was chosen from and its cost).
+RECOVER = "lazy+recover"
+RECOVER_AS = "lazy:blend=0.15:select=attn_dev"
 # how lazy:blend=R chooses its tokens (engine/blend.py SELECTIONS; it asserts the two agree)
 BLEND_SELECTIONS = ("global", "chunk", "attn", "attn_dev", "gradual")
 
@@ -15,6 +19,8 @@ def lazy_options(name: str) -> dict:
              "of chunk tokens to recompute, in (0, 1]; add :select=S to choose them otherwise: chunk (R of each chunk), "
              "attn (by the question's attention), attn_dev, gradual), or both, "
              "e.g. lazy:first=16:blend=0.1.")
+    if name == RECOVER:
+        name = RECOVER_AS
     opts = {}
     for part in name.split(":")[1:]:
         key, _, value = part.partition("=")
@@ -38,10 +44,10 @@ def check_strategy(name: str) -> str:
     """``name`` if the engine would accept it; a ValueError saying what to write otherwise."""
     if not isinstance(name, str):
         raise ValueError(f"The strategy must be a name (str), not {type(name).__name__}.")
-    if name in STRATEGY_NAMES:
+    if name in STRATEGY_NAMES or name == RECOVER:
         return name
     if name.startswith("lazy:"):
         lazy_options(name)
         return name
     raise ValueError(f"Unknown strategy {name!r}; choose one of {', '.join(STRATEGY_NAMES)} "
-                     "(or lazy:first=K, lazy:blend=R).")
+                     f"(or {RECOVER} for quality recovery, lazy:first=K, lazy:blend=R).")

@@ -176,3 +176,23 @@ def test_gradual_filtering_keeps_a_subset_of_the_first_pick(default_engine):
     assert torch.allclose(grad.deviation, one.deviation)
     L = len(engine.model.layers)
     assert grad.cost == pytest.approx((C + len(one.selected) + len(grad.selected) * (L - 2)) / L)
+
+
+def test_the_named_recovery_is_its_spelled_out_strategy_everywhere(default_engine):
+    """``lazy+recover`` is the one name for the chosen recovery: the engine runs it as ``RECOVER_AS`` (and it
+    moves lazy's next-token distribution towards full prefill's), and the CLI and both adapters accept it."""
+    from lazyrag.cli import build_parser
+    from lazyrag.integrations.langchain import ChatLazyLlama
+    from lazyrag.integrations.llama_index import LazyLlamaLLM
+    from lazyrag.strategy_names import RECOVER, RECOVER_AS
+
+    layout = default_engine.build_prompt(QUESTION, CHUNKS[:4])
+    full, lazy = (default_engine.layout_logits(layout, s).log_softmax(-1) for s in ("full", "lazy"))
+    named, spelled = (default_engine.layout_logits(layout, s) for s in (RECOVER, RECOVER_AS))
+    assert rel_err(named, spelled) < 1e-5
+    kl = lambda lp: float((full.exp() * (full - lp)).sum())  # noqa: E731
+    assert kl(named.log_softmax(-1)) < kl(lazy)
+    r = default_engine.generate(QUESTION, CHUNKS[:4], max_new_tokens=2, strategy=RECOVER)
+    assert r.stats.tokens_recomputed > 0
+    assert build_parser().parse_args(["ask", "q", "--strategy", RECOVER]).strategy == RECOVER
+    assert LazyLlamaLLM(strategy=RECOVER).strategy == RECOVER and ChatLazyLlama(strategy=RECOVER).strategy == RECOVER
