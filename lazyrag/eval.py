@@ -167,7 +167,9 @@ def summarize(per: dict[str, list[dict]]) -> dict:
                 same = sum(a["answer"] == b["answer"] for a, b in zip(rows, per[ref]))
                 summary[s][f"identical_to_{ref}_pct"] = 100 * same / len(rows)
     errors = {s: {i: r["error"] for i, r in enumerate(rows) if "error" in r} for s, rows in per.items()}
-    return {"summary": summary, "answers": {s: [r["answer"] for r in rows] for s, rows in per.items()},
+    first = next(iter(per.values()), [])
+    return {"summary": summary, "questions": [r["question"] for r in first],  # which items (a time-limited run: a subset)
+            "answers": {s: [r["answer"] for r in rows] for s, rows in per.items()},
             "errors": {s: e for s, e in errors.items() if e}}
 
 
