@@ -60,7 +60,7 @@ def cuda_time(fn, warmup: int, reps: int) -> list[float]:
     return out
 
 
-def profile_request(engine, layout, SamplingParams, top: int = 15) -> dict:
+def profile_request(engine, layout, SamplingParams, top: int = 20) -> dict:
     """GPU kernel time of one lazy request (TTFT) and of 16 decode steps, top kernels by total time."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -69,12 +69,15 @@ def profile_request(engine, layout, SamplingParams, top: int = 15) -> dict:
         engine.submit(layout, SamplingParams(max_new_tokens=n)).result()  # warm
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            engine.submit(layout, SamplingParams(max_new_tokens=n)).result()
+            r = engine.submit(layout, SamplingParams(max_new_tokens=n)).result()
             torch.cuda.synchronize()
         rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
         out[what] = {"gpu_us_total": sum(e.device_time_total for e in rows if e.device_time_total > 0),
+                     "kernels": sum(e.count for e in rows if e.device_time_total > 0),
+                     "wall_ms_under_profiler": 1e3 * (r.ttft_s if n == 1 else r.total_s - r.ttft_s),
                      "top": [(e.key[:90], e.count, round(e.device_time_total, 1)) for e in rows[:top]]}
-        print(f"profile {what}: {out[what]['gpu_us_total'] / 1e3:.2f} ms of GPU kernels; top:")
+        print(f"profile {what}: {out[what]['gpu_us_total'] / 1e3:.2f} ms of GPU kernels in {out[what]['kernels']} "
+              f"launches (wall {out[what]['wall_ms_under_profiler']:.2f} ms under the profiler); top:")
         for k, c, t in out[what]["top"]:
             print(f"  {t / 1e3:8.3f} ms  x{c:<5} {k}")
     return out
@@ -92,6 +95,8 @@ def main() -> int:
     ap.add_argument("--kernel-defaults", type=Path,
                     help="JSON from benchmarks/kernels.py --adopt: kernel defaults to use")
     ap.add_argument("--profile", action="store_true", help="also record the top GPU kernels of one lazy request")
+    ap.add_argument("--ab", action="store_true",
+                    help="also time lazy TTFT and decode with the K/V store unfused, and with cuBLASLt")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
 
@@ -155,10 +160,10 @@ def main() -> int:
     torch.cuda.empty_cache()
 
     # -- lazyrag: documents cached once; each timed request places them in a new order
-    def measure(engine) -> tuple[dict, list[float]]:
+    def measure(engine, strategies=("lazy", "position_aware", "full"), decode_runs: int = 5) -> tuple[dict, list[float]]:
         one = SamplingParams(max_new_tokens=1)
         engine.submit(layout, one).result()  # encodes and caches the documents
-        ttft = {"lazy": [], "position_aware": [], "full": []}
+        ttft = {s: [] for s in strategies}
         plan = []
         for strategy in ttft:
             for i in range(args.reps + 3):
@@ -173,10 +178,10 @@ def main() -> int:
                     assert r.stats.chunks_missed == 0 and r.stats.tokens_prefilled == len(question)
         gen = SamplingParams(max_new_tokens=args.decode_tokens)
         decode = []
-        for _ in range(5):
+        for _ in range(decode_runs):
             r = engine.submit(layout, gen).result()
             decode.append((r.total_s - r.ttft_s) / max(1, len(r.token_ids) - 1))
-        res["lazyrag_lazy_plan_ms"] = 1e3 * statistics.median(plan)
+        res.setdefault("lazyrag_lazy_plan_ms", 1e3 * statistics.median(plan))
         return ttft, decode
 
     try:
@@ -189,6 +194,28 @@ def main() -> int:
         engine = LazyEngine.from_hf(hf, None, device="cuda", dtype=torch.bfloat16, kv_budget=8 << 30, cuda_graphs=False)
         ttft, decode = measure(engine)
         res["cuda_graphs"] = False
+
+    if args.ab and res["cuda_graphs"]:
+        from dataclasses import replace as dc_replace
+
+        runner, ab = engine.runner, {}
+        fused_ops = runner.ops
+        variants = [("unfused_kv_store", lambda: setattr(runner, "ops", dc_replace(fused_ops, rotate_qk_store=None)))]
+        variants.append(("cublaslt", lambda: (setattr(runner, "ops", fused_ops),
+                                              torch.backends.cuda.preferred_blas_library("cublaslt"))))
+        for name, setup in variants:
+            try:
+                setup()
+                runner.graphs.graphs.clear()
+                t, d = measure(engine, ("lazy",), 3)
+                ab[name] = {"lazy_ttft_ms": 1e3 * statistics.median(t["lazy"]), "decode_ms_per_token": 1e3 * statistics.median(d)}
+            except Exception as e:
+                ab[name] = {"error": repr(e)}
+            print(f"A/B {name}: {ab[name]}", flush=True)
+        runner.ops = fused_ops
+        torch.backends.cuda.preferred_blas_library("cublas")
+        runner.graphs.graphs.clear()
+        res["ab"] = ab
 
     if args.profile:
         res["profile"] = profile_request(engine, PromptLayout(prefix, docs[::-1], question), SamplingParams)
