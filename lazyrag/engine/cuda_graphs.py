@@ -1,8 +1,8 @@
 """CUDA graphs for the forward pass: one capture per (kind, batch, token bucket, table width).
 
-A short prefill or a decode step of an 8B model launches over a thousand small kernels;
-replaying a captured graph removes their launch cost. Inputs live in static buffers that
-each replay refills; shapes are padded up to buckets. Padding tokens write their K/V to a
+A short prefill or a decode step of an 8B model launches hundreds of small kernels;
+replaying a captured graph removes their launch cost. Inputs live in one static buffer that
+each replay refills with one copy; shapes are padded up to buckets. Padding tokens write their K/V to a
 scratch block that no sequence reads, and padded batch rows have no context, so neither
 touches real results.
 """

@@ -32,14 +32,26 @@ class AttentionMetadata:
     kernel_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
 
-def _half(n: int) -> int:
-    return (n + 1) // 2  # int64 words that hold n int32
+def _words(n: int, item: int = 8) -> int:
+    """int64 words that hold n items of ``item`` bytes, rounded up to 16 bytes (each section aligned)."""
+    w = -(-n * item // 8)
+    return w + (w & 1)
+
+
+def _sections(T: int, B: int, W: int) -> tuple[int, ...]:
+    """Word offsets of ids, positions, slots, block_meta, num_ctx, cu, and the total size."""
+    offs, o = [], 0
+    for n, item in ((T, 8), (T, 8), (T, 8), (B * W, 8), (B, 4), (B + 1, 4)):
+        offs.append(o)
+        o += _words(n, item)
+    return (*offs, o)
 
 
 @dataclass
 class HostBatch:
     """One forward pass's inputs, built on the host (numpy) and sent to the device in ONE copy:
-    a flat int64 buffer ``[ids T | positions T | slots T | block_meta B*W | num_ctx B (int32) | cu B+1 (int32)]``."""
+    a flat int64 buffer ``[ids T | positions T | slots T | block_meta B*W | num_ctx B (int32) | cu B+1 (int32)]``,
+    each section starting on 16 bytes."""
 
     is_decode: bool
     ids: np.ndarray  # [T] int64
@@ -63,29 +75,28 @@ class HostBatch:
 
     @staticmethod
     def size(T: int, B: int, W: int) -> int:
-        return 3 * T + B * W + _half(B) + _half(B + 1)
+        return _sections(T, B, W)[-1]
 
     def fill(self, buf: np.ndarray, T: int, B: int, W: int, pad_slot: int) -> None:
         """Write the batch into ``buf`` laid out for (T tokens, B sequences, W blocks) >= its own;
         padding tokens get id 0, position 0 and ``pad_slot``; padding sequences no context and, in
         decode, one padding token each (prefill: none)."""
         n, b = self.num_tokens, self.batch
-        buf[: 2 * T] = 0
-        buf[:n] = self.ids
-        buf[T : T + n] = self.positions
-        buf[2 * T : 2 * T + n] = self.slots
-        buf[2 * T + n : 3 * T] = pad_slot
-        o = 3 * T
-        meta = buf[o : o + B * W].reshape(B, W)
+        o_ids, o_pos, o_slot, o_meta, o_nctx, o_cu, _ = _sections(T, B, W)
+        buf[o_ids : o_ids + n] = self.ids
+        buf[o_ids + n : o_pos] = 0
+        buf[o_pos : o_pos + n] = self.positions
+        buf[o_pos + n : o_slot] = 0
+        buf[o_slot : o_slot + n] = self.slots
+        buf[o_slot + n : o_slot + T] = pad_slot
+        meta = buf[o_meta : o_meta + B * W].reshape(B, W)
         meta[:] = 0
         for i, m in enumerate(self.meta):
             meta[i, : len(m)] = m
-        o += B * W
-        nctx = buf[o : o + _half(B)].view(np.int32)[:B]
+        nctx = buf[o_nctx:o_cu].view(np.int32)[:B]
         nctx[:] = 0
         nctx[:b] = [len(m) for m in self.meta]
-        o += _half(B)
-        cu = buf[o : o + _half(B + 1)].view(np.int32)[: B + 1]
+        cu = buf[o_cu:].view(np.int32)[: B + 1]
         cu[: b + 1] = self.cu
         if self.is_decode:
             cu[b + 1 :] = np.arange(b + 1, B + 1)  # a padding token each
@@ -95,16 +106,16 @@ class HostBatch:
     @staticmethod
     def views(dev: torch.Tensor, T: int, B: int, W: int, is_decode: bool, max_seqlen_q: int):
         """(ids, positions, AttentionMetadata) viewing a device buffer laid out by ``fill``."""
-        o = 3 * T + B * W
+        o_ids, o_pos, o_slot, o_meta, o_nctx, o_cu, end = _sections(T, B, W)
         meta = AttentionMetadata(
             is_decode=is_decode,
-            cu_seqlens_q=dev[o + _half(B) : o + _half(B) + _half(B + 1)].view(torch.int32)[: B + 1],
-            block_meta=dev[3 * T : o].view(B, W),
-            num_ctx_blocks=dev[o : o + _half(B)].view(torch.int32)[:B],
-            slot_mapping=dev[2 * T : 3 * T],
+            cu_seqlens_q=dev[o_cu:end].view(torch.int32)[: B + 1],
+            block_meta=dev[o_meta : o_meta + B * W].view(B, W),
+            num_ctx_blocks=dev[o_nctx:o_cu].view(torch.int32)[:B],
+            slot_mapping=dev[o_slot : o_slot + T],
             max_seqlen_q=max_seqlen_q,
         )
-        return dev[:T], dev[T : 2 * T], meta
+        return dev[o_ids : o_ids + T], dev[o_pos : o_pos + T], meta
 
     def to_device(self, device: torch.device):
         """(ids, positions, AttentionMetadata) on ``device``, unpadded, in one copy."""
