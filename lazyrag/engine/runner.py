@@ -49,10 +49,18 @@ class SeqState:
         return self._context_rows + own
 
     def block_meta(self, block_size: int, own_tokens: int) -> np.ndarray:
-        """``block_rows`` packed (kernels/common.py's layout), as an int64 array; the context part is packed once."""
+        """``block_rows`` packed (kernels/common.py's layout), as an int64 array; the context part is
+        packed once (numpy per placement: a 2.6k-token context is ~170 blocks)."""
         if self._context_meta is None:
-            rows = [r for r in self.block_rows(block_size, 0)]
-            self._context_meta = (pack_block_meta_host(*zip(*rows)) if rows else np.zeros(0, dtype=np.int64))
+            ids, deltas, valid = [], [], []
+            for p in self.context:
+                seg = p.segment
+                j = np.arange(p.first_block, len(seg.blocks), dtype=np.int64)
+                ids.append(np.asarray(seg.blocks[p.first_block:], dtype=np.int64))
+                deltas.append(np.full(len(j), p.delta, dtype=np.int64))
+                valid.append(np.minimum(block_size, seg.num_tokens - j * block_size))
+            self._context_meta = (pack_block_meta_host(np.concatenate(ids), np.concatenate(deltas), np.concatenate(valid))
+                                  if ids else np.zeros(0, dtype=np.int64))
         n = blocks_for(own_tokens, block_size)
         if not n:
             return self._context_meta
