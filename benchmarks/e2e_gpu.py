@@ -95,8 +95,9 @@ def main() -> int:
     ap.add_argument("--kernel-defaults", type=Path,
                     help="JSON from benchmarks/kernels.py --adopt: kernel defaults to use")
     ap.add_argument("--profile", action="store_true", help="also record the top GPU kernels of one lazy request")
-    ap.add_argument("--ab", action="store_true",
-                    help="also time lazy TTFT and decode with the K/V store unfused, and with cuBLASLt")
+    ap.add_argument("--ab", default="",
+                    help="comma list of variants to also time (lazy TTFT, decode) on the same engine: "
+                         "'unfused' (rotation then index_copy_ K/V; compiles rotate_qk), 'cublaslt' (torch's BLAS choice)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
 
@@ -206,10 +207,10 @@ def main() -> int:
 
         runner, ab = engine.runner, {}
         fused_ops = runner.ops
-        variants = [("unfused_kv_store", lambda: setattr(runner, "ops", dc_replace(fused_ops, rotate_qk_store=None)))]
-        variants.append(("cublaslt", lambda: (setattr(runner, "ops", fused_ops),
-                                              torch.backends.cuda.preferred_blas_library("cublaslt"))))
-        for name, setup in variants:
+        variants = {"unfused": lambda: setattr(runner, "ops", dc_replace(fused_ops, rotate_qk_store=None)),
+                    "cublaslt": lambda: (setattr(runner, "ops", fused_ops), torch.backends.cuda.preferred_blas_library("cublaslt"))}
+        for name in [v for v in args.ab.split(",") if v]:
+            setup = variants[name]
             try:
                 setup()
                 runner.graphs.graphs.clear()
