@@ -9,7 +9,7 @@ T0=$(date +%s)
 BUDGET=${BUDGET:-236}
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "pip install -e . failed"
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
-timeout ${E2E_LIMIT:-130} python3 benchmarks/e2e_gpu.py --reps 8 --profile ${E2E_ARGS:---ab cublaslt} --out "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e_log.txt"
+timeout ${E2E_LIMIT:-130} python3 benchmarks/e2e_gpu.py --reps 8 --profile ${E2E_ARGS:---ab cublaslt,prefill_splits=4,decode_splits=8} --out "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e_log.txt"
 echo "e2e finished at $(( $(date +%s) - T0 )) s"
 L=$(( BUDGET - ($(date +%s) - T0) ))
 echo "GPU tests get ${L} s"

@@ -97,7 +97,8 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true", help="also record the top GPU kernels of one lazy request")
     ap.add_argument("--ab", default="",
                     help="comma list of variants to also time (lazy TTFT, decode) on the same engine: "
-                         "'unfused' (rotation then index_copy_ K/V; compiles rotate_qk), 'cublaslt' (torch's BLAS choice)")
+                         "'unfused' (rotation then index_copy_ K/V; compiles rotate_qk), 'cublaslt' (torch's BLAS choice), "
+                         "'prefill_splits=N', 'decode_splits=N' (the attention kernels' split count forced)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
 
@@ -205,22 +206,40 @@ def main() -> int:
     if args.ab and res["cuda_graphs"]:
         from dataclasses import replace as dc_replace
 
+        import functools
+
         runner, ab = engine.runner, {}
-        fused_ops = runner.ops
-        variants = {"unfused": lambda: setattr(runner, "ops", dc_replace(fused_ops, rotate_qk_store=None)),
-                    "cublaslt": lambda: (setattr(runner, "ops", fused_ops), torch.backends.cuda.preferred_blas_library("cublaslt"))}
+        fused_ops, backend = runner.ops, runner.attention
+        kernels = (backend._prefill, backend._decode)
+
+        def reset():
+            runner.ops = fused_ops
+            backend._prefill, backend._decode = kernels
+            torch.backends.cuda.preferred_blas_library("cublas")
+
+        def setup(name):
+            reset()
+            if name == "unfused":
+                runner.ops = dc_replace(fused_ops, rotate_qk_store=None)
+            elif name == "cublaslt":
+                torch.backends.cuda.preferred_blas_library("cublaslt")
+            elif name.startswith("prefill_splits="):  # the split count the kernel's heuristic would choose, overridden
+                backend._prefill = functools.partial(kernels[0], num_splits=int(name.split("=")[1]))
+            elif name.startswith("decode_splits="):
+                backend._decode = functools.partial(kernels[1], num_splits=int(name.split("=")[1]))
+            else:
+                raise ValueError(name)
+
         for name in [v for v in args.ab.split(",") if v]:
-            setup = variants[name]
             try:
-                setup()
+                setup(name)
                 runner.graphs.graphs.clear()
                 t, d = measure(engine, ("lazy",), 3)
                 ab[name] = {"lazy_ttft_ms": 1e3 * statistics.median(t["lazy"]), "decode_ms_per_token": 1e3 * statistics.median(d)}
             except Exception as e:
                 ab[name] = {"error": repr(e)}
             print(f"A/B {name}: {ab[name]}", flush=True)
-        runner.ops = fused_ops
-        torch.backends.cuda.preferred_blas_library("cublas")
+        reset()
         runner.graphs.graphs.clear()
         res["ab"] = ab
 
@@ -249,6 +268,8 @@ def main() -> int:
             ("lazyrag decode, ms/token" + (" (CUDA graphs)" if res["cuda_graphs"] else " (eager)"), res["lazyrag_decode_ms_per_token"])]
     for name, v in rows:
         print(f"{name:<48}{v:>10.2f}")
+    for name, v in res.get("ab", {}).items():
+        print(f"A/B {name}: {v}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=2))
     return 0
