@@ -233,14 +233,14 @@ def main() -> int:
         for name in [v for v in args.ab.split(",") if v]:
             try:
                 setup(name)
-                runner.graphs.graphs.clear()
+                runner.graphs.clear()
                 t, d = measure(engine, ("lazy",), 3)
                 ab[name] = {"lazy_ttft_ms": 1e3 * statistics.median(t["lazy"]), "decode_ms_per_token": 1e3 * statistics.median(d)}
             except Exception as e:
                 ab[name] = {"error": repr(e)}
             print(f"A/B {name}: {ab[name]}", flush=True)
         reset()
-        runner.graphs.graphs.clear()
+        runner.graphs.clear()
         res["ab"] = ab
 
     if args.profile:

@@ -45,6 +45,12 @@ class GraphRunner:
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple, _Graph] = {}
 
+    def clear(self) -> None:
+        """Drop every captured graph; later captures go to a fresh memory pool (capturing again into a
+        pool whose graphs were all freed trips an internal assert of PyTorch's caching allocator)."""
+        self.graphs.clear()
+        self.pool = torch.cuda.graph_pool_handle()
+
     def supports(self, num_tokens: int, batch: int, is_decode: bool) -> bool:
         return num_tokens <= self.max_tokens and (is_decode or batch == 1)
 
