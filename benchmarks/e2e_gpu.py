@@ -60,7 +60,7 @@ def cuda_time(fn, warmup: int, reps: int) -> list[float]:
     return out
 
 
-def profile_request(engine, layout, SamplingParams, top: int = 15) -> dict:
+def profile_request(engine, layout, SamplingParams, top: int = 20) -> dict:
     """GPU kernel time of one lazy request (TTFT) and of 16 decode steps, top kernels by total time."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -69,12 +69,15 @@ def profile_request(engine, layout, SamplingParams, top: int = 15) -> dict:
         engine.submit(layout, SamplingParams(max_new_tokens=n)).result()  # warm
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            engine.submit(layout, SamplingParams(max_new_tokens=n)).result()
+            r = engine.submit(layout, SamplingParams(max_new_tokens=n)).result()
             torch.cuda.synchronize()
         rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
         out[what] = {"gpu_us_total": sum(e.device_time_total for e in rows if e.device_time_total > 0),
+                     "kernels": sum(e.count for e in rows if e.device_time_total > 0),
+                     "wall_ms_under_profiler": 1e3 * (r.ttft_s if n == 1 else r.total_s - r.ttft_s),
                      "top": [(e.key[:90], e.count, round(e.device_time_total, 1)) for e in rows[:top]]}
-        print(f"profile {what}: {out[what]['gpu_us_total'] / 1e3:.2f} ms of GPU kernels; top:")
+        print(f"profile {what}: {out[what]['gpu_us_total'] / 1e3:.2f} ms of GPU kernels in {out[what]['kernels']} "
+              f"launches (wall {out[what]['wall_ms_under_profiler']:.2f} ms under the profiler); top:")
         for k, c, t in out[what]["top"]:
             print(f"  {t / 1e3:8.3f} ms  x{c:<5} {k}")
     return out
@@ -92,6 +95,10 @@ def main() -> int:
     ap.add_argument("--kernel-defaults", type=Path,
                     help="JSON from benchmarks/kernels.py --adopt: kernel defaults to use")
     ap.add_argument("--profile", action="store_true", help="also record the top GPU kernels of one lazy request")
+    ap.add_argument("--ab", default="",
+                    help="comma list of variants to also time (lazy TTFT, decode) on the same engine: "
+                         "'unfused' (rotation then index_copy_ K/V; compiles rotate_qk), 'cublaslt' (torch's BLAS choice), "
+                         "'prefill_splits=N', 'decode_splits=N' (the attention kernels' split count forced)")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
 
@@ -155,10 +162,10 @@ def main() -> int:
     torch.cuda.empty_cache()
 
     # -- lazyrag: documents cached once; each timed request places them in a new order
-    def measure(engine) -> tuple[dict, list[float]]:
+    def measure(engine, strategies=("lazy", "position_aware", "full"), decode_runs: int = 5) -> tuple[dict, list[float]]:
         one = SamplingParams(max_new_tokens=1)
         engine.submit(layout, one).result()  # encodes and caches the documents
-        ttft = {"lazy": [], "position_aware": [], "full": []}
+        ttft = {s: [] for s in strategies}
         plan = []
         for strategy in ttft:
             for i in range(args.reps + 3):
@@ -173,10 +180,10 @@ def main() -> int:
                     assert r.stats.chunks_missed == 0 and r.stats.tokens_prefilled == len(question)
         gen = SamplingParams(max_new_tokens=args.decode_tokens)
         decode = []
-        for _ in range(5):
+        for _ in range(decode_runs):
             r = engine.submit(layout, gen).result()
             decode.append((r.total_s - r.ttft_s) / max(1, len(r.token_ids) - 1))
-        res["lazyrag_lazy_plan_ms"] = 1e3 * statistics.median(plan)
+        res.setdefault("lazyrag_lazy_plan_ms", 1e3 * statistics.median(plan))
         return ttft, decode
 
     try:
@@ -189,6 +196,52 @@ def main() -> int:
         engine = LazyEngine.from_hf(hf, None, device="cuda", dtype=torch.bfloat16, kv_budget=8 << 30, cuda_graphs=False)
         ttft, decode = measure(engine)
         res["cuda_graphs"] = False
+    # written now too, so a run cut short after this point still leaves the headline numbers
+    early = {"lazyrag_ttft_ms": {k: 1e3 * statistics.median(v) for k, v in ttft.items()},
+             "lazyrag_decode_ms_per_token": 1e3 * statistics.median(decode)}
+    print(f"lazyrag: {early}", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({**res, **early, "partial": True}, indent=2))
+
+    if args.ab and res["cuda_graphs"]:
+        from dataclasses import replace as dc_replace
+
+        import functools
+
+        runner, ab = engine.runner, {}
+        fused_ops, backend = runner.ops, runner.attention
+        kernels = (backend._prefill, backend._decode)
+
+        def reset():
+            runner.ops = fused_ops
+            backend._prefill, backend._decode = kernels
+            torch.backends.cuda.preferred_blas_library("cublas")
+
+        def setup(name):
+            reset()
+            if name == "unfused":
+                runner.ops = dc_replace(fused_ops, rotate_qk_store=None)
+            elif name == "cublaslt":
+                torch.backends.cuda.preferred_blas_library("cublaslt")
+            elif name.startswith("prefill_splits="):  # the split count the kernel's heuristic would choose, overridden
+                backend._prefill = functools.partial(kernels[0], num_splits=int(name.split("=")[1]))
+            elif name.startswith("decode_splits="):
+                backend._decode = functools.partial(kernels[1], num_splits=int(name.split("=")[1]))
+            else:
+                raise ValueError(name)
+
+        for name in [v for v in args.ab.split(",") if v]:
+            try:
+                setup(name)
+                runner.graphs.clear()
+                t, d = measure(engine, ("lazy",), 3)
+                ab[name] = {"lazy_ttft_ms": 1e3 * statistics.median(t["lazy"]), "decode_ms_per_token": 1e3 * statistics.median(d)}
+            except Exception as e:
+                ab[name] = {"error": repr(e)}
+            print(f"A/B {name}: {ab[name]}", flush=True)
+        reset()
+        runner.graphs.clear()
+        res["ab"] = ab
 
     if args.profile:
         res["profile"] = profile_request(engine, PromptLayout(prefix, docs[::-1], question), SamplingParams)
@@ -215,6 +268,8 @@ def main() -> int:
             ("lazyrag decode, ms/token" + (" (CUDA graphs)" if res["cuda_graphs"] else " (eager)"), res["lazyrag_decode_ms_per_token"])]
     for name, v in rows:
         print(f"{name:<48}{v:>10.2f}")
+    for name, v in res.get("ab", {}).items():
+        print(f"A/B {name}: {v}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=2))
     return 0

@@ -59,3 +59,16 @@ if triton is not None:
     @triton.jit
     def meta_valid(meta):
         return ((meta >> _VALID_SHIFT) & _VALID_MASK).to(tl.int32)
+
+
+def pack_block_meta_host(block_ids, deltas, valid):
+    """:func:`pack_block_meta` on numpy arrays (the engine builds each step's metadata on the host
+    and sends it to the device in one copy)."""
+    import numpy as np
+
+    block_ids, deltas, valid = (np.asarray(t, dtype=np.int64) for t in (block_ids, deltas, valid))
+    if block_ids.size:
+        assert 0 <= block_ids.min() and block_ids.max() < (1 << 31), "block id out of range"
+        assert 0 <= deltas.min() and deltas.max() <= MAX_DELTA, "delta out of range"
+        assert 0 <= valid.min() and valid.max() <= MAX_BLOCK_SIZE, "valid length out of range"
+    return block_ids | (deltas << PHYS_BITS) | (valid << (PHYS_BITS + DELTA_BITS))

@@ -152,3 +152,32 @@ def test_blending_every_chunk_token_equals_full_prefill(case):
     engine, _, dtype = case
     layout = random_layout(20, repeat_chunk=False)
     assert rel_err(engine.layout_logits(layout, "lazy:blend=1"), engine.layout_logits(layout, "full")) < tolerance(dtype)
+
+
+@pytest.mark.parametrize("is_decode", [True, False])
+def test_host_batch_one_buffer_padded(is_decode):
+    """A step's inputs travel in one int64 buffer (engine/runner.py HostBatch); laid out for a larger
+    captured shape, the padding is inert: scratch slot, no context, one padding token per decode row."""
+    import numpy as np
+
+    from lazyrag.model.attention import HostBatch
+
+    metas = [np.array([5, 7, 9], np.int64), np.array([11], np.int64)]
+    n = [1, 1] if is_decode else [3, 2]
+    T = sum(n)
+    cu = np.concatenate(([0], np.cumsum(n)))
+    hb = HostBatch(is_decode, np.arange(100, 100 + T), np.arange(T) + 40, np.arange(T) + 200, metas, cu, max(n))
+    for shape in ((T, 2, 3), (8, 4, 16) if is_decode else (16, 2, 16)):
+        buf = np.full(HostBatch.size(*shape), -1, np.int64)
+        hb.fill(buf, *shape, pad_slot=999)
+        ids, pos, meta = HostBatch.views(torch.from_numpy(buf), *shape, is_decode, hb.max_seqlen_q)
+        Tp, Bp, Wp = shape
+        assert ids.tolist() == list(range(100, 100 + T)) + [0] * (Tp - T)
+        assert pos.tolist() == list(range(40, 40 + T)) + [0] * (Tp - T)
+        assert meta.slot_mapping.tolist() == list(range(200, 200 + T)) + [999] * (Tp - T)
+        assert meta.block_meta.shape == (Bp, Wp) and meta.block_meta[0, :3].tolist() == [5, 7, 9]
+        assert meta.block_meta[1, 0] == 11 and int(meta.block_meta.sum()) == 5 + 7 + 9 + 11
+        assert meta.num_ctx_blocks.dtype == torch.int32 and meta.num_ctx_blocks.tolist() == [3, 1] + [0] * (Bp - 2)
+        assert meta.cu_seqlens_q.dtype == torch.int32
+        expect = list(cu) + (list(range(len(cu), Bp + 1)) if is_decode else [cu[-1]] * (Bp + 1 - len(cu)))
+        assert meta.cu_seqlens_q.tolist() == expect

@@ -28,6 +28,7 @@ class EngineConfig:
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     cuda_graphs: bool | None = None  # None: on with cuda + triton
     compile_elementwise: bool | None = None  # None: on with cuda
+    fused_kv_store: bool | None = None  # q/k rotation and the K/V pool write in one Triton kernel; None: on with triton
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 

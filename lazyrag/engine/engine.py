@@ -110,6 +110,10 @@ class LazyEngine:
         on_cuda = config.device.type == "cuda"
         if config.compile_elementwise if config.compile_elementwise is not None else on_cuda:
             self.runner.compile_elementwise()
+        half = args.head_dim // 2
+        if (config.fused_kv_store if config.fused_kv_store is not None
+                else attention.name == "triton" and half >= 8 and half & (half - 1) == 0):
+            self.runner.fuse_kv_store()
         if config.cuda_graphs if config.cuda_graphs is not None else (on_cuda and attention.name == "triton"):
             # padding tokens of captured shapes write their K/V here; no sequence reads it
             self.runner.enable_cuda_graphs(scratch_block=pool.allocate(1)[0])

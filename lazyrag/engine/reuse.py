@@ -125,19 +125,19 @@ class Strategy:
         plan.pinned.append(seg)
         return seg
 
-    def base_segments(self, layout: PromptLayout, plan: Plan, keep: bool = True,
-                      only: set[str] | None = None) -> tuple[Segment, dict[str, Segment]]:
+    def base_segments(self, layout: PromptLayout, plan: Plan, keep: bool = True, only: set[str] | None = None,
+                      keys: list[str] | None = None) -> tuple[Segment, dict[str, Segment]]:
         """The request's prefix and each distinct chunk encoded after the encoding prefix. All pinned.
 
         Chunks are encoded after the *encoding* prefix (usually the same as the request's
         prefix; a LlamaIndex prompt has its own), so their KV and key never depend on the request.
         ``only``: just these chunk keys. ``keep=False``: the chunks are encoded for this request
-        alone, neither looked up nor cached.
+        alone, neither looked up nor cached. ``keys``: the chunks' keys, if the caller has them.
         """
         enc_ids = layout.encoding_prefix
         encoding = self.prefix_segment(enc_ids, plan)
         prefix = encoding if enc_ids == layout.prefix_ids else self.prefix_segment(layout.prefix_ids, plan)
-        keys = [self.chunk_key(enc_ids, c) for c in layout.chunk_ids]
+        keys = keys if keys is not None else [self.chunk_key(enc_ids, c) for c in layout.chunk_ids]
         found: dict[str, Segment] = {}
         jobs = []
         for key, ids in zip(keys, layout.chunk_ids):
@@ -191,10 +191,11 @@ class LazyStitching(Strategy):
 
     def _plan(self, layout: PromptLayout, plan: Plan) -> None:
         plan.new_ids, plan.new_start = list(layout.question_ids), layout.question_start
-        prefix, chunks = self.base_segments(layout, plan)
+        keys = [self.chunk_key(layout.encoding_prefix, c) for c in layout.chunk_ids]  # hashed once
+        prefix, chunks = self.base_segments(layout, plan, keys=keys)
         placed = [Placement(prefix, 0)]
-        for start, ids in zip(layout.chunk_starts(), layout.chunk_ids):
-            seg = chunks[self.chunk_key(layout.encoding_prefix, ids)]
+        for start, key in zip(layout.chunk_starts(), keys):
+            seg = chunks[key]
             placed.append(Placement(seg, start - seg.start))
         if self.blend:
             placed = self._blend(placed, layout, plan)

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from lazyrag.kernels.common import pack_block_meta
+from lazyrag.kernels.common import PHYS_BITS, DELTA_BITS, pack_block_meta_host
 from lazyrag.kernels.reference import apply_rotary
 from lazyrag.kv.block_pool import BlockPool, blocks_for
 from lazyrag.kv.cache import Segment
-from lazyrag.model.attention import AttentionMetadata
+from lazyrag.model.attention import AttentionMetadata, HostBatch
 from lazyrag.model.llama import ElementwiseOps, LlamaModel, Runtime
 
 
@@ -33,6 +34,7 @@ class SeqState:
     generated: list[int] = field(default_factory=list)
 
     _context_rows: list[tuple[int, int, int]] | None = None
+    _context_meta: np.ndarray | None = None
 
     def block_rows(self, block_size: int, own_tokens: int) -> list[tuple[int, int, int]]:
         """(block, delta, valid) for every context block, then the first ``own_tokens`` of its own."""
@@ -45,6 +47,28 @@ class SeqState:
             self._context_rows = rows
         own = [(self.blocks[j], 0, min(block_size, own_tokens - j * block_size)) for j in range(blocks_for(own_tokens, block_size))]
         return self._context_rows + own
+
+    def block_meta(self, block_size: int, own_tokens: int) -> np.ndarray:
+        """``block_rows`` packed (kernels/common.py's layout), as an int64 array; the context part is
+        packed once (numpy per placement: a 2.6k-token context is ~170 blocks)."""
+        if self._context_meta is None:
+            ids, deltas, valid = [], [], []
+            for p in self.context:
+                seg = p.segment
+                j = np.arange(p.first_block, len(seg.blocks), dtype=np.int64)
+                ids.append(np.asarray(seg.blocks[p.first_block:], dtype=np.int64))
+                deltas.append(np.full(len(j), p.delta, dtype=np.int64))
+                valid.append(np.minimum(block_size, seg.num_tokens - j * block_size))
+            self._context_meta = (pack_block_meta_host(np.concatenate(ids), np.concatenate(deltas), np.concatenate(valid))
+                                  if ids else np.zeros(0, dtype=np.int64))
+        n = blocks_for(own_tokens, block_size)
+        if not n:
+            return self._context_meta
+        own = np.asarray(self.blocks[:n], dtype=np.int64)
+        assert own.max() < (1 << 31), "block id out of range"
+        valid = np.full(n, block_size, dtype=np.int64)
+        valid[-1] = own_tokens - (n - 1) * block_size
+        return np.concatenate((self._context_meta, own | (valid << (PHYS_BITS + DELTA_BITS))))
 
 
 class ModelRunner:
@@ -59,32 +83,40 @@ class ModelRunner:
     def compile_elementwise(self) -> None:
         """Fuse the model's elementwise steps with torch.compile (CUDA: a kernel each instead of dozens)."""
         self.ops = ElementwiseOps.compiled()
+        if self._fused_kv_store:
+            self.ops = self.ops.with_fused_kv_store()
+
+    _fused_kv_store = False
+
+    def fuse_kv_store(self) -> None:
+        """Rotate q/k and store the new K/V into the pool in one Triton kernel (kernels/qkv.py)."""
+        self._fused_kv_store = True
+        self.ops = self.ops.with_fused_kv_store()
 
     def enable_cuda_graphs(self, scratch_block: int) -> None:
         from lazyrag.engine.cuda_graphs import GraphRunner
 
         self.graphs = GraphRunner(self._last_logits, scratch_block * self.pool.shape.block_size, self.device)
 
-    def _metadata(self, seqs: list[SeqState], own_tokens: list[int], new_counts: list[int], is_decode: bool):
+    def _batch(self, seqs: list[SeqState], own_tokens: list[int], ids: list[int], new_counts: list[int],
+               is_decode: bool) -> HostBatch:
+        """The forward pass's inputs on the host: token ids, positions, pool slots and block metas."""
         bs = self.pool.shape.block_size
-        rows = [s.block_rows(bs, n) for s, n in zip(seqs, own_tokens)]
-        width = max(1, max(map(len, rows)))
-        table = torch.zeros(len(seqs), width, 3, dtype=torch.int64)
-        for i, r in enumerate(rows):
-            if r:
-                table[i, : len(r)] = torch.tensor(r, dtype=torch.int64)
-        meta = pack_block_meta(table[..., 0], table[..., 1], table[..., 2])
-        slots = torch.cat([self.pool.slots(s.blocks, n, s.num_written) for s, n in zip(seqs, new_counts)])
-        cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
-        cu[1:] = torch.tensor(new_counts).cumsum(0)
-        return AttentionMetadata(
-            is_decode=is_decode,
-            cu_seqlens_q=cu.to(self.device),
-            block_meta=meta.to(self.device),
-            num_ctx_blocks=torch.tensor([len(r) for r in rows], dtype=torch.int32, device=self.device),
-            slot_mapping=slots,
-            max_seqlen_q=max(new_counts),
-        )
+        slots, positions = [], []
+        for s, n in zip(seqs, new_counts):
+            if n == 1:
+                i = s.num_written
+                slots.append(s.blocks[i // bs] * bs + i % bs)
+                positions.append(s.next_pos)
+            else:
+                idx = np.arange(s.num_written, s.num_written + n)
+                slots.extend((np.asarray(s.blocks, dtype=np.int64)[idx // bs] * bs + idx % bs).tolist())
+                positions.extend(range(s.next_pos, s.next_pos + n))
+        cu = np.zeros(len(seqs) + 1, dtype=np.int64)
+        cu[1:] = np.cumsum(new_counts)
+        return HostBatch(is_decode, np.asarray(ids, dtype=np.int64), np.asarray(positions, dtype=np.int64),
+                         np.asarray(slots, dtype=np.int64), [s.block_meta(bs, n) for s, n in zip(seqs, own_tokens)],
+                         cu, max(new_counts))
 
     def _runtime(self, meta: AttentionMetadata) -> Runtime:
         return Runtime(self.pool, meta, self.attention, self.rope_cos, self.rope_sin, self.rope_scaling, self.model.sm_scale, self.ops)
@@ -94,14 +126,15 @@ class ModelRunner:
         hidden = self.model(ids, positions, self._runtime(meta))
         return self.model.logits(hidden.index_select(0, meta.cu_seqlens_q[1:].long() - 1))
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, logits: bool) -> torch.Tensor | None:
+    def _forward(self, batch: HostBatch, logits: bool) -> torch.Tensor | None:
         """Logits ``[B, V]`` of each sequence's last new token (or None); K/V of every new token is written."""
-        self.tokens_forwarded += ids.numel()
+        self.tokens_forwarded += batch.num_tokens
+        if logits and self.graphs is not None and self.graphs.supports(batch.num_tokens, batch.batch, batch.is_decode):
+            return self.graphs.run(batch)
+        ids, positions, meta = batch.to_device(self.device)
         if not logits:
             self.model(ids, positions, self._runtime(meta))
             return None
-        if self.graphs is not None and self.graphs.supports(ids.numel(), meta.num_ctx_blocks.numel(), meta.is_decode):
-            return self.graphs.run(ids, positions, meta)
         return self._last_logits(ids, positions, meta)
 
     @torch.inference_mode()
@@ -109,10 +142,8 @@ class ModelRunner:
         """Run each sequence's new tokens (all of them, causally) over its context; logits of each last token."""
         counts = [len(x) for x in new_ids]
         assert all(counts), "a sequence in a prefill batch has no new tokens"
-        meta = self._metadata(seqs, [s.num_written for s in seqs], counts, is_decode=False)
-        ids = torch.tensor([t for x in new_ids for t in x], dtype=torch.int64, device=self.device)
-        positions = torch.cat([torch.arange(s.next_pos, s.next_pos + n) for s, n in zip(seqs, counts)]).to(self.device)
-        out = self._forward(ids, positions, meta, logits)
+        batch = self._batch(seqs, [s.num_written for s in seqs], [t for x in new_ids for t in x], counts, is_decode=False)
+        out = self._forward(batch, logits)
         for s, n in zip(seqs, counts):
             s.num_written += n
             s.next_pos += n
@@ -121,10 +152,8 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, seqs: list[SeqState], tokens: list[int]) -> torch.Tensor:
         """One token per sequence; its K/V is written first, then attends over every block of the sequence."""
-        meta = self._metadata(seqs, [s.num_written + 1 for s in seqs], [1] * len(seqs), is_decode=True)
-        ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-        positions = torch.tensor([s.next_pos for s in seqs], device=self.device)
-        out = self._forward(ids, positions, meta, logits=True)
+        batch = self._batch(seqs, [s.num_written + 1 for s in seqs], tokens, [1] * len(seqs), is_decode=True)
+        out = self._forward(batch, logits=True)
         for s in seqs:
             s.num_written += 1
             s.next_pos += 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from lazyrag.kernels import reference
@@ -29,6 +30,99 @@ class AttentionMetadata:
     max_seqlen_q: int = 0
     # kernels' per-batch derived tables (Triton tile tables), built by the first layer, reused by the rest
     kernel_cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+
+def _words(n: int, item: int = 8) -> int:
+    """int64 words that hold n items of ``item`` bytes, rounded up to 16 bytes (each section aligned)."""
+    w = -(-n * item // 8)
+    return w + (w & 1)
+
+
+def _sections(T: int, B: int, W: int) -> tuple[int, ...]:
+    """Word offsets of ids, positions, slots, block_meta, num_ctx, cu, and the total size."""
+    offs, o = [], 0
+    for n, item in ((T, 8), (T, 8), (T, 8), (B * W, 8), (B, 4), (B + 1, 4)):
+        offs.append(o)
+        o += _words(n, item)
+    return (*offs, o)
+
+
+@dataclass
+class HostBatch:
+    """One forward pass's inputs, built on the host (numpy) and sent to the device in ONE copy:
+    a flat int64 buffer ``[ids T | positions T | slots T | block_meta B*W | num_ctx B (int32) | cu B+1 (int32)]``,
+    each section starting on 16 bytes."""
+
+    is_decode: bool
+    ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64
+    slots: np.ndarray  # [T] int64
+    meta: list[np.ndarray]  # per sequence: its packed block metas
+    cu: np.ndarray  # [B+1] int64 (cumulative new tokens)
+    max_seqlen_q: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.ids)
+
+    @property
+    def batch(self) -> int:
+        return len(self.meta)
+
+    @property
+    def width(self) -> int:
+        return max(1, max(map(len, self.meta)))
+
+    @staticmethod
+    def size(T: int, B: int, W: int) -> int:
+        return _sections(T, B, W)[-1]
+
+    def fill(self, buf: np.ndarray, T: int, B: int, W: int, pad_slot: int) -> None:
+        """Write the batch into ``buf`` laid out for (T tokens, B sequences, W blocks) >= its own;
+        padding tokens get id 0, position 0 and ``pad_slot``; padding sequences no context and, in
+        decode, one padding token each (prefill: none)."""
+        n, b = self.num_tokens, self.batch
+        o_ids, o_pos, o_slot, o_meta, o_nctx, o_cu, _ = _sections(T, B, W)
+        buf[o_ids : o_ids + n] = self.ids
+        buf[o_ids + n : o_pos] = 0
+        buf[o_pos : o_pos + n] = self.positions
+        buf[o_pos + n : o_slot] = 0
+        buf[o_slot : o_slot + n] = self.slots
+        buf[o_slot + n : o_slot + T] = pad_slot
+        meta = buf[o_meta : o_meta + B * W].reshape(B, W)
+        meta[:] = 0
+        for i, m in enumerate(self.meta):
+            meta[i, : len(m)] = m
+        nctx = buf[o_nctx:o_cu].view(np.int32)[:B]
+        nctx[:] = 0
+        nctx[:b] = [len(m) for m in self.meta]
+        cu = buf[o_cu:].view(np.int32)[: B + 1]
+        cu[: b + 1] = self.cu
+        if self.is_decode:
+            cu[b + 1 :] = np.arange(b + 1, B + 1)  # a padding token each
+        else:
+            cu[b + 1 :] = self.cu[-1]
+
+    @staticmethod
+    def views(dev: torch.Tensor, T: int, B: int, W: int, is_decode: bool, max_seqlen_q: int):
+        """(ids, positions, AttentionMetadata) viewing a device buffer laid out by ``fill``."""
+        o_ids, o_pos, o_slot, o_meta, o_nctx, o_cu, end = _sections(T, B, W)
+        meta = AttentionMetadata(
+            is_decode=is_decode,
+            cu_seqlens_q=dev[o_cu:end].view(torch.int32)[: B + 1],
+            block_meta=dev[o_meta : o_meta + B * W].view(B, W),
+            num_ctx_blocks=dev[o_nctx:o_cu].view(torch.int32)[:B],
+            slot_mapping=dev[o_slot : o_slot + T],
+            max_seqlen_q=max_seqlen_q,
+        )
+        return dev[o_ids : o_ids + T], dev[o_pos : o_pos + T], meta
+
+    def to_device(self, device: torch.device):
+        """(ids, positions, AttentionMetadata) on ``device``, unpadded, in one copy."""
+        T, B, W = self.num_tokens, self.batch, self.width
+        buf = np.empty(self.size(T, B, W), dtype=np.int64)
+        self.fill(buf, T, B, W, 0)
+        return self.views(torch.from_numpy(buf).to(device), T, B, W, self.is_decode, self.max_seqlen_q)
 
 
 class TorchAttention:

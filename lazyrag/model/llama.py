@@ -108,11 +108,19 @@ class ElementwiseOps:
     add_rms_norm: object = add_rms_norm
     rotate_qk: object = rotate_qk
     silu_mul: object = silu_mul
+    # rotate_qk and the pool write of the new K/V in one kernel (kernels/qkv.py), where Triton runs;
+    # None: rotate_qk, then ``pool.write``
+    rotate_qk_store: object = None
 
     @classmethod
     def compiled(cls) -> "ElementwiseOps":
         compile = lambda f: torch.compile(f, dynamic=True)  # noqa: E731  (shapes vary with the token count)
         return cls(compile(rms_norm), compile(add_rms_norm), compile(rotate_qk), compile(silu_mul))
+
+    def with_fused_kv_store(self) -> "ElementwiseOps":
+        from lazyrag.kernels.qkv import rotate_qk_store
+
+        return ElementwiseOps(self.rms_norm, self.add_rms_norm, self.rotate_qk, self.silu_mul, rotate_qk_store)
 
 
 class RMSNorm(nn.Module):
@@ -139,8 +147,12 @@ class Attention(nn.Module):
         T = x.shape[0]
         # Keys are stored rotated at the positions they were computed at; the attention
         # backend adds each cached segment's offset later.
-        q, k, v = self.project(x, cos, sin, rt.ops, rt.rope_scaling)
-        rt.pool.write(self.layer, rt.meta.slot_mapping, k, v)
+        if rt.ops.rotate_qk_store is not None:  # rotation and K/V store in one kernel
+            q, k, v = rt.ops.rotate_qk_store(self.wqkv(x), cos, sin, rt.rope_scaling, self.hq, self.hkv,
+                                             rt.pool.k[self.layer], rt.pool.v[self.layer], rt.meta.slot_mapping)
+        else:
+            q, k, v = self.project(x, cos, sin, rt.ops, rt.rope_scaling)
+            rt.pool.write(self.layer, rt.meta.slot_mapping, k, v)
         o = rt.attention(q, k, v, rt.pool.k[self.layer], rt.pool.v[self.layer], rt.meta, rt.rope_cos, rt.rope_sin, rt.sm_scale)
         return self.wo(o.reshape(T, self.hq * self.d))  # [T, H]
 
@@ -164,8 +176,18 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x, cos, sin, rt) -> torch.Tensor:
-        return self.after_attention(x, self.attn(self.attn_input(x, rt.ops), cos, sin, rt), rt.ops)
+    def forward(self, x, residual, cos, sin, rt) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream kept apart, vLLM-style: ``x`` is the previous layer's MLP output and
+        ``residual`` the stream before it (None at the first layer), so each residual add is fused
+        into the norm that follows it. Returns (this layer's MLP output, the stream before it);
+        their sum is ``after_attention(...)``'s output, to the bit."""
+        ops = rt.ops
+        if residual is None:
+            residual, h = x, ops.rms_norm(x, self.attn_norm.weight, self.attn_norm.eps)
+        else:
+            residual, h = ops.add_rms_norm(x, residual, self.attn_norm.weight, self.attn_norm.eps)
+        residual, h = ops.add_rms_norm(self.attn(h, cos, sin, rt), residual, self.mlp_norm.weight, self.mlp_norm.eps)
+        return self.mlp(h, ops), residual
 
     # The layer in two halves around its attention, for callers that attend their own way (engine/blend.py).
 
@@ -207,9 +229,12 @@ class LlamaModel(nn.Module):
         """input_ids, positions: [T] -> final hidden states [T, H] (new K/V written into the pool)."""
         x = self.embed(input_ids)  # [T, H]
         cos, sin = rope_at(rt.rope_cos, rt.rope_sin, positions, x.dtype)  # cast once for all layers
+        residual = None
         for block in self.layers:
-            x = block(x, cos, sin, rt)
-        return rt.ops.rms_norm(x, self.norm.weight, self.norm.eps)
+            x, residual = block(x, residual, cos, sin, rt)
+        if residual is None:  # no layers
+            return rt.ops.rms_norm(x, self.norm.weight, self.norm.eps)
+        return rt.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()  # [T, V]
