@@ -1,5 +1,7 @@
 """CacheBlend-style selective recompute (``lazy:blend=R``): exact at R=1, plain lazy when nothing
 is selected, never writes the shared chunk KV, and recomputes the most-deviating tokens."""
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -42,16 +44,7 @@ def test_shared_chunk_kv_is_never_written(tiny_engine):
 def test_the_most_deviating_tokens_are_selected(tiny_engine):
     engine = tiny_engine
     layout = engine.build_prompt(QUESTION, CHUNKS[:3])
-    lazy = engine.scheduler.planner["lazy"]
-    plan = lazy.plan(layout)
-    owned = []
-
-    def allocate(n):
-        owned.extend(engine.cache.allocate(n))
-        return owned[-n:]
-
-    try:
-        b = selective_recompute(engine.runner, plan.context, [None, *layout.chunk_ids], 0.3, allocate)
+    with blended(engine, layout, 0.3) as (plan, b, owned):
         chunk_tokens = sum(map(len, layout.chunk_ids))
         assert len(b.selected) == round(0.3 * chunk_tokens) and b.deviation.shape == (chunk_tokens,)
         chosen = torch.zeros(chunk_tokens, dtype=torch.bool)
@@ -63,9 +56,6 @@ def test_the_most_deviating_tokens_are_selected(tiny_engine):
         assert [p.delta for p in b.context] == [p.delta for p in plan.context]
         copies = {blk for p in b.context if p.segment.kind == "blended" for blk in p.segment.blocks}
         assert owned and set(owned) <= copies
-    finally:
-        engine.cache.pool.decref(owned)
-        lazy.release(plan)
 
 
 def test_select_globally_per_chunk_and_forced():
@@ -111,7 +101,9 @@ def test_every_selection_blending_every_token_is_full_prefill(engine, selection)
     assert torch.equal(engine.layout_logits(layout, f"lazy:blend=1e-9:select={selection}"), lazy)
 
 
-def _blend(engine, layout, ratio, **kw):
+@contextmanager
+def blended(engine, layout, ratio, **kw):
+    """(lazy plan, its Blend, the private blocks) for ``layout``; plan and blocks are given back on exit."""
     lazy = engine.scheduler.planner["lazy"]
     plan = lazy.plan(layout)
     owned = []
@@ -121,11 +113,16 @@ def _blend(engine, layout, ratio, **kw):
         return owned[-n:]
 
     try:
-        return plan, selective_recompute(engine.runner, plan.context, [None, *layout.chunk_ids], ratio, allocate,
-                                         question=list(layout.question_ids), question_start=layout.question_start, **kw)
+        yield plan, selective_recompute(engine.runner, plan.context, [None, *layout.chunk_ids], ratio, allocate,
+                                        question=list(layout.question_ids), question_start=layout.question_start, **kw), owned
     finally:
         engine.cache.pool.decref(owned)
         lazy.release(plan)
+
+
+def _blend(engine, layout, ratio, **kw):
+    with blended(engine, layout, ratio, **kw) as (plan, b, _):
+        return plan, b
 
 
 def test_attention_selection_takes_what_the_question_reads(default_engine):
