@@ -1,0 +1,83 @@
+"""Paired comparison of ``lazyrag eval`` runs on the same questions: each strategy's accuracy and F1
+minus the reference's (full prefill), question by question, with the standard error of that mean
+difference (what "within 1 point of full" needs: the strategies' own +-1.7-point sampling noise
+at n = 500 mostly cancels in the difference).
+
+    python benchmarks/quality_paired.py --dataset nq --n 500 RUN.json [RUN.json ...] --out OUT.json
+
+Runs are matched by question (JSON written since the runs list their questions) or, for older
+JSON, by position in the item list that --dataset/--n/--seed rebuild. Writes OUT.json and OUT.png.
+"""
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from lazyrag.eval import DATA, accuracy, f1, load_hotpotqa, load_nq
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", type=Path)
+    ap.add_argument("--dataset", choices=["nq", "hotpotqa"], default="nq")
+    ap.add_argument("--n", type=int, default=500)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shuffle", action="store_true", help="hotpotqa: the runs shuffled the paragraphs")
+    ap.add_argument("--reference", default="full")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    items = (load_nq(DATA / "nq_open_oracle_2655.jsonl.gz", args.n, 4, args.seed) if args.dataset == "nq"
+             else load_hotpotqa(DATA / "hotpotqa_dev_500.jsonl", args.n, args.shuffle, args.seed))
+    golds = {it["question"]: it["answers"] for it in items}
+    answers: dict[str, dict[str, str]] = {}  # strategy -> question -> answer
+    recomputed: dict[str, float] = {}
+    for path in args.runs:
+        run = json.loads(path.read_text())
+        questions = run.get("questions") or [it["question"] for it in items[: run["n"]]]
+        for s, texts in run["answers"].items():
+            answers[s] = dict(zip(questions, texts))
+            recomputed[s] = run["summary"][s]["recomputed_pct_of_chunk_tokens"]
+    ref = answers[args.reference]
+    rows = {}
+    for s, by_q in answers.items():
+        common = [q for q in by_q if q in ref and q in golds]
+        row = {"n": len(common), "recomputed_pct_of_chunk_tokens": recomputed[s]}
+        for name, fn in (("accuracy", accuracy), ("f1", f1)):
+            mine = [100 * fn(by_q[q], golds[q]) for q in common]
+            diff = [m - 100 * fn(ref[q], golds[q]) for q, m in zip(common, mine)]
+            row[name] = statistics.fmean(mine)
+            row[f"{name}_minus_{args.reference}"] = statistics.fmean(diff)
+            row[f"{name}_minus_{args.reference}_se"] = statistics.stdev(diff) / len(diff) ** 0.5 if len(diff) > 1 else 0.0
+        rows[s] = row
+    width = max(len(s) for s in rows) + 2
+    print(f"{'strategy':<{width}}{'n':>5}{'acc':>7}{'F1':>7}{'acc - ' + args.reference:>18}{'F1 - ' + args.reference:>18}{'recomp%':>9}")
+    for s, r in rows.items():
+        print(f"{s:<{width}}{r['n']:>5}{r['accuracy']:>7.1f}{r['f1']:>7.2f}"
+              f"{r[f'accuracy_minus_{args.reference}']:>+11.2f} ± {r[f'accuracy_minus_{args.reference}_se']:.2f}"
+              f"{r[f'f1_minus_{args.reference}']:>+11.2f} ± {r[f'f1_minus_{args.reference}_se']:.2f}"
+              f"{r['recomputed_pct_of_chunk_tokens']:>9.1f}")
+    args.out.write_text(json.dumps({"dataset": args.dataset, "n": args.n, "seed": args.seed, "reference": args.reference,
+                                    "runs": [str(p) for p in args.runs], "paired": rows}, indent=2))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [s for s in rows if s != args.reference]
+    fig, ax = plt.subplots(figsize=(1.8 * len(names) + 2, 3.6))
+    for off, key in ((-0.2, "accuracy"), (0.2, "f1")):
+        ax.bar([i + off for i in range(len(names))], [rows[s][f"{key}_minus_{args.reference}"] for s in names], width=0.4,
+               yerr=[rows[s][f"{key}_minus_{args.reference}_se"] for s in names], capsize=3, label=f"{key} - {args.reference}")
+    ax.axhline(-1, color="grey", linestyle="--", linewidth=0.8, label="-1 point")
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(names)), [f"{s}\n{rows[s]['recomputed_pct_of_chunk_tokens']:.0f}% recomputed" for s in names], fontsize=7)
+    ax.set_ylabel("points (paired, +- 1 se)")
+    ax.set_title(f"{args.dataset}, paired with {args.reference}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(args.out.with_suffix(".png"), dpi=120)
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
