@@ -181,7 +181,15 @@ _worker_engine = None
 
 def _start_worker(engine_kwargs: dict, store) -> None:
     global _worker_engine
+    import threading
+
+    from tqdm import tqdm
+
     from lazyrag.engine import LazyEngine
+
+    # a thread lock for the loading bars: tqdm's default multiprocessing lock would be left to the parent's
+    # resource tracker when the pool ends its workers ("leaked semaphore objects" at exit)
+    tqdm.set_lock(threading.RLock())
 
     _worker_engine = LazyEngine.from_pretrained(**engine_kwargs)
     if store is not None:
