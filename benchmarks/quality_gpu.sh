@@ -22,7 +22,7 @@ run() {  # dataset n strategies out seconds batch [extra]: a time-limited eval (
   [ "$limit" -lt "$left" ] || limit=$left
   [ "$limit" -gt 60 ] || { echo "skip $1: ${limit}s left"; return 0; }
   timeout "$limit" python3 -m lazyrag.cli eval --time-limit $(( limit - 25 )) --dataset "$1" --n "$2" --strategies "$3" \
-    --out "$OUT/$4" --device cuda --dtype float32 --batch "$6" --workers "${WORKERS:-12}" --eager \
+    --out "$OUT/$4" --device cuda --dtype float32 --batch "$6" --workers "${WORKERS:-6}" --eager \
     --max-new-tokens "${NEW_TOKENS:-16}" --model "$M" "${@:7}" || echo "eval $1 exited $?"
 }
 if [ -n "$hp" ]; then nq_share=$(( budget * 62 / 100 )); else nq_share=$budget; fi

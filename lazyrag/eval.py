@@ -174,7 +174,8 @@ def summarize(per: dict[str, list[dict]]) -> dict:
 
 
 # -- several processes on one device: on a GPU the eval is bound by host work per request (planning,
-# launches, bookkeeping), not by the device, so N processes sharing it run nearly N times faster.
+# launches, bookkeeping). Processes sharing one GPU overlap that host work, but their many small kernels
+# time-slice the GPU: 6 workers on one H200 ran ~1.4x the requests/s of one (benchmarks/NOTES.md).
 
 _worker_engine = None
 

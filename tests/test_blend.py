@@ -144,10 +144,8 @@ def test_attention_selection_takes_what_the_question_reads(default_engine):
     try:
         bs = engine.cache.pool.shape.block_size
         from lazyrag.engine.runner import SeqState
-        from lazyrag.kernels.common import pack_block_meta
 
-        rows = torch.tensor(SeqState(context=plan2.context, blocks=[], next_pos=0).block_rows(bs, 0), dtype=torch.int64)
-        meta = pack_block_meta(rows[:, 0], rows[:, 1], rows[:, 2])
+        meta = torch.from_numpy(SeqState(context=plan2.context, blocks=[], next_pos=0).block_meta(bs, 0))
         n_prefix = plan2.context[0].segment.num_tokens
         score, ran = question_attention(engine.runner, meta, n_prefix + C, list(layout.question_ids), layout.question_start)
     finally:

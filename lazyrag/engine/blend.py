@@ -26,7 +26,6 @@ from typing import Callable
 
 import torch
 
-from lazyrag.kernels.common import pack_block_meta
 from lazyrag.kernels.reference import apply_rotary, attend, gather_context
 from lazyrag.kv.cache import Segment, SegmentKind
 from lazyrag.model.llama import rope_at
@@ -71,8 +70,7 @@ def select(deviation: torch.Tensor, chunk: torch.Tensor, ratio: float, forced: t
 #   question's attention is about the weight it gets times how far its K/V are off);
 # * "gradual": CacheBlend's gradual filtering: GRADUAL_FACTOR x R tokens by layer-1 deviation run layer 1,
 #   the top R of those by layer-2 deviation go on through the other layers.
-SELECTIONS = ("global", "chunk", "attn", "attn_dev", "gradual")
-assert SELECTIONS == BLEND_SELECTIONS, "lazyrag/strategy_names.py lists the selections defined here"
+SELECTIONS = BLEND_SELECTIONS  # named once, in lazyrag/strategy_names.py (the CLI checks them without torch)
 ATTN_LAYERS: tuple[int, int] | None = None  # [lo, hi) layers whose attention counts; None: all of them
 GRADUAL_FACTOR = 2.0
 
@@ -114,7 +112,6 @@ def selective_recompute(
     ratio: float,
     allocate: Callable[[int], list[int]],
     first: int = 0,
-    per_chunk: bool = False,
     selection: str = "global",
     question: list[int] | None = None,
     question_start: int = 0,
@@ -122,12 +119,10 @@ def selective_recompute(
     """Blend the placements whose token ``ids`` are given (``None``: read as cached, e.g. the prefix).
 
     ``first`` tokens of each chunk are always recomputed (EPIC's heads), on top of ``ratio``.
-    ``selection``: one of SELECTIONS (``per_chunk=True`` is "chunk"); "attn" and "attn_dev" need the
+    ``selection``: one of SELECTIONS; "attn" and "attn_dev" need the
     ``question`` (token ids) and where it starts.
     ``allocate(n)`` gives n fresh blocks for the private copies; the caller owns and frees them.
     """
-    if per_chunk:
-        selection = "chunk"
     assert selection in SELECTIONS, selection
     pool, model, dev = runner.pool, runner.model, runner.device
     bs, layers = pool.shape.block_size, model.layers
@@ -139,8 +134,7 @@ def selective_recompute(
     owner = torch.cat([torch.full_like(t, i) for i, t in enumerate(tok)])
     offset = torch.cat(tok)
     blended = torch.tensor([x is not None for x in ids])[owner]
-    rows = torch.tensor(SeqState(context=placed, blocks=[], next_pos=0).block_rows(bs, 0), dtype=torch.int64)
-    meta = pack_block_meta(rows[:, 0], rows[:, 1], rows[:, 2]).to(dev)
+    meta = torch.from_numpy(SeqState(context=placed, blocks=[], next_pos=0).block_meta(bs, 0)).to(dev)
 
     chunk_pos = blended.nonzero()[:, 0]  # [C] the chunk tokens' places in the context
     C = len(chunk_pos)

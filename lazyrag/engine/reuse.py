@@ -177,12 +177,10 @@ class LazyStitching(Strategy):
 
     name = "lazy"
 
-    def __init__(self, cache, runner, fingerprint, recompute_first: int = 0, blend: float = 0.0, blend_per_chunk: bool = False,
-                 blend_select: str = "global"):
+    def __init__(self, cache, runner, fingerprint, recompute_first: int = 0, blend: float = 0.0, blend_select: str = "global"):
         super().__init__(cache, runner, fingerprint)
-        self.recompute_first, self.blend = recompute_first, blend
-        self.blend_select = "chunk" if blend_per_chunk else blend_select
-        assert self.blend_select in BLEND_SELECTIONS, blend_select
+        self.recompute_first, self.blend, self.blend_select = recompute_first, blend, blend_select
+        assert blend_select in BLEND_SELECTIONS, blend_select
         options = [f"first={recompute_first}"] * bool(recompute_first) + [f"blend={blend:g}"] * bool(blend)
         if blend and self.blend_select != "global":
             options.append(f"select={self.blend_select}")

@@ -33,24 +33,12 @@ class SeqState:
     num_written: int = 0  # tokens already in ``blocks``
     generated: list[int] = field(default_factory=list)
 
-    _context_rows: list[tuple[int, int, int]] | None = None
     _context_meta: np.ndarray | None = None
 
-    def block_rows(self, block_size: int, own_tokens: int) -> list[tuple[int, int, int]]:
-        """(block, delta, valid) for every context block, then the first ``own_tokens`` of its own."""
-        if self._context_rows is None:  # the placed context never changes while the sequence runs
-            rows = []
-            for p in self.context:
-                n = p.segment.num_tokens
-                for j in range(p.first_block, len(p.segment.blocks)):
-                    rows.append((p.segment.blocks[j], p.delta, min(block_size, n - j * block_size)))
-            self._context_rows = rows
-        own = [(self.blocks[j], 0, min(block_size, own_tokens - j * block_size)) for j in range(blocks_for(own_tokens, block_size))]
-        return self._context_rows + own
-
     def block_meta(self, block_size: int, own_tokens: int) -> np.ndarray:
-        """``block_rows`` packed (kernels/common.py's layout), as an int64 array; the context part is
-        packed once (numpy per placement: a 2.6k-token context is ~170 blocks)."""
+        """(block, delta, valid) for every context block, then for the first ``own_tokens`` of its own,
+        packed (kernels/common.py's layout) into an int64 array; the context part is packed once (the placed
+        context never changes while the sequence runs; numpy per placement: a 2.6k-token context is ~170 blocks)."""
         if self._context_meta is None:
             ids, deltas, valid = [], [], []
             for p in self.context:
