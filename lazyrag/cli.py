@@ -147,13 +147,16 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=4, help="questions whose requests (all strategies) run as one batch "
                    "(on a GPU, 32-64)")
     p.add_argument("--workers", type=int, default=1,
-                   help="processes sharing the device, each with its own engine and KV budget (8 GiB each on cuda). "
-                        "On one H200, 6 workers ran about 1.4x faster than 1 and 12 ran out of memory; on a laptop keep 1")
+                   help="processes, each with its own engine and KV budget (8 GiB each on cuda), spread over the visible "
+                        "GPUs. On one H200, 6 workers ran about 1.4x faster than 1 and 12 ran out of memory; on a laptop keep 1")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                    help="start no new batch after this long; score and report the questions done so far")
+    p.add_argument("--resume", action="store_true",
+                   help="go on from OUT.partial.jsonl, where every run saves each batch as it finishes (a run stopped by "
+                        "--time-limit or killed): only the questions left are scored, the report covers them all")
     p.add_argument("--eager", action="store_true",
                    help="cuda: no CUDA graphs or compiled elementwise ops; each worker starts about 2 min sooner, "
                         "steps run about 8%% slower (the better trade for runs of a few minutes)")

@@ -92,7 +92,7 @@ def evaluate(engine, items: list[dict], strategies: list[str], max_new_tokens: i
     from tqdm import tqdm
 
     bar = tqdm(total=len(items), desc="eval", unit="question", disable=not progress)
-    per = score(engine, items, strategies, max_new_tokens, batch_items, on_group=bar.update)
+    per = score(engine, items, strategies, max_new_tokens, batch_items, on_group=lambda _, rows: bar.update(len(rows[strategies[0]])))
     bar.close()
     return summarize(per)
 
@@ -101,42 +101,88 @@ def score(engine, items: list[dict], strategies: list[str], max_new_tokens: int,
           on_group=None, deadline: float | None = None) -> dict[str, list[dict]]:
     """Each strategy's scored answer to each item, in item order. ``batch_items`` items' requests (all
     strategies) run as one continuous batch, which decodes several times faster than one request at a time.
+    ``on_group(first, rows)`` gets each group's rows as it finishes (``first``: its first item's index).
     Past ``deadline`` (``time.monotonic()``) no new batch starts: the items scored so far are returned."""
-    from lazyrag.engine import SamplingParams
-
     per = {s: [] for s in strategies}
     for i in range(0, len(items), batch_items):
         if deadline is not None and time.monotonic() > deadline:
             break
-        group = items[i : i + batch_items]
-        for item in group:
-            engine.precache(item["chunks"])  # chunk encoding is not what is being compared
-        requests = [[engine.add_request(engine.build_prompt(item["question"], item["chunks"]),
-                                        SamplingParams(max_new_tokens, strategy=s)) for s in strategies]
-                    for item in group]
-        while engine.has_unfinished_requests():
-            engine.step()
-        for item, reqs in zip(group, requests):
-            for s, req in zip(strategies, reqs):
-                try:
-                    r = req.result()
-                except Exception as e:  # a failed request scores 0 and is counted; the others go on
-                    per[s].append(_failed_row(item, e))
-                    continue
-                answer, st = r.text.strip(), r.stats
-                new_tokens = st.prompt_tokens - st.tokens_context - st.tokens_recomputed  # the question tail (or all, for full)
-                per[s].append({
-                    "question": item["question"], "answer": answer, "em": exact_match(answer, item["answers"]), "f1": f1(answer, item["answers"]),
-                    "acc": accuracy(answer, item["answers"]), "ttft_s": r.ttft_s, "prompt_tokens": st.prompt_tokens,
-                    "tokens_prefilled": st.tokens_prefilled, "tokens_recomputed": st.tokens_recomputed,
-                    "chunk_tokens": st.tokens_context + st.tokens_recomputed,
-                    # compute beyond the new tokens, in tokens through the whole model: quality recovery, and
-                    # position_aware's re-encoding of chunks at positions it has no copy for (chunks are pre-cached)
-                    "recompute_cost": st.tokens_prefilled - new_tokens,
-                })
+        rows = _score_group(engine, items[i : i + batch_items], strategies, max_new_tokens)
+        for s in strategies:
+            per[s].extend(rows[s])
         if on_group is not None:
-            on_group(len(group))
+            on_group(i, rows)
     return per
+
+
+def _score_group(engine, group: list[dict], strategies: list[str], max_new_tokens: int) -> dict[str, list[dict]]:
+    from lazyrag.engine import SamplingParams
+
+    rows = {s: [] for s in strategies}
+    layouts = [engine.build_prompt(item["question"], item["chunks"]) for item in group]
+    # chunk encoding is not what is being compared: the group's chunks are encoded first, in one batch
+    engine.encode_chunks([c for layout in layouts for c in layout.chunk_ids], layouts[0].encoding_prefix)
+    requests = [[engine.add_request(layout, SamplingParams(max_new_tokens, strategy=s)) for s in strategies]
+                for layout in layouts]
+    while engine.has_unfinished_requests():
+        engine.step()
+    for item, reqs in zip(group, requests):
+        for s, req in zip(strategies, reqs):
+            try:
+                r = req.result()
+            except Exception as e:  # a failed request scores 0 and is counted; the others go on
+                rows[s].append(_failed_row(item, e))
+                continue
+            answer, st = r.text.strip(), r.stats
+            new_tokens = st.prompt_tokens - st.tokens_context - st.tokens_recomputed  # the question tail (or all, for full)
+            rows[s].append({
+                "question": item["question"], "answer": answer, "em": exact_match(answer, item["answers"]), "f1": f1(answer, item["answers"]),
+                "acc": accuracy(answer, item["answers"]), "ttft_s": r.ttft_s, "prompt_tokens": st.prompt_tokens,
+                "tokens_prefilled": st.tokens_prefilled, "tokens_recomputed": st.tokens_recomputed,
+                "chunk_tokens": st.tokens_context + st.tokens_recomputed,
+                # compute beyond the new tokens, in tokens through the whole model: quality recovery, and
+                # position_aware's re-encoding of chunks at positions it has no copy for (chunks are pre-cached)
+                "recompute_cost": st.tokens_prefilled - new_tokens,
+            })
+    return rows
+
+
+class Checkpoint:
+    """Every scored item, saved as its batch finishes to ``<out>.partial.jsonl``: a run that was stopped
+    (``--time-limit``, a crash, a killed job) goes on with ``--resume`` and scores only the items left. The
+    first line says which run the rows belong to; resuming another run's file is refused."""
+
+    def __init__(self, path: Path, run: dict, resume: bool):
+        self.path, self.run = path, run
+        self.rows: dict[int, dict[str, dict]] = {}  # item index -> strategy -> row
+        if resume and path.is_file():
+            lines = path.read_text().splitlines()
+            saved = json.loads(lines[0]) if lines else None
+            if saved != run:
+                differ = sorted(k for k in run.keys() | (saved or {}).keys() if (saved or {}).get(k) != run.get(k))
+                raise ValueError(f"{path} holds another run's rows (it differs in {', '.join(differ)}); "
+                                 "run with the same options, or without --resume to start again")
+            for line in lines[1:]:
+                try:
+                    part = json.loads(line)
+                except json.JSONDecodeError:  # the last line of a run killed while writing it
+                    break
+                for i, row in zip(part["items"], zip(*part["rows"].values())):
+                    self.rows[i] = dict(zip(part["rows"], row))
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(run) + "\n")
+
+    def add(self, indices: list[int], rows: dict[str, list[dict]]) -> None:
+        """Record the rows of items ``indices`` and append them to the file (one line: a batch is saved whole or not at all)."""
+        for j, i in enumerate(indices):
+            self.rows[i] = {s: r[j] for s, r in rows.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"items": indices, "rows": rows}) + "\n")
+
+    def per_strategy(self, strategies: list[str]) -> dict[str, list[dict]]:
+        """The saved rows in item order: ``score``'s form."""
+        return {s: [self.rows[i][s] for i in sorted(self.rows)] for s in strategies}
 
 
 def _failed_row(item: dict, error: Exception) -> dict:
@@ -173,16 +219,24 @@ def summarize(per: dict[str, list[dict]]) -> dict:
             "errors": {s: e for s, e in errors.items() if e}}
 
 
-# -- several processes on one device: on a GPU the eval is bound by host work per request (planning,
-# launches, bookkeeping). Processes sharing one GPU overlap that host work, but their many small kernels
-# time-slice the GPU: 6 workers on one H200 ran ~1.4x the requests/s of one (benchmarks/NOTES.md).
+# -- several processes: on a GPU the eval is bound by host work per request (planning, launches,
+# bookkeeping). Processes sharing one GPU overlap that host work, but their many small kernels time-slice
+# the GPU: 6 workers on one H200 ran ~1.4x the requests/s of one (benchmarks/NOTES.md). Workers are spread
+# over the visible GPUs, so with several each GPU's share runs side by side with the others'.
 
 _worker_engine = None
 
 
-def _start_worker(engine_kwargs: dict, store) -> None:
+def _start_worker(engine_kwargs: dict, store, started, gpus: int) -> None:
     global _worker_engine
+    import os
     import threading
+
+    if gpus > 1:  # this worker's GPU, chosen before CUDA starts in this process
+        with started.get_lock():
+            index, started.value = started.value, started.value + 1
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(gpus)))).split(",")
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible[index % gpus]
 
     from tqdm import tqdm
 
@@ -198,26 +252,31 @@ def _start_worker(engine_kwargs: dict, store) -> None:
 
 
 def _score_in_worker(job):
-    first, items, strategies, max_new_tokens, batch_items = job
-    return first, score(_worker_engine, items, strategies, max_new_tokens, batch_items)
+    first, items, strategies, max_new_tokens = job
+    return first, _score_group(_worker_engine, items, strategies, max_new_tokens)
 
 
 def score_parallel(engine_kwargs: dict, items: list[dict], strategies: list[str], max_new_tokens: int, batch_items: int,
-                   workers: int, store=None, progress: bool = True, deadline: float | None = None) -> dict[str, list[dict]]:
+                   workers: int, store=None, progress: bool = True, deadline: float | None = None, gpus: int = 1,
+                   on_group=None) -> dict[str, list[dict]]:
     """``score`` over ``workers`` processes, each with its own engine (``LazyEngine.from_pretrained(**engine_kwargs)``)
-    and KV budget, taking ``batch_items`` items at a time; rows come back in item order. Past ``deadline``
-    the workers are stopped and the items scored so far are returned."""
+    and KV budget, taking ``batch_items`` items at a time, spread round-robin over ``gpus`` GPUs; rows come back
+    in item order, and to ``on_group(first, rows)`` as each batch finishes. Past ``deadline`` the workers are
+    stopped and the items scored so far are returned."""
     import multiprocessing
 
     from tqdm import tqdm
 
-    jobs = [(i, items[i : i + batch_items], strategies, max_new_tokens, batch_items) for i in range(0, len(items), batch_items)]
+    jobs = [(i, items[i : i + batch_items], strategies, max_new_tokens) for i in range(0, len(items), batch_items)]
     parts = {}
     ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
-    with ctx.Pool(workers, initializer=_start_worker, initargs=(engine_kwargs, store)) as pool, \
+    started = ctx.Value("i", 0)
+    with ctx.Pool(workers, initializer=_start_worker, initargs=(engine_kwargs, store, started, gpus)) as pool, \
             tqdm(total=len(items), desc=f"eval ({workers} workers)", unit="question", disable=not progress) as bar:
         for first, rows in pool.imap_unordered(_score_in_worker, jobs):
             parts[first] = rows
+            if on_group is not None:
+                on_group(first, rows)
             bar.update(len(rows[strategies[0]]))
             if deadline is not None and time.monotonic() > deadline:
                 break  # leaving the block terminates the workers
@@ -275,29 +334,53 @@ def run_eval(args) -> int:
         for item, hits in zip(items, retriever.retrieve_batch([it["question"] for it in items], args.k)):
             item["chunks"] = [h.text for h in hits]
     config = EngineConfig(**engine_kwargs)  # the device and dtype the engines resolve to
+    model_name = resolve_model_source(args.model).name
+    run = {"dataset": args.dataset, "data": path.name, "n": args.n, "seed": args.seed, "strategies": strategies,
+           "max_new_tokens": args.max_new_tokens, "model": model_name, "device": config.device.type,
+           "dtype": str(config.dtype).replace("torch.", ""),
+           **({"distractors": args.distractors} if args.dataset == "nq" else {"shuffle": args.shuffle}),
+           **({"store": str(args.store), "k": args.k} if args.store is not None else {})}
+    try:
+        checkpoint = Checkpoint(args.out.with_suffix(".partial.jsonl"), run, args.resume)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    todo = [i for i in range(len(items)) if i not in checkpoint.rows]
+    if len(todo) < len(items):
+        print(f"resuming: {len(items) - len(todo)} of {len(items)} questions already scored ({checkpoint.path})")
+    left = [items[i] for i in todo]
+
+    def save(first: int, rows: dict[str, list[dict]]) -> None:  # ``first``: index into ``left``
+        checkpoint.add(todo[first : first + len(rows[strategies[0]])], rows)
+
     t = time.time()
     deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
-    if args.workers > 1:
+    if left and args.workers > 1:
         store = None if args.store is None else str(getattr(args.store, "path", args.store))
-        per = score_parallel(engine_kwargs, items, strategies, args.max_new_tokens, args.batch, args.workers, store,
-                             deadline=deadline)
-    else:
+        import torch
+
+        gpus = torch.cuda.device_count() if config.device.type == "cuda" and config.device.index is None else 1
+        score_parallel(engine_kwargs, left, strategies, args.max_new_tokens, args.batch, args.workers, store,
+                       deadline=deadline, gpus=gpus, on_group=save)
+    elif left:
         engine = LazyEngine.from_pretrained(**engine_kwargs)
         if args.store is not None:
             engine.attach_store(args.store)
-        bar = tqdm(total=len(items), desc="eval", unit="question")
-        per = score(engine, items, strategies, args.max_new_tokens, args.batch, on_group=bar.update, deadline=deadline)
+        bar = tqdm(total=len(left), desc="eval", unit="question")
+        score(engine, left, strategies, args.max_new_tokens, args.batch, deadline=deadline,
+              on_group=lambda first, rows: (save(first, rows), bar.update(len(rows[strategies[0]]))))
         bar.close()
+    per = checkpoint.per_strategy(strategies)
     done = len(per[strategies[0]])
     if done < len(items):
-        print(f"warning: --time-limit reached: {done} of {len(items)} questions scored", file=sys.stderr)
+        print(f"warning: --time-limit reached: {done} of {len(items)} questions scored; "
+              f"the same command with --resume goes on from {checkpoint.path}", file=sys.stderr)
         if not done:
             return 1
     result = summarize(per)
-    model_name = resolve_model_source(args.model).name
     result.update({"dataset": args.dataset, "n": done, "n_asked": len(items), "model": model_name, "device": _device_name(config.device),
                    "dtype": str(config.dtype).replace("torch.", ""),
-                   "workers": args.workers,
+                   "workers": args.workers, "resumed": len(items) - len(todo),
                    "command": "lazyrag " + " ".join(sys.argv[1:]), "seconds": time.time() - t,
                    "mode": "retrieval" if args.store is not None else "oracle"})
     print(f"\n{args.dataset}, n={done}, {model_name} on {result['device']}, {result['dtype']}, "
@@ -318,4 +401,7 @@ def run_eval(args) -> int:
     args.out.write_text(json.dumps(result, indent=2))
     plot(result["summary"], args.out.with_suffix(".png"), f"{args.dataset} n={done}, {model_name}")
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    if done == len(items):
+        checkpoint.path.unlink()  # everything is in --out now
     return 0
+

@@ -137,17 +137,15 @@ def test_attention_selection_takes_what_the_question_reads(default_engine):
     C = sum(sizes)
     assert len(b.selected) == round(0.1 * C)
     # the same scores, computed on their own: the selection is their top R
-    from lazyrag.engine.blend import question_attention
+    from lazyrag.engine.blend import PlacedContext, question_attention
 
     engine.precache(chunks)
     plan2 = engine.scheduler.planner["lazy"].plan(layout)
     try:
-        bs = engine.cache.pool.shape.block_size
-        from lazyrag.engine.runner import SeqState
-
-        meta = torch.from_numpy(SeqState(context=plan2.context, blocks=[], next_pos=0).block_meta(bs, 0))
         n_prefix = plan2.context[0].segment.num_tokens
-        score, ran = question_attention(engine.runner, meta, n_prefix + C, list(layout.question_ids), layout.question_start)
+        ctx = PlacedContext(engine.runner, plan2.context)
+        assert len(ctx) == n_prefix + C
+        score, ran = question_attention(engine.runner, ctx, list(layout.question_ids), layout.question_start)
     finally:
         engine.scheduler.planner["lazy"].release(plan2)
     assert ran == len(engine.model.layers)
@@ -191,3 +189,50 @@ def test_the_named_recovery_is_its_spelled_out_strategy_everywhere(default_engin
     assert r.stats.tokens_recomputed > 0
     assert build_parser().parse_args(["ask", "q", "--strategy", RECOVER]).strategy == RECOVER
     assert LazyLlamaLLM(strategy=RECOVER).strategy == RECOVER and ChatLazyLlama(strategy=RECOVER).strategy == RECOVER
+
+
+@pytest.mark.parametrize("strategy", ["lazy", "lazy:first=4"])  # first=4: placements read from their second block on
+def test_placed_context_reads_what_the_reference_gathers(tiny_engine, strategy):
+    """blend's per-request context (slots and rotations worked out once) equals the kernels' reference
+    gather of the same placements' block metas, layer by layer, kept or not."""
+    from lazyrag.engine.blend import PlacedContext
+    from lazyrag.engine.runner import SeqState
+    from lazyrag.kernels.reference import gather_context
+
+    engine = tiny_engine
+    layout = engine.build_prompt(QUESTION, CHUNKS[:3])
+    planner = engine.scheduler.planner[strategy]
+    plan = planner.plan(layout)
+    try:
+        assert strategy == "lazy" or any(p.first_block for p in plan.context)
+        meta = torch.from_numpy(SeqState(context=plan.context, blocks=[], next_pos=0).block_meta(engine.cache.pool.shape.block_size, 0))
+        ctx = PlacedContext(engine.runner, plan.context)
+        pool, r = engine.cache.pool, engine.runner
+        for layer in range(pool.k.shape[0]):
+            k_ref, v_ref = gather_context(pool.k[layer], pool.v[layer], meta, r.rope_cos, r.rope_sin)
+            for keep in (True, False):  # the kept copy, then a fresh gather
+                k, v = ctx.layer(layer, keep=keep)
+                assert k.shape == k_ref.shape and torch.equal(k, k_ref) and torch.equal(v, v_ref)
+        assert ctx.position.tolist() == [p.segment.start + p.delta + t for p in plan.context
+                                         for t in range(p.first_block * pool.shape.block_size, p.segment.num_tokens)]
+    finally:
+        planner.release(plan)
+
+
+def test_writing_several_layers_at_once_equals_writing_each(tiny_engine):
+    pool = tiny_engine.cache.pool
+    blocks = pool.allocate(2)
+    try:
+        slots = pool.slots(blocks, 5, start=3)
+        L, _, _, hkv, hd = pool.k.shape
+        g = torch.Generator().manual_seed(0)
+        k, v = torch.randn(L - 1, 5, hkv, hd, generator=g), torch.randn(L - 1, 5, hkv, hd, generator=g)
+        pool.write_layers(list(range(1, L)), slots, k, v)
+        got = pool.k.clone(), pool.v.clone()
+        for i in range(1, L):
+            pool.write(i, slots, -k[i - 1], -v[i - 1])  # poison, then the per-layer write must restore it
+            pool.write(i, slots, k[i - 1], v[i - 1])
+        assert torch.equal(pool.k, got[0]) and torch.equal(pool.v, got[1])
+        assert torch.equal(pool.k[1].view(-1, hkv, hd)[slots], k[0].to(pool.k.dtype))
+    finally:
+        pool.decref(blocks)

@@ -56,3 +56,40 @@ def test_eval_command_writes_json_and_plot(tmp_path):
     result = json.loads(out.read_text())
     assert result["n"] == 2 and set(result["summary"]) == {"lazy", "position_aware"}
     assert out.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.skipif(not (DATA / "nq_open_oracle_2655.jsonl.gz").is_file(), reason="the shared NQ data is not beside this checkout")
+def test_an_interrupted_eval_resumes_where_it_stopped(tmp_path, monkeypatch, capsys):
+    """Each batch is saved as it finishes; ``--resume`` scores only the items left and reports them all;
+    a partial file of other options is refused with a message that says what to do."""
+    import json
+
+    from lazyrag import eval as quality
+    from lazyrag.cli import main
+
+    out = tmp_path / "q.json"
+    options = {"--dataset": "nq", "--n": "2", "--batch": "1", "--strategies": "lazy", "--max-new-tokens": "2", "--out": str(out)}
+    args = ["eval", *(x for kv in options.items() for x in kv)]
+    real, seen = quality._score_group, []
+
+    def interrupted_after_one(engine, group, *rest):
+        if len(seen) == 1:
+            raise KeyboardInterrupt  # a killed run
+        seen.append(group[0]["question"])
+        return real(engine, group, *rest)
+
+    monkeypatch.setattr(quality, "_score_group", interrupted_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        main(args)
+    partial = out.with_suffix(".partial.jsonl")
+    assert len(partial.read_text().splitlines()) == 2  # the run's options, then the one batch done
+    other = ["eval", *(x for k, v in options.items() for x in (k, "full,lazy" if k == "--strategies" else v))]
+    assert main(other + ["--resume"]) == 2  # other strategies: refused, nothing run
+    assert "differs in strategies" in capsys.readouterr().err and len(seen) == 1
+
+    monkeypatch.setattr(quality, "_score_group", lambda engine, group, *rest: (seen.append(group[0]["question"]), real(engine, group, *rest))[1])
+    assert main(args + ["--resume"]) == 0
+    result = json.loads(out.read_text())
+    assert result["n"] == 2 and result["resumed"] == 1 and len(seen) == 2  # only the second item ran
+    assert result["questions"] == seen and len(result["answers"]["lazy"]) == 2
+    assert not partial.exists()  # complete: everything is in --out

@@ -17,7 +17,11 @@ A chunk's cached KV was computed without the documents before it. Per request:
 
 The question is then prefilled over the blended context as usual. This is a dense, per-layer
 implementation (each layer's placed context gathered into [N, Hkv, D] tensors, a position
-mask): prompts are a few thousand tokens.
+mask): prompts are a few thousand tokens. On a GPU a request's blend is bound by host work
+(launches and syncs: benchmarks/NOTES.md, "Running the eval on the GPU"), so the context's token
+slots, rotations and masks are computed once per request, nothing syncs inside the layer loop, the
+fresh K/V are written to the pool in one go at the end, and the elementwise steps run eagerly (a
+compiled op's guards cost more than its launches at these sizes).
 """
 from __future__ import annotations
 
@@ -26,13 +30,17 @@ from typing import Callable
 
 import torch
 
-from lazyrag.kernels.reference import apply_rotary, attend, gather_context
+import numpy as np
+
+from lazyrag.kernels.reference import apply_rotary, attend
 from lazyrag.kv.cache import Segment, SegmentKind
-from lazyrag.model.llama import rope_at
+from lazyrag.model.llama import ElementwiseOps, rope_at
 from lazyrag.strategy_names import BLEND_SELECTIONS
-from lazyrag.engine.runner import ModelRunner, Placement, SeqState
+from lazyrag.engine.runner import ModelRunner, Placement
 
 SELECTION_LAYER = 1  # the first layer whose K/V depend on the context
+DENSE_OPS = ElementwiseOps()  # eager: token counts differ per request, a compiled op would re-check guards each call
+KEEP_CONTEXT_BYTES = 1 << 30  # a request's gathered layers kept for the second pass, up to this size
 
 
 @dataclass
@@ -41,6 +49,44 @@ class Blend:
     selected: torch.Tensor  # [S] indices into the chunk tokens (prompt order) recomputed in every layer
     deviation: torch.Tensor  # [C] each chunk token's K/V deviation at the selection layer
     cost: float  # in tokens through the whole model: all chunk tokens ran layer 0, the selected ones every layer
+
+
+class PlacedContext:
+    """Every token of a request's placed context, in prompt order, and its K/V per layer as the kernels
+    read them: ``[N, Hkv, D]`` fp32, keys rotated by their placement's delta (kernels/reference.py's
+    ``gather_context``, with the slots and rotations worked out once on the host instead of per layer)."""
+
+    def __init__(self, runner: ModelRunner, placed: list[Placement]):
+        self.pool, dev = runner.pool, runner.device
+        bs = self.pool.shape.block_size
+        offsets = [np.arange(p.first_block * bs, p.segment.num_tokens) for p in placed]  # each token's index in its segment
+        owner = np.concatenate([np.full(len(t), i) for i, t in enumerate(offsets)])
+        slots = np.concatenate([np.asarray(p.segment.blocks, dtype=np.int64)[t // bs] * bs + t % bs for p, t in zip(placed, offsets)])
+        delta = np.concatenate([np.full(len(t), p.delta) for p, t in zip(placed, offsets)])
+        position = np.concatenate([p.segment.start + p.delta + t for p, t in zip(placed, offsets)])
+        self.owner, self.offset = torch.from_numpy(owner), torch.from_numpy(np.concatenate(offsets))  # [N] host
+        self.position = torch.from_numpy(position).to(dev)  # [N]
+        self.delta = torch.from_numpy(delta)  # [N] host
+        self.slots = torch.from_numpy(slots).to(dev)  # [N] into a layer's pool viewed as [blocks * bs, Hkv, D]
+        d = self.delta.to(dev)
+        self.cos, self.sin = runner.rope_cos[d][:, None], runner.rope_sin[d][:, None]  # [N, 1, D/2] R(delta)
+        self._kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        L, _, _, hkv, hd = self.pool.k.shape
+        self._keep = 2 * L * len(slots) * hkv * hd * 4 <= KEEP_CONTEXT_BYTES
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+    def layer(self, i: int, keep: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``i``'s context K, V [N, Hkv, D] fp32; ``keep``: held for a later call (if they fit), which takes them."""
+        if i in self._kept:
+            return self._kept.pop(i)
+        hkv, hd = self.pool.k.shape[-2:]
+        k = self.pool.k[i].view(-1, hkv, hd)[self.slots].float()
+        kv = apply_rotary(k, self.cos, self.sin), self.pool.v[i].view(-1, hkv, hd)[self.slots].float()
+        if keep and self._keep:
+            self._kept[i] = kv
+        return kv
 
 
 def kv_deviation(k: torch.Tensor, v: torch.Tensor, k_cached: torch.Tensor, v_cached: torch.Tensor) -> torch.Tensor:
@@ -76,12 +122,13 @@ GRADUAL_FACTOR = 2.0
 
 
 @torch.inference_mode()
-def question_attention(runner: ModelRunner, meta: torch.Tensor, n_ctx: int, question: list[int], start: int,
+def question_attention(runner: ModelRunner, ctx: PlacedContext, question: list[int], start: int,
                        layers: tuple[int, int] | None = None) -> tuple[torch.Tensor, int]:
     """[N]: the attention each context token gets from the question run over the context as cached, summed over
-    heads and question tokens in layers [lo, hi); and the number of layers the question ran through."""
-    model, dev, ops = runner.model, runner.device, runner.ops
-    L = len(model.layers)
+    heads and question tokens in layers [lo, hi); and the number of layers the question ran through. The
+    gathered layers are kept in ``ctx`` for the recompute that follows."""
+    model, dev, ops = runner.model, runner.device, DENSE_OPS
+    L, n_ctx = len(model.layers), len(ctx)
     lo, hi = layers or (0, L)
     x = model.embed(torch.tensor(question, device=dev))
     cos, sin = rope_at(runner.rope_cos, runner.rope_sin, torch.arange(start, start + len(question), device=dev), x.dtype)
@@ -89,7 +136,7 @@ def question_attention(runner: ModelRunner, meta: torch.Tensor, n_ctx: int, ques
     causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
     score = torch.zeros(n_ctx, device=dev)
     for layer, block in enumerate(model.layers[:hi]):
-        kc, vc = gather_context(runner.pool.k[layer], runner.pool.v[layer], meta, runner.rope_cos, runner.rope_sin)
+        kc, vc = ctx.layer(layer, keep=True)
         q, k, v = block.attn.project(block.attn_input(x, ops), cos, sin, ops, runner.rope_scaling)
         group = q.shape[1] // k.shape[1]
         keys = torch.cat((kc, k.float())).repeat_interleave(group, dim=1)  # [N+T, Hq, D]
@@ -124,17 +171,12 @@ def selective_recompute(
     ``allocate(n)`` gives n fresh blocks for the private copies; the caller owns and frees them.
     """
     assert selection in SELECTIONS, selection
-    pool, model, dev = runner.pool, runner.model, runner.device
-    bs, layers = pool.shape.block_size, model.layers
+    pool, model, dev, ops = runner.pool, runner.model, runner.device, DENSE_OPS
+    layers = model.layers
     L = len(layers)
-    # every context token in prompt order: its position, delta, placement and index in the segment
-    tok = [torch.arange(p.first_block * bs, p.segment.num_tokens) for p in placed]
-    pos = torch.cat([p.segment.start + p.delta + t for p, t in zip(placed, tok)]).to(dev)  # [N]
-    delta = torch.cat([torch.full_like(t, p.delta) for p, t in zip(placed, tok)])
-    owner = torch.cat([torch.full_like(t, i) for i, t in enumerate(tok)])
-    offset = torch.cat(tok)
+    ctx = PlacedContext(runner, placed)
+    owner, offset, pos = ctx.owner, ctx.offset, ctx.position
     blended = torch.tensor([x is not None for x in ids])[owner]
-    meta = torch.from_numpy(SeqState(context=placed, blocks=[], next_pos=0).block_meta(bs, 0)).to(dev)
 
     chunk_pos = blended.nonzero()[:, 0]  # [C] the chunk tokens' places in the context
     C = len(chunk_pos)
@@ -146,7 +188,7 @@ def selective_recompute(
     attn = None
     if selection in ("attn", "attn_dev"):
         assert question, "selection by the question's attention needs the question"
-        score, ran = question_attention(runner, meta, len(pos), question, question_start, ATTN_LAYERS)
+        score, ran = question_attention(runner, ctx, question, question_start, ATTN_LAYERS)
         attn, cost = score[chunk_pos.to(dev)].cpu(), len(question) * ran / L
     sel_layer = min(SELECTION_LAYER, L - 1)
     # (layer, tokens kept there, score from the deviation there or None: the attention, before the layer runs)
@@ -157,11 +199,9 @@ def selective_recompute(
     else:
         stages = [(sel_layer, ratio, "dev")]
     cur = torch.arange(C)  # the chunk tokens (indices into the C) still running
-    sel = chunk_pos.to(dev)  # their places in the context
     x = model.embed(chunk_ids)  # [C, H]
     deviation = torch.zeros(C)
-    pending = []  # (layer, cur then, k, v): fresh K/V of layers >= 1, written once the final tokens are known
-    context, slots, back = list(placed), None, None
+    fresh = []  # (layer, cur then, k, v): the fresh K/V of layers >= 1, written once the final tokens are known
 
     def keep(score: torch.Tensor, r: float) -> torch.Tensor:
         """The tokens of ``cur`` to keep: rows of the current tensors (sorted), by ``score`` [C]."""
@@ -169,14 +209,20 @@ def selective_recompute(
         full[cur] = score[cur]
         return torch.searchsorted(cur, select(full, chunk_of, r, forced, selection == "chunk"))
 
+    def running(cur: torch.Tensor):
+        """The running tokens' places in the context, rotations and causal mask [S, N] (by position)."""
+        sel = chunk_pos[cur].to(dev)
+        return (sel, *rope_at(runner.rope_cos, runner.rope_sin, pos[sel], x.dtype), pos[None, :] <= pos[sel][:, None])
+
+    sel, cos, sin, mask = running(cur)
     for layer, block in enumerate(layers):
         stage = next((s for s in stages if s[0] == layer), None)
         if stage is not None and stage[2] is None:  # chosen before the layer runs: the dropped tokens cost nothing
             rows_kept = keep(attn, stage[1])
-            cur, sel, x = cur[rows_kept], sel[rows_kept.to(dev)], x[rows_kept.to(dev)]
-        kc, vc = gather_context(pool.k[layer], pool.v[layer], meta, runner.rope_cos, runner.rope_sin)  # [N, Hkv, D] fp32, as cached
-        cos, sin = rope_at(runner.rope_cos, runner.rope_sin, pos[sel], x.dtype)
-        q, k, v = block.attn.project(block.attn_input(x, runner.ops), cos, sin, runner.ops, runner.rope_scaling)
+            cur, x = cur[rows_kept], x[rows_kept.to(dev)]
+            sel, cos, sin, mask = running(cur)
+        kc, vc = ctx.layer(layer)  # [N, Hkv, D] fp32, as cached
+        q, k, v = block.attn.project(block.attn_input(x, ops), cos, sin, ops, runner.rope_scaling)
         if stage is not None and stage[2] == "dev":
             d = kv_deviation(k, v, kc[sel], vc[sel]).cpu()
             if layer == stages[0][0]:
@@ -187,35 +233,35 @@ def selective_recompute(
                 score = score * attn
             rows_kept = keep(score, stage[1])
             r = rows_kept.to(dev)
-            cur, sel, x, q, k, v = cur[rows_kept], sel[r], x[r], q[r], k[r], v[r]
+            cur, x, q, k, v = cur[rows_kept], x[r], q[r], k[r], v[r]
+            sel, cos, sin, mask = running(cur)
         cost += len(cur) / L  # a layer's projections for the dropped tokens are not counted
         if not len(cur):
             break
-        final = stage is not None and stage is stages[-1]
-        if final:  # the tokens are known: their private copies, and the fresh K/V of the layers before
-            context, slots = _private_copies(pool, placed, owner[chunk_pos[cur]], offset[chunk_pos[cur]], allocate)
-            d = delta[chunk_pos[cur]].to(dev)
-            back = runner.rope_cos[d][:, None], -runner.rope_sin[d][:, None]  # R(-delta): the copy is read at the chunk's delta
-            for lay, was, kk, vv in pending:
-                r = torch.searchsorted(was, cur).to(dev)
-                pool.write(lay, slots, apply_rotary(kk[r].float(), *back), vv[r])
-            pending = []
         if layer >= 1:  # layer 0's K/V depend on token and position only: the cached ones are exact
-            if slots is not None:
-                pool.write(layer, slots, apply_rotary(k.float(), *back), v)
-            else:
-                pending.append((layer, cur, k, v))
+            fresh.append((layer, cur, k, v))
         if layer == L - 1:
             break  # the last layer's K/V is all the question needs
-        kc[sel], vc[sel] = k.float(), v.float()
-        mask = pos[None, :] <= pos[sel][:, None]  # [S, N] causal by position
+        kc, vc = kc.index_copy(0, sel, k.float()), vc.index_copy(0, sel, v.float())
         o = attend(q[None], kc[None], vc[None], mask[None], model.sm_scale)[0].to(x.dtype)
-        x = block.after_attention(x, block.attn.wo(o.flatten(1)), runner.ops)  # [S, H]
-    selected = cur if len(cur) and slots is not None else torch.zeros(0, dtype=torch.int64)
-    if not len(selected):
-        context = list(placed)
+        x = block.after_attention(x, block.attn.wo(o.flatten(1)), ops)  # [S, H]
+    if not len(cur):
+        return Blend(list(placed), torch.zeros(0, dtype=torch.int64), deviation, _counted(runner, cost))
+    # the tokens are known: their private copies, and their fresh K/V of every layer in one write
+    context, slots = _private_copies(pool, placed, owner[chunk_pos[cur]], offset[chunk_pos[cur]], allocate)
+    if fresh:
+        d = ctx.delta[chunk_pos[cur]].to(dev)
+        back = runner.rope_cos[d][:, None], -runner.rope_sin[d][:, None]  # R(-delta): the copy is read at the chunk's delta
+        rows = [torch.searchsorted(was, cur).to(dev) for _, was, _, _ in fresh]  # the final tokens' rows of each layer
+        k = torch.stack([kk[r] for (_, _, kk, _), r in zip(fresh, rows)]).float()  # [L', S, Hkv, D]
+        v = torch.stack([vv[r] for (_, _, _, vv), r in zip(fresh, rows)])
+        pool.write_layers([lay for lay, _, _, _ in fresh], slots, apply_rotary(k, *back), v)
+    return Blend(context, cur, deviation, _counted(runner, cost))
+
+
+def _counted(runner: ModelRunner, cost: float) -> float:
     runner.tokens_forwarded += round(cost)
-    return Blend(context, selected, deviation, cost)
+    return cost
 
 
 def _private_copies(pool, placed: list[Placement], owner: torch.Tensor, offset: torch.Tensor, allocate):

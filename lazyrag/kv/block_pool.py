@@ -95,6 +95,13 @@ class BlockPool:
         self.k[layer].view(flat).index_copy_(0, slots, k.to(self.shape.dtype))
         self.v[layer].view(flat).index_copy_(0, slots, v.to(self.shape.dtype))
 
+    def write_layers(self, layers: list[int], slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V ``[len(layers), T, H_kv, D]`` of several layers at the same pool slots ``[T]``, one write each."""
+        flat = (self.k.shape[0], -1, self.shape.num_kv_heads, self.shape.head_dim)
+        at = torch.tensor(layers, device=self.device)[:, None], slots[None, :]  # [L', 1] x [1, T]
+        self.k.view(flat)[at] = k.to(self.shape.dtype)
+        self.v.view(flat)[at] = v.to(self.shape.dtype)
+
     def slots(self, blocks: list[int], num_tokens: int, start: int = 0) -> torch.Tensor:
         """Pool slots of tokens ``start .. start+num_tokens`` of a segment laid out over ``blocks``."""
         bs = self.shape.block_size
