@@ -121,7 +121,11 @@ def _score_group(engine, group: list[dict], strategies: list[str], max_new_token
     rows = {s: [] for s in strategies}
     layouts = [engine.build_prompt(item["question"], item["chunks"]) for item in group]
     # chunk encoding is not what is being compared: the group's chunks are encoded first, in one batch
-    engine.encode_chunks([c for layout in layouts for c in layout.chunk_ids], layouts[0].encoding_prefix)
+    try:
+        engine.encode_chunks([c for layout in layouts for c in layout.chunk_ids], layouts[0].encoding_prefix)
+    except Exception as e:  # each request encodes its own misses, so a bad chunk fails its requests alone
+        print(f"warning: encoding the batch's chunks failed ({type(e).__name__}: {e}); each request encodes its own",
+              file=sys.stderr)
     requests = [[engine.add_request(layout, SamplingParams(max_new_tokens, strategy=s)) for s in strategies]
                 for layout in layouts]
     while engine.has_unfinished_requests():
