@@ -13,12 +13,12 @@ stamp() { echo "== $1 at $(( $(date +%s) - T0 )) s"; }
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "pip install -e . failed"
 nvidia-smi --query-gpu=name,memory.used,clocks.sm,clocks.mem --format=csv,noheader
 stamp "sweep start"
-timeout ${SWEEP_LIMIT:-120} python3 benchmarks/e2e_sweep.py --out "$OUT/e2e_sweep.json" 2>&1 | tee "$OUT/e2e_sweep_log.txt" | grep -v "^gemv .* (\|^prefill {\|^decode {"
+timeout ${SWEEP_LIMIT:-120} python3 benchmarks/e2e_sweep.py --out "$OUT/e2e_sweep.json" 2>&1 | tee "$OUT/e2e_sweep_log.txt" | grep -v "^gemv [a-z_]* (\|^prefill {\|^decode {"
 stamp "sweep done"
 GEMV=""
 [ -s "$OUT/e2e_sweep.json" ] && grep -q gemv_adopt "$OUT/e2e_sweep.json" && GEMV="--gemv-configs $OUT/e2e_sweep.json"
 timeout ${E2E_LIMIT:-140} python3 benchmarks/e2e_gpu.py --reps 8 --profile $GEMV \
-  --ab "${AB:-base,gemv=none,gemv=wqkv+wo,decode_merge,prefill_merge,decode_merge&prefill_merge,decode_splits=8,prefill_splits=4,cublaslt}" --out "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e_log.txt"
+  --ab "${AB:-base,gemv=none,gemv=wqkv+wo,decode_merge&prefill_merge,decode_splits=8,prefill_splits=4,cublaslt}" --out "$OUT/e2e.json" 2>&1 | tee "$OUT/e2e_log.txt"
 if ! grep -q '"lazyrag_decode_ms_per_token"' "$OUT/e2e.json" 2>/dev/null; then  # the GEMV path broke: the round-4 engine
   stamp "e2e failed; again without the GEMVs"
   timeout 80 python3 benchmarks/e2e_gpu.py --reps 8 --no-gemv --out "$OUT/e2e.json" 2>&1 | tee -a "$OUT/e2e_log.txt"
