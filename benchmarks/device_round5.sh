@@ -13,7 +13,7 @@ stamp() { echo "== $1 at $(( $(date +%s) - T0 )) s"; }
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "pip install -e . failed"
 nvidia-smi --query-gpu=name,memory.used,clocks.sm,clocks.mem --format=csv,noheader
 stamp "sweep start"
-timeout ${SWEEP_LIMIT:-120} python3 benchmarks/e2e_sweep.py --out "$OUT/e2e_sweep.json" 2>&1 | tee "$OUT/e2e_sweep_log.txt" | grep -v "^gemv [a-z_]* (\|^prefill {\|^decode {"
+timeout ${SWEEP_LIMIT:-120} python3 benchmarks/e2e_sweep.py --only "${SWEEP_ONLY:-gemv,attention,gemm}" --out "$OUT/e2e_sweep.json" 2>&1 | tee "$OUT/e2e_sweep_log.txt" | grep -v "^gemv [a-z_]* (\|^prefill {\|^decode {"
 stamp "sweep done"
 GEMV=""
 [ -s "$OUT/e2e_sweep.json" ] && grep -q gemv_adopt "$OUT/e2e_sweep.json" && GEMV="--gemv-configs $OUT/e2e_sweep.json"
