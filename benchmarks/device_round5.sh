@@ -30,5 +30,5 @@ LAZYRAG_KERNEL_AUTOTUNE=0 timeout $L python3 -m pytest -q -n 4 tests/test_kernel
 LAZYRAG_KERNEL_AUTOTUNE=0 timeout $L python3 -m pytest -q -n 8 tests/test_engine_backends.py > "$OUT/gpu_engine_tests_log.txt" 2>&1
 echo "engine tests exit $?"
 wait
-tail -6 "$OUT/gpu_tests_log.txt" "$OUT/gpu_engine_tests_log.txt"
+tail -n 6 "$OUT/gpu_tests_log.txt" "$OUT/gpu_engine_tests_log.txt"
 stamp "all finished"

@@ -22,10 +22,15 @@ import triton.language as tl
 
 PLAIN, NORM, ADD_NORM, SILU = 0, 1, 2, 3
 
-# (BLOCK_N, BLOCK_K, num_warps) per (N, K, prologue); benchmarks/gemv_sweep.py measures the candidates
+# (BLOCK_N, BLOCK_K, num_warps) per (N, K, prologue); benchmarks/e2e_sweep.py measures the candidates
 # on the device and can write a table to adopt (e2e_gpu.py --gemv-configs).
 DEFAULT_CONFIG = (8, 512, 4)
-CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {}
+# measured on the H200 for Llama-3.1-8B's shapes (round 5; e2e_sweep_h200_round5.json): the best candidate differs
+# by shape (wo at (8, 512, 4) took 15.5 µs, at (2, 1024, 4) 10.7); the first layer's NORM takes its ADD_NORM's
+CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {
+    (6144, 4096, ADD_NORM): (8, 512, 4), (6144, 4096, NORM): (8, 512, 4), (4096, 4096, PLAIN): (2, 1024, 4),
+    (28672, 4096, ADD_NORM): (4, 512, 4), (4096, 14336, SILU): (4, 1024, 4),
+}
 CANDIDATES = [(4, 512, 4), (8, 512, 4), (8, 256, 4), (16, 256, 4), (16, 512, 8), (4, 1024, 4),
               (8, 1024, 8), (2, 1024, 4), (32, 128, 4), (16, 128, 4)]
 

@@ -11,7 +11,7 @@ from lazyrag.kernels.reference import apply_rotary
 from lazyrag.kv.block_pool import BlockPool, blocks_for
 from lazyrag.kv.cache import Segment
 from lazyrag.model.attention import AttentionMetadata, HostBatch
-from lazyrag.model.llama import GEMV_LAYERS, ElementwiseOps, LlamaModel, Runtime
+from lazyrag.model.llama import GEMV_DEFAULT, ElementwiseOps, LlamaModel, Runtime
 
 
 @dataclass
@@ -76,7 +76,7 @@ class ModelRunner:
         """Rotate q/k and store the new K/V into the pool in one Triton kernel (kernels/qkv.py)."""
         self.ops = self.ops.with_fused_kv_store()
 
-    def use_gemv(self, layers=GEMV_LAYERS) -> None:
+    def use_gemv(self, layers=GEMV_DEFAULT) -> None:
         """One-token forwards run these projections as Triton GEMVs, norm / silu*up folded in (kernels/gemv.py)."""
         self.ops = replace(self.ops, gemv=frozenset(layers))
 

@@ -103,6 +103,9 @@ def rope_at(rope_cos: torch.Tensor, rope_sin: torch.Tensor, positions: torch.Ten
 
 
 GEMV_LAYERS = frozenset({"wqkv", "wo", "gate_up", "down"})
+# the engine's default: on the H200 (round 5, benchmarks/NOTES.md) the fused GEMV beat norm + cuBLAS for wqkv
+# (17.8 vs 19.2 µs) and wo (10.7 vs 13.3 µs) but lost for gate_up (64.7 vs 60.8) and down (35.7 vs 34.1)
+GEMV_DEFAULT = frozenset({"wqkv", "wo"})
 
 
 @dataclass
