@@ -223,7 +223,7 @@ class Block(nn.Module):
         """The residual stream kept apart, vLLM-style: ``x`` is the previous layer's MLP output and
         ``residual`` the stream before it (None at the first layer), so each residual add is fused
         into the norm that follows it. Returns (this layer's MLP output, the stream before it);
-        their sum is ``after_attention(...)``'s output, to the bit."""
+        their sum is ``after_attention(...)``'s output, to the bit (one-token GEMVs off: they round differently)."""
         ops, mlp = rt.ops, self.mlp
         residual, qkv = ops.norm_linear("wqkv", x, residual, self.attn_norm, self.attn.wqkv)
         residual, gate_up = ops.norm_linear("gate_up", self.attn(qkv, cos, sin, rt), residual, self.mlp_norm, mlp.w_gate_up)
