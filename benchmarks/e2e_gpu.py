@@ -60,7 +60,7 @@ def cuda_time(fn, warmup: int, reps: int) -> list[float]:
     return out
 
 
-def profile_request(engine, layout, SamplingParams, top: int = 20) -> dict:
+def profile_request(engine, layout, SamplingParams, top: int = 30) -> dict:
     """GPU kernel time of one lazy request (TTFT) and of 16 decode steps, top kernels by total time."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -94,11 +94,16 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/e2e_h200.json"))
     ap.add_argument("--kernel-defaults", type=Path,
                     help="JSON from benchmarks/kernels.py --adopt: kernel defaults to use")
+    ap.add_argument("--gemv-configs", type=Path,
+                    help="JSON from benchmarks/e2e_sweep.py: its gemv_adopt table (GEMV config per shape) is used")
+    ap.add_argument("--no-gemv", action="store_true", help="the engine without the fused one-token GEMVs")
     ap.add_argument("--profile", action="store_true", help="also record the top GPU kernels of one lazy request")
     ap.add_argument("--ab", default="",
                     help="comma list of variants to also time (lazy TTFT, decode) on the same engine: "
                          "'unfused' (rotation then index_copy_ K/V; compiles rotate_qk), 'cublaslt' (torch's BLAS choice), "
-                         "'prefill_splits=N', 'decode_splits=N' (the attention kernels' split count forced)")
+                         "'prefill_splits=N', 'decode_splits=N' (the attention kernels' split count forced), "
+                         "'gemv=none' or 'gemv=wqkv+wo' (which one-token projections run as fused GEMVs), "
+                         "'decode_merge' / 'prefill_merge' (split merge inside the attention kernel), 'base' (no change); parts joined by '&' combine")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
 
@@ -106,6 +111,7 @@ def main() -> int:
 
     from lazyrag.engine import LazyEngine
     from lazyrag.kernels import decode as decode_mod
+    from lazyrag.kernels import gemv as gemv_mod
     from lazyrag.kernels import prefill as prefill_mod
 
     if args.kernel_defaults:
@@ -113,6 +119,9 @@ def main() -> int:
         for kind, mod in (("decode", decode_mod), ("prefill", prefill_mod)):
             mod.DEFAULT_CONFIG = tuple(chosen[kind]["config"])
             mod.DEFAULT_ROTATION_MODE = chosen[kind]["rotation_mode"]
+    if args.gemv_configs:
+        adopt = json.loads(args.gemv_configs.read_text()).get("gemv_adopt", {})
+        gemv_mod.CONFIGS.update({tuple(int(v) for v in key.split(",")): tuple(cfg) for key, cfg in adopt.items()})
     from lazyrag.prompt import PromptLayout
     from lazyrag.engine import SamplingParams
 
@@ -122,7 +131,7 @@ def main() -> int:
     with torch.device("cuda"):
         hf = LlamaForCausalLM(config).eval()
     torch.set_default_dtype(torch.float32)
-    engine = LazyEngine.from_hf(hf, None, device="cuda", dtype=torch.bfloat16, kv_budget=8 << 30)
+    engine = LazyEngine.from_hf(hf, None, device="cuda", dtype=torch.bfloat16, kv_budget=8 << 30, gemv=not args.no_gemv)
 
     rng = random.Random(0)
     ids = lambda n: [rng.randrange(1000, 120000) for _ in range(n)]  # noqa: E731
@@ -133,7 +142,9 @@ def main() -> int:
                  "question_tokens": args.question_tokens, "device": torch.cuda.get_device_name(),
                  "torch": torch.__version__, "command": "python " + " ".join(sys.argv),
                  "kernel_defaults": {"prefill": [prefill_mod.DEFAULT_CONFIG, prefill_mod.DEFAULT_ROTATION_MODE],
-                                     "decode": [decode_mod.DEFAULT_CONFIG, decode_mod.DEFAULT_ROTATION_MODE]}}
+                                     "decode": [decode_mod.DEFAULT_CONFIG, decode_mod.DEFAULT_ROTATION_MODE]},
+                 "gemv_layers": sorted(engine.runner.ops.gemv),
+                 "gemv_configs": {",".join(map(str, k)): v for k, v in gemv_mod.CONFIGS.items()}}
 
     # -- transformers: full prefill, and question-only prefill over a ready cache
     full_ids = torch.tensor([layout.full_ids()], device="cuda")
@@ -193,7 +204,8 @@ def main() -> int:
         import traceback
 
         traceback.print_exc()
-        engine = LazyEngine.from_hf(hf, None, device="cuda", dtype=torch.bfloat16, kv_budget=8 << 30, cuda_graphs=False)
+        engine = LazyEngine.from_hf(hf, None, device="cuda", dtype=torch.bfloat16, kv_budget=8 << 30, cuda_graphs=False,
+                                    gemv=not args.no_gemv)
         ttft, decode = measure(engine)
         res["cuda_graphs"] = False
     # written now too, so a run cut short after this point still leaves the headline numbers
@@ -201,7 +213,14 @@ def main() -> int:
              "lazyrag_decode_ms_per_token": 1e3 * statistics.median(decode)}
     print(f"lazyrag: {early}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({**res, **early, "partial": True}, indent=2))
+
+    def write_partial():  # a run cut short keeps what it measured so far
+        args.out.write_text(json.dumps({**res, **early, "partial": True}, indent=2))
+
+    write_partial()
+    if args.profile:  # the engine as built, before any A/B variant recaptures its graphs
+        res["profile"] = profile_request(engine, PromptLayout(prefix, docs[::-1], question), SamplingParams)
+        write_partial()
 
     if args.ab and res["cuda_graphs"]:
         from dataclasses import replace as dc_replace
@@ -218,17 +237,28 @@ def main() -> int:
             torch.backends.cuda.preferred_blas_library("cublas")
 
         def setup(name):
+            """A variant is one or more of these, joined by '&' (e.g. 'decode_merge&decode_splits=8')."""
             reset()
-            if name == "unfused":
-                runner.ops = dc_replace(fused_ops, rotate_qk_store=None)
-            elif name == "cublaslt":
-                torch.backends.cuda.preferred_blas_library("cublaslt")
-            elif name.startswith("prefill_splits="):  # the split count the kernel's heuristic would choose, overridden
-                backend._prefill = functools.partial(kernels[0], num_splits=int(name.split("=")[1]))
-            elif name.startswith("decode_splits="):
-                backend._decode = functools.partial(kernels[1], num_splits=int(name.split("=")[1]))
-            else:
-                raise ValueError(name)
+            for part in name.split("&"):
+                key, _, value = part.partition("=")
+                if part == "unfused":
+                    runner.ops = dc_replace(runner.ops, rotate_qk_store=None)
+                elif part == "cublaslt":
+                    torch.backends.cuda.preferred_blas_library("cublaslt")
+                elif key == "prefill_splits":  # the split count the kernel's heuristic would choose, overridden
+                    backend._prefill = functools.partial(backend._prefill, num_splits=int(value))
+                elif key == "decode_splits":
+                    backend._decode = functools.partial(backend._decode, num_splits=int(value))
+                elif part == "decode_merge":  # the last split program merges (no merge launch)
+                    backend._decode = functools.partial(backend._decode, fused_merge=True)
+                elif part == "prefill_merge":
+                    backend._prefill = functools.partial(backend._prefill, fused_merge=True)
+                elif part == "base":  # the engine as built, measured again among the variants
+                    pass
+                elif key == "gemv":
+                    runner.ops = dc_replace(runner.ops, gemv=frozenset() if value == "none" else frozenset(value.split("+")))
+                else:
+                    raise ValueError(part)
 
         for name in [v for v in args.ab.split(",") if v]:
             try:
@@ -239,12 +269,11 @@ def main() -> int:
             except Exception as e:
                 ab[name] = {"error": repr(e)}
             print(f"A/B {name}: {ab[name]}", flush=True)
+            res["ab"] = ab
+            write_partial()
         reset()
         runner.graphs.clear()
         res["ab"] = ab
-
-    if args.profile:
-        res["profile"] = profile_request(engine, PromptLayout(prefix, docs[::-1], question), SamplingParams)
 
     med = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
     res.update({

@@ -3,7 +3,10 @@
 * lazy prefill (64 new tokens over 5 x 512 cached docs + a 32-token prefix, batch 1) and lazy
   decode (batch 1, same context) for each split count and kernel config, with the block table
   padded to the width the engine's CUDA graphs use (a power of two >= 64 blocks);
-* the layer GEMMs of Llama-3.1-8B at M = 1 and M = 64 under cuBLAS and cuBLASLt.
+* the layer GEMMs of Llama-3.1-8B at M = 1 and M = 64 under cuBLAS and cuBLASLt, cycling through copies
+  of each weight so that it is read from HBM (not L2), as in the real model;
+* each decode projection at M = 1 as the engine runs it (elementwise kernel + cuBLAS) against the fused
+  Triton GEMVs of kernels/gemv.py, every candidate config; the fastest per shape lands in ``gemv_adopt``.
 
     python benchmarks/e2e_sweep.py --out $OUT/e2e_sweep.json
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -86,15 +90,17 @@ def attention(dev, res):
     kn, vn = torch.randn(T, HKV, D, device=dev, dtype=DT), torch.randn(T, HKV, D, device=dev, dtype=DT)
     cu = torch.tensor([0, T], dtype=torch.int32, device=dev)
     rows = []
-    for cfg in [pre.DEFAULT_CONFIG, (64, 128, 4, 3), (64, 64, 4, 3)]:
-        for splits in (1, 2, 4, 8, 12):
-            def f(cfg=cfg, splits=splits):
+    for cfg in [pre.DEFAULT_CONFIG, (64, 128, 4, 3)]:
+        for splits, merge in [(1, False)] + [(s, m) for s in (2, 4, 8) for m in (False, True)]:
+            def f(cfg=cfg, splits=splits, merge=merge):
                 pre.lazy_prefill(q, kn, vn, cu, k, v, meta, n, cos, sin, D ** -0.5, max_seqlen_q=T, config=cfg,
-                                 num_splits=splits, tile_cache={})
+                                 num_splits=splits, tile_cache={}, fused_merge=merge)
+            row = {"config": list(cfg), "splits": splits, "fused_merge": merge}
             try:
-                rows.append({"config": list(cfg), "splits": splits, "us": round(graph_us(f), 2)})
+                row["us"] = round(graph_us(f), 2)
             except Exception as e:  # e.g. out of shared memory
-                rows.append({"config": list(cfg), "splits": splits, "error": repr(e)[:120]})
+                row["error"] = repr(e)[:120]
+            rows.append(row)
             print("prefill", rows[-1], flush=True)
 
     def auto():
@@ -106,14 +112,18 @@ def attention(dev, res):
     qd = torch.randn(1, HQ, D, device=dev, dtype=DT)
     nd = torch.tensor([nctx + 1], dtype=torch.int32, device=dev)
     rows = []
-    for cfg in [dec.DEFAULT_CONFIG]:
-        for splits in (1, 4, 8, 16, 32):
-            def f(cfg=cfg, splits=splits):
-                dec.lazy_decode(qd, k, v, meta, nd, cos, sin, D ** -0.5, config=cfg, num_splits=splits, tile_cache={})
+    cfg = dec.DEFAULT_CONFIG
+    for merge in (False, True):  # the split merge as a second launch, or by the last split program
+        for splits in (1, 4, 8, 16, 32) if not merge else (4, 8, 16, 32):
+            def f(splits=splits, merge=merge):
+                dec.lazy_decode(qd, k, v, meta, nd, cos, sin, D ** -0.5, config=cfg, num_splits=splits, tile_cache={},
+                                fused_merge=merge)
+            row = {"config": list(cfg), "splits": splits, "fused_merge": merge}
             try:
-                rows.append({"config": list(cfg), "splits": splits, "us": round(graph_us(f), 2)})
+                row["us"] = round(graph_us(f), 2)
             except Exception as e:
-                rows.append({"config": list(cfg), "splits": splits, "error": repr(e)[:120]})
+                row["error"] = repr(e)[:120]
+            rows.append(row)
             print("decode", rows[-1], flush=True)
 
     def dauto():
@@ -123,12 +133,25 @@ def attention(dev, res):
     print("decode auto", res["decode_auto_us"], flush=True)
 
 
+SHAPES = {"wqkv": (6144, 4096), "wo": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
+          "lm_head": (128256, 4096)}
+
+
+def weight_copies(dev, n: int, k: int, total_bytes: float = 6e8) -> list[torch.Tensor]:
+    """Distinct copies of one weight shape, cycled through in a timed graph: together they are well over
+    the 50 MB L2 (wo alone, 33.5 MB, fits in it), so each call reads HBM as a layer of the real model does."""
+    copies = max(2, min(16, int(total_bytes // (n * k * 2)) + 1))
+    return [torch.randn(n, k, device=dev, dtype=DT) * k ** -0.5 for _ in range(copies)]
+
+
+def per_weight_us(fn, ws) -> float:
+    """µs per call of ``fn(w)``, each weight of ``ws`` once per pass, passes replayed from a graph."""
+    return graph_us(lambda: [fn(w) for w in ws], reps=4) / len(ws)
+
+
 def gemms(dev, res):
     import torch.nn.functional as F
 
-    shapes = {"wqkv": (6144, 4096), "wo": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
-              "lm_head": (128256, 4096)}
-    ws = {k: torch.randn(*s, device=dev, dtype=DT) * 0.02 for k, s in shapes.items()}
     out = {}
     for lib in ("cublas", "cublaslt"):
         try:
@@ -136,13 +159,15 @@ def gemms(dev, res):
         except Exception as e:
             out[lib] = repr(e)
             continue
-        for m in (1, 64):
-            for name, w in ws.items():
-                x = torch.randn(m, w.shape[1], device=dev, dtype=DT)
-                us = graph_us(lambda: F.linear(x, w), reps=50)
-                tb = w.numel() * 2 / us / 1e6
+        for name, (n, k) in SHAPES.items():
+            ws = weight_copies(dev, n, k)
+            for m in (1, 64):
+                x = torch.randn(m, k, device=dev, dtype=DT)
+                us = per_weight_us(lambda w: F.linear(x, w), ws)
+                tb = n * k * 2 / us / 1e6
                 out[f"{lib} M={m} {name}"] = (round(us, 1), round(tb, 2))
                 print(f"gemm {lib} M={m} {name}: {us:.1f} us, {tb:.2f} TB/s", flush=True)
+            del ws
     torch.backends.cuda.preferred_blas_library("cublas")
     # one layer's four GEMMs x 32 + lm_head at M=1 (decode) and M=64 (the TTFT prefill; lm_head at M=1)
     for lib in ("cublas", "cublaslt"):
@@ -155,25 +180,75 @@ def gemms(dev, res):
     res["gemm"] = out
 
 
+def one_token(dev, res):
+    """Each decode projection at M=1 as the engine runs it: the elementwise kernel before it (compiled, as on
+    CUDA) then cuBLAS, against kernels/gemv.py's fused GEMV for every candidate config (each checked against
+    the unfused output first). Picks the fastest config per shape: ``res["gemv_adopt"]`` (e2e_gpu.py
+    --gemv-configs)."""
+    import torch.nn.functional as F
+
+    from lazyrag.kernels import gemv as G
+    from lazyrag.model.llama import ElementwiseOps
+
+    ops = ElementwiseOps.compiled()
+    eps, rows, adopt = 1e-5, {}, {}
+    for name, pro in (("wqkv", G.ADD_NORM), ("wo", G.PLAIN), ("gate_up", G.ADD_NORM), ("down", G.SILU)):
+        n, k = SHAPES[name]
+        ws = weight_copies(dev, n, k)
+        x = torch.randn(1, 2 * k if pro == G.SILU else k, device=dev, dtype=DT)
+        r, nw = torch.randn(1, k, device=dev, dtype=DT), (1 + 0.2 * torch.randn(k, device=dev)).to(DT)
+        if pro == G.ADD_NORM:
+            unfused = lambda w: F.linear(ops.add_rms_norm(x, r, nw, eps)[1], w)  # noqa: E731
+        elif pro == G.SILU:
+            unfused = lambda w: F.linear(ops.silu_mul(x, k), w)  # noqa: E731
+        else:
+            unfused = lambda w: F.linear(x, w)  # noqa: E731
+        ref = unfused(ws[0]).float()
+        row = {"unfused_us": round(per_weight_us(unfused, ws), 2), "candidates": {}}
+        for cfg in G.CANDIDATES:
+            fused = lambda w, cfg=cfg: G.gemv(x, w, prologue=pro, residual=r, norm_weight=nw, eps=eps, config=cfg)  # noqa: E731
+            try:
+                got = fused(ws[0])
+                got = (got[1] if pro == G.ADD_NORM else got).float()
+                err = float((got - ref).norm() / ref.norm())
+                us = per_weight_us(fused, ws) if err < 1e-2 else float("nan")
+                row["candidates"][str(list(cfg))] = {"us": round(us, 2), "rel_err": err}
+            except Exception as e:
+                row["candidates"][str(list(cfg))] = {"error": repr(e)[:160]}
+            print(f"gemv {name} {cfg}: {row['candidates'][str(list(cfg))]}", flush=True)
+        ok = {c: v["us"] for c, v in row["candidates"].items() if "us" in v and not math.isnan(v["us"])}
+        if ok:
+            best = min(ok, key=ok.get)
+            row.update(best=best, best_us=ok[best], best_tbps=round(n * k * 2 / ok[best] / 1e6, 2))
+            adopt[f"{n},{k},{pro}"] = json.loads(best)
+        print(f"gemv {name}: unfused {row['unfused_us']} us, best fused {row.get('best')} {row.get('best_us')} us "
+              f"({row.get('best_tbps')} TB/s)", flush=True)
+        rows[name] = row
+        del ws
+    res["gemv"], res["gemv_adopt"] = rows, adopt
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/e2e_sweep.json"))
-    ap.add_argument("--skip-gemm", action="store_true")
+    ap.add_argument("--only", default="attention,gemm,gemv", help="comma list of the sections to run")
     args = ap.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
     res: dict = {"device": torch.cuda.get_device_name(), "command": "python " + " ".join(sys.argv)}
-    try:
-        attention(dev, res)
-    except Exception as e:
-        import traceback
+    sections = [("gemv", one_token), ("attention", attention), ("gemm", gemms)]  # the e2e run needs gemv's table first
+    for name, fn in sections:
+        if name not in args.only.split(","):
+            continue
+        try:
+            fn(dev, res)
+        except Exception as e:
+            import traceback
 
-        traceback.print_exc()
-        res["attention_error"] = repr(e)
-    if not args.skip_gemm:
-        gemms(dev, res)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(res, indent=2))
+            traceback.print_exc()
+            res[f"{name}_error"] = repr(e)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(res, indent=2))  # after each section: a run cut short keeps what it has
     return 0
 
 

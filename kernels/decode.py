@@ -21,21 +21,21 @@ import triton
 import triton.language as tl
 
 from .kvloop import (
-    blocks_per_sm, interpreting, kv_tile_loop, merge_splits, num_sms, pick_config, record_launch,
-    split_tile_range, tile_table, workspace,
+    blocks_per_sm, interpreting, kv_tile_loop, last_split_merges, merge_splits, num_sms, pick_config, record_launch,
+    split_counters, split_tile_range, tile_table, workspace,
 )
 
 
 @triton.jit
 def _lazy_decode_kernel(
-    Q, K_CACHE, V_CACHE, META, NUM_BLOCKS, TILES, NUM_TILES, COS, SIN, OUT, PART_ACC, PART_ML,
+    Q, K_CACHE, V_CACHE, META, NUM_BLOCKS, TILES, NUM_TILES, COS, SIN, OUT, PART_ACC, PART_ML, COUNTERS,
     qk_scale,
     stride_qb, stride_qh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_mb, stride_tb, stride_ob, stride_oh,
     Hq, NUM_SPLITS,
     G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ROT: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ROT: tl.constexpr, IEEE: tl.constexpr, MERGE: tl.constexpr,
 ):
     PAGES: tl.constexpr = BLOCK_N // BLOCK_SIZE
     PREC: tl.constexpr = "ieee" if IEEE else "tf32"
@@ -66,16 +66,20 @@ def _lazy_decode_kernel(
                                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                                  BLOCK_G, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC, ROT)
 
+    o_ptrs = OUT + (b.to(tl.int64) * stride_ob + head * stride_oh)[:, None] + offs_d[None, :]
     if not SPLIT:
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        o_ptrs = OUT + (b.to(tl.int64) * stride_ob + head * stride_oh)[:, None] + offs_d[None, :]
         tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=q_mask)
     else:
-        # partials [B, Hq, NUM_SPLITS, (D | 2)] in fp32, merged by merge_splits_kernel
+        # partials [B, Hq, NUM_SPLITS, (D | 2)] in fp32, merged by merge_splits_kernel, or (MERGE) by the
+        # last split program of this (sequence, KV head) to finish
         part = (b.to(tl.int64) * Hq + head) * NUM_SPLITS + split
         tl.store(PART_ACC + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=q_mask)
         tl.store(PART_ML + part * 2, m_i, mask=row_ok)
         tl.store(PART_ML + part * 2 + 1, l_i, mask=row_ok)
+        if MERGE:
+            last_split_merges(COUNTERS + b * tl.num_programs(1) + kvh, PART_ACC, PART_ML, part - split, row_ok,
+                              o_ptrs, NUM_SPLITS, HEAD_DIM, BLOCK_G)
 
 
 # (BLOCK_N, num_warps, num_stages, maxnreg) tried by the autotuner; BLOCK_N is raised to the page size.
@@ -90,6 +94,8 @@ CONFIGS = [
 # 128-register cap, q rotated once per segment ahead of the plain tile loop
 DEFAULT_CONFIG = (64, 4, 3, 128)
 DEFAULT_ROTATION_MODE = 3
+# split partials merged by the last split program (kvloop.last_split_merges) instead of a second launch
+DEFAULT_FUSED_MERGE = False
 # resident programs per SM per compiled variant, learned from the first launch (see _splits)
 _occupancy: dict[tuple, int] = {}
 
@@ -131,6 +137,7 @@ def lazy_decode(
     out: torch.Tensor | None = None,
     tile_cache: dict | None = None,
     rotation_mode: int | None = None,
+    fused_merge: bool | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`lazyrag.kernels.reference.lazy_decode_reference`.
 
@@ -162,6 +169,7 @@ def lazy_decode(
     qk_scale = float(sm_scale) * 1.4426950408889634
     on_gpu = q.is_cuda and not interpreting()
     rotation_mode = DEFAULT_ROTATION_MODE if rotation_mode is None else rotation_mode
+    fused_merge = DEFAULT_FUSED_MERGE if fused_merge is None else fused_merge
     assert rotation_mode in (1, 2, 3), "rotation_mode: 1, 2 or 3 (see kvloop.kv_tile_loop)"
     rot = rotation_mode if apply_rotation else (4 if rotation_mode == 2 else 0)  # same loop, no rotation
     block_g = max(16, triton.next_power_of_2(G))
@@ -187,25 +195,27 @@ def lazy_decode(
             part_ml = workspace.get("decode_ml", (B, Hq, splits, 2), torch.float32, q.device)
         else:
             part_acc = part_ml = out  # unused
+        merge_here = fused_merge and splits > 1
+        counters = split_counters(q.device, B * Hkv) if merge_here else num_blocks  # unused without the merge
         extra = {"maxnreg": maxnreg} if (on_gpu and maxnreg) else {}
         grid = (B, Hkv, splits)
         compiled = _lazy_decode_kernel[grid](
             q, k_cache, v_cache, block_meta, num_blocks, tiles, n_tiles, rope_cos, rope_sin, out, part_acc, part_ml,
-            qk_scale,
+            counters, qk_scale,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_meta.stride(0), tiles.stride(0), out.stride(0), out.stride(1),
             Hq, splits,
             G=G, BLOCK_G=block_g, HEAD_DIM=D, BLOCK_SIZE=block_size,
-            BLOCK_N=bn, SPLIT=splits > 1, ROT=rot, IEEE=q.dtype == torch.float32,
+            BLOCK_N=bn, SPLIT=splits > 1, ROT=rot, IEEE=q.dtype == torch.float32, MERGE=merge_here,
             num_warps=warps, num_stages=stages, **extra,
         )
         e = record_launch("decode", f"decode rot={rot} bn={bn} w={warps} s={stages} maxnreg={maxnreg} "
-                          f"split={splits > 1}", compiled, warps, grid, splits)
+                          f"split={splits > 1} merge={merge_here}", compiled, warps, grid, splits)
         if e is not None and okey not in _occupancy:
             _occupancy[okey] = e["blocks_per_sm"]
-        if splits > 1:
+        if splits > 1 and not merge_here:
             merge_splits(part_acc, part_ml, out, splits)
         return splits
 
@@ -213,7 +223,7 @@ def lazy_decode(
         if not on_gpu:
             config = (16, 1, 1)
         else:
-            key = ("decode", D, G, block_size, q.dtype, rot, num_splits,
+            key = ("decode", D, G, block_size, q.dtype, rot, num_splits, fused_merge,
                    triton.next_power_of_2(B * Hkv), triton.next_power_of_2(W))
             config = pick_config(key, lambda c: launch(c, num_splits), CONFIGS, DEFAULT_CONFIG)
     launch(config, num_splits)

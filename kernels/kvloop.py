@@ -268,6 +268,53 @@ def merge_splits_kernel(
     tl.store(OUT + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty))
 
 
+@triton.jit
+def last_split_merges(COUNTER, PART_ACC, PART_ML, part0, row_ok, out_ptrs, NUM_SPLITS,
+                      HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
+    """Called by every split program right after it stored its partials: the last one of its group to
+    arrive (``COUNTER``, one int32 that starts at 0) merges the group's ``NUM_SPLITS`` partials into
+    ``out_ptrs`` ``[ROWS, HEAD_DIM]`` and sets the counter back to 0 for the next launch. This replaces
+    the ``merge_splits_kernel`` launch. ``part0`` ``[ROWS]``: each row's split-0 index into the partials.
+
+    Ordering: the barrier puts every thread's partial stores before the release of the counter update
+    (PTX release is cumulative); the last program's acquire makes the other programs' stores visible, and
+    it reads them through L2 (``.cg``) so that no line a previous launch left in this SM's L1 is used."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(COUNTER, 1, sem="acq_rel", scope="gpu")
+    if arrived == NUM_SPLITS - 1:
+        offs_d = tl.arange(0, HEAD_DIM)
+        m = tl.full([ROWS], -1.0e30, dtype=tl.float32)
+        l = tl.zeros([ROWS], dtype=tl.float32)
+        acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
+        for s in range(NUM_SPLITS):
+            p = part0 + s
+            ms = tl.load(PART_ML + p * 2, mask=row_ok, other=-1.0e30, cache_modifier=".cg")
+            ls = tl.load(PART_ML + p * 2 + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
+            a = tl.load(PART_ACC + p[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0,
+                        cache_modifier=".cg")
+            m_new = tl.maximum(m, ms)  # base-2 logits, as in the main kernels
+            old, new = tl.math.exp2(m - m_new), tl.math.exp2(ms - m_new)
+            l = l * old + ls * new
+            acc = acc * old[:, None] + a * new[:, None]
+            m = m_new
+        out = acc / tl.where(l > 0, l, 1.0)[:, None]
+        tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=row_ok[:, None])
+        tl.atomic_xchg(COUNTER, 0)
+
+
+_counters: dict[str, torch.Tensor] = {}
+
+
+def split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """``n`` int32 arrival counters for :func:`last_split_merges`, zero and left zero by every launch. One
+    buffer per device, made once (outside any CUDA graph capture: the engine's warm-up launches first)."""
+    buf = _counters.get(str(device))
+    if buf is None or buf.numel() < n:
+        assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()), "first split launch inside a capture"
+        buf = _counters[str(device)] = torch.zeros(max(n, 1 << 12), dtype=torch.int32, device=device)
+    return buf
+
+
 def merge_splits(part_acc, part_ml, out, splits: int) -> None:
     R, Hq, D = out.shape
     merge_splits_kernel[(R, Hq)](part_acc, part_ml, out, out.stride(0), out.stride(1), Hq, splits,

@@ -23,22 +23,22 @@ import triton
 import triton.language as tl
 
 from .kvloop import (
-    interpreting, kv_tile_loop, merge_splits, num_sms, pick_config, record_launch, softmax_step,
-    split_tile_range, tile_table, workspace,
+    interpreting, kv_tile_loop, last_split_merges, merge_splits, num_sms, pick_config, record_launch, softmax_step,
+    split_counters, split_tile_range, tile_table, workspace,
 )
 
 
 @triton.jit
 def _lazy_prefill_kernel(
     Q, K_NEW, V_NEW, CU_SEQLENS, K_CACHE, V_CACHE, META, NUM_CTX, TILES, NUM_TILES, COS, SIN, OUT, PART_ACC, PART_ML,
-    qk_scale,
+    COUNTERS, qk_scale,
     stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_mb, stride_tb, stride_ot, stride_oh,
     Hq, NUM_SPLITS,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    ROT: tl.constexpr, IEEE: tl.constexpr,
+    ROT: tl.constexpr, IEEE: tl.constexpr, MERGE: tl.constexpr,
 ):
     TOK: tl.constexpr = BLOCK_M // G  # query tokens per tile
     PAGES: tl.constexpr = BLOCK_N // BLOCK_SIZE  # whole pages per KV tile
@@ -108,16 +108,21 @@ def _lazy_prefill_kernel(
                         mask=kn_ok[:, None], other=0.0)
             m_i, l_i, acc = softmax_step(q, k, v, kn_ok[None, :] & (kn[None, :] <= tok[:, None]), m_i, l_i, acc, PREC)
 
+    o_off = (seq_start + tok).to(tl.int64) * stride_ot + head * stride_oh
     if SPLIT:
-        # partials [Tq, Hq, NUM_SPLITS, (D | 2)] in fp32, merged by merge_splits_kernel
+        # partials [Tq, Hq, NUM_SPLITS, (D | 2)] in fp32, merged by merge_splits_kernel, or (MERGE) by the
+        # last split program of this (sequence, query tile, KV head) to finish
         part = ((seq_start + tok).to(tl.int64) * Hq + head) * NUM_SPLITS + split
         tl.store(PART_ACC + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=q_mask)
         tl.store(PART_ML + part * 2, m_i, mask=row_ok)
         tl.store(PART_ML + part * 2 + 1, l_i, mask=row_ok)
+        if MERGE:
+            group = (b * (tl.num_programs(0) // NUM_SPLITS) + tile) * tl.num_programs(1) + kvh
+            last_split_merges(COUNTERS + group, PART_ACC, PART_ML, part - split, row_ok,
+                              OUT + o_off[:, None] + offs_d[None, :], NUM_SPLITS, HEAD_DIM, BLOCK_M)
     else:
         # every real row attends at least to itself, so l_i > 0 there
         out = acc / l_i[:, None]
-        o_off = (seq_start + tok).to(tl.int64) * stride_ot + head * stride_oh
         tl.store(OUT + o_off[:, None] + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=q_mask)
 
 
@@ -133,6 +138,8 @@ CONFIGS = [
 # re-rotates q when the delta changes, 128x128 tiles, 2 stages
 DEFAULT_CONFIG = (128, 128, 8, 2)
 DEFAULT_ROTATION_MODE = 2
+# split partials merged by the last split program (kvloop.last_split_merges) instead of a second launch
+DEFAULT_FUSED_MERGE = False
 
 
 def _auto_prefill_splits(n_programs: int, max_ctx_tiles: int, device: torch.device) -> int:
@@ -168,6 +175,7 @@ def lazy_prefill(
     num_splits: int | None = None,
     tile_cache: dict | None = None,
     rotation_mode: int | None = None,
+    fused_merge: bool | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`lazyrag.kernels.reference.lazy_prefill_reference`.
 
@@ -179,7 +187,8 @@ def lazy_prefill(
     fill the GPU. ``tile_cache``: see :func:`lazyrag.kernels.decode.lazy_decode`.
     ``rotation_mode``: how the query is rotated (``kvloop.kv_tile_loop``'s ROT): 3 once per
     segment ahead of a plain tile loop, 2 in a flat loop when the delta changes, 1 on every tile;
-    ``None``: ``DEFAULT_ROTATION_MODE``.
+    ``None``: ``DEFAULT_ROTATION_MODE``. ``fused_merge``: the last split program of each query tile merges
+    the partials (no merge launch); ``None``: ``DEFAULT_FUSED_MERGE``.
     """
     Tq, Hq, D = q.shape
     Hkv = k_new.shape[1]
@@ -190,6 +199,7 @@ def lazy_prefill(
     assert block_size >= 16 and block_size & (block_size - 1) == 0, "block_size: power of two >= 16"
     rotation_mode = DEFAULT_ROTATION_MODE if rotation_mode is None else rotation_mode
     assert rotation_mode in (1, 2, 3), "rotation_mode: 1, 2 or 3 (see kvloop.kv_tile_loop)"
+    fused_merge = DEFAULT_FUSED_MERGE if fused_merge is None else fused_merge
     B = cu_seqlens_q.numel() - 1
     q, k_new, v_new = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_new, v_new))
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
@@ -236,22 +246,24 @@ def lazy_prefill(
             part_ml = workspace.get("prefill_ml", (Tq, Hq, splits, 2), torch.float32, q.device)
         else:
             part_acc = part_ml = out  # unused
+        merge_here = fused_merge and splits > 1
+        counters = split_counters(q.device, n_q_tiles * Hkv * B) if merge_here else nctx  # unused without the merge
         compiled = _lazy_prefill_kernel[grid](
             q, k_new, v_new, cu, k_cache, v_cache, block_meta, nctx, tiles, n_tiles, rope_cos, rope_sin, out,
             part_acc, part_ml,
-            qk_scale,
+            counters, qk_scale,
             q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_meta.stride(0), tiles.stride(0), out.stride(0), out.stride(1),
             Hq, splits,
             G=G, HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn, SPLIT=splits > 1,
-            ROT=rot, IEEE=q.dtype == torch.float32,
+            ROT=rot, IEEE=q.dtype == torch.float32, MERGE=merge_here,
             num_warps=warps, num_stages=stages,
         )
-        record_launch("prefill", f"prefill rot={rot} bm={bm} bn={bn} w={warps} s={stages} split={splits > 1}",
-                      compiled, warps, grid, splits)
-        if splits > 1:
+        record_launch("prefill", f"prefill rot={rot} bm={bm} bn={bn} w={warps} s={stages} split={splits > 1} "
+                      f"merge={merge_here}", compiled, warps, grid, splits)
+        if splits > 1 and not merge_here:
             merge_splits(part_acc, part_ml, out, splits)
 
     if config is None:
@@ -259,7 +271,7 @@ def lazy_prefill(
             config = (16, 16, 1, 1)
         else:
             key = ("prefill", D, G, block_size, q.dtype, rot, triton.next_power_of_2(max_seqlen_q),
-                   num_splits, triton.next_power_of_2(B), triton.next_power_of_2(W))
+                   num_splits, fused_merge, triton.next_power_of_2(B), triton.next_power_of_2(W))
             config = pick_config(key, lambda c: launch(c, num_splits), CONFIGS, DEFAULT_CONFIG)
     launch(config, num_splits)
     return out

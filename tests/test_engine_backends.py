@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lazyrag.engine import LazyEngine
+from lazyrag.model.llama import GEMV_LAYERS
 from lazyrag.prompt import PromptLayout
 from lazyrag.engine import SamplingParams
 from tests.conftest import tiny_llama_config
@@ -181,3 +182,20 @@ def test_host_batch_one_buffer_padded(is_decode):
         assert meta.cu_seqlens_q.dtype == torch.int32
         expect = list(cu) + (list(range(len(cu), Bp + 1)) if is_decode else [cu[-1]] * (Bp + 1 - len(cu)))
         assert meta.cu_seqlens_q.tolist() == expect
+
+
+def test_gemv_projections_match_gemm(hf_model):
+    """One-token forwards with all four projections as fused GEMVs (kernels/gemv.py; Triton's interpreter on CPU,
+    which is the only way Triton runs there) give the logits and greedy tokens of torch's GEMMs after separate
+    norm / silu*up kernels (fp32)."""
+    device = "cuda" if CUDA else "cpu"
+    engines = [LazyEngine.from_hf(hf_model, None, device=device, dtype=torch.float32, kv_budget=32 << 20,
+                                  attention="torch", gemv=g, cuda_graphs=False) for g in (False, True)]
+    engines[1].runner.use_gemv(GEMV_LAYERS)
+    assert not engines[0].runner.ops.gemv and engines[1].runner.ops.gemv == GEMV_LAYERS
+    layout = random_layout(11)
+    one = PromptLayout(layout.prefix_ids, layout.chunk_ids, layout.question_ids[:1])  # the question is a 1-token forward
+    a, b = (e.layout_logits(one, "lazy") for e in engines)
+    assert rel_err(b, a) < 1e-5
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    assert engines[0].submit(layout, params).result().token_ids == engines[1].submit(layout, params).result().token_ids

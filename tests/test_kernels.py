@@ -15,7 +15,8 @@ import torch
 
 from lazyrag.kernels.decode import CONFIGS as DECODE_CONFIGS
 from lazyrag.kernels.decode import choose_splits, lazy_decode
-from lazyrag.kernels.kvloop import tile_table
+from lazyrag.kernels.gemv import CANDIDATES as GEMV_CANDIDATES
+from lazyrag.kernels.kvloop import split_counters, tile_table
 from lazyrag.kernels.prefill import CONFIGS as PREFILL_CONFIGS
 from lazyrag.kernels.prefill import lazy_prefill
 from lazyrag.kernels.common import pack_block_meta, unpack_block_meta
@@ -227,8 +228,10 @@ def test_prefill_split_context_matches_reference(case):
     cos, sin = make_rope(d, "cpu")
     scale = d ** -0.5
     ref = ref_prefill(p, q, kn, vn, cu, cos, sin, scale)
-    out = run_prefill(p, q, kn, vn, cu, cos, sin, scale, num_splits=splits)
-    assert rel_err(out, ref) < 1e-4
+    for fused in (False, True):  # merged by a second kernel, or by the last split program of each query tile
+        out = run_prefill(p, q, kn, vn, cu, cos, sin, scale, num_splits=splits, fused_merge=fused)
+        assert rel_err(out, ref) < 1e-4
+    assert not split_counters(q.device, 1).any()
     pre = prerotated(p, cos, sin)
     off = run_prefill(pre, q, kn, vn, cu, cos, sin, scale, apply_rotation=False, num_splits=splits)
     assert rel_err(off, ref) < 1e-4
@@ -295,9 +298,11 @@ def test_decode_matches_reference(case):
     p = make_paged(gen, docs, hkv, d, bs, torch.float32, "cpu", reuse_first_doc=seed == 21)
     q = torch.randn(len(docs), hq, d, generator=gen)
     cos, sin = make_rope(d, "cpu")
-    out = run_decode(p, q, cos, sin, d ** -0.5, num_splits=splits)
     ref = lazy_decode_reference(q, p.k_cache, p.v_cache, p.meta, p.nblocks, cos, sin, d ** -0.5)
-    assert rel_err(out, ref) < 1e-4
+    for fused in (False, True):  # split partials merged by a second kernel, or by the last split program
+        out = run_decode(p, q, cos, sin, d ** -0.5, num_splits=splits, fused_merge=fused)
+        assert rel_err(out, ref) < 1e-4
+    assert not split_counters(q.device, 1).any()  # the arrival counters are left at zero
 
 
 def test_decode_tile_spans_several_documents_and_wrong_rotation():
@@ -437,6 +442,62 @@ def test_decode_gpu_every_config(cfg):
         assert rel_err(out, ref) < 1e-2
 
 
+def _check_fused_merge(run, launch_into, ref):
+    """The in-kernel split merge (kvloop.last_split_merges: an arrival counter per group, the last split program
+    merges). ``run(fused)`` returns a fresh output; ``launch_into(out)`` launches the fused kernel into ``out``.
+    Right against the reference and the two-kernel merge; bit-identical over repeated launches (a race would
+    move it); the counters reset between launches, also replayed from a CUDA graph of back-to-back calls (as
+    one per layer)."""
+    first = run(True)
+    assert rel_err(first, ref) < 1e-2
+    assert rel_err(first, run(False)) < 2e-3  # the same fp32 partials merged in another order, rounded to bf16
+    for _ in range(10):
+        assert torch.equal(run(True), first)
+    outs = [torch.full_like(first, float("nan")) for _ in range(4)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for o in outs:
+            launch_into(o)
+    for _ in range(5):
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(o, first) for o in outs)
+    assert not split_counters(first.device, 1).any()
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("batch,splits", [(1, 16), (1, 32), (8, 5), (3, 2)])
+def test_decode_gpu_fused_merge(batch, splits):
+    gen = torch.Generator().manual_seed(450 + batch)
+    p = make_paged(gen, _gpu_docs(gen, batch, 5, 600), 8, 128, 16, torch.bfloat16, "cuda", reuse_first_doc=True)
+    q = torch.randn(batch, 32, 128, generator=gen).to(torch.bfloat16).cuda()
+    cos, sin = make_rope(128, "cuda", base=500000.0)
+    scale = 128 ** -0.5
+    _check_fused_merge(
+        lambda fused: run_decode(p, q, cos, sin, scale, num_splits=splits, fused_merge=fused),
+        lambda o: lazy_decode(q, p.k_cache, p.v_cache, p.meta, p.nblocks, cos, sin, scale, out=o, num_splits=splits,
+                              fused_merge=True),
+        lazy_decode_reference(q, p.k_cache, p.v_cache, p.meta, p.nblocks, cos, sin, scale))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("new,splits", [([64], 8), ([64], 3), ([40, 7, 64], 4)])
+def test_prefill_gpu_fused_merge(new, splits):
+    # the TTFT shape: 64 new tokens over 5 documents of 512
+    p, q, kn, vn, cu = make_prefill(470 + splits, new, [[512] * 5 for _ in new], 32, 8, 128, 16, torch.bfloat16, "cuda")
+    cos, sin = make_rope(128, "cuda", base=500000.0)
+    scale = 128 ** -0.5
+    _check_fused_merge(
+        lambda fused: run_prefill(p, q, kn, vn, cu, cos, sin, scale, num_splits=splits, fused_merge=fused),
+        lambda o: lazy_prefill(q, kn, vn, cu, p.k_cache, p.v_cache, p.meta, p.nblocks, cos, sin, scale, out=o,
+                               max_seqlen_q=max(new), num_splits=splits, fused_merge=True),  # no host sync in a capture
+        ref_prefill(p, q, kn, vn, cu, cos, sin, scale))
+
+
 @gpu
 @needs_cuda
 def test_fp32_gpu():
@@ -490,3 +551,62 @@ def test_rotate_qk_store_matches_rotate_and_write(scaling):
 @pytest.mark.parametrize("T", [1, 64, 300])
 def test_rotate_qk_store_gpu(dtype, T):
     _check_rotate_qk_store("cuda", dtype, 32, 8, 128, T, 1.0)
+
+
+# ---------------------------------------------------------------- one-token projections (kernels/gemv.py)
+
+
+def _check_gemv(device, dtype, n, k, prologue, bias, config=None):
+    """The fused GEMV against the unfused path: the elementwise step in the model dtype, then the product
+    in float64. Fresh random inputs; the output poisoned with NaN."""
+    import torch.nn.functional as F
+
+    from lazyrag.kernels import gemv as G
+    from lazyrag.model.llama import add_rms_norm, rms_norm, silu_mul
+
+    eps = 1e-5
+    rnd = lambda *s, scale=1.0: (torch.randn(*s) * scale).to(device=device, dtype=dtype)  # noqa: E731
+    x = rnd(1, 2 * k if prologue == G.SILU else k)
+    r, nw, w = rnd(1, k), (1 + 0.2 * torch.randn(k)).to(device=device, dtype=dtype), rnd(n, k, scale=k ** -0.5)
+    b = rnd(n) if bias else None
+    h_ref = None
+    if prologue == G.PLAIN:
+        xin = x
+    elif prologue == G.NORM:
+        xin = rms_norm(x, nw, eps)
+    elif prologue == G.ADD_NORM:
+        h_ref, xin = add_rms_norm(x, r, nw, eps)
+    else:
+        xin = silu_mul(x, k)
+    ref = F.linear(xin.double(), w.double(), None if b is None else b.double())
+    out = torch.full((1, n), float("nan"), device=device, dtype=dtype)
+    got = G.gemv(x, w, b, prologue=prologue, residual=r, norm_weight=nw, eps=eps, config=config, out=out)
+    if prologue == G.ADD_NORM:
+        h, got = got
+        assert torch.equal(h, h_ref)  # the residual stream, rounded as the unfused add rounds it
+    assert got is out
+    assert rel_err(got, ref) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("prologue", [0, 1, 2, 3])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemv_matches_unfused(prologue, bias):
+    # N, K not multiples of the blocks: the masked tails
+    _check_gemv("cpu", torch.float32, 37, 80, prologue, bias, config=(8, 32, 4))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("n,k,prologue", [(6144, 4096, 1), (6144, 4096, 2), (4096, 4096, 0), (28672, 4096, 2),
+                                          (4096, 14336, 3)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gemv_gpu(n, k, prologue, dtype):
+    _check_gemv("cuda", dtype, n, k, prologue, False)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("config", GEMV_CANDIDATES)
+def test_gemv_gpu_every_candidate(config):
+    for prologue in range(4):
+        _check_gemv("cuda", torch.bfloat16, 1000, 1500, prologue, prologue == 0, config=config)

@@ -29,6 +29,7 @@ class EngineConfig:
     cuda_graphs: bool | None = None  # None: on with cuda + triton
     compile_elementwise: bool | None = None  # None: on with cuda
     fused_kv_store: bool | None = None  # q/k rotation and the K/V pool write in one Triton kernel; None: on with triton
+    gemv: bool | None = None  # one-token wqkv / wo as Triton GEMVs, the norm folded in; None: on with cuda + triton
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 

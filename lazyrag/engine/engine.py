@@ -114,6 +114,8 @@ class LazyEngine:
         if (config.fused_kv_store if config.fused_kv_store is not None
                 else attention.name == "triton" and half >= 8 and half & (half - 1) == 0):
             self.runner.fuse_kv_store()
+        if config.gemv if config.gemv is not None else (on_cuda and attention.name == "triton"):
+            self.runner.use_gemv()
         if config.cuda_graphs if config.cuda_graphs is not None else (on_cuda and attention.name == "triton"):
             # padding tokens of captured shapes write their K/V here; no sequence reads it
             self.runner.enable_cuda_graphs(scratch_block=pool.allocate(1)[0])

@@ -1,7 +1,7 @@
 """Runs the model over sequences whose context is a list of placed, cached segments."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -11,7 +11,7 @@ from lazyrag.kernels.reference import apply_rotary
 from lazyrag.kv.block_pool import BlockPool, blocks_for
 from lazyrag.kv.cache import Segment
 from lazyrag.model.attention import AttentionMetadata, HostBatch
-from lazyrag.model.llama import ElementwiseOps, LlamaModel, Runtime
+from lazyrag.model.llama import GEMV_DEFAULT, ElementwiseOps, LlamaModel, Runtime
 
 
 @dataclass
@@ -70,16 +70,15 @@ class ModelRunner:
 
     def compile_elementwise(self) -> None:
         """Fuse the model's elementwise steps with torch.compile (CUDA: a kernel each instead of dozens)."""
-        self.ops = ElementwiseOps.compiled()
-        if self._fused_kv_store:
-            self.ops = self.ops.with_fused_kv_store()
-
-    _fused_kv_store = False
+        self.ops = replace(ElementwiseOps.compiled(), rotate_qk_store=self.ops.rotate_qk_store, gemv=self.ops.gemv)
 
     def fuse_kv_store(self) -> None:
         """Rotate q/k and store the new K/V into the pool in one Triton kernel (kernels/qkv.py)."""
-        self._fused_kv_store = True
         self.ops = self.ops.with_fused_kv_store()
+
+    def use_gemv(self, layers=GEMV_DEFAULT) -> None:
+        """One-token forwards run these projections as Triton GEMVs, norm / silu*up folded in (kernels/gemv.py)."""
+        self.ops = replace(self.ops, gemv=frozenset(layers))
 
     def enable_cuda_graphs(self, scratch_block: int) -> None:
         from lazyrag.engine.cuda_graphs import GraphRunner

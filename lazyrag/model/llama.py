@@ -6,7 +6,7 @@ Hq / Hkv = query / KV heads, D = head dim.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -102,6 +102,12 @@ def rope_at(rope_cos: torch.Tensor, rope_sin: torch.Tensor, positions: torch.Ten
     return rope_cos[positions][:, None, :].to(dtype), rope_sin[positions][:, None, :].to(dtype)
 
 
+GEMV_LAYERS = frozenset({"wqkv", "wo", "gate_up", "down"})
+# the engine's default: on the H200 (round 5, benchmarks/NOTES.md) the fused GEMV beat norm + cuBLAS for wqkv
+# (17.8 vs 19.2 µs) and wo (10.7 vs 13.3 µs) but lost for gate_up (64.7 vs 60.8) and down (35.7 vs 34.1)
+GEMV_DEFAULT = frozenset({"wqkv", "wo"})
+
+
 @dataclass
 class ElementwiseOps:
     rms_norm: object = rms_norm
@@ -111,6 +117,10 @@ class ElementwiseOps:
     # rotate_qk and the pool write of the new K/V in one kernel (kernels/qkv.py), where Triton runs;
     # None: rotate_qk, then ``pool.write``
     rotate_qk_store: object = None
+    # projections (of GEMV_LAYERS) that a one-token forward runs as a Triton GEMV (kernels/gemv.py), the
+    # norm or silu*up before them folded into its prologue: one launch instead of two, and the weights
+    # read at a GEMV's rate rather than a GEMM's small-tile one. Empty: elementwise kernel, then torch's GEMM.
+    gemv: frozenset = frozenset()
 
     @classmethod
     def compiled(cls) -> "ElementwiseOps":
@@ -120,7 +130,39 @@ class ElementwiseOps:
     def with_fused_kv_store(self) -> "ElementwiseOps":
         from lazyrag.kernels.qkv import rotate_qk_store
 
-        return ElementwiseOps(self.rms_norm, self.add_rms_norm, self.rotate_qk, self.silu_mul, rotate_qk_store)
+        return replace(self, rotate_qk_store=rotate_qk_store)
+
+    def _gemv(self, name: str, x: torch.Tensor):
+        """kernels.gemv where this projection of a one-token forward uses it, else None."""
+        if name in self.gemv and x.shape[0] == 1:
+            from lazyrag.kernels import gemv
+
+            return gemv
+        return None
+
+    def norm_linear(self, name: str, x, residual, norm: "RMSNorm", linear: nn.Linear):
+        """(the stream ``x + residual`` (``x`` where residual is None), ``linear(rms_norm(stream))``)."""
+        k = self._gemv(name, x)
+        if k is not None:
+            if residual is None:
+                return x, k.gemv(x, linear.weight, linear.bias, prologue=k.NORM, norm_weight=norm.weight, eps=norm.eps)
+            return k.gemv(x, linear.weight, linear.bias, prologue=k.ADD_NORM, residual=residual,
+                          norm_weight=norm.weight, eps=norm.eps)
+        if residual is None:
+            return x, linear(self.rms_norm(x, norm.weight, norm.eps))
+        residual, h = self.add_rms_norm(x, residual, norm.weight, norm.eps)
+        return residual, linear(h)
+
+    def gated_linear(self, name: str, gate_up: torch.Tensor, inter: int, linear: nn.Linear) -> torch.Tensor:
+        """``linear(silu(gate) * up)`` of the ``[T, 2 inter]`` gate|up projection."""
+        k = self._gemv(name, gate_up)
+        if k is not None:
+            return k.gemv(gate_up, linear.weight, linear.bias, prologue=k.SILU)
+        return linear(self.silu_mul(gate_up, inter))
+
+    def linear(self, name: str, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+        k = self._gemv(name, x)
+        return linear(x) if k is None else k.gemv(x, linear.weight, linear.bias)
 
 
 class RMSNorm(nn.Module):
@@ -143,18 +185,19 @@ class Attention(nn.Module):
         """q: [T, Hq, D]; k, v: [T, Hkv, D], q and k rotated at the positions of ``cos``, ``sin``."""
         return ops.rotate_qk(self.wqkv(x), cos, sin, rope_scaling, self.hq, self.hkv)
 
-    def forward(self, x, cos, sin, rt: "Runtime") -> torch.Tensor:
-        T = x.shape[0]
+    def forward(self, qkv, cos, sin, rt: "Runtime") -> torch.Tensor:
+        """This layer's fused projection ``qkv [T, (Hq + 2 Hkv) D]`` -> its attention output, projected ``[T, H]``."""
+        T = qkv.shape[0]
         # Keys are stored rotated at the positions they were computed at; the attention
         # backend adds each cached segment's offset later.
         if rt.ops.rotate_qk_store is not None:  # rotation and K/V store in one kernel
-            q, k, v = rt.ops.rotate_qk_store(self.wqkv(x), cos, sin, rt.rope_scaling, self.hq, self.hkv,
+            q, k, v = rt.ops.rotate_qk_store(qkv, cos, sin, rt.rope_scaling, self.hq, self.hkv,
                                              rt.pool.k[self.layer], rt.pool.v[self.layer], rt.meta.slot_mapping)
         else:
-            q, k, v = self.project(x, cos, sin, rt.ops, rt.rope_scaling)
+            q, k, v = rt.ops.rotate_qk(qkv, cos, sin, rt.rope_scaling, self.hq, self.hkv)
             rt.pool.write(self.layer, rt.meta.slot_mapping, k, v)
         o = rt.attention(q, k, v, rt.pool.k[self.layer], rt.pool.v[self.layer], rt.meta, rt.rope_cos, rt.rope_sin, rt.sm_scale)
-        return self.wo(o.reshape(T, self.hq * self.d))  # [T, H]
+        return rt.ops.linear("wo", o.reshape(T, self.hq * self.d), self.wo)  # [T, H]
 
 
 class MLP(nn.Module):
@@ -165,7 +208,7 @@ class MLP(nn.Module):
         self.w_down = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor, ops: ElementwiseOps) -> torch.Tensor:
-        return self.w_down(ops.silu_mul(self.w_gate_up(x), self.inter))
+        return ops.gated_linear("down", self.w_gate_up(x), self.inter, self.w_down)
 
 
 class Block(nn.Module):
@@ -180,14 +223,11 @@ class Block(nn.Module):
         """The residual stream kept apart, vLLM-style: ``x`` is the previous layer's MLP output and
         ``residual`` the stream before it (None at the first layer), so each residual add is fused
         into the norm that follows it. Returns (this layer's MLP output, the stream before it);
-        their sum is ``after_attention(...)``'s output, to the bit."""
-        ops = rt.ops
-        if residual is None:
-            residual, h = x, ops.rms_norm(x, self.attn_norm.weight, self.attn_norm.eps)
-        else:
-            residual, h = ops.add_rms_norm(x, residual, self.attn_norm.weight, self.attn_norm.eps)
-        residual, h = ops.add_rms_norm(self.attn(h, cos, sin, rt), residual, self.mlp_norm.weight, self.mlp_norm.eps)
-        return self.mlp(h, ops), residual
+        their sum is ``after_attention(...)``'s output, to the bit (one-token GEMVs off: they round differently)."""
+        ops, mlp = rt.ops, self.mlp
+        residual, qkv = ops.norm_linear("wqkv", x, residual, self.attn_norm, self.attn.wqkv)
+        residual, gate_up = ops.norm_linear("gate_up", self.attn(qkv, cos, sin, rt), residual, self.mlp_norm, mlp.w_gate_up)
+        return ops.gated_linear("down", gate_up, mlp.inter, mlp.w_down), residual
 
     # The layer in two halves around its attention, for callers that attend their own way (engine/blend.py).
 
