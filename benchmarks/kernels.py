@@ -31,9 +31,8 @@ from lazyrag.kernels import prefill as prefill_mod
 from lazyrag.kernels.decode import lazy_decode
 from lazyrag.kernels.kvloop import kernel_resources, last_launch, tile_table
 from lazyrag.kernels.prefill import lazy_prefill
-from lazyrag.kernels.reference import (
-    apply_rotary, lazy_decode_reference, lazy_prefill_reference, pack_block_meta, rope_tables, unpack_block_meta,
-)
+from lazyrag.kernels.common import pack_block_meta, unpack_block_meta
+from lazyrag.kernels.reference import apply_rotary, lazy_decode_reference, lazy_prefill_reference, rope_tables
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 DT = torch.bfloat16
