@@ -4,6 +4,7 @@ selection layer are tried by swapping engine/blend.py's module-level pieces.
 
     python benchmarks/blend_kl.py 40        # -> stdout; this session's run: benchmarks/results/blend_kl_cpu_log.txt
 """
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -16,7 +17,9 @@ import lazyrag.engine.blend as blend  # noqa: E402
 from lazyrag.engine import LazyEngine  # noqa: E402
 from lazyrag.eval import DATA, load_nq  # noqa: E402
 
-n = int(sys.argv[1]) if len(sys.argv) > 1 else 40
+ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ap.add_argument("n", type=int, nargs="?", default=40, help="NQ questions (default 40)")
+n = ap.parse_args().n
 e = LazyEngine.from_pretrained(None, device="cpu")
 items = load_nq(DATA / "nq_open_oracle_2655.jsonl.gz", n, 4, 0)
 dev = {
