@@ -20,12 +20,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # as the other benchmarks: the repository before benchmarks/
 
 import torch
-from transformers import AutoTokenizer, LlamaConfig
 
 import lazyrag.engine.blend as blend
+from benchmarks.eval_speed import embedded_model_shape
 from lazyrag.engine import LazyEngine
 from lazyrag.eval import DATA, load_nq
-from lazyrag.model.loader import resolve_model_source
 
 STRATEGIES = ["lazy:blend=0.15", "lazy+recover"]
 
@@ -68,13 +67,7 @@ def main() -> None:
     ap.add_argument("--data", type=Path, default=DATA / "nq_open_oracle_2655.jsonl.gz")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/blend_speed.json"))
     args = ap.parse_args()
-    if args.tokenizer:
-        tok = AutoTokenizer.from_pretrained(args.tokenizer)
-    else:
-        src = resolve_model_source(None)
-        tok = AutoTokenizer.from_pretrained(src.folder, **src.kwargs())
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                      num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True, rope_theta=100000.0)
+    cfg, tok = embedded_model_shape(args.tokenizer)
     engine = LazyEngine.from_config(cfg, tok, device=args.device, dtype="float32", cuda_graphs=False, compile_elementwise=False)
     sync = torch.cuda.synchronize if engine.config.device.type == "cuda" else (lambda: None)
     items = load_nq(args.data, args.n + 2, 4, 0)

@@ -25,6 +25,19 @@ from lazyrag.model.loader import resolve_model_source
 STRATEGIES = ["full", "position_aware", "lazy", "lazy:first=16", "lazy:blend=0.15", "lazy:blend=0.2"]
 
 
+def embedded_model_shape(tokenizer: str | None = None):
+    """The embedded model's config (SmolLM2-135M: 30 layers, 576 wide; for random weights) and its tokenizer,
+    from a saved tokenizer folder or, without one, the embedded GGUF."""
+    if tokenizer:
+        tok = AutoTokenizer.from_pretrained(tokenizer)
+    else:
+        src = resolve_model_source(None)
+        tok = AutoTokenizer.from_pretrained(src.folder, **src.kwargs())
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                      num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True, rope_theta=100000.0)
+    return cfg, tok
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokenizer", default=None, help="a saved tokenizer folder (default: the embedded model's, from its GGUF)")
@@ -32,13 +45,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--data", type=Path, default=DATA / "nq_open_oracle_2655.jsonl.gz")
     args = ap.parse_args()
-    if args.tokenizer:
-        tok = AutoTokenizer.from_pretrained(args.tokenizer)
-    else:
-        src = resolve_model_source(None)
-        tok = AutoTokenizer.from_pretrained(src.folder, **src.kwargs())
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                      num_key_value_heads=3, max_position_embeddings=8192, tie_word_embeddings=True, rope_theta=100000.0)
+    cfg, tok = embedded_model_shape(args.tokenizer)
     items = load_nq(args.data, 4 + 2 * args.n, 4, 0)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     n = args.n
