@@ -157,7 +157,7 @@ class Checkpoint:
     first line says which run the rows belong to; resuming another run's file is refused."""
 
     def __init__(self, path: Path, run: dict, resume: bool):
-        self.path, self.run = path, run
+        self.path = path
         self.rows: dict[int, dict[str, dict]] = {}  # item index -> strategy -> row
         if resume and path.is_file():
             lines = path.read_text().splitlines()
@@ -171,18 +171,20 @@ class Checkpoint:
                     part = json.loads(line)
                 except json.JSONDecodeError:  # the last line of a run killed while writing it
                     break
-                for i, row in zip(part["items"], zip(*part["rows"].values())):
-                    self.rows[i] = dict(zip(part["rows"], row))
+                self._record(part["items"], part["rows"])
         else:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(run) + "\n")
 
     def add(self, indices: list[int], rows: dict[str, list[dict]]) -> None:
         """Record the rows of items ``indices`` and append them to the file (one line: a batch is saved whole or not at all)."""
-        for j, i in enumerate(indices):
-            self.rows[i] = {s: r[j] for s, r in rows.items()}
+        self._record(indices, rows)
         with open(self.path, "a") as f:
             f.write(json.dumps({"items": indices, "rows": rows}) + "\n")
+
+    def _record(self, indices: list[int], rows: dict[str, list[dict]]) -> None:
+        for j, i in enumerate(indices):
+            self.rows[i] = {s: r[j] for s, r in rows.items()}
 
     def per_strategy(self, strategies: list[str]) -> dict[str, list[dict]]:
         """The saved rows in item order: ``score``'s form."""

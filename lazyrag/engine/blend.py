@@ -28,9 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
-
 import numpy as np
+import torch
 
 from lazyrag.kernels.reference import apply_rotary, attend
 from lazyrag.kv.cache import Segment, SegmentKind
@@ -54,25 +53,25 @@ class Blend:
 class PlacedContext:
     """Every token of a request's placed context, in prompt order, and its K/V per layer as the kernels
     read them: ``[N, Hkv, D]`` fp32, keys rotated by their placement's delta (kernels/reference.py's
-    ``gather_context``, with the slots and rotations worked out once on the host instead of per layer)."""
+    ``gather_context``, with the slots and rotations worked out once instead of per layer)."""
 
     def __init__(self, runner: ModelRunner, placed: list[Placement]):
         self.pool, dev = runner.pool, runner.device
         bs = self.pool.shape.block_size
         offsets = [np.arange(p.first_block * bs, p.segment.num_tokens) for p in placed]  # each token's index in its segment
         owner = np.concatenate([np.full(len(t), i) for i, t in enumerate(offsets)])
-        slots = np.concatenate([np.asarray(p.segment.blocks, dtype=np.int64)[t // bs] * bs + t % bs for p, t in zip(placed, offsets)])
         delta = np.concatenate([np.full(len(t), p.delta) for p, t in zip(placed, offsets)])
         position = np.concatenate([p.segment.start + p.delta + t for p, t in zip(placed, offsets)])
         self.owner, self.offset = torch.from_numpy(owner), torch.from_numpy(np.concatenate(offsets))  # [N] host
         self.position = torch.from_numpy(position).to(dev)  # [N]
         self.delta = torch.from_numpy(delta)  # [N] host
-        self.slots = torch.from_numpy(slots).to(dev)  # [N] into a layer's pool viewed as [blocks * bs, Hkv, D]
+        # [N]: each token's slot in a layer's pool viewed as [blocks * bs, Hkv, D]
+        self.slots = torch.cat([self.pool.slots(p.segment.blocks, len(t), p.first_block * bs) for p, t in zip(placed, offsets)])
         d = self.delta.to(dev)
         self.cos, self.sin = runner.rope_cos[d][:, None], runner.rope_sin[d][:, None]  # [N, 1, D/2] R(delta)
         self._kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         L, _, _, hkv, hd = self.pool.k.shape
-        self._keep = 2 * L * len(slots) * hkv * hd * 4 <= KEEP_CONTEXT_BYTES
+        self._keep = 2 * L * len(self.slots) * hkv * hd * 4 <= KEEP_CONTEXT_BYTES
 
     def __len__(self) -> int:
         return len(self.slots)
