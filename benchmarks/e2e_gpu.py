@@ -103,7 +103,9 @@ def main() -> int:
                          "'unfused' (rotation then index_copy_ K/V; compiles rotate_qk), 'cublaslt' (torch's BLAS choice), "
                          "'prefill_splits=N', 'decode_splits=N' (the attention kernels' split count forced), "
                          "'gemv=none' or 'gemv=wqkv+wo' (which one-token projections run as fused GEMVs), "
-                         "'decode_merge' / 'prefill_merge' (split merge inside the attention kernel), 'base' (no change); parts joined by '&' combine")
+                         "'decode_merge' / 'prefill_merge' (split merge inside the attention kernel), 'prefill_config=BM:BN:W:S' / 'decode_config=BN:W:S:MAXNREG' and 'prefill_rot=R' / 'decode_rot=R' (the kernels' "
+                         "config and rotation schedule forced), 'prefill_blas=cublas|cublaslt', 'elementwise=compiled' (torch.compile's "
+                         "norms and silu*up, not kernels/elementwise.py), 'base' (no change); parts joined by '&' combine")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
 
@@ -230,10 +232,12 @@ def main() -> int:
         runner, ab = engine.runner, {}
         fused_ops, backend = runner.ops, runner.attention
         kernels = (backend._prefill, backend._decode)
+        blas0 = runner.short_prefill_blas
 
         def reset():
             runner.ops = fused_ops
             backend._prefill, backend._decode = kernels
+            runner.short_prefill_blas = blas0
             torch.backends.cuda.preferred_blas_library("cublas")
 
         def setup(name):
@@ -249,12 +253,27 @@ def main() -> int:
                     backend._prefill = functools.partial(backend._prefill, num_splits=int(value))
                 elif key == "decode_splits":
                     backend._decode = functools.partial(backend._decode, num_splits=int(value))
+                elif key == "prefill_blas":  # the library short prefills run their GEMMs with
+                    runner.short_prefill_blas = value
+                elif key in ("prefill_config", "decode_config"):  # e.g. prefill_config=128:64:8:3 (tile, warps, stages)
+                    cfg = tuple(None if x == "none" else int(x) for x in value.split(":"))
+                    kind = key.split("_")[0]
+                    attr = "_prefill" if kind == "prefill" else "_decode"
+                    setattr(backend, attr, functools.partial(getattr(backend, attr), config=cfg))
+                elif key in ("prefill_rot", "decode_rot"):
+                    attr = "_prefill" if key == "prefill_rot" else "_decode"
+                    setattr(backend, attr, functools.partial(getattr(backend, attr), rotation_mode=int(value)))
                 elif part == "decode_merge":  # the last split program merges (no merge launch)
                     backend._decode = functools.partial(backend._decode, fused_merge=True)
                 elif part == "prefill_merge":
                     backend._prefill = functools.partial(backend._prefill, fused_merge=True)
                 elif part == "base":  # the engine as built, measured again among the variants
                     pass
+                elif part == "elementwise=compiled":  # torch.compile's norms and silu*up instead of kernels/elementwise.py
+                    from lazyrag.model.llama import ElementwiseOps
+
+                    c = ElementwiseOps.compiled()
+                    runner.ops = dc_replace(runner.ops, rms_norm=c.rms_norm, add_rms_norm=c.add_rms_norm, silu_mul=c.silu_mul)
                 elif key == "gemv":
                     runner.ops = dc_replace(runner.ops, gemv=frozenset() if value == "none" else frozenset(value.split("+")))
                 else:

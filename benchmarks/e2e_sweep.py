@@ -90,18 +90,27 @@ def attention(dev, res):
     kn, vn = torch.randn(T, HKV, D, device=dev, dtype=DT), torch.randn(T, HKV, D, device=dev, dtype=DT)
     cu = torch.tensor([0, T], dtype=torch.int32, device=dev)
     rows = []
-    for cfg in [pre.DEFAULT_CONFIG, (64, 128, 4, 3)]:
-        for splits, merge in [(1, False)] + [(s, m) for s in (2, 4, 8) for m in (False, True)]:
-            def f(cfg=cfg, splits=splits, merge=merge):
-                pre.lazy_prefill(q, kn, vn, cu, k, v, meta, n, cos, sin, D ** -0.5, max_seqlen_q=T, config=cfg,
-                                 num_splits=splits, tile_cache={}, fused_merge=merge)
-            row = {"config": list(cfg), "splits": splits, "fused_merge": merge}
-            try:
-                row["us"] = round(graph_us(f), 2)
-            except Exception as e:  # e.g. out of shared memory
-                row["error"] = repr(e)[:120]
-            rows.append(row)
-            print("prefill", rows[-1], flush=True)
+    # round 5 timed two configs with 1-8 splits (and the in-kernel merge: slower); round 6 widens the configs,
+    # the split counts and the rotation schedule (ROT 3: rotate once per document, then the plain loop)
+    variants = [(cfg, splits, False, rot) for cfg in [pre.DEFAULT_CONFIG, (64, 128, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3),
+                                                       (128, 128, 8, 3), (64, 128, 4, 2), (128, 64, 4, 3)]
+                for splits in (4, 8, 12, 16) for rot in (2, 3)]
+    for cfg, splits, merge, rot in variants:
+        def f(cfg=cfg, splits=splits, merge=merge, rot=rot):
+            pre.lazy_prefill(q, kn, vn, cu, k, v, meta, n, cos, sin, D ** -0.5, max_seqlen_q=T, config=cfg,
+                             num_splits=splits, tile_cache={}, fused_merge=merge, rotation_mode=rot)
+        row = {"config": list(cfg), "splits": splits, "fused_merge": merge, "rotation_mode": rot}
+        try:
+            row["us"] = round(graph_us(f), 2)
+        except Exception as e:  # e.g. out of shared memory
+            row["error"] = repr(e)[:120]
+        rows.append(row)
+        print("prefill", rows[-1], flush=True)
+
+    ok = [r for r in rows if "us" in r]
+    if ok:
+        res["prefill_best"] = min(ok, key=lambda r: r["us"])
+        print("prefill best", res["prefill_best"], flush=True)
 
     def auto():
         pre.lazy_prefill(q, kn, vn, cu, k, v, meta, n, cos, sin, D ** -0.5, max_seqlen_q=T, tile_cache={})
@@ -112,19 +121,25 @@ def attention(dev, res):
     qd = torch.randn(1, HQ, D, device=dev, dtype=DT)
     nd = torch.tensor([nctx + 1], dtype=torch.int32, device=dev)
     rows = []
-    cfg = dec.DEFAULT_CONFIG
-    for merge in (False, True):  # the split merge as a second launch, or by the last split program
-        for splits in (1, 4, 8, 16, 32) if not merge else (4, 8, 16, 32):
-            def f(splits=splits, merge=merge):
-                dec.lazy_decode(qd, k, v, meta, nd, cos, sin, D ** -0.5, config=cfg, num_splits=splits, tile_cache={},
-                                fused_merge=merge)
-            row = {"config": list(cfg), "splits": splits, "fused_merge": merge}
-            try:
-                row["us"] = round(graph_us(f), 2)
-            except Exception as e:
-                row["error"] = repr(e)[:120]
-            rows.append(row)
-            print("decode", rows[-1], flush=True)
+    # round 5: the default config, 1-32 splits, merge in or out of the kernel (in: slower); round 6: configs x
+    # splits x rotation schedule (ROT 2: flat loop, q re-rotated when the delta changes; ROT 3: per document)
+    for cfg in [dec.DEFAULT_CONFIG, (64, 4, 4, 128), (64, 2, 3, None), (32, 4, 3, None), (128, 4, 3, 128)]:
+        for splits in (8, 16, 24, 32):
+            for rot in (2, 3):
+                def f(cfg=cfg, splits=splits, rot=rot):
+                    dec.lazy_decode(qd, k, v, meta, nd, cos, sin, D ** -0.5, config=cfg, num_splits=splits,
+                                    tile_cache={}, rotation_mode=rot)
+                row = {"config": list(cfg), "splits": splits, "rotation_mode": rot}
+                try:
+                    row["us"] = round(graph_us(f), 2)
+                except Exception as e:
+                    row["error"] = repr(e)[:120]
+                rows.append(row)
+                print("decode", rows[-1], flush=True)
+    ok = [r for r in rows if "us" in r]
+    if ok:
+        res["decode_best"] = min(ok, key=lambda r: r["us"])
+        print("decode best", res["decode_best"], flush=True)
 
     def dauto():
         dec.lazy_decode(qd, k, v, meta, nd, cos, sin, D ** -0.5, tile_cache={})
@@ -228,15 +243,50 @@ def one_token(dev, res):
     res["gemv"], res["gemv_adopt"] = rows, adopt
 
 
+def elementwise(dev, res):
+    """The norms, silu*up and the greedy argmax as the engine ran them in round 5 (torch.compile, torch's argmax)
+    against kernels/elementwise.py, at M = 1 (decode) and M = 64 (the TTFT prefill)."""
+    from lazyrag.kernels import elementwise as E
+    from lazyrag.model.llama import ElementwiseOps
+
+    c = ElementwiseOps.compiled()
+    H, I, V = 4096, 14336, 128256
+    out = {}
+    for m in (1, 64):
+        x, r = torch.randn(m, H, device=dev, dtype=DT), torch.randn(m, H, device=dev, dtype=DT)
+        w = torch.randn(H, device=dev, dtype=DT)
+        gu = torch.randn(m, 2 * I, device=dev, dtype=DT)
+        for name, fc, ft in (("add_rms_norm", lambda: c.add_rms_norm(x, r, w, 1e-5), lambda: E.add_rms_norm(x, r, w, 1e-5)),
+                             ("silu_mul", lambda: c.silu_mul(gu, I), lambda: E.silu_mul(gu, I))):
+            out[f"{name} M={m}"] = {"compiled_us": round(graph_us(fc), 2), "triton_us": round(graph_us(ft), 2)}
+            print(f"elementwise {name} M={m}: {out[f'{name} M={m}']}", flush=True)
+    logits = torch.randn(1, V, device=dev)
+    for name, fn in (("torch", lambda: logits.argmax(-1).tolist()), ("triton", lambda: E.argmax_rows(logits))):
+        fn()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(50):  # eager with the host copy, as the scheduler calls it
+            a.record()
+            fn()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b) * 1e3)
+        out[f"argmax B=1 {name}_us"] = round(sorted(times)[25], 2)
+    out["argmax B=1 kernel_only_us"] = {"torch": round(graph_us(lambda: logits.argmax(-1)), 2)}
+    print(f"elementwise argmax: {out}", flush=True)
+    res["elementwise"] = out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/e2e_sweep.json"))
-    ap.add_argument("--only", default="attention,gemm,gemv", help="comma list of the sections to run")
+    ap.add_argument("--only", default="attention,gemm,gemv,elementwise", help="comma list of the sections to run")
     args = ap.parse_args()
     torch.manual_seed(0)
     dev = torch.device("cuda")
     res: dict = {"device": torch.cuda.get_device_name(), "command": "python " + " ".join(sys.argv)}
-    sections = [("gemv", one_token), ("attention", attention), ("gemm", gemms)]  # the e2e run needs gemv's table first
+    sections = [("gemv", one_token), ("attention", attention), ("elementwise", elementwise), ("gemm", gemms)]  # the e2e run needs gemv's table first
     for name, fn in sections:
         if name not in args.only.split(","):
             continue

@@ -94,6 +94,13 @@ CONFIGS = [
 # 128-register cap, q rotated once per segment ahead of the plain tile loop
 DEFAULT_CONFIG = (64, 4, 3, 128)
 DEFAULT_ROTATION_MODE = 3
+# One or two sequences (B * Hkv programs before splitting at most SMALL_GRID_PROGRAMS) are latency-bound: each
+# split holds ~2-3 tiles, so the per-document restart of ROT 3 and the 64-key tiles cost more than they save.
+# H200 sweep at the e2e shape (B=1, 2.6k context, 6 segments; round 6, benchmarks/NOTES.md): 32-key tiles,
+# the flat loop (ROT 2) and 32 splits 11.8 µs against 13.6 with the default config and ROT 3.
+SMALL_GRID_PROGRAMS = 16
+SMALL_GRID_CONFIG = (32, 4, 3, None)
+SMALL_GRID_ROTATION_MODE = 2
 # split partials merged by the last split program (kvloop.last_split_merges) instead of a second launch
 DEFAULT_FUSED_MERGE = False
 # resident programs per SM per compiled variant, learned from the first launch (see _splits)
@@ -146,7 +153,8 @@ def lazy_decode(
     ``config`` = (BLOCK_N, num_warps, num_stages[, maxnreg]). ``tile_cache``: a dict that lives
     as long as ``block_meta``/``num_blocks`` (one forward pass), so the tile table is built once
     for all layers. ``rotation_mode`` (``kvloop.kv_tile_loop``'s ROT): 1 rotates the G query rows
-    on every tile, 3 once per segment ahead of a plain tile loop; ``None``: ``DEFAULT_ROTATION_MODE``.
+    on every tile, 3 once per segment ahead of a plain tile loop; ``None``: ``DEFAULT_ROTATION_MODE``
+    (``SMALL_GRID_ROTATION_MODE`` for one or two sequences, which also take ``SMALL_GRID_CONFIG``).
     """
     B, Hq, D = q.shape
     nb_total, block_size, Hkv, Dc = k_cache.shape
@@ -168,7 +176,9 @@ def lazy_decode(
         return out
     qk_scale = float(sm_scale) * 1.4426950408889634
     on_gpu = q.is_cuda and not interpreting()
-    rotation_mode = DEFAULT_ROTATION_MODE if rotation_mode is None else rotation_mode
+    small_grid = on_gpu and B * Hkv <= SMALL_GRID_PROGRAMS
+    if rotation_mode is None:
+        rotation_mode = SMALL_GRID_ROTATION_MODE if small_grid else DEFAULT_ROTATION_MODE
     fused_merge = DEFAULT_FUSED_MERGE if fused_merge is None else fused_merge
     assert rotation_mode in (1, 2, 3), "rotation_mode: 1, 2 or 3 (see kvloop.kv_tile_loop)"
     rot = rotation_mode if apply_rotation else (4 if rotation_mode == 2 else 0)  # same loop, no rotation
@@ -225,6 +235,7 @@ def lazy_decode(
         else:
             key = ("decode", D, G, block_size, q.dtype, rot, num_splits, fused_merge,
                    triton.next_power_of_2(B * Hkv), triton.next_power_of_2(W))
-            config = pick_config(key, lambda c: launch(c, num_splits), CONFIGS, DEFAULT_CONFIG)
+            config = pick_config(key, lambda c: launch(c, num_splits), CONFIGS,
+                                 SMALL_GRID_CONFIG if small_grid else DEFAULT_CONFIG)
     launch(config, num_splits)
     return out

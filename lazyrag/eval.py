@@ -332,7 +332,7 @@ def run_eval(args) -> int:
     engine_kwargs = dict(model=args.model, device=args.device, dtype=args.dtype,
                          scheduler=SchedulerConfig(max_running=max(64, args.batch * len(strategies))))
     if args.eager:
-        engine_kwargs.update(cuda_graphs=False, compile_elementwise=False)
+        engine_kwargs.update(cuda_graphs=False, compile_elementwise=False, triton_elementwise=False)
     if args.store is not None:  # retrieval mode: each question's top-k chunks of the corpus, their KV from the store
         from lazyrag.store.retriever import Retriever
 

@@ -199,3 +199,21 @@ def test_gemv_projections_match_gemm(hf_model):
     assert rel_err(b, a) < 1e-5
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     assert engines[0].submit(layout, params).result().token_ids == engines[1].submit(layout, params).result().token_ids
+
+
+def test_triton_elementwise_matches_torch(hf_model):
+    """The norms and silu*up as Triton kernels (kernels/elementwise.py; the interpreter on CPU) give the
+    logits of a whole prompt and the greedy tokens of the torch functions (fp32)."""
+    device = "cuda" if CUDA else "cpu"
+    engines = [LazyEngine.from_hf(hf_model, None, device=device, dtype=torch.float32, kv_budget=32 << 20,
+                                  attention="torch", triton_elementwise=t, compile_elementwise=False, cuda_graphs=False)
+               for t in (False, True)]
+    from lazyrag.kernels import elementwise
+
+    assert engines[0].runner.ops.silu_mul is not elementwise.silu_mul
+    assert engines[1].runner.ops.silu_mul is elementwise.silu_mul and engines[1].runner.ops.add_rms_norm is elementwise.add_rms_norm
+    layout = random_layout(12)
+    a, b = (e.layout_logits(layout, "full") for e in engines)
+    assert rel_err(b, a) < 1e-5
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    assert engines[0].submit(layout, params).result().token_ids == engines[1].submit(layout, params).result().token_ids

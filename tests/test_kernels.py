@@ -512,6 +512,66 @@ def test_fp32_gpu():
     assert rel_err(outd, refd) < 1e-4
 
 
+# -- the elementwise kernels (kernels/elementwise.py) against the model's torch functions
+
+
+def _check_elementwise(device, dtype, T, H, inter):
+    from lazyrag.kernels import elementwise as E
+    from lazyrag.model import llama
+
+    torch.manual_seed(T + H)
+    x, r = torch.randn(T, H, device=device, dtype=dtype), torch.randn(T, H, device=device, dtype=dtype)
+    w = (1 + 0.3 * torch.randn(H, device=device)).to(dtype)
+    gate_up = (2 * torch.randn(T, 2 * inter, device=device)).to(dtype)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: one rounding of the model dtype apart at most
+    h, y = E.add_rms_norm(x, r, w, 1e-5)
+    rh, ry = llama.add_rms_norm(x, r, w, 1e-5)
+    assert torch.equal(h, rh) and rel_err(y, ry) < tol
+    assert rel_err(E.rms_norm(x, w, 1e-5), llama.rms_norm(x, w, 1e-5)) < tol
+    ref = llama.silu_mul(gate_up.float(), inter)
+    assert rel_err(E.silu_mul(gate_up, inter), ref) < tol
+    # a strided view (a slice of a wider row), as the engine may hand the kernels
+    wide = torch.randn(T, 2 * inter + 8, device=device, dtype=dtype)[:, 8:]
+    assert rel_err(E.silu_mul(wide, inter), llama.silu_mul(wide.float(), inter)) < tol
+
+
+@pytest.mark.parametrize("T,H,inter", [(1, 48, 40), (5, 64, 72)])  # not powers of two: masked tails
+def test_elementwise_kernels_match_torch(T, H, inter):
+    _check_elementwise("cpu", torch.float32, T, H, inter)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("T", [1, 64, 300])
+def test_elementwise_kernels_gpu(dtype, T):
+    _check_elementwise("cuda", dtype, T, 4096, 14336)
+
+
+def _check_argmax_rows(device, B, V):
+    from lazyrag.kernels.elementwise import argmax_rows
+
+    torch.manual_seed(V)
+    logits = torch.randn(B, V, device=device)
+    logits[0, V // 3] = logits[0, V - 1] = logits[0].max() + 1  # a tie across chunks: the first one wins
+    if B > 1:
+        logits[1, 5] = logits[1, 6] = logits[1].max() + 1  # a tie inside a chunk
+    assert argmax_rows(logits) == logits.argmax(-1).tolist()
+    assert argmax_rows(logits[:, : V - 3]) == logits[:, : V - 3].argmax(-1).tolist()  # a strided view, masked tail
+
+
+@pytest.mark.parametrize("B,V", [(1, 50), (3, 9000)])
+def test_argmax_rows_matches_torch(B, V):
+    _check_argmax_rows("cpu", B, V)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("B", [1, 8])
+def test_argmax_rows_gpu(B):
+    _check_argmax_rows("cuda", B, 128256)
+
+
 # -- the fused q/k rotation + K/V pool store (kernels/qkv.py) against rotate_qk + BlockPool.write
 
 

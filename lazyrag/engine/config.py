@@ -28,7 +28,12 @@ class EngineConfig:
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     cuda_graphs: bool | None = None  # None: on with cuda + triton
     compile_elementwise: bool | None = None  # None: on with cuda
+    # norms and silu*up as Triton kernels (kernels/elementwise.py), replacing the compiled ones; None: on with cuda + triton
+    triton_elementwise: bool | None = None
     fused_kv_store: bool | None = None  # q/k rotation and the K/V pool write in one Triton kernel; None: on with triton
+    # torch's BLAS library for short prefills (<= 512 tokens, e.g. a question over cached documents): "cublaslt" |
+    # "cublas"; None: cuBLASLt on cuda (measured faster at 64 tokens), torch's own choice elsewhere
+    short_prefill_blas: str | None = None
     gemv: bool | None = None  # one-token wqkv / wo as Triton GEMVs, the norm folded in; None: on with cuda + triton
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)

@@ -110,10 +110,13 @@ class LazyEngine:
         on_cuda = config.device.type == "cuda"
         if config.compile_elementwise if config.compile_elementwise is not None else on_cuda:
             self.runner.compile_elementwise()
+        if config.triton_elementwise if config.triton_elementwise is not None else (on_cuda and attention.name == "triton"):
+            self.runner.use_triton_elementwise()
         half = args.head_dim // 2
         if (config.fused_kv_store if config.fused_kv_store is not None
                 else attention.name == "triton" and half >= 8 and half & (half - 1) == 0):
             self.runner.fuse_kv_store()
+        self.runner.short_prefill_blas = (config.short_prefill_blas or "cublaslt") if on_cuda else None
         if config.gemv if config.gemv is not None else (on_cuda and attention.name == "triton"):
             self.runner.use_gemv()
         if config.cuda_graphs if config.cuda_graphs is not None else (on_cuda and attention.name == "triton"):

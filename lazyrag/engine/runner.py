@@ -1,6 +1,7 @@
 """Runs the model over sequences whose context is a list of placed, cached segments."""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -59,6 +60,22 @@ class SeqState:
         return np.concatenate((self._context_meta, own | (valid << (PHYS_BITS + DELTA_BITS))))
 
 
+# H200, Llama-3.1-8B shapes at M = 64 (round 6, benchmarks/NOTES.md): cuBLASLt's GEMMs took 4.15 ms for the 32 layers and
+# lm_head against cuBLAS's 4.37 (down without a split-K reduce launch); at M = 1 cuBLAS was faster (4.05 vs 4.19 ms)
+SHORT_PREFILL_TOKENS = 512
+
+
+@contextmanager
+def blas_library(name: str):
+    """torch's preferred BLAS library (process-wide) set to ``name`` for the block, then restored."""
+    prev = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(name)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(prev)
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, pool: BlockPool, attention, rope_cos, rope_sin, rope_scaling: float):
         self.model, self.pool, self.attention = model, pool, attention
@@ -67,10 +84,15 @@ class ModelRunner:
         self.tokens_forwarded = 0  # every token run through the model: how recompute is counted
         self.graphs = None  # a GraphRunner replays captured forwards (CUDA + Triton only)
         self.ops = ElementwiseOps()
+        self.short_prefill_blas: str | None = None  # torch's BLAS library for prefills of <= SHORT_PREFILL_TOKENS
 
     def compile_elementwise(self) -> None:
         """Fuse the model's elementwise steps with torch.compile (CUDA: a kernel each instead of dozens)."""
         self.ops = replace(ElementwiseOps.compiled(), rotate_qk_store=self.ops.rotate_qk_store, gemv=self.ops.gemv)
+
+    def use_triton_elementwise(self) -> None:
+        """The norms and silu*up as Triton kernels (kernels/elementwise.py) instead of torch.compile's."""
+        self.ops = self.ops.with_triton_kernels()
 
     def fuse_kv_store(self) -> None:
         """Rotate q/k and store the new K/V into the pool in one Triton kernel (kernels/qkv.py)."""
@@ -116,6 +138,12 @@ class ModelRunner:
     def _forward(self, batch: HostBatch, logits: bool) -> torch.Tensor | None:
         """Logits ``[B, V]`` of each sequence's last new token (or None); K/V of every new token is written."""
         self.tokens_forwarded += batch.num_tokens
+        if self.short_prefill_blas is not None and not batch.is_decode and batch.num_tokens <= SHORT_PREFILL_TOKENS:
+            with blas_library(self.short_prefill_blas):
+                return self._run(batch, logits)
+        return self._run(batch, logits)
+
+    def _run(self, batch: HostBatch, logits: bool) -> torch.Tensor | None:
         if logits and self.graphs is not None and self.graphs.supports(batch.num_tokens, batch.batch, batch.is_decode):
             return self.graphs.run(batch)
         ids, positions, meta = batch.to_device(self.device)

@@ -219,7 +219,7 @@ class Scheduler:
         """Sample each request's next token (``logits`` [B, V]) and apply end of turn, stop strings and the length limit."""
         if not batch:
             return
-        greedy = logits.argmax(-1).tolist()  # one device sync for the whole batch
+        greedy = self.runner.ops.argmax_rows(logits)  # one device sync for the whole batch
         now = self.clock()
         for r, row, best in zip(batch, logits, greedy):
             try:

@@ -97,6 +97,10 @@ def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    return logits.argmax(-1).tolist()
+
+
 def rope_at(rope_cos: torch.Tensor, rope_sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
     """cos, sin ``[T, 1, D/2]`` of the tokens at ``positions [T]``, broadcasting over heads."""
     return rope_cos[positions][:, None, :].to(dtype), rope_sin[positions][:, None, :].to(dtype)
@@ -117,6 +121,8 @@ class ElementwiseOps:
     # rotate_qk and the pool write of the new K/V in one kernel (kernels/qkv.py), where Triton runs;
     # None: rotate_qk, then ``pool.write``
     rotate_qk_store: object = None
+    # each row's greedy token, ``[B, V]`` logits -> list of ints (one device sync for the batch)
+    argmax_rows: object = argmax_rows
     # projections (of GEMV_LAYERS) that a one-token forward runs as a Triton GEMV (kernels/gemv.py), the
     # norm or silu*up before them folded into its prologue: one launch instead of two, and the weights
     # read at a GEMV's rate rather than a GEMM's small-tile one. Empty: elementwise kernel, then torch's GEMM.
@@ -126,6 +132,13 @@ class ElementwiseOps:
     def compiled(cls) -> "ElementwiseOps":
         compile = lambda f: torch.compile(f, dynamic=True)  # noqa: E731  (shapes vary with the token count)
         return cls(compile(rms_norm), compile(add_rms_norm), compile(rotate_qk), compile(silu_mul))
+
+    def with_triton_kernels(self) -> "ElementwiseOps":
+        """The norms, silu*up and the greedy argmax as the Triton kernels of kernels/elementwise.py (any token count)."""
+        from lazyrag.kernels import elementwise as E
+
+        return replace(self, rms_norm=E.rms_norm, add_rms_norm=E.add_rms_norm, silu_mul=E.silu_mul,
+                       argmax_rows=E.argmax_rows)
 
     def with_fused_kv_store(self) -> "ElementwiseOps":
         from lazyrag.kernels.qkv import rotate_qk_store
