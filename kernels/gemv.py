@@ -37,13 +37,14 @@ CONFIGS: dict[tuple[int, int, int], tuple[int, ...]] = {
     (28672, 4096, ADD_NORM): (4, 512, 4, 1), (4096, 14336, SILU): (4, 1024, 4, 1),
 }
 CANDIDATES = [
-    # one-shot where BLOCK_K >= K (wqkv, wo, gate_up at K=4096; (1, 16384, 8) is also one-shot for down's 14336 and
-    # means (1, 4096, 8) at K=4096): 8-28 KB of weights a program, all in flight at once
-    (1, 4096, 4, 1), (2, 4096, 4, 1), (2, 4096, 8, 1), (4, 4096, 8, 1), (1, 16384, 8, 1),
-    # the K loop software-pipelined: num_stages - 1 tiles' loads in flight ahead of the one being summed
-    (2, 1024, 4, 3), (4, 1024, 4, 3), (4, 512, 4, 4), (8, 512, 4, 3), (2, 2048, 4, 2), (4, 2048, 8, 2), (8, 1024, 8, 3),
-    # the plain loop (round 5's best per shape), as the control
-    (2, 1024, 4, 1), (4, 1024, 4, 1), (8, 512, 4, 1), (4, 512, 4, 1),
+    # one-shot (K=4096: wqkv, wo, gate_up; at down's K=14336 these are plain loops of 4096-wide tiles), those whose
+    # loads ptxas issues all upfront for at least one shape (benchmarks/gemv_ptx.py; NOTES "Kernels, round 6")
+    (1, 4096, 4, 1), (1, 4096, 8, 1), (2, 4096, 8, 1), (4, 4096, 8, 1), (2, 4096, 16, 1),
+    # the K loop software-pipelined: NUM_STAGES - 1 tiles in flight ahead of the one summed; (2, 2048, 4, 3) and
+    # (4, 1024, 4, 5) issue the whole K=4096 strip before the loop (cp.async, no registers held)
+    (2, 2048, 4, 3), (4, 1024, 4, 5), (4, 1024, 4, 3), (8, 512, 4, 3), (4, 2048, 8, 3), (8, 1024, 8, 3), (2, 1024, 4, 4),
+    # the plain loop, round 5's best per shape (wqkv, wo, gate_up, down), as the control
+    (8, 512, 4, 1), (2, 1024, 4, 1), (4, 512, 4, 1), (4, 1024, 4, 1),
 ]
 
 
@@ -108,11 +109,15 @@ def _gemv_kernel(
     row_ok = rows < N
     w_rows = W + rows.to(tl.int64)[:, None] * stride_w  # [BLOCK_N, 1]
     cols = tl.arange(0, BLOCK_K)
-    if ONE_SHOT:  # BLOCK_K = K_PAD >= K: the whole [BLOCK_N, K] strip is issued before anything waits on memory
+    # ONE_SHOT: BLOCK_K = K_PAD >= K, the whole [BLOCK_N, K] strip issued before anything waits on memory. ptxas
+    # still decides the SASS order: where it can reach a lower register tier it sinks loads below the first
+    # products (rounds of loads; benchmarks/gemv_ptx.py shows the order), so the candidates are those it keeps
+    # upfront. A CTA barrier does not pin them: ptxas hoists the math above it.
+    if ONE_SHOT:
         k_ok = cols < K
         w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-        if NORMED:  # h of the norm is this program's x row: loaded once, with norm_w before the rstd waits
-            nw = tl.load(NW + cols, mask=k_ok, other=0.0)
+        if NORMED:  # h of the norm is this program's x row: loaded once, with norm_w, before the rstd's
+            nw = tl.load(NW + cols, mask=k_ok, other=0.0)  # reduction (its CTA barrier keeps every load above it)
             h, rstd = _h_rstd(X, R, H_OUT, pid, K, eps, ADD, K_PAD)
             xv = _normed(h, nw, rstd, X.dtype.element_ty)
         else:
@@ -123,7 +128,9 @@ def _gemv_kernel(
         if NORMED:
             _, rstd = _h_rstd(X, R, H_OUT, pid, K, eps, ADD, K_PAD)
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        # NUM_STAGES > 1: Triton's pipeliner keeps the next tiles' loads in flight (cp.async into shared memory)
+        # NUM_STAGES > 1: Triton's pipeliner keeps NUM_STAGES - 1 tiles' loads in flight (cp.async into shared
+        # memory, no registers held); with K / BLOCK_K < NUM_STAGES the whole strip is issued before the loop.
+        # NORMED: the rstd's round trip comes first (the pipeliner puts its prologue just before the loop).
         for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
             k = k0 + cols
             k_ok = k < K
