@@ -123,7 +123,11 @@ def main() -> int:
             mod.DEFAULT_ROTATION_MODE = chosen[kind]["rotation_mode"]
     if args.gemv_configs:
         adopt = json.loads(args.gemv_configs.read_text()).get("gemv_adopt", {})
-        gemv_mod.CONFIGS.update({tuple(int(v) for v in key.split(",")): tuple(cfg) for key, cfg in adopt.items()})
+        for key, cfg in adopt.items():
+            n, k, pro = (int(v) for v in key.split(","))
+            gemv_mod.CONFIGS[n, k, pro] = tuple(cfg)
+            if pro == gemv_mod.ADD_NORM:  # the first layer's NORM (not swept) takes its ADD_NORM's config
+                gemv_mod.CONFIGS[n, k, gemv_mod.NORM] = tuple(cfg)
     from lazyrag.prompt import PromptLayout
     from lazyrag.engine import SamplingParams
 

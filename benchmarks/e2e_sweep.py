@@ -220,8 +220,14 @@ def one_token(dev, res):
             unfused = lambda w: F.linear(x, w)  # noqa: E731
         ref = unfused(ws[0]).float()
         row = {"unfused_us": round(per_weight_us(unfused, ws), 2), "candidates": {}}
+        launched = {}  # the launch each candidate means at this K (G.resolve): one-shot candidates collapse
         for cfg in G.CANDIDATES:
-            fused = lambda w, cfg=cfg: G.gemv(x, w, prologue=pro, residual=r, norm_weight=nw, eps=eps, config=cfg)  # noqa: E731
+            eff = G.resolve(cfg, k)
+            if eff in launched:
+                row["candidates"][str(list(cfg))] = {"same_as": launched[eff]}
+                continue
+            launched[eff] = str(list(cfg))
+            fused = lambda w, cfg=eff: G.gemv(x, w, prologue=pro, residual=r, norm_weight=nw, eps=eps, config=cfg)  # noqa: E731
             try:
                 got = fused(ws[0])
                 got = (got[1] if pro == G.ADD_NORM else got).float()
@@ -235,7 +241,7 @@ def one_token(dev, res):
         if ok:
             best = min(ok, key=ok.get)
             row.update(best=best, best_us=ok[best], best_tbps=round(n * k * 2 / ok[best] / 1e6, 2))
-            adopt[f"{n},{k},{pro}"] = json.loads(best)
+            adopt[f"{n},{k},{pro}"] = list(G.resolve(json.loads(best), k))
         print(f"gemv {name}: unfused {row['unfused_us']} us, best fused {row.get('best')} {row.get('best_us')} us "
               f"({row.get('best_tbps')} TB/s)", flush=True)
         rows[name] = row

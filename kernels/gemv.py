@@ -4,10 +4,13 @@ A decode step at batch 1 multiplies one row by each weight matrix: it is a read 
 nothing else. cuBLAS reads wqkv and wo at ~3 TB/s (its 64x8 tiles; wo and down add a split-K
 reduce launch), and each projection waits for a separate norm (or silu*up) kernel. Here one
 program owns ``BLOCK_N`` output rows, streams their weights once along K, and computes its x on
-the fly from what the elementwise kernel would have read:
+the fly from what the elementwise kernel would have read. The speed is the bytes in flight: with
+BLOCK_K >= K a program issues its whole weight strip in one go (one-shot, no loop), else the K
+loop is software-pipelined (``num_stages``: Triton's cp.async pipeliner, which takes plain loads
+in a ``tl.range`` loop given num_stages).
 
-* ``rms_norm``: ``x = norm_w * rms_norm(h)``; every program sums h^2 first (h is 8 KB and stays in
-  L1/L2; the weights dominate by ~1000x);
+* ``rms_norm``: ``x = norm_w * rms_norm(h)``; every program sums h^2 over the row from ONE load
+  (h is 8 KB and stays in L1/L2; the weights dominate by ~1000x);
 * ``add_rms_norm``: ``h = x + residual`` first (program 0 also writes h: the next residual stream);
 * ``silu_mul``: ``x = silu(gate) * up`` from the ``[2K]`` gate|up row.
 
@@ -22,21 +25,40 @@ import triton.language as tl
 
 PLAIN, NORM, ADD_NORM, SILU = 0, 1, 2, 3
 
-# (BLOCK_N, BLOCK_K, num_warps) per (N, K, prologue); benchmarks/e2e_sweep.py measures the candidates
-# on the device and can write a table to adopt (e2e_gpu.py --gemv-configs).
-DEFAULT_CONFIG = (8, 512, 4)
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) per (N, K, prologue). BLOCK_K >= K is the one-shot path (a program
+# loads its whole [BLOCK_N, K] weight strip at once, no loop); else the K loop runs with num_stages (1: plain).
+# benchmarks/e2e_sweep.py times the candidates on the device and writes a table to adopt (e2e_gpu.py --gemv-configs).
+# Old 3-tuples (BLOCK_N, BLOCK_K, num_warps) read as num_stages=1.
+DEFAULT_CONFIG = (8, 512, 4, 1)
 # measured on the H200 for Llama-3.1-8B's shapes (round 5; e2e_sweep_h200_round5.json): the best candidate differs
 # by shape (wo at (8, 512, 4) took 15.5 µs, at (2, 1024, 4) 10.7); the first layer's NORM takes its ADD_NORM's
-CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {
-    (6144, 4096, ADD_NORM): (8, 512, 4), (6144, 4096, NORM): (8, 512, 4), (4096, 4096, PLAIN): (2, 1024, 4),
-    (28672, 4096, ADD_NORM): (4, 512, 4), (4096, 14336, SILU): (4, 1024, 4),
+CONFIGS: dict[tuple[int, int, int], tuple[int, ...]] = {
+    (6144, 4096, ADD_NORM): (8, 512, 4, 1), (6144, 4096, NORM): (8, 512, 4, 1), (4096, 4096, PLAIN): (2, 1024, 4, 1),
+    (28672, 4096, ADD_NORM): (4, 512, 4, 1), (4096, 14336, SILU): (4, 1024, 4, 1),
 }
-CANDIDATES = [(4, 512, 4), (8, 512, 4), (8, 256, 4), (16, 256, 4), (16, 512, 8), (4, 1024, 4),
-              (8, 1024, 8), (2, 1024, 4), (32, 128, 4), (16, 128, 4)]
+CANDIDATES = [
+    # one-shot (K=4096: wqkv, wo, gate_up; at down's K=14336 these are plain loops of 4096-wide tiles), those whose
+    # loads ptxas issues all upfront for at least one shape (benchmarks/gemv_ptx.py; NOTES "Kernels, round 6")
+    (1, 4096, 4, 1), (1, 4096, 8, 1), (2, 4096, 8, 1), (4, 4096, 8, 1), (2, 4096, 16, 1),
+    # the K loop software-pipelined: NUM_STAGES - 1 tiles in flight ahead of the one summed; (2, 2048, 4, 3) and
+    # (4, 1024, 4, 5) issue the whole K=4096 strip before the loop (cp.async, no registers held)
+    (2, 2048, 4, 3), (4, 1024, 4, 5), (4, 1024, 4, 3), (8, 512, 4, 3), (4, 2048, 8, 3), (8, 1024, 8, 3), (2, 1024, 4, 4),
+    # the plain loop, round 5's best per shape (wqkv, wo, gate_up, down), as the control
+    (8, 512, 4, 1), (2, 1024, 4, 1), (4, 512, 4, 1), (4, 1024, 4, 1),
+]
+
+
+def resolve(config: tuple[int, ...], k: int) -> tuple[int, int, int, int]:
+    """The launch a config means at this K: BLOCK_K >= K is one-shot (BLOCK_K = next_power_of_2(K), no stages);
+    a 3-tuple is num_stages=1. Two configs with the same result are the same kernel."""
+    block_n, block_k, warps, stages = (*config, 1)[:4]
+    if block_k >= k:
+        return block_n, triton.next_power_of_2(k), warps, 1
+    return block_n, block_k, warps, stages
 
 
 @triton.jit
-def _stream(X, R, k, k_ok, ADD: tl.constexpr):
+def _h(X, R, k, k_ok, ADD: tl.constexpr):
     """h[k] in fp32, rounded to the model dtype as the unfused residual add rounds it."""
     h = tl.load(X + k, mask=k_ok, other=0.0)
     if ADD:
@@ -45,41 +67,76 @@ def _stream(X, R, k, k_ok, ADD: tl.constexpr):
 
 
 @triton.jit
+def _h_rstd(X, R, H_OUT, pid, K, eps, ADD: tl.constexpr, K_PAD: tl.constexpr):
+    """h over the whole row [K_PAD] and its 1/rms, from ONE load (a loop would be K/BLOCK_K dependent L2 round
+    trips before the first weight tile); program 0 writes h, the next residual stream."""
+    k = tl.arange(0, K_PAD)
+    k_ok = k < K
+    h = _h(X, R, k, k_ok, ADD)
+    if ADD:
+        tl.store(H_OUT + k, h.to(X.dtype.element_ty), mask=k_ok & (pid + k * 0 == 0))  # a tensor mask: the interpreter rejects scalar ones
+    return h, tl.rsqrt(tl.sum(h * h, 0) / K + eps)
+
+
+@triton.jit
+def _normed(h, nw, rstd, dt: tl.constexpr):
+    """norm_w * (h * rstd), each product rounded to the model dtype as the unfused rms_norm rounds it."""
+    return (nw.to(tl.float32) * (h * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+
+
+@triton.jit
+def _x(X, R, NW, k, k_ok, K, rstd, NORMED: tl.constexpr, ADD: tl.constexpr, GATED: tl.constexpr):
+    """x[k] in fp32, rounded to the model dtype as the unfused kernel's output is."""
+    if GATED:  # silu(gate) * up from the [2K] gate|up row
+        g = tl.load(X + k, mask=k_ok, other=0.0).to(tl.float32)
+        u = tl.load(X + K + k, mask=k_ok, other=0.0).to(tl.float32)
+        xv = (g * tl.sigmoid(g) * u).to(X.dtype.element_ty).to(tl.float32)
+    elif NORMED:
+        xv = _normed(_h(X, R, k, k_ok, ADD), tl.load(NW + k, mask=k_ok, other=0.0), rstd, X.dtype.element_ty)
+    else:
+        xv = tl.load(X + k, mask=k_ok, other=0.0).to(tl.float32)
+    return xv
+
+
+@triton.jit
 def _gemv_kernel(
     X, R, NW, W, B, Y, H_OUT, N, K, stride_w, eps,
-    NORMED: tl.constexpr, ADD: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NORMED: tl.constexpr, ADD: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PAD: tl.constexpr, ONE_SHOT: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     row_ok = rows < N
     w_rows = W + rows.to(tl.int64)[:, None] * stride_w  # [BLOCK_N, 1]
     cols = tl.arange(0, BLOCK_K)
-    dt = X.dtype.element_ty
-    if NORMED:  # rstd of h, before any weight is read
-        sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            h = _stream(X, R, k0 + cols, k0 + cols < K, ADD)
-            sq += h * h
-        rstd = tl.rsqrt(tl.sum(sq, 0) / K + eps)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + cols
-        k_ok = k < K
-        if GATED:
-            g = tl.load(X + k, mask=k_ok, other=0.0).to(tl.float32)
-            u = tl.load(X + K + k, mask=k_ok, other=0.0).to(tl.float32)
-            xv = (g * tl.sigmoid(g) * u).to(dt).to(tl.float32)
-        elif NORMED:
-            h = _stream(X, R, k, k_ok, ADD)
-            if ADD:  # the residual stream after this add, written once
-                tl.store(H_OUT + k, h.to(dt), mask=k_ok & (pid + cols * 0 == 0))  # a tensor mask: the interpreter rejects scalar ones
-            nw = tl.load(NW + k, mask=k_ok, other=0.0).to(tl.float32)
-            xv = (nw * (h * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    # ONE_SHOT: BLOCK_K = K_PAD >= K, the whole [BLOCK_N, K] strip issued before anything waits on memory. ptxas
+    # still decides the SASS order: where it can reach a lower register tier it sinks loads below the first
+    # products (rounds of loads; benchmarks/gemv_ptx.py shows the order), so the candidates are those it keeps
+    # upfront. A CTA barrier does not pin them: ptxas hoists the math above it.
+    if ONE_SHOT:
+        k_ok = cols < K
+        w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        if NORMED:  # h of the norm is this program's x row: loaded once, with norm_w, before the rstd's
+            nw = tl.load(NW + cols, mask=k_ok, other=0.0)  # reduction (its CTA barrier keeps every load above it)
+            h, rstd = _h_rstd(X, R, H_OUT, pid, K, eps, ADD, K_PAD)
+            xv = _normed(h, nw, rstd, X.dtype.element_ty)
         else:
-            xv = tl.load(X + k, mask=k_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += w.to(tl.float32) * xv[None, :]
-    y = tl.sum(acc, 1)  # [BLOCK_N]
+            xv = _x(X, R, NW, cols, k_ok, K, 0.0, NORMED, ADD, GATED)  # [BLOCK_K]
+        y = tl.sum(w.to(tl.float32) * xv[None, :], 1)  # [BLOCK_N]
+    else:
+        rstd = 0.0
+        if NORMED:
+            _, rstd = _h_rstd(X, R, H_OUT, pid, K, eps, ADD, K_PAD)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        # NUM_STAGES > 1: Triton's pipeliner keeps NUM_STAGES - 1 tiles' loads in flight (cp.async into shared
+        # memory, no registers held); with K / BLOCK_K < NUM_STAGES the whole strip is issued before the loop.
+        # NORMED: the rstd's round trip comes first (the pipeliner puts its prologue just before the loop).
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=NUM_STAGES):
+            k = k0 + cols
+            k_ok = k < K
+            w = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+            acc += w.to(tl.float32) * _x(X, R, NW, k, k_ok, K, rstd, NORMED, ADD, GATED)[None, :]
+        y = tl.sum(acc, 1)  # [BLOCK_N]
     if HAS_BIAS:
         y += tl.load(B + rows, mask=row_ok, other=0.0).to(tl.float32)
     tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
@@ -87,20 +144,23 @@ def _gemv_kernel(
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, prologue: int = PLAIN,
          residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-         config: tuple[int, int, int] | None = None, out: torch.Tensor | None = None):
+         config: tuple[int, ...] | None = None, out: torch.Tensor | None = None):
     """``F.linear(pre(x), weight, bias)`` for one row, ``pre`` the prologue.
 
     x: ``[1, K]`` (``[1, 2K]`` gate|up for SILU); weight ``[N, K]``; residual, norm_weight ``[K]``-like.
+    ``config``: (BLOCK_N, BLOCK_K, num_warps[, num_stages]); BLOCK_K >= K is the one-shot path.
     Returns y ``[1, N]`` (into ``out`` where given); with ADD_NORM, ``(h, y)``, ``h = x + residual`` ``[1, K]``."""
     n, k = weight.shape
     assert x.shape[0] == 1 and x.is_contiguous() and weight.stride(1) == 1
     assert x.shape[1] == (2 * k if prologue == SILU else k)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device) if out is None else out
     h = torch.empty(1, k, dtype=x.dtype, device=x.device) if prologue == ADD_NORM else y
-    block_n, block_k, warps = config or CONFIGS.get((n, k, prologue), DEFAULT_CONFIG)
+    block_n, block_k, warps, stages = resolve(config or CONFIGS.get((n, k, prologue), DEFAULT_CONFIG), k)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
         bias if bias is not None else weight, y, h, n, k, weight.stride(0), float(eps),
-        NORMED=prologue in (NORM, ADD_NORM), ADD=prologue == ADD_NORM, GATED=prologue == SILU, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        NORMED=prologue in (NORM, ADD_NORM), ADD=prologue == ADD_NORM, GATED=prologue == SILU, HAS_BIAS=bias is not None,
+        BLOCK_N=block_n, BLOCK_K=block_k, K_PAD=triton.next_power_of_2(k), ONE_SHOT=block_k >= k, NUM_STAGES=stages,
+        num_warps=warps,
     )
     return (h, y) if prologue == ADD_NORM else y

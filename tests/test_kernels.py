@@ -650,9 +650,20 @@ def _check_gemv(device, dtype, n, k, prologue, bias, config=None):
 
 @pytest.mark.parametrize("prologue", [0, 1, 2, 3])
 @pytest.mark.parametrize("bias", [False, True])
-def test_gemv_matches_unfused(prologue, bias):
-    # N, K not multiples of the blocks: the masked tails
-    _check_gemv("cpu", torch.float32, 37, 80, prologue, bias, config=(8, 32, 4))
+@pytest.mark.parametrize("config", [(8, 128, 4, 1), (8, 32, 4, 3), (8, 32, 4)], ids=["one-shot", "pipelined", "plain"])
+def test_gemv_matches_unfused(prologue, bias, config):
+    # N=37, K=80 not multiples of the blocks: masked N and K tails (one-shot: K padded to 128; the loop: a partial
+    # last tile); the old 3-tuple config is the plain loop
+    _check_gemv("cpu", torch.float32, 37, 80, prologue, bias, config=config)
+
+
+def test_gemv_resolve():
+    from lazyrag.kernels.gemv import resolve
+
+    assert resolve((2, 4096, 4), 4096) == (2, 4096, 4, 1)  # one-shot, old 3-tuple
+    assert resolve((1, 16384, 8, 1), 4096) == (1, 4096, 8, 1) == resolve((1, 4096, 8, 1), 4096)  # the same launch
+    assert resolve((1, 16384, 8, 1), 14336) == (1, 16384, 8, 1)
+    assert resolve((4, 1024, 4, 3), 14336) == (4, 1024, 4, 3) and resolve((4, 1024, 4, 3), 1000) == (4, 1024, 4, 1)
 
 
 @gpu
