@@ -30,6 +30,7 @@ class EngineConfig:
     compile_elementwise: bool | None = None  # None: on with cuda
     fused_kv_store: bool | None = None  # q/k rotation and the K/V pool write in one Triton kernel; None: on with triton
     gemv: bool | None = None  # one-token wqkv / wo as Triton GEMVs, the norm folded in; None: on with cuda + triton
+    skinny_gemm: bool | None = None  # 2-64 token projections as Triton skinny GEMMs (kernels/gemm.py); None: off until measured
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
 
