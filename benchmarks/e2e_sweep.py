@@ -7,6 +7,8 @@
   of each weight so that it is read from HBM (not L2), as in the real model;
 * each decode projection at M = 1 as the engine runs it (elementwise kernel + cuBLAS) against the fused
   Triton GEMVs of kernels/gemv.py, every candidate config; the fastest per shape lands in ``gemv_adopt``.
+* each layer projection at M = 64 under cuBLAS against the skinny Triton GEMM of kernels/gemm.py, every
+  candidate config; the fastest per shape, where it beats cuBLAS, lands in ``skinny_adopt`` (``--only skinny``).
 
     python benchmarks/e2e_sweep.py --out $OUT/e2e_sweep.json
 """
@@ -228,6 +230,45 @@ def one_token(dev, res):
     res["gemv"], res["gemv_adopt"] = rows, adopt
 
 
+def skinny(dev, res):
+    """Each layer projection at M = 64 (the TTFT prefill's 64 new tokens) under cuBLAS against kernels/gemm.py's
+    skinny GEMM, every candidate config (each checked against F.linear first; rel err < 1e-2). The fastest
+    candidate per shape that beats cuBLAS lands in ``res["skinny_adopt"]`` ("N,K,BLOCK_M": config)."""
+    import torch.nn.functional as F
+
+    from lazyrag.kernels import gemm as G
+
+    m, rows, adopt = 64, {}, {}
+    tbps = lambda n, k, us: round(n * k * 2 / us / 1e6, 2)  # noqa: E731  (weight bytes only; x and y are < 1 %)
+    for name in ("wqkv", "wo", "gate_up", "down"):
+        n, k = SHAPES[name]
+        ws = weight_copies(dev, n, k)
+        x = torch.randn(m, k, device=dev, dtype=DT)
+        ref = F.linear(x, ws[0]).float()
+        us = per_weight_us(lambda w: F.linear(x, w), ws)
+        row = {"cublas_us": round(us, 2), "cublas_tbps": tbps(n, k, us), "candidates": {}}
+        for cfg in G.CANDIDATES:
+            run = lambda w, cfg=cfg: G.skinny_linear(x, w, config=cfg)  # noqa: E731
+            try:
+                err = float((run(ws[0]).float() - ref).norm() / ref.norm())
+                us = per_weight_us(run, ws) if err < 1e-2 else float("nan")
+                row["candidates"][str(list(cfg))] = {"us": round(us, 2), "tbps": tbps(n, k, us), "rel_err": err}
+            except Exception as e:  # e.g. out of shared memory
+                row["candidates"][str(list(cfg))] = {"error": repr(e)[:160]}
+            print(f"skinny {name} {cfg}: {row['candidates'][str(list(cfg))]}", flush=True)
+        ok = {c: v["us"] for c, v in row["candidates"].items() if "us" in v and not math.isnan(v["us"])}
+        if ok:
+            best = min(ok, key=ok.get)
+            row.update(best=best, best_us=ok[best], best_tbps=tbps(n, k, ok[best]))
+            if ok[best] < row["cublas_us"]:
+                adopt[f"{n},{k},{G.block_m(m)}"] = json.loads(best)
+        print(f"skinny {name}: cuBLAS {row['cublas_us']} us ({row['cublas_tbps']} TB/s), best {row.get('best')} "
+              f"{row.get('best_us')} us ({row.get('best_tbps')} TB/s)", flush=True)
+        rows[name] = row
+        del ws
+    res["skinny"], res["skinny_adopt"] = rows, adopt
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/e2e_sweep.json"))
@@ -236,7 +277,8 @@ def main() -> int:
     torch.manual_seed(0)
     dev = torch.device("cuda")
     res: dict = {"device": torch.cuda.get_device_name(), "command": "python " + " ".join(sys.argv)}
-    sections = [("gemv", one_token), ("attention", attention), ("gemm", gemms)]  # the e2e run needs gemv's table first
+    sections = [("gemv", one_token), ("attention", attention), ("gemm", gemms),  # the e2e run needs gemv's table first
+                ("skinny", skinny)]
     for name, fn in sections:
         if name not in args.only.split(","):
             continue

@@ -30,12 +30,14 @@ MAX_M = 64
 # times CANDIDATES on the device and reports the fastest per shape (``skinny_adopt``). None measured yet.
 CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {}
 DEFAULT_CONFIG = (64, 128, 4, 4, 1)
-# Shared memory, stages x (BLOCK_N + BLOCK_M) x BLOCK_K x 2 B at BLOCK_M = 64, stays under Hopper's 227 KB.
+# Picked for residency at BLOCK_M = 64: shared memory is stages (wgmma, BLOCK_N >= 64; stages - 1 with mma.sync)
+# x (BLOCK_N + 64) x BLOCK_K x 2 B, two programs fit an SM up to ~113 KB; enough programs for one round on 132 SMs
+# and >= ~7 MB in flight in all (benchmarks/NOTES.md, round 6).
 CANDIDATES = [
-    (64, 128, 4, 4, 1), (64, 128, 4, 5, 1), (64, 64, 4, 6, 1), (128, 64, 4, 4, 1), (128, 128, 4, 4, 1),
-    (128, 128, 8, 3, 1), (32, 128, 4, 5, 1), (32, 256, 4, 3, 1), (16, 256, 4, 4, 1),
-    (64, 128, 4, 4, 2), (64, 256, 4, 3, 2), (128, 64, 4, 6, 2), (128, 128, 8, 4, 2), (32, 128, 4, 5, 2),
-    (64, 128, 4, 4, 4), (64, 64, 4, 6, 4),
+    (64, 128, 4, 4, 1), (64, 128, 4, 3, 1), (64, 64, 4, 6, 1), (128, 64, 4, 4, 1), (128, 128, 4, 4, 1),
+    (128, 128, 8, 3, 1), (256, 64, 8, 3, 1), (32, 128, 4, 5, 1), (32, 256, 4, 4, 1), (16, 128, 4, 4, 1),
+    (64, 64, 4, 6, 2), (64, 128, 4, 3, 2), (32, 128, 4, 5, 2), (128, 64, 4, 4, 4), (64, 64, 4, 6, 4),
+    (64, 128, 4, 3, 4),
 ]
 
 
