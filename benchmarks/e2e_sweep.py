@@ -182,6 +182,33 @@ def gemms(dev, res):
     res["gemm"] = out
 
 
+def tbps(n: int, k: int, us: float) -> float:
+    """TB/s of a bf16 weight [N, K] read in ``us`` µs (x and y are < 1 % of it)."""
+    return round(n * k * 2 / us / 1e6, 2)
+
+
+def time_candidates(label: str, configs, run, ref: torch.Tensor, ws, n: int, k: int) -> dict:
+    """Each config: ``run(w, cfg)``'s output on ``ws[0]`` against ``ref`` first, then (rel err < 1e-2) µs a call
+    over the weight copies ``ws``. Returns ``{"candidates": {config: row}}`` and the fastest: best, best_us, best_tbps."""
+    rows = {}
+    for cfg in configs:
+        key = str(list(cfg))
+        try:
+            err = float((run(ws[0], cfg).float() - ref).norm() / ref.norm())
+            us = per_weight_us(lambda w: run(w, cfg), ws) if err < 1e-2 else float("nan")
+            rows[key] = {"us": round(us, 2), "tbps": tbps(n, k, us), "rel_err": err}
+        except Exception as e:  # e.g. out of shared memory
+            rows[key] = {"error": repr(e)[:160]}
+        print(f"{label} {cfg}: {rows[key]}", flush=True)
+    out = {"candidates": rows}
+    ok = {c: v["us"] for c, v in rows.items() if "us" in v and not math.isnan(v["us"])}
+    if ok:
+        best = min(ok, key=ok.get)
+        out.update(best=best, best_us=ok[best], best_tbps=tbps(n, k, ok[best]))
+    print(f"{label}: best {out.get('best')} {out.get('best_us')} us ({out.get('best_tbps')} TB/s)", flush=True)
+    return out
+
+
 def one_token(dev, res):
     """Each decode projection at M=1 as the engine runs it: the elementwise kernel before it (compiled, as on
     CUDA) then cuBLAS, against kernels/gemv.py's fused GEMV for every candidate config (each checked against
@@ -205,26 +232,16 @@ def one_token(dev, res):
             unfused = lambda w: F.linear(ops.silu_mul(x, k), w)  # noqa: E731
         else:
             unfused = lambda w: F.linear(x, w)  # noqa: E731
-        ref = unfused(ws[0]).float()
-        row = {"unfused_us": round(per_weight_us(unfused, ws), 2), "candidates": {}}
-        for cfg in G.CANDIDATES:
-            fused = lambda w, cfg=cfg: G.gemv(x, w, prologue=pro, residual=r, norm_weight=nw, eps=eps, config=cfg)  # noqa: E731
-            try:
-                got = fused(ws[0])
-                got = (got[1] if pro == G.ADD_NORM else got).float()
-                err = float((got - ref).norm() / ref.norm())
-                us = per_weight_us(fused, ws) if err < 1e-2 else float("nan")
-                row["candidates"][str(list(cfg))] = {"us": round(us, 2), "rel_err": err}
-            except Exception as e:
-                row["candidates"][str(list(cfg))] = {"error": repr(e)[:160]}
-            print(f"gemv {name} {cfg}: {row['candidates'][str(list(cfg))]}", flush=True)
-        ok = {c: v["us"] for c, v in row["candidates"].items() if "us" in v and not math.isnan(v["us"])}
-        if ok:
-            best = min(ok, key=ok.get)
-            row.update(best=best, best_us=ok[best], best_tbps=round(n * k * 2 / ok[best] / 1e6, 2))
-            adopt[f"{n},{k},{pro}"] = json.loads(best)
-        print(f"gemv {name}: unfused {row['unfused_us']} us, best fused {row.get('best')} {row.get('best_us')} us "
-              f"({row.get('best_tbps')} TB/s)", flush=True)
+
+        def fused(w, cfg):
+            got = G.gemv(x, w, prologue=pro, residual=r, norm_weight=nw, eps=eps, config=cfg)
+            return got[1] if pro == G.ADD_NORM else got
+
+        row = {"unfused_us": round(per_weight_us(unfused, ws), 2)}
+        print(f"gemv {name}: unfused {row['unfused_us']} us", flush=True)
+        row.update(time_candidates(f"gemv {name}", G.CANDIDATES, fused, unfused(ws[0]).float(), ws, n, k))
+        if "best" in row:
+            adopt[f"{n},{k},{pro}"] = json.loads(row["best"])
         rows[name] = row
         del ws
     res["gemv"], res["gemv_adopt"] = rows, adopt
@@ -233,37 +250,24 @@ def one_token(dev, res):
 def skinny(dev, res):
     """Each layer projection at M = 64 (the TTFT prefill's 64 new tokens) under cuBLAS against kernels/gemm.py's
     skinny GEMM, every candidate config (each checked against F.linear first; rel err < 1e-2). The fastest
-    candidate per shape that beats cuBLAS lands in ``res["skinny_adopt"]`` ("N,K,BLOCK_M": config)."""
+    candidate per shape that beats cuBLAS lands in ``res["skinny_adopt"]`` ("N,K,BLOCK_M": config; e2e_gpu.py
+    --gemv-configs)."""
     import torch.nn.functional as F
 
     from lazyrag.kernels import gemm as G
 
     m, rows, adopt = 64, {}, {}
-    tbps = lambda n, k, us: round(n * k * 2 / us / 1e6, 2)  # noqa: E731  (weight bytes only; x and y are < 1 %)
     for name in ("wqkv", "wo", "gate_up", "down"):
         n, k = SHAPES[name]
         ws = weight_copies(dev, n, k)
         x = torch.randn(m, k, device=dev, dtype=DT)
-        ref = F.linear(x, ws[0]).float()
         us = per_weight_us(lambda w: F.linear(x, w), ws)
-        row = {"cublas_us": round(us, 2), "cublas_tbps": tbps(n, k, us), "candidates": {}}
-        for cfg in G.CANDIDATES:
-            run = lambda w, cfg=cfg: G.skinny_linear(x, w, config=cfg)  # noqa: E731
-            try:
-                err = float((run(ws[0]).float() - ref).norm() / ref.norm())
-                us = per_weight_us(run, ws) if err < 1e-2 else float("nan")
-                row["candidates"][str(list(cfg))] = {"us": round(us, 2), "tbps": tbps(n, k, us), "rel_err": err}
-            except Exception as e:  # e.g. out of shared memory
-                row["candidates"][str(list(cfg))] = {"error": repr(e)[:160]}
-            print(f"skinny {name} {cfg}: {row['candidates'][str(list(cfg))]}", flush=True)
-        ok = {c: v["us"] for c, v in row["candidates"].items() if "us" in v and not math.isnan(v["us"])}
-        if ok:
-            best = min(ok, key=ok.get)
-            row.update(best=best, best_us=ok[best], best_tbps=tbps(n, k, ok[best]))
-            if ok[best] < row["cublas_us"]:
-                adopt[f"{n},{k},{G.block_m(m)}"] = json.loads(best)
-        print(f"skinny {name}: cuBLAS {row['cublas_us']} us ({row['cublas_tbps']} TB/s), best {row.get('best')} "
-              f"{row.get('best_us')} us ({row.get('best_tbps')} TB/s)", flush=True)
+        row = {"cublas_us": round(us, 2), "cublas_tbps": tbps(n, k, us)}
+        print(f"skinny {name}: cuBLAS {row['cublas_us']} us ({row['cublas_tbps']} TB/s)", flush=True)
+        row.update(time_candidates(f"skinny {name}", G.CANDIDATES, lambda w, cfg: G.skinny_linear(x, w, config=cfg),
+                                   F.linear(x, ws[0]).float(), ws, n, k))
+        if "best" in row and row["best_us"] < row["cublas_us"]:
+            adopt[f"{n},{k},{G.block_m(m)}"] = json.loads(row["best"])
         rows[name] = row
         del ws
     res["skinny"], res["skinny_adopt"] = rows, adopt
