@@ -18,8 +18,8 @@ if [ -n "${SWEEP_ONLY}" ]; then
   stamp "sweep done"
 fi
 TABLES=""
-[ -s "$OUT/e2e_sweep.json" ] && grep -q gemv_adopt "$OUT/e2e_sweep.json" && TABLES="--gemv-configs $OUT/e2e_sweep.json"
-[ -s "$OUT/e2e_sweep.json" ] && grep -q skinny_adopt "$OUT/e2e_sweep.json" && TABLES="$TABLES --skinny-configs $OUT/e2e_sweep.json"
+# --gemv-configs reads both tables (gemv_adopt, skinny_adopt)
+[ -s "$OUT/e2e_sweep.json" ] && grep -q "gemv_adopt\|skinny_adopt" "$OUT/e2e_sweep.json" && TABLES="--gemv-configs $OUT/e2e_sweep.json"
 BEST=$(python3 - "$OUT/e2e_sweep.json" <<'EOF'
 import json, sys
 try:

@@ -95,7 +95,7 @@ def main() -> int:
     ap.add_argument("--kernel-defaults", type=Path,
                     help="JSON from benchmarks/kernels.py --adopt: kernel defaults to use")
     ap.add_argument("--gemv-configs", type=Path,
-                    help="JSON from benchmarks/e2e_sweep.py: its gemv_adopt table (GEMV config per shape) is used")
+                    help="JSON from benchmarks/e2e_sweep.py: its gemv_adopt and skinny_adopt tables (config per shape) are used")
     ap.add_argument("--no-gemv", action="store_true", help="the engine without the fused one-token GEMVs")
     ap.add_argument("--profile", action="store_true", help="also record the top GPU kernels of one lazy request")
     ap.add_argument("--ab", default="",
@@ -103,6 +103,7 @@ def main() -> int:
                          "'unfused' (rotation then index_copy_ K/V; compiles rotate_qk), 'cublaslt' (torch's BLAS choice), "
                          "'prefill_splits=N', 'decode_splits=N' (the attention kernels' split count forced), "
                          "'gemv=none' or 'gemv=wqkv+wo' (which one-token projections run as fused GEMVs), "
+                         "'skinny=wqkv+wo+gate_up+down' or 'skinny=none' (which 2-64 token projections run as skinny Triton GEMMs), "
                          "'decode_merge' / 'prefill_merge' (split merge inside the attention kernel), 'prefill_config=BM:BN:W:S' / 'decode_config=BN:W:S:MAXNREG' and 'prefill_rot=R' / 'decode_rot=R' (the kernels' "
                          "config and rotation schedule forced), 'prefill_blas=cublas|cublaslt', 'elementwise=compiled' (torch.compile's "
                          "norms and silu*up, not kernels/elementwise.py), 'base' (no change); parts joined by '&' combine")
@@ -113,6 +114,7 @@ def main() -> int:
 
     from lazyrag.engine import LazyEngine
     from lazyrag.kernels import decode as decode_mod
+    from lazyrag.kernels import gemm as gemm_mod
     from lazyrag.kernels import gemv as gemv_mod
     from lazyrag.kernels import prefill as prefill_mod
 
@@ -122,12 +124,13 @@ def main() -> int:
             mod.DEFAULT_CONFIG = tuple(chosen[kind]["config"])
             mod.DEFAULT_ROTATION_MODE = chosen[kind]["rotation_mode"]
     if args.gemv_configs:
-        adopt = json.loads(args.gemv_configs.read_text()).get("gemv_adopt", {})
-        for key, cfg in adopt.items():
+        sweep = json.loads(args.gemv_configs.read_text())
+        for key, cfg in sweep.get("gemv_adopt", {}).items():
             n, k, pro = (int(v) for v in key.split(","))
             gemv_mod.CONFIGS[n, k, pro] = tuple(cfg)
             if pro == gemv_mod.ADD_NORM:  # the first layer's NORM (not swept) takes its ADD_NORM's config
                 gemv_mod.CONFIGS[n, k, gemv_mod.NORM] = tuple(cfg)
+        gemm_mod.CONFIGS.update({tuple(int(v) for v in key.split(",")): tuple(cfg) for key, cfg in sweep.get("skinny_adopt", {}).items()})
     from lazyrag.prompt import PromptLayout
     from lazyrag.engine import SamplingParams
 
@@ -278,8 +281,8 @@ def main() -> int:
 
                     c = ElementwiseOps.compiled()
                     runner.ops = dc_replace(runner.ops, rms_norm=c.rms_norm, add_rms_norm=c.add_rms_norm, silu_mul=c.silu_mul)
-                elif key == "gemv":
-                    runner.ops = dc_replace(runner.ops, gemv=frozenset() if value == "none" else frozenset(value.split("+")))
+                elif key in ("gemv", "skinny"):  # which projections run as one-token GEMVs / skinny GEMMs
+                    runner.ops = dc_replace(runner.ops, **{key: frozenset() if value == "none" else frozenset(value.split("+"))})
                 else:
                     raise ValueError(part)
 

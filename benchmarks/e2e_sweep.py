@@ -7,6 +7,8 @@
   of each weight so that it is read from HBM (not L2), as in the real model;
 * each decode projection at M = 1 as the engine runs it (elementwise kernel + cuBLAS) against the fused
   Triton GEMVs of kernels/gemv.py, every candidate config; the fastest per shape lands in ``gemv_adopt``.
+* each layer projection at M = 64 under cuBLAS against the skinny Triton GEMM of kernels/gemm.py, every
+  candidate config; the fastest per shape, where it beats cuBLAS, lands in ``skinny_adopt`` (``--only skinny``).
 
     python benchmarks/e2e_sweep.py --out $OUT/e2e_sweep.json
 """
@@ -195,6 +197,33 @@ def gemms(dev, res):
     res["gemm"] = out
 
 
+def tbps(n: int, k: int, us: float) -> float:
+    """TB/s of a bf16 weight [N, K] read in ``us`` µs (x and y are < 1 % of it)."""
+    return round(n * k * 2 / us / 1e6, 2)
+
+
+def time_candidates(label: str, configs, run, ref: torch.Tensor, ws, n: int, k: int) -> dict:
+    """Each config: ``run(w, cfg)``'s output on ``ws[0]`` against ``ref`` first, then (rel err < 1e-2) µs a call
+    over the weight copies ``ws``. Returns ``{"candidates": {config: row}}`` and the fastest: best, best_us, best_tbps."""
+    rows = {}
+    for cfg in configs:
+        key = str(list(cfg))
+        try:
+            err = float((run(ws[0], cfg).float() - ref).norm() / ref.norm())
+            us = per_weight_us(lambda w: run(w, cfg), ws) if err < 1e-2 else float("nan")
+            rows[key] = {"us": round(us, 2), "tbps": tbps(n, k, us), "rel_err": err}
+        except Exception as e:  # e.g. out of shared memory
+            rows[key] = {"error": repr(e)[:160]}
+        print(f"{label} {cfg}: {rows[key]}", flush=True)
+    out = {"candidates": rows}
+    ok = {c: v["us"] for c, v in rows.items() if "us" in v and not math.isnan(v["us"])}
+    if ok:
+        best = min(ok, key=ok.get)
+        out.update(best=best, best_us=ok[best], best_tbps=tbps(n, k, ok[best]))
+    print(f"{label}: best {out.get('best')} {out.get('best_us')} us ({out.get('best_tbps')} TB/s)", flush=True)
+    return out
+
+
 def one_token(dev, res):
     """Each decode projection at M=1 as the engine runs it: the elementwise kernel before it (compiled, as on
     CUDA) then cuBLAS, against kernels/gemv.py's fused GEMV for every candidate config (each checked against
@@ -218,32 +247,18 @@ def one_token(dev, res):
             unfused = lambda w: F.linear(ops.silu_mul(x, k), w)  # noqa: E731
         else:
             unfused = lambda w: F.linear(x, w)  # noqa: E731
-        ref = unfused(ws[0]).float()
-        row = {"unfused_us": round(per_weight_us(unfused, ws), 2), "candidates": {}}
-        launched = {}  # the launch each candidate means at this K (G.resolve): one-shot candidates collapse
-        for cfg in G.CANDIDATES:
-            eff = G.resolve(cfg, k)
-            if eff in launched:
-                row["candidates"][str(list(cfg))] = {"same_as": launched[eff]}
-                continue
-            launched[eff] = str(list(cfg))
-            fused = lambda w, cfg=eff: G.gemv(x, w, prologue=pro, residual=r, norm_weight=nw, eps=eps, config=cfg)  # noqa: E731
-            try:
-                got = fused(ws[0])
-                got = (got[1] if pro == G.ADD_NORM else got).float()
-                err = float((got - ref).norm() / ref.norm())
-                us = per_weight_us(fused, ws) if err < 1e-2 else float("nan")
-                row["candidates"][str(list(cfg))] = {"us": round(us, 2), "rel_err": err}
-            except Exception as e:
-                row["candidates"][str(list(cfg))] = {"error": repr(e)[:160]}
-            print(f"gemv {name} {cfg}: {row['candidates'][str(list(cfg))]}", flush=True)
-        ok = {c: v["us"] for c, v in row["candidates"].items() if "us" in v and not math.isnan(v["us"])}
-        if ok:
-            best = min(ok, key=ok.get)
-            row.update(best=best, best_us=ok[best], best_tbps=round(n * k * 2 / ok[best] / 1e6, 2))
-            adopt[f"{n},{k},{pro}"] = list(G.resolve(json.loads(best), k))
-        print(f"gemv {name}: unfused {row['unfused_us']} us, best fused {row.get('best')} {row.get('best_us')} us "
-              f"({row.get('best_tbps')} TB/s)", flush=True)
+
+        def fused(w, cfg):
+            got = G.gemv(x, w, prologue=pro, residual=r, norm_weight=nw, eps=eps, config=cfg)
+            return got[1] if pro == G.ADD_NORM else got
+
+        row = {"unfused_us": round(per_weight_us(unfused, ws), 2)}
+        print(f"gemv {name}: unfused {row['unfused_us']} us", flush=True)
+        # the launch each candidate means at this K (G.resolve): one-shot candidates collapse, each is timed once
+        launches = list(dict.fromkeys(G.resolve(cfg, k) for cfg in G.CANDIDATES))
+        row.update(time_candidates(f"gemv {name}", launches, fused, unfused(ws[0]).float(), ws, n, k))
+        if "best" in row:
+            adopt[f"{n},{k},{pro}"] = json.loads(row["best"])
         rows[name] = row
         del ws
     res["gemv"], res["gemv_adopt"] = rows, adopt
@@ -284,6 +299,32 @@ def elementwise(dev, res):
     res["elementwise"] = out
 
 
+def skinny(dev, res):
+    """Each layer projection at M = 64 (the TTFT prefill's 64 new tokens) under cuBLAS against kernels/gemm.py's
+    skinny GEMM, every candidate config (each checked against F.linear first; rel err < 1e-2). The fastest
+    candidate per shape that beats cuBLAS lands in ``res["skinny_adopt"]`` ("N,K,BLOCK_M": config; e2e_gpu.py
+    --gemv-configs)."""
+    import torch.nn.functional as F
+
+    from lazyrag.kernels import gemm as G
+
+    m, rows, adopt = 64, {}, {}
+    for name in ("wqkv", "wo", "gate_up", "down"):
+        n, k = SHAPES[name]
+        ws = weight_copies(dev, n, k)
+        x = torch.randn(m, k, device=dev, dtype=DT)
+        us = per_weight_us(lambda w: F.linear(x, w), ws)
+        row = {"cublas_us": round(us, 2), "cublas_tbps": tbps(n, k, us)}
+        print(f"skinny {name}: cuBLAS {row['cublas_us']} us ({row['cublas_tbps']} TB/s)", flush=True)
+        row.update(time_candidates(f"skinny {name}", G.CANDIDATES, lambda w, cfg: G.skinny_linear(x, w, config=cfg),
+                                   F.linear(x, ws[0]).float(), ws, n, k))
+        if "best" in row and row["best_us"] < row["cublas_us"]:
+            adopt[f"{n},{k},{G.block_m(m)}"] = json.loads(row["best"])
+        rows[name] = row
+        del ws
+    res["skinny"], res["skinny_adopt"] = rows, adopt
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/e2e_sweep.json"))
@@ -292,7 +333,8 @@ def main() -> int:
     torch.manual_seed(0)
     dev = torch.device("cuda")
     res: dict = {"device": torch.cuda.get_device_name(), "command": "python " + " ".join(sys.argv)}
-    sections = [("gemv", one_token), ("attention", attention), ("elementwise", elementwise), ("gemm", gemms)]  # the e2e run needs gemv's table first
+    sections = [("gemv", one_token), ("attention", attention), ("elementwise", elementwise), ("gemm", gemms),
+                ("skinny", skinny)]  # the e2e run needs gemv's table first
     for name, fn in sections:
         if name not in args.only.split(","):
             continue

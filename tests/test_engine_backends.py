@@ -217,3 +217,24 @@ def test_triton_elementwise_matches_torch(hf_model):
     assert rel_err(b, a) < 1e-5
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     assert engines[0].submit(layout, params).result().token_ids == engines[1].submit(layout, params).result().token_ids
+
+
+def test_skinny_projections_match_gemm(hf_model, monkeypatch):
+    """Multi-token forwards with all four projections through the skinny Triton GEMM (kernels/gemm.py; Triton's
+    interpreter on CPU) give the logits and greedy tokens of torch's GEMMs (fp32). The chunks (5-40 tokens) and
+    the 9-token question are 2-64 token forwards; the decode steps (one token) stay on torch's GEMM."""
+    device = "cuda" if CUDA else "cpu"
+    engines = [LazyEngine.from_hf(hf_model, None, device=device, dtype=torch.float32, kv_budget=32 << 20,
+                                  attention="torch", gemv=False, skinny_gemm=s, cuda_graphs=False) for s in (False, True)]
+    assert not engines[0].runner.ops.skinny and engines[1].runner.ops.skinny == GEMV_LAYERS
+    from lazyrag.kernels import gemm
+
+    calls = []
+    skinny_linear = gemm.skinny_linear
+    monkeypatch.setattr(gemm, "skinny_linear", lambda x, *args: calls.append(x.shape[0]) or skinny_linear(x, *args))
+    layout = random_layout(12)
+    a, b = (e.layout_logits(layout, "lazy") for e in engines)
+    assert rel_err(b, a) < 1e-5
+    assert len(calls) >= 4 * 2 and min(calls) >= 2  # the four projections of both layers, multi-token forwards only
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    assert engines[0].submit(layout, params).result().token_ids == engines[1].submit(layout, params).result().token_ids

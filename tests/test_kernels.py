@@ -15,6 +15,7 @@ import torch
 
 from lazyrag.kernels.decode import CONFIGS as DECODE_CONFIGS
 from lazyrag.kernels.decode import choose_splits, lazy_decode
+from lazyrag.kernels.gemm import CANDIDATES as SKINNY_CANDIDATES
 from lazyrag.kernels.gemv import CANDIDATES as GEMV_CANDIDATES
 from lazyrag.kernels.kvloop import split_counters, tile_table
 from lazyrag.kernels.prefill import CONFIGS as PREFILL_CONFIGS
@@ -681,3 +682,51 @@ def test_gemv_gpu(n, k, prologue, dtype):
 def test_gemv_gpu_every_candidate(config):
     for prologue in range(4):
         _check_gemv("cuda", torch.bfloat16, 1000, 1500, prologue, prologue == 0, config=config)
+
+
+# ---- skinny GEMM (kernels/gemm.py)
+
+
+def _check_skinny(device, dtype, m, n, k, bias, config=None):
+    """skinny_linear against F.linear in float64 on fresh random inputs; the output poisoned with NaN."""
+    import torch.nn.functional as F
+
+    from lazyrag.kernels.gemm import skinny_linear
+
+    rnd = lambda *s, scale=1.0: (torch.randn(*s) * scale).to(device=device, dtype=dtype)  # noqa: E731
+    x, w = rnd(m, k), rnd(n, k, scale=k ** -0.5)
+    b = rnd(n) if bias else None
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    out = torch.full((m, n), float("nan"), device=device, dtype=dtype)
+    got = skinny_linear(x, w, b, config=config, out=out)
+    assert got is out
+    assert rel_err(got, ref) < (1e-5 if dtype == torch.float32 else 1e-2), (m, n, k, bias, config)
+
+
+@pytest.mark.parametrize("m", [2, 7, 33, 64])  # token tiles 16, 16, 64, 64: masked rows but at 64
+@pytest.mark.parametrize("split", [1, 2, 4])
+@pytest.mark.parametrize("bias", [False, True])
+def test_skinny_linear_matches_linear(m, split, bias):
+    # N = 37 and K = 100 are not multiples of BLOCK_N / BLOCK_K: the masked tails (and, at split 4, a split
+    # whose last slice is partial)
+    _check_skinny("cpu", torch.float32, m, 37, 100, bias, config=(16, 32, 4, 3, split))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("config", SKINNY_CANDIDATES)
+def test_skinny_gpu_every_candidate(config):
+    """Each candidate on Llama-3.1-8B's projections (wqkv, wo, gate_up, down) in bf16, a full and a partial token tile."""
+    for i, (n, k) in enumerate([(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]):
+        for m in (64, 7):
+            _check_skinny("cuda", torch.bfloat16, m, n, k, bias=i == 0, config=config)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("m", [2, 40])
+def test_skinny_gpu_dtypes_and_tails(dtype, m):
+    # K = 1000: a partial last BLOCK_K slice; N = 1000: a partial last program
+    for config in (None, (64, 128, 4, 4, 2)):
+        _check_skinny("cuda", dtype, m, 1000, 1000, True, config=config)

@@ -119,6 +119,8 @@ class LazyEngine:
         self.runner.short_prefill_blas = (config.short_prefill_blas or "cublaslt") if on_cuda else None
         if config.gemv if config.gemv is not None else (on_cuda and attention.name == "triton"):
             self.runner.use_gemv()
+        if config.skinny_gemm:
+            self.runner.use_skinny_gemm()
         if config.cuda_graphs if config.cuda_graphs is not None else (on_cuda and attention.name == "triton"):
             # padding tokens of captured shapes write their K/V here; no sequence reads it
             self.runner.enable_cuda_graphs(scratch_block=pool.allocate(1)[0])

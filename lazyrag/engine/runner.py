@@ -12,7 +12,7 @@ from lazyrag.kernels.reference import apply_rotary
 from lazyrag.kv.block_pool import BlockPool, blocks_for
 from lazyrag.kv.cache import Segment
 from lazyrag.model.attention import AttentionMetadata, HostBatch
-from lazyrag.model.llama import GEMV_DEFAULT, ElementwiseOps, LlamaModel, Runtime
+from lazyrag.model.llama import GEMV_DEFAULT, GEMV_LAYERS, ElementwiseOps, LlamaModel, Runtime
 
 
 @dataclass
@@ -88,7 +88,8 @@ class ModelRunner:
 
     def compile_elementwise(self) -> None:
         """Fuse the model's elementwise steps with torch.compile (CUDA: a kernel each instead of dozens)."""
-        self.ops = replace(ElementwiseOps.compiled(), rotate_qk_store=self.ops.rotate_qk_store, gemv=self.ops.gemv)
+        self.ops = replace(ElementwiseOps.compiled(), rotate_qk_store=self.ops.rotate_qk_store, gemv=self.ops.gemv,
+                           skinny=self.ops.skinny)
 
     def use_triton_elementwise(self) -> None:
         """The norms and silu*up as Triton kernels (kernels/elementwise.py) instead of torch.compile's."""
@@ -101,6 +102,10 @@ class ModelRunner:
     def use_gemv(self, layers=GEMV_DEFAULT) -> None:
         """One-token forwards run these projections as Triton GEMVs, norm / silu*up folded in (kernels/gemv.py)."""
         self.ops = replace(self.ops, gemv=frozenset(layers))
+
+    def use_skinny_gemm(self, layers=GEMV_LAYERS) -> None:
+        """2-64 token forwards (the TTFT prefill) run these projections through Triton's skinny GEMM (kernels/gemm.py)."""
+        self.ops = replace(self.ops, skinny=frozenset(layers))
 
     def enable_cuda_graphs(self, scratch_block: int) -> None:
         from lazyrag.engine.cuda_graphs import GraphRunner

@@ -6,6 +6,7 @@ Hq / Hkv = query / KV heads, D = head dim.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -127,6 +128,9 @@ class ElementwiseOps:
     # norm or silu*up before them folded into its prologue: one launch instead of two, and the weights
     # read at a GEMV's rate rather than a GEMM's small-tile one. Empty: elementwise kernel, then torch's GEMM.
     gemv: frozenset = frozenset()
+    # projections (of GEMV_LAYERS) that a 2-64 token forward (the TTFT prefill) runs through kernels/gemm.py's
+    # skinny GEMM instead of torch's, where Triton runs: CUDA, or the CPU under its interpreter (the tests).
+    skinny: frozenset = frozenset()
 
     @classmethod
     def compiled(cls) -> "ElementwiseOps":
@@ -153,6 +157,15 @@ class ElementwiseOps:
             return gemv
         return None
 
+    def _gemm(self, name: str, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+        """``linear(x)``: kernels.gemm's skinny GEMM where this projection of a 2-64 token forward uses it, else torch's."""
+        if (name in self.skinny and 2 <= x.shape[0] <= 64
+                and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")):
+            from lazyrag.kernels.gemm import skinny_linear
+
+            return skinny_linear(x, linear.weight, linear.bias)
+        return linear(x)
+
     def norm_linear(self, name: str, x, residual, norm: "RMSNorm", linear: nn.Linear):
         """(the stream ``x + residual`` (``x`` where residual is None), ``linear(rms_norm(stream))``)."""
         k = self._gemv(name, x)
@@ -162,20 +175,20 @@ class ElementwiseOps:
             return k.gemv(x, linear.weight, linear.bias, prologue=k.ADD_NORM, residual=residual,
                           norm_weight=norm.weight, eps=norm.eps)
         if residual is None:
-            return x, linear(self.rms_norm(x, norm.weight, norm.eps))
+            return x, self._gemm(name, self.rms_norm(x, norm.weight, norm.eps), linear)
         residual, h = self.add_rms_norm(x, residual, norm.weight, norm.eps)
-        return residual, linear(h)
+        return residual, self._gemm(name, h, linear)
 
     def gated_linear(self, name: str, gate_up: torch.Tensor, inter: int, linear: nn.Linear) -> torch.Tensor:
         """``linear(silu(gate) * up)`` of the ``[T, 2 inter]`` gate|up projection."""
         k = self._gemv(name, gate_up)
         if k is not None:
             return k.gemv(gate_up, linear.weight, linear.bias, prologue=k.SILU)
-        return linear(self.silu_mul(gate_up, inter))
+        return self._gemm(name, self.silu_mul(gate_up, inter), linear)
 
     def linear(self, name: str, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
         k = self._gemv(name, x)
-        return linear(x) if k is None else k.gemv(x, linear.weight, linear.bias)
+        return self._gemm(name, x, linear) if k is None else k.gemv(x, linear.weight, linear.bias)
 
 
 class RMSNorm(nn.Module):
