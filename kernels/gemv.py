@@ -30,11 +30,12 @@ PLAIN, NORM, ADD_NORM, SILU = 0, 1, 2, 3
 # benchmarks/e2e_sweep.py times the candidates on the device and writes a table to adopt (e2e_gpu.py --gemv-configs).
 # Old 3-tuples (BLOCK_N, BLOCK_K, num_warps) read as num_stages=1.
 DEFAULT_CONFIG = (8, 512, 4, 1)
-# measured on the H200 for Llama-3.1-8B's shapes (round 5; e2e_sweep_h200_round5.json): the best candidate differs
-# by shape (wo at (8, 512, 4) took 15.5 µs, at (2, 1024, 4) 10.7); the first layer's NORM takes its ADD_NORM's
+# measured on the H200 for Llama-3.1-8B's shapes (round 6; e2e_sweep_h200_round6.json): one-shot strips for the
+# K = 4096 shapes, the pipelined loop for down (µs: wqkv 14.6, wo 9.65, gate_up 55.9, down 30.0; norm or silu*up
+# kernel + cuBLAS: 20.3, 13.4, 61.7, 33.9); the first layer's NORM takes its ADD_NORM's config
 CONFIGS: dict[tuple[int, int, int], tuple[int, ...]] = {
-    (6144, 4096, ADD_NORM): (8, 512, 4, 1), (6144, 4096, NORM): (8, 512, 4, 1), (4096, 4096, PLAIN): (2, 1024, 4, 1),
-    (28672, 4096, ADD_NORM): (4, 512, 4, 1), (4096, 14336, SILU): (4, 1024, 4, 1),
+    (6144, 4096, ADD_NORM): (2, 4096, 8, 1), (6144, 4096, NORM): (2, 4096, 8, 1), (4096, 4096, PLAIN): (1, 4096, 8, 1),
+    (28672, 4096, ADD_NORM): (4, 4096, 8, 1), (28672, 4096, NORM): (4, 4096, 8, 1), (4096, 14336, SILU): (8, 512, 4, 3),
 }
 CANDIDATES = [
     # one-shot (K=4096: wqkv, wo, gate_up; at down's K=14336 these are plain loops of 4096-wide tiles), those whose

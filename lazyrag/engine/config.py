@@ -34,7 +34,7 @@ class EngineConfig:
     # torch's BLAS library for short prefills (<= 512 tokens, e.g. a question over cached documents): "cublaslt" |
     # "cublas"; None: cuBLASLt on cuda (measured faster at 64 tokens), torch's own choice elsewhere
     short_prefill_blas: str | None = None
-    gemv: bool | None = None  # one-token wqkv / wo as Triton GEMVs, the norm folded in; None: on with cuda + triton
+    gemv: bool | None = None  # one-token projections as Triton GEMVs, the norm / silu*up folded in; None: on with cuda + triton
     skinny_gemm: bool | None = None  # 2-64 token projections as Triton skinny GEMMs (kernels/gemm.py); None: off until measured
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)

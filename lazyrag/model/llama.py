@@ -108,9 +108,10 @@ def rope_at(rope_cos: torch.Tensor, rope_sin: torch.Tensor, positions: torch.Ten
 
 
 GEMV_LAYERS = frozenset({"wqkv", "wo", "gate_up", "down"})
-# the engine's default: on the H200 (round 5, benchmarks/NOTES.md) the fused GEMV beat norm + cuBLAS for wqkv
-# (17.8 vs 19.2 µs) and wo (10.7 vs 13.3 µs) but lost for gate_up (64.7 vs 60.8) and down (35.7 vs 34.1)
-GEMV_DEFAULT = frozenset({"wqkv", "wo"})
+# the engine's default: on the H200 (round 6, benchmarks/NOTES.md) the GEMV v2 beat the norm (or silu*up) kernel +
+# cuBLAS for all four projections (wqkv 14.6 vs 20.3 µs, wo 9.65 vs 13.4, gate_up 55.9 vs 61.7, down 30.0 vs 33.9);
+# decode at batch 1 4.64 ms/token with all four against 4.97-5.04 with wqkv and wo only (A/B, one engine)
+GEMV_DEFAULT = GEMV_LAYERS
 
 
 @dataclass
