@@ -70,6 +70,23 @@ def layout(dev, width: int):
     return ids, dl, vl, nblk, perm[p:].tolist()
 
 
+def timed_row(label: str, fn, **row) -> dict:
+    """``row`` with ``fn``'s graph-replayed µs (or the error, e.g. out of shared memory for a tile shape)."""
+    try:
+        row["us"] = round(graph_us(fn), 2)
+    except Exception as e:
+        row["error"] = repr(e)[:120]
+    print(label, row, flush=True)
+    return row
+
+
+def keep_best(res: dict, label: str, rows: list[dict]) -> None:
+    ok = [r for r in rows if "us" in r]
+    if ok:
+        res[f"{label}_best"] = min(ok, key=lambda r: r["us"])
+        print(f"{label} best", res[f"{label}_best"], flush=True)
+
+
 def attention(dev, res):
     from lazyrag.kernels import decode as dec
     from lazyrag.kernels import prefill as pre
@@ -101,18 +118,8 @@ def attention(dev, res):
         def f(cfg=cfg, splits=splits, merge=merge, rot=rot):
             pre.lazy_prefill(q, kn, vn, cu, k, v, meta, n, cos, sin, D ** -0.5, max_seqlen_q=T, config=cfg,
                              num_splits=splits, tile_cache={}, fused_merge=merge, rotation_mode=rot)
-        row = {"config": list(cfg), "splits": splits, "fused_merge": merge, "rotation_mode": rot}
-        try:
-            row["us"] = round(graph_us(f), 2)
-        except Exception as e:  # e.g. out of shared memory
-            row["error"] = repr(e)[:120]
-        rows.append(row)
-        print("prefill", rows[-1], flush=True)
-
-    ok = [r for r in rows if "us" in r]
-    if ok:
-        res["prefill_best"] = min(ok, key=lambda r: r["us"])
-        print("prefill best", res["prefill_best"], flush=True)
+        rows.append(timed_row("prefill", f, config=list(cfg), splits=splits, fused_merge=merge, rotation_mode=rot))
+    keep_best(res, "prefill", rows)
 
     def auto():
         pre.lazy_prefill(q, kn, vn, cu, k, v, meta, n, cos, sin, D ** -0.5, max_seqlen_q=T, tile_cache={})
@@ -131,17 +138,8 @@ def attention(dev, res):
                 def f(cfg=cfg, splits=splits, rot=rot):
                     dec.lazy_decode(qd, k, v, meta, nd, cos, sin, D ** -0.5, config=cfg, num_splits=splits,
                                     tile_cache={}, rotation_mode=rot)
-                row = {"config": list(cfg), "splits": splits, "rotation_mode": rot}
-                try:
-                    row["us"] = round(graph_us(f), 2)
-                except Exception as e:
-                    row["error"] = repr(e)[:120]
-                rows.append(row)
-                print("decode", rows[-1], flush=True)
-    ok = [r for r in rows if "us" in r]
-    if ok:
-        res["decode_best"] = min(ok, key=lambda r: r["us"])
-        print("decode best", res["decode_best"], flush=True)
+                rows.append(timed_row("decode", f, config=list(cfg), splits=splits, rotation_mode=rot))
+    keep_best(res, "decode", rows)
 
     def dauto():
         dec.lazy_decode(qd, k, v, meta, nd, cos, sin, D ** -0.5, tile_cache={})
