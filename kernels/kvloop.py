@@ -257,14 +257,13 @@ def merge_splits_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     s_ok = offs_s < NUM_SPLITS
     part = (b.to(tl.int64) * Hq + h) * NUM_SPLITS + offs_s
-    # all three loads first, so their L2 round trips overlap (issued after the max/sum, acc waited for a second one)
-    acc = tl.load(PART_ACC + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0)
     m = tl.load(PART_ML + part * 2, mask=s_ok, other=-1.0e30)
     l = tl.load(PART_ML + part * 2 + 1, mask=s_ok, other=0.0)
     # rescale each split to the common max (base-2 logits, as in the main kernels)
     m_max = tl.max(m, 0)
     w = tl.where(s_ok, tl.math.exp2(m - m_max), 0.0)
     l_sum = tl.sum(l * w, 0)
+    acc = tl.load(PART_ACC + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.where(l_sum > 0, l_sum, 1.0)
     tl.store(OUT + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty))
 
