@@ -46,10 +46,6 @@ CANDIDATES = [
     (2, 2048, 4, 3), (4, 1024, 4, 5), (4, 1024, 4, 3), (8, 512, 4, 3), (4, 2048, 8, 3), (8, 1024, 8, 3), (2, 1024, 4, 4),
     # the plain loop, round 5's best per shape (wqkv, wo, gate_up, down), as the control
     (8, 512, 4, 1), (2, 1024, 4, 1), (4, 512, 4, 1), (4, 1024, 4, 1),
-    # around round 6's winners (call 2: one-shot (1|2|4, 4096, 8) for K=4096, pipelined (8, 512, 4, 3) for down):
-    # other warp counts for the one-shot strips, deeper pipelines and wider programs for down
-    (1, 4096, 16, 1), (2, 4096, 4, 1), (4, 4096, 16, 1), (8, 512, 4, 4), (8, 512, 4, 5), (8, 512, 8, 3),
-    (16, 512, 8, 3), (8, 256, 4, 4), (16, 256, 4, 4), (4, 512, 4, 4), (1, 1024, 4, 4), (1, 2048, 4, 3),
 ]
 
 
