@@ -167,23 +167,22 @@ def per_weight_us(fn, ws) -> float:
 def gemms(dev, res):
     import torch.nn.functional as F
 
+    from lazyrag.engine.runner import blas_library
+
     out = {}
     for lib in ("cublas", "cublaslt"):
         try:
-            torch.backends.cuda.preferred_blas_library(lib)
-        except Exception as e:
+            with blas_library(lib):
+                for name, (n, k) in SHAPES.items():
+                    ws = weight_copies(dev, n, k)
+                    for m in (1, 64):
+                        x = torch.randn(m, k, device=dev, dtype=DT)
+                        us = per_weight_us(lambda w: F.linear(x, w), ws)
+                        out[f"{lib} M={m} {name}"] = (round(us, 1), tbps(n, k, us))
+                        print(f"gemm {lib} M={m} {name}: {us:.1f} us, {tbps(n, k, us)} TB/s", flush=True)
+                    del ws
+        except Exception as e:  # e.g. a torch built without cuBLASLt
             out[lib] = repr(e)
-            continue
-        for name, (n, k) in SHAPES.items():
-            ws = weight_copies(dev, n, k)
-            for m in (1, 64):
-                x = torch.randn(m, k, device=dev, dtype=DT)
-                us = per_weight_us(lambda w: F.linear(x, w), ws)
-                tb = n * k * 2 / us / 1e6
-                out[f"{lib} M={m} {name}"] = (round(us, 1), round(tb, 2))
-                print(f"gemm {lib} M={m} {name}: {us:.1f} us, {tb:.2f} TB/s", flush=True)
-            del ws
-    torch.backends.cuda.preferred_blas_library("cublas")
     # one layer's four GEMMs x 32 + lm_head at M=1 (decode) and M=64 (the TTFT prefill; lm_head at M=1)
     for lib in ("cublas", "cublaslt"):
         if not isinstance(out.get(f"{lib} M=1 wqkv"), tuple):

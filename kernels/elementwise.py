@@ -18,6 +18,34 @@ import triton
 import triton.language as tl
 
 
+# The rounding of each step, in one place: these kernels and kernels/gemv.py's prologues (which fold the same steps
+# into a projection) compute in fp32 and round where the unfused torch functions' outputs would be rounded.
+
+
+@triton.jit
+def residual_add(x, r, dt: tl.constexpr):
+    """``x + r`` in fp32, rounded to the model dtype ``dt`` (it is the next residual stream); returned in fp32."""
+    return (x.to(tl.float32) + r.to(tl.float32)).to(dt).to(tl.float32)
+
+
+@triton.jit
+def inv_rms(h, n, eps):
+    """1 / rms of the fp32 row ``h`` (its ``n`` real values; masked lanes hold 0)."""
+    return tl.rsqrt(tl.sum(h * h, 0) / n + eps)
+
+
+@triton.jit
+def rms_normed(h, w, rstd, dt: tl.constexpr):
+    """``w * (h * rstd)`` as transformers' Llama rounds it (the normalised row, then the product); fp32."""
+    return (w.to(tl.float32) * (h * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+
+
+@triton.jit
+def silu_times(g, u, dt: tl.constexpr):
+    """``silu(g) * u`` of fp32 ``g``, ``u``, rounded once to ``dt``; fp32."""
+    return (g * tl.sigmoid(g) * u).to(dt).to(tl.float32)
+
+
 @triton.jit
 def _silu_mul_kernel(GU, OUT, stride_gu, stride_o, INTER, BLOCK: tl.constexpr):
     t = tl.program_id(0)
@@ -26,7 +54,8 @@ def _silu_mul_kernel(GU, OUT, stride_gu, stride_o, INTER, BLOCK: tl.constexpr):
     row = GU + t.to(tl.int64) * stride_gu
     g = tl.load(row + cols, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(row + INTER + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(OUT + t.to(tl.int64) * stride_o + cols, (g * tl.sigmoid(g) * u).to(OUT.dtype.element_ty), mask=ok)
+    dt = OUT.dtype.element_ty
+    tl.store(OUT + t.to(tl.int64) * stride_o + cols, silu_times(g, u, dt).to(dt), mask=ok)
 
 
 def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
@@ -51,14 +80,12 @@ def _rms_norm_kernel(X, R, W, H_OUT, Y, stride_x, stride_r, stride_h, stride_y, 
     cols = tl.arange(0, BLOCK)
     ok = cols < H
     dt = X.dtype.element_ty
-    h = tl.load(X + t * stride_x + cols, mask=ok, other=0.0)
+    h = tl.load(X + t * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     if ADD:  # the residual stream after this add: rounded, stored, and what is normalised
-        h = (h.to(tl.float32) + tl.load(R + t * stride_r + cols, mask=ok, other=0.0).to(tl.float32)).to(dt)
-        tl.store(H_OUT + t * stride_h + cols, h, mask=ok)
-    hf = h.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(hf * hf, 0) / H + eps)
-    w = tl.load(W + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(Y + t * stride_y + cols, (w * (hf * rstd).to(dt).to(tl.float32)).to(dt), mask=ok)
+        h = residual_add(h, tl.load(R + t * stride_r + cols, mask=ok, other=0.0), dt)
+        tl.store(H_OUT + t * stride_h + cols, h.to(dt), mask=ok)
+    w = tl.load(W + cols, mask=ok, other=0.0)
+    tl.store(Y + t * stride_y + cols, rms_normed(h, w, inv_rms(h, H, eps), dt).to(dt), mask=ok)
 
 
 def _norm(x, residual, weight, eps):

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .elementwise import inv_rms, residual_add, rms_normed, silu_times
+
 PLAIN, NORM, ADD_NORM, SILU = 0, 1, 2, 3
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) per (N, K, prologue). BLOCK_K >= K is the one-shot path (a program
@@ -61,10 +63,10 @@ def resolve(config: tuple[int, ...], k: int) -> tuple[int, int, int, int]:
 @triton.jit
 def _h(X, R, k, k_ok, ADD: tl.constexpr):
     """h[k] in fp32, rounded to the model dtype as the unfused residual add rounds it."""
-    h = tl.load(X + k, mask=k_ok, other=0.0)
+    h = tl.load(X + k, mask=k_ok, other=0.0).to(tl.float32)
     if ADD:
-        h = (h.to(tl.float32) + tl.load(R + k, mask=k_ok, other=0.0).to(tl.float32)).to(X.dtype.element_ty)
-    return h.to(tl.float32)
+        h = residual_add(h, tl.load(R + k, mask=k_ok, other=0.0), X.dtype.element_ty)
+    return h
 
 
 @triton.jit
@@ -76,13 +78,7 @@ def _h_rstd(X, R, H_OUT, pid, K, eps, ADD: tl.constexpr, K_PAD: tl.constexpr):
     h = _h(X, R, k, k_ok, ADD)
     if ADD:
         tl.store(H_OUT + k, h.to(X.dtype.element_ty), mask=k_ok & (pid + k * 0 == 0))  # a tensor mask: the interpreter rejects scalar ones
-    return h, tl.rsqrt(tl.sum(h * h, 0) / K + eps)
-
-
-@triton.jit
-def _normed(h, nw, rstd, dt: tl.constexpr):
-    """norm_w * (h * rstd), each product rounded to the model dtype as the unfused rms_norm rounds it."""
-    return (nw.to(tl.float32) * (h * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+    return h, inv_rms(h, K, eps)
 
 
 @triton.jit
@@ -91,9 +87,9 @@ def _x(X, R, NW, k, k_ok, K, rstd, NORMED: tl.constexpr, ADD: tl.constexpr, GATE
     if GATED:  # silu(gate) * up from the [2K] gate|up row
         g = tl.load(X + k, mask=k_ok, other=0.0).to(tl.float32)
         u = tl.load(X + K + k, mask=k_ok, other=0.0).to(tl.float32)
-        xv = (g * tl.sigmoid(g) * u).to(X.dtype.element_ty).to(tl.float32)
+        xv = silu_times(g, u, X.dtype.element_ty)
     elif NORMED:
-        xv = _normed(_h(X, R, k, k_ok, ADD), tl.load(NW + k, mask=k_ok, other=0.0), rstd, X.dtype.element_ty)
+        xv = rms_normed(_h(X, R, k, k_ok, ADD), tl.load(NW + k, mask=k_ok, other=0.0), rstd, X.dtype.element_ty)
     else:
         xv = tl.load(X + k, mask=k_ok, other=0.0).to(tl.float32)
     return xv
@@ -120,7 +116,7 @@ def _gemv_kernel(
         if NORMED:  # h of the norm is this program's x row: loaded once, with norm_w, before the rstd's
             nw = tl.load(NW + cols, mask=k_ok, other=0.0)  # reduction (its CTA barrier keeps every load above it)
             h, rstd = _h_rstd(X, R, H_OUT, pid, K, eps, ADD, K_PAD)
-            xv = _normed(h, nw, rstd, X.dtype.element_ty)
+            xv = rms_normed(h, nw, rstd, X.dtype.element_ty)
         else:
             xv = _x(X, R, NW, cols, k_ok, K, 0.0, NORMED, ADD, GATED)  # [BLOCK_K]
         y = tl.sum(w.to(tl.float32) * xv[None, :], 1)  # [BLOCK_N]

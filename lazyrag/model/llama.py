@@ -6,7 +6,6 @@ Hq / Hkv = query / KV heads, D = head dim.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -160,11 +159,12 @@ class ElementwiseOps:
 
     def _gemm(self, name: str, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
         """``linear(x)``: kernels.gemm's skinny GEMM where this projection of a 2-64 token forward uses it, else torch's."""
-        if (name in self.skinny and 2 <= x.shape[0] <= 64
-                and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")):
+        if name in self.skinny and 2 <= x.shape[0] <= 64:
             from lazyrag.kernels.gemm import skinny_linear
+            from lazyrag.kernels.kvloop import interpreting
 
-            return skinny_linear(x, linear.weight, linear.bias)
+            if x.is_cuda or interpreting():
+                return skinny_linear(x, linear.weight, linear.bias)
         return linear(x)
 
     def norm_linear(self, name: str, x, residual, norm: "RMSNorm", linear: nn.Linear):
