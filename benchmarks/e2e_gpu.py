@@ -83,6 +83,50 @@ def profile_request(engine, layout, SamplingParams, top: int = 30) -> dict:
     return out
 
 
+def timeline(engine, layout, SamplingParams, reps: int = 10, decode_tokens: int = 64) -> dict:
+    """Where the time goes (medians, ms). TTFT of a lazy request: host time from its arrival to the graph
+    replay's launch, the replay's device time (its kernels and the gaps between them; CUDA events around the
+    input copy and the replay), and the rest (the argmax, the token's copy, the host waking up). Decode: wall
+    time per token against each step's replay device time."""
+    graphs = engine.runner.graphs
+    run, calls = graphs.run, []
+
+    def timed_run(batch, *rest):
+        launch = engine.scheduler.clock()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = run(batch, *rest)
+        end.record()
+        calls.append((batch.is_decode, launch, start, end))
+        return out
+
+    graphs.run = timed_run
+    ttft, decode = [], []
+    try:
+        for i in range(reps + 2):
+            calls.clear()
+            stream = engine.submit(layout, SamplingParams(max_new_tokens=1))
+            r = stream.result()
+            _, launch, start, end = calls[-1]
+            if i >= 2:
+                host, graph = 1e3 * (launch - stream.request.arrival), start.elapsed_time(end)
+                ttft.append({"ttft": 1e3 * r.ttft_s, "host_to_launch": host, "plan": 1e3 * r.stats.plan_s,
+                             "graph_device": graph, "after_graph": 1e3 * r.ttft_s - host - graph})
+        for _ in range(3):
+            calls.clear()
+            r = engine.submit(layout, SamplingParams(max_new_tokens=decode_tokens)).result()
+            steps = [s.elapsed_time(e) for is_decode, _, s, e in calls if is_decode]
+            decode.append({"wall_per_token": 1e3 * (r.total_s - r.ttft_s) / max(1, len(r.token_ids) - 1),
+                           "graph_device_per_step": statistics.median(steps)})
+    finally:
+        graphs.run = run
+    out = {}
+    for name, rows in (("ttft", ttft), ("decode", decode)):
+        out[name] = {k: round(statistics.median(x[k] for x in rows), 3) for k in rows[0]}
+        print(f"{name} timeline (medians, ms): " + ", ".join(f"{k} {v}" for k, v in out[name].items()), flush=True)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--docs", type=int, default=5)
@@ -106,7 +150,7 @@ def main() -> int:
                          "'skinny=wqkv+wo+gate_up+down' or 'skinny=none' (which 2-64 token projections run as skinny Triton GEMMs), "
                          "'decode_merge' / 'prefill_merge' (split merge inside the attention kernel), 'prefill_config=BM:BN:W:S' / 'decode_config=BN:W:S:MAXNREG' and 'prefill_rot=R' / 'decode_rot=R' (the kernels' "
                          "config and rotation schedule forced), 'prefill_blas=cublas|cublaslt', 'elementwise=compiled' (torch.compile's "
-                         "norms and silu*up, not kernels/elementwise.py), 'base' (no change); parts joined by '&' combine")
+                         "norms and silu*up, not kernels/elementwise.py), 'sync' (no async scheduling), 'base' (no change); parts joined by '&' combine")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
 
@@ -229,6 +273,7 @@ def main() -> int:
     write_partial()
     if args.profile:  # the engine as built, before any A/B variant recaptures its graphs
         res["profile"] = profile_request(engine, PromptLayout(prefix, docs[::-1], question), SamplingParams)
+        res["profile"]["timeline"] = timeline(engine, PromptLayout(prefix, docs[::-1], question), SamplingParams)
         write_partial()
 
     if args.ab and res["cuda_graphs"]:
@@ -245,6 +290,7 @@ def main() -> int:
             runner.ops = fused_ops
             backend._prefill, backend._decode = kernels
             runner.short_prefill_blas = blas0
+            engine.scheduler.async_scheduling = True
             torch.backends.cuda.preferred_blas_library("cublas")
 
         def setup(name):
@@ -274,6 +320,8 @@ def main() -> int:
                     backend._decode = functools.partial(backend._decode, fused_merge=True)
                 elif part == "prefill_merge":
                     backend._prefill = functools.partial(backend._prefill, fused_merge=True)
+                elif part == "sync":  # each step's tokens read before the next step is launched (no async scheduling)
+                    engine.scheduler.async_scheduling = False
                 elif part == "base":  # the engine as built, measured again among the variants
                     pass
                 elif part == "elementwise=compiled":  # torch.compile's norms and silu*up instead of kernels/elementwise.py

@@ -279,7 +279,7 @@ def elementwise(dev, res):
             out[f"{name} M={m}"] = {"compiled_us": round(graph_us(fc), 2), "triton_us": round(graph_us(ft), 2)}
             print(f"elementwise {name} M={m}: {out[f'{name} M={m}']}", flush=True)
     logits = torch.randn(1, V, device=dev)
-    for name, fn in (("torch", lambda: logits.argmax(-1).tolist()), ("triton", lambda: E.argmax_rows(logits))):
+    for name, fn in (("torch", lambda: logits.argmax(-1).tolist()), ("triton", lambda: E.greedy_tokens(logits).tolist())):
         fn()
         torch.cuda.synchronize()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

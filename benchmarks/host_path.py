@@ -4,7 +4,7 @@ The e2e prompt's layout (a 32-token prefix, 5 cached documents of 512 tokens, a 
 128,256-token vocabulary) on a tiny random Llama on the CPU; ``ModelRunner._run`` returns zero logits, so what is
 left is planning, building the batch and sampling, as the GPU engine runs them before and after its graph replay.
 ``add_request`` includes the layout check, which runs before the request's arrival stamp (not in TTFT);
-``_accept`` here includes torch's CPU argmax over the vocabulary (on the GPU: kernels/elementwise.argmax_rows).
+``_accept`` here includes torch's CPU argmax over the vocabulary (on the GPU: kernels/elementwise.greedy_tokens).
 
     python benchmarks/host_path.py --out benchmarks/results/host_path_cpu.json
 """

@@ -111,6 +111,40 @@ def test_cuda_graph_decode_matches_eager(hf_model):
     assert graphs.runner.graphs.graphs  # something was captured and replayed
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("cuda_graphs", [True, False])
+def test_async_scheduling_matches_synchronous_steps(hf_model, cuda_graphs):
+    """On by default with CUDA: each greedy decode step is launched on the previous step's device tokens (copied
+    into the graph's input buffer) before the host reads them. Same tokens as stepping synchronously, batched
+    and alone, with a request that stops on an end token one launched step before the others."""
+    engine = LazyEngine.from_hf(hf_model, None, device="cuda", dtype=torch.float32, kv_budget=32 << 20,
+                                cuda_graphs=cuda_graphs)
+    sched = engine.scheduler
+    assert sched.async_scheduling
+    layouts = [random_layout(30 + i) for i in range(3)]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (9, 14, 5)]
+
+    def run_all(ps):
+        reqs = [engine.add_request(lay, p) for lay, p in zip(layouts, ps)]
+        while engine.has_unfinished_requests():
+            engine.step()
+        return [r.result() for r in reqs]
+
+    sched.async_scheduling = False
+    sync = run_all(params)
+    sched.end_tokens = {sync[1].token_ids[6]}  # the second request stops at its 7th token
+    params[1] = SamplingParams(max_new_tokens=14)
+    sync_stop = run_all(params)
+    assert sync_stop[1].finish_reason == "stop"
+    sched.async_scheduling = True
+    free = engine.cache.pool.num_free
+    assert [r.token_ids for r in run_all(params)] == [r.token_ids for r in sync_stop]
+    sched.end_tokens = set()
+    assert engine.submit(layouts[0], params[0]).result().token_ids == sync[0].token_ids
+    assert not engine.has_unfinished_requests() and engine.cache.pool.num_free == free
+
+
 def test_compiled_elementwise_ops_match_eager():
     """The fused (torch.compile) versions used on CUDA compute the same as the plain functions."""
     from lazyrag.model.llama import ElementwiseOps

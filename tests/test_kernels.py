@@ -549,28 +549,32 @@ def test_elementwise_kernels_gpu(dtype, T):
     _check_elementwise("cuda", dtype, T, 4096, 14336)
 
 
-def _check_argmax_rows(device, B, V):
-    from lazyrag.kernels.elementwise import argmax_rows
+def _check_greedy_tokens(device, B, V):
+    from lazyrag.kernels.elementwise import greedy_tokens
 
     torch.manual_seed(V)
     logits = torch.randn(B, V, device=device)
     logits[0, V // 3] = logits[0, V - 1] = logits[0].max() + 1  # a tie across chunks: the first one wins
     if B > 1:
         logits[1, 5] = logits[1, 6] = logits[1].max() + 1  # a tie inside a chunk
-    assert argmax_rows(logits) == logits.argmax(-1).tolist()
-    assert argmax_rows(logits[:, : V - 3]) == logits[:, : V - 3].argmax(-1).tolist()  # a strided view, masked tail
+    if B > 2:
+        logits[2, V - 2] = logits[2].max() + 1  # the maximum in the last (partial) chunk
+    got = greedy_tokens(logits)
+    assert got.dtype == torch.int64 and got.device == logits.device
+    assert got.tolist() == logits.argmax(-1).tolist()
+    assert greedy_tokens(logits[:, : V - 3]).tolist() == logits[:, : V - 3].argmax(-1).tolist()  # a strided view, masked tail
 
 
 @pytest.mark.parametrize("B,V", [(1, 50), (3, 9000)])
-def test_argmax_rows_matches_torch(B, V):
-    _check_argmax_rows("cpu", B, V)
+def test_greedy_tokens_match_torch(B, V):
+    _check_greedy_tokens("cpu", B, V)
 
 
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("B", [1, 8])
-def test_argmax_rows_gpu(B):
-    _check_argmax_rows("cuda", B, 128256)
+def test_greedy_tokens_gpu(B):
+    _check_greedy_tokens("cuda", B, 128256)
 
 
 # -- the fused q/k rotation + K/V pool store (kernels/qkv.py) against rotate_qk + BlockPool.write

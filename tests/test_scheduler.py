@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from lazyrag.kv.block_pool import OutOfBlocks
 from lazyrag.engine import SamplingParams, SchedulerConfig
@@ -171,3 +172,54 @@ def test_max_running_caps_the_batch(tiny_hf, default_hf):
             widest = max(widest, len(engine.scheduler.running))
     assert widest == 2
     assert all(len(r.result().token_ids) == 5 for r in reqs)
+
+
+def test_async_scheduling_gives_the_same_answers_and_everything_back(tiny_engine, monkeypatch):
+    """Async scheduling (on with CUDA, forced here on the CPU) launches each greedy decode step on the previous
+    step's tokens while they are still on the device. The answers are those of synchronous stepping; a request
+    that ends on an end token ends one launched step late without a different answer; a sampled request makes
+    the batch step synchronously while it runs; an abort and the length limit give every block back."""
+    engine, sched = tiny_engine, tiny_engine.scheduler
+    layouts = _layouts(engine, 6, seed=21)
+    lengths = [4, 11, 6, 9, 7]
+    greedy = [SamplingParams(max_new_tokens=k, ignore_eos=True) for k in lengths]
+    monkeypatch.setattr(sched, "async_scheduling", False)
+    first_answer = engine.submit(layouts[1], greedy[1]).result().token_ids
+    monkeypatch.setattr(sched, "end_tokens", {first_answer[4]})  # request 1 stops on its 5th token
+    greedy[1] = replace(greedy[1], ignore_eos=False)
+    alone = [engine.submit(lay, p).result() for lay, p in zip(layouts, greedy)]
+    assert alone[1].finish_reason == "stop" and len(alone[1].token_ids) == 4
+    sampled = SamplingParams(max_new_tokens=3, temperature=0.8, seed=5, ignore_eos=True)
+    endless = SamplingParams(max_new_tokens=50, ignore_eos=True)
+    free_before = engine.cache.pool.num_free
+
+    monkeypatch.setattr(sched, "async_scheduling", True)
+    decode, on_device = engine.runner.decode, []
+
+    def spy(seqs, tokens):
+        on_device.append(isinstance(tokens, torch.Tensor))
+        return decode(seqs, tokens)
+
+    monkeypatch.setattr(engine.runner, "decode", spy)
+    reqs = [engine.add_request(lay, p) for lay, p in zip(layouts, greedy)]
+    reqs.append(engine.add_request(layouts[0], sampled))
+    aborted = engine.add_request(layouts[5], endless)
+    with engine._lock:
+        while sched.has_work():
+            sched.step()
+            if len(aborted.outputs) >= 3:
+                sched.abort(aborted)
+
+    for req, ref in zip(reqs, alone):
+        assert req.result().token_ids == ref.token_ids
+        assert req.result().finish_reason == ref.finish_reason
+    assert len(reqs[-1].result().token_ids) == 3
+    assert aborted.finish_reason == "abort" and 3 <= len(aborted.seq.generated) < 50
+    assert any(on_device) and not all(on_device)  # chained while all were greedy; not while the sampled one ran
+    _assert_nothing_held(engine, free_before)
+
+    # one request, streamed: the same text as stepping synchronously
+    stream = "".join(engine.submit(layouts[2], greedy[2]))
+    monkeypatch.setattr(sched, "async_scheduling", False)
+    assert stream == engine.submit(layouts[2], greedy[2]).result().text
+    _assert_nothing_held(engine, free_before)

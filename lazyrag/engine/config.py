@@ -15,6 +15,9 @@ DEFAULT_KV_BUDGET = {"cpu": 1 << 30, "cuda": 8 << 30}
 class SchedulerConfig:
     max_running: int = 64  # sequences in flight (decoding) at once
     max_prefill_tokens: int = 8192  # new tokens in one prefill batch (a longer single prompt still runs alone)
+    # launch each greedy decode step on the previous step's tokens while they are still on the device, so the
+    # host's work overlaps the device's (vLLM's async scheduling); None: on with cuda
+    async_scheduling: bool | None = None
 
 
 @dataclass

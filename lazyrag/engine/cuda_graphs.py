@@ -29,6 +29,7 @@ class _Graph:
     host: torch.Tensor  # pinned staging buffer: the step's inputs, laid out by HostBatch.fill
     host_np: np.ndarray  # the same memory, for numpy
     dev: torch.Tensor  # the static device buffer the graph reads (ids, positions, metadata)
+    ids: torch.Tensor  # its token-id section
     copied: torch.cuda.Event  # the last copy out of ``host`` is done once this completes
     logits: torch.Tensor
     shape: tuple[int, int, int]  # (tokens, batch, width) it was captured for
@@ -82,11 +83,12 @@ class GraphRunner:
             logits = self.last_logits(ids, positions, meta)
         copied = torch.cuda.Event()
         copied.record()
-        return _Graph(graph, host, host_np, dev, copied, logits, (tokens, batch, width))
+        return _Graph(graph, host, host_np, dev, ids, copied, logits, (tokens, batch, width))
 
     @torch.inference_mode()
-    def run(self, batch: HostBatch) -> torch.Tensor:
-        """Logits ``[B, V]`` of each sequence's last token; ``batch`` is unpadded."""
+    def run(self, batch: HostBatch, device_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[B, V]`` of each sequence's last token; ``batch`` is unpadded. ``device_ids``: the batch's
+        token ids on the device, copied over the host's after the one copy (stream-ordered, no sync)."""
         b, n = batch.batch, batch.num_tokens
         width = _bucket(batch.width, 64)
         key = (batch.is_decode, _bucket(b, 1) if batch.is_decode else 1,
@@ -98,5 +100,7 @@ class GraphRunner:
         batch.fill(g.host_np, *g.shape, self.scratch_slot)
         g.dev.copy_(g.host, non_blocking=True)
         g.copied.record()
+        if device_ids is not None:
+            g.ids[:n].copy_(device_ids)
         g.graph.replay()
         return g.logits[:b]

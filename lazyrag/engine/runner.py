@@ -140,18 +140,21 @@ class ModelRunner:
         hidden = self.model(ids, positions, self._runtime(meta))
         return self.model.logits(hidden.index_select(0, meta.cu_seqlens_q[1:].long() - 1))
 
-    def _forward(self, batch: HostBatch, logits: bool) -> torch.Tensor | None:
-        """Logits ``[B, V]`` of each sequence's last new token (or None); K/V of every new token is written."""
+    def _forward(self, batch: HostBatch, logits: bool, device_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Logits ``[B, V]`` of each sequence's last new token (or None); K/V of every new token is written.
+        ``device_ids``: the batch's token ids already on the device (they replace ``batch.ids``)."""
         self.tokens_forwarded += batch.num_tokens
         if self.short_prefill_blas is not None and not batch.is_decode and batch.num_tokens <= SHORT_PREFILL_TOKENS:
             with blas_library(self.short_prefill_blas):
-                return self._run(batch, logits)
-        return self._run(batch, logits)
+                return self._run(batch, logits, device_ids)
+        return self._run(batch, logits, device_ids)
 
-    def _run(self, batch: HostBatch, logits: bool) -> torch.Tensor | None:
+    def _run(self, batch: HostBatch, logits: bool, device_ids: torch.Tensor | None) -> torch.Tensor | None:
         if logits and self.graphs is not None and self.graphs.supports(batch.num_tokens, batch.batch, batch.is_decode):
-            return self.graphs.run(batch)
+            return self.graphs.run(batch, device_ids)
         ids, positions, meta = batch.to_device(self.device)
+        if device_ids is not None:
+            ids.copy_(device_ids)
         if not logits:
             self.model(ids, positions, self._runtime(meta))
             return None
@@ -170,10 +173,15 @@ class ModelRunner:
         return out  # [B, V] or None
 
     @torch.inference_mode()
-    def decode(self, seqs: list[SeqState], tokens: list[int]) -> torch.Tensor:
-        """One token per sequence; its K/V is written first, then attends over every block of the sequence."""
-        batch = self._batch(seqs, [s.num_written + 1 for s in seqs], tokens, [1] * len(seqs), is_decode=True)
-        out = self._forward(batch, logits=True)
+    def decode(self, seqs: list[SeqState], tokens: list[int] | torch.Tensor) -> torch.Tensor:
+        """One token per sequence; its K/V is written first, then attends over every block of the sequence.
+        ``tokens``: each sequence's last token, as ints or as a ``[B]`` device tensor (the previous step's
+        greedy tokens, not yet read by the host: the scheduler's async scheduling)."""
+        on_device = isinstance(tokens, torch.Tensor)
+        assert len(tokens) == len(seqs)
+        batch = self._batch(seqs, [s.num_written + 1 for s in seqs], [0] * len(seqs) if on_device else tokens,
+                            [1] * len(seqs), is_decode=True)
+        out = self._forward(batch, logits=True, device_ids=tokens if on_device else None)
         for s in seqs:
             s.num_written += 1
             s.next_pos += 1

@@ -10,6 +10,13 @@ prefilled together in one batch; when none is waiting, every running request dec
 token, all in one batch. Requests join and leave between steps, so a long answer never
 holds up a new question, and requests over the same chunks share one copy of their KV.
 
+Async scheduling (vLLM's ``--async-scheduling``; on with CUDA): a step's greedy tokens stay on
+the device, and while they are being computed the next decode step of the same batch is
+already launched with them as its input, before the host reads them; the host's work of a
+step (reading tokens, stop checks, streaming, building the next batch) then overlaps the
+device's. A request that ends (end of turn, stop string, abort) has run one step too many,
+whose output is dropped; the length limit is known ahead and costs nothing.
+
 The scheduler is not thread-safe: one thread at a time calls ``step`` (the engine's lock).
 ``add`` and ``abort`` may be called from any thread at any time.
 
@@ -23,6 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -38,6 +46,30 @@ from lazyrag.kv.cache import CacheManager
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
+class Launched:
+    """A forward pass queued on the device whose tokens the host has not read yet."""
+
+    batch: list[Request]  # its rows, in order
+    logits: torch.Tensor  # [B, V]; a captured graph's buffer is overwritten by that graph's next replay
+    tokens: torch.Tensor  # [B] int64: each row's greedy token, on the device
+    host_tokens: torch.Tensor  # [B] the same, in host memory once ``ready`` has completed
+    ready: torch.cuda.Event | None  # None: computed synchronously (CPU)
+    prefill: bool
+
+
+def launch_tokens(batch: list[Request], logits: torch.Tensor, greedy_tokens, prefill: bool) -> Launched:
+    """Queue each row's greedy token and its copy to the host (pinned memory, one event), without waiting."""
+    tokens = greedy_tokens(logits)  # [B] on the device
+    if not tokens.is_cuda:
+        return Launched(batch, logits, tokens, tokens, None, prefill)
+    host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    host.copy_(tokens, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return Launched(batch, logits, tokens, host, ready, prefill)
+
+
 class Scheduler:
     def __init__(self, runner: ModelRunner, cache: CacheManager, planner: Planner, tokenizer, end_tokens: set[int],
                  config: SchedulerConfig | None = None, clock: Callable[[], float] = time.perf_counter):
@@ -50,6 +82,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._prefilling: list[Request] = []
+        self._launched: Launched | None = None  # async scheduling: the step in flight, not yet accepted
+        self.async_scheduling = self.config.async_scheduling if self.config.async_scheduling is not None \
+            else runner.device.type == "cuda"
         self.steps = {"prefill": 0, "decode": 0}
 
     # -- any thread ---------------------------------------------------------------------------
@@ -63,32 +98,45 @@ class Scheduler:
         req.aborted = True
 
     def has_work(self) -> bool:
-        return bool(self.inbox or self.waiting or self.running)
+        return bool(self.inbox or self.waiting or self.running or self._launched)
 
     # -- the stepping thread --------------------------------------------------------------------
 
     def step(self) -> bool:
-        """One forward pass: prefill the requests that can start, else decode all running ones.
-        Returns False when there was nothing to do."""
+        """One forward pass: prefill the requests that can start, else decode all running ones. With async
+        scheduling a pass is accepted at the next ``step``, after the pass that follows it has been launched
+        where it can be. Returns False when there was nothing to do."""
+        previous, self._launched = self._launched, None
         try:
             while self.inbox:
                 self.waiting.append(self.inbox.popleft())
             self._drop_aborted()
+            if previous is not None:
+                if self._can_chain(previous):
+                    self._launched = self._chain_decode(previous)
+                self._accept(previous)
+                if self._launched is not None:
+                    return True
             self._prefilling = self._admit()  # out of waiting, not yet running
             if self._prefilling:
-                self._prefill(self._prefilling)
+                self._launched = self._prefill(self._prefilling)
                 self._prefilling = []
-                return True
-            if self.running:
-                self._decode()
-                return True
-            return False
+            elif self.running:
+                self._launched = self._decode()
+            elif previous is None:
+                return False
+            if not self.async_scheduling and self._launched is not None:
+                launched, self._launched = self._launched, None
+                self._accept(launched)
+            return True
         except Exception as e:  # a fault no single request owns (a bug): fail those in flight rather than hang them
             log.exception("lazyrag scheduler step failed; failing the requests in flight")
-            for req in list(self.waiting) + self.running + self._prefilling:
+            in_flight = [r for step in (previous, self._launched) if step is not None for r in step.batch]
+            for req in list(self.waiting) + self.running + self._prefilling + in_flight:
                 self._fail(req, e)
             self.waiting.clear()
             self._prefilling = []
+            self._launched = None
             return True
 
     def drop_aborted(self) -> None:
@@ -168,33 +216,52 @@ class Scheduler:
         if self.tokenizer is not None:
             req.detok = Detokenizer(self.tokenizer, req.params.stop)
 
-    def _prefill(self, batch: list[Request]) -> None:
+    def _prefill(self, batch: list[Request]) -> Launched | None:
         done, logits = self._forward_isolated(batch, lambda rs: self.runner.prefill([r.seq for r in rs], [r.plan.new_ids for r in rs]))
         self.steps["prefill"] += 1
         if not done:
-            return
-        sampled = []  # indices into ``done`` of the requests that go on to decode
-        for i, (r, row) in enumerate(zip(done, logits)):
+            return None
+        kept = []  # indices into ``done`` of the requests whose plans finished
+        for i, r in enumerate(done):
             try:
                 self.planner[r.params.strategy].finish(r.plan, r.seq)
-                if r.prompt_logits_only:
-                    r.prompt_logits = row.float().cpu()
             except Exception as e:
                 self._fail(r, e)
                 continue
-            if r.prompt_logits_only:
-                self._finish(r, "length")
-            else:
+            kept.append(i)
+            if not r.prompt_logits_only:
                 self.running.append(r)
-                sampled.append(i)
-        if len(sampled) < len(done):
-            logits = logits[torch.tensor(sampled, dtype=torch.long, device=logits.device)]
-        self._accept([done[i] for i in sampled], logits)
+        if len(kept) < len(done):
+            if not kept:
+                return None
+            logits = logits[torch.tensor(kept, dtype=torch.long, device=logits.device)]
+        return launch_tokens([done[i] for i in kept], logits, self.runner.ops.greedy_tokens, prefill=True)
 
-    def _decode(self) -> None:
+    def _decode(self) -> Launched | None:
         batch = list(self.running)
-        self._accept(*self._forward_isolated(batch, lambda rs: self.runner.decode([r.seq for r in rs], [r.last_token for r in rs])))
+        done, logits = self._forward_isolated(batch, lambda rs: self.runner.decode([r.seq for r in rs], [r.last_token for r in rs]))
         self.steps["decode"] += 1
+        return launch_tokens(done, logits, self.runner.ops.greedy_tokens, prefill=False) if done else None
+
+    def _can_chain(self, previous: Launched) -> bool:
+        """Whether the next step is a decode of exactly ``previous``'s rows, each sure to want another token
+        whatever ``previous`` gives it, so it can be launched on ``previous``'s device tokens before they are read."""
+        return (self.async_scheduling and not self.waiting and len(previous.batch) == len(self.running)
+                and all(r is q for r, q in zip(previous.batch, self.running))
+                and all(r.params.temperature == 0 and not r.aborted and len(r.seq.generated) + 1 < r.params.max_new_tokens
+                        for r in previous.batch))
+
+    def _chain_decode(self, previous: Launched) -> Launched | None:
+        """The decode step after ``previous``, launched on its device tokens; None if the launch failed (the
+        caller then accepts ``previous`` and decodes as usual, which isolates a request at fault)."""
+        batch = previous.batch
+        try:
+            logits = self.runner.decode([r.seq for r in batch], previous.tokens)
+        except Exception as e:
+            log.warning("lazyrag: an async decode launch of %d requests failed (%r); decoding after the host has the tokens", len(batch), e)
+            return None
+        self.steps["decode"] += 1
+        return launch_tokens(batch, logits, self.runner.ops.greedy_tokens, prefill=False)
 
     def _forward_isolated(self, batch: list[Request], forward: Callable[[list[Request]], torch.Tensor]) -> tuple[list[Request], torch.Tensor]:
         """The requests whose forward pass ran and their logits ``[B', V]``. A failing batch runs again one
@@ -209,21 +276,29 @@ class Scheduler:
         done, rows = [], []
         for r in batch:
             try:
-                rows.append(forward([r])[0])
+                rows.append(forward([r])[0].clone())  # a captured graph's logits buffer is refilled by the next run
                 done.append(r)
             except Exception as e:
                 self._fail(r, e)
         return done, torch.stack(rows) if rows else None
 
-    def _accept(self, batch: list[Request], logits: torch.Tensor | None) -> None:
-        """Sample each request's next token (``logits`` [B, V]) and apply end of turn, stop strings and the length limit."""
-        if not batch:
-            return
-        greedy = self.runner.ops.argmax_rows(logits)  # one device sync for the whole batch
+    def _accept(self, launched: Launched) -> None:
+        """Read a launched step's tokens (sampling the rows that are not greedy) and apply end of turn, stop
+        strings and the length limit; rows of requests that ended meanwhile are dropped."""
+        live = [(i, r) for i, r in enumerate(launched.batch) if not r.done]
+        if not live:
+            return  # nothing to read: no need to wait for the device
+        if launched.ready is not None:
+            launched.ready.synchronize()
+        greedy = launched.host_tokens.tolist()
         now = self.clock()
-        for r, row, best in zip(batch, logits, greedy):
+        for i, r in live:
             try:
-                self._accept_one(r, row, best, now)
+                if launched.prefill and r.prompt_logits_only:
+                    r.prompt_logits = launched.logits[i].float().cpu()
+                    self._finish(r, "length")
+                else:
+                    self._accept_one(r, launched.logits[i], greedy[i], now)
             except Exception as e:  # e.g. a tokenizer that cannot decode the token: this request only
                 self._fail(r, e)
 

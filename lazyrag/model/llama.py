@@ -97,8 +97,8 @@ def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def argmax_rows(logits: torch.Tensor) -> list[int]:
-    return logits.argmax(-1).tolist()
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(-1)
 
 
 def rope_at(rope_cos: torch.Tensor, rope_sin: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
@@ -122,8 +122,8 @@ class ElementwiseOps:
     # rotate_qk and the pool write of the new K/V in one kernel (kernels/qkv.py), where Triton runs;
     # None: rotate_qk, then ``pool.write``
     rotate_qk_store: object = None
-    # each row's greedy token, ``[B, V]`` logits -> list of ints (one device sync for the batch)
-    argmax_rows: object = argmax_rows
+    # each row's greedy token, ``[B, V]`` logits -> ``[B]`` int64 on the same device (no host sync)
+    greedy_tokens: object = greedy_tokens
     # projections (of GEMV_LAYERS) that a one-token forward runs as a Triton GEMV (kernels/gemv.py), the
     # norm or silu*up before them folded into its prologue: one launch instead of two, and the weights
     # read at a GEMV's rate rather than a GEMM's small-tile one. Empty: elementwise kernel, then torch's GEMM.
@@ -142,7 +142,7 @@ class ElementwiseOps:
         from lazyrag.kernels import elementwise as E
 
         return replace(self, rms_norm=E.rms_norm, add_rms_norm=E.add_rms_norm, silu_mul=E.silu_mul,
-                       argmax_rows=E.argmax_rows)
+                       greedy_tokens=E.greedy_tokens)
 
     def with_fused_kv_store(self) -> "ElementwiseOps":
         from lazyrag.kernels.qkv import rotate_qk_store
