@@ -84,42 +84,76 @@ def profile_request(engine, layout, SamplingParams, top: int = 30) -> dict:
 
 
 def timeline(engine, layout, SamplingParams, reps: int = 10, decode_tokens: int = 64) -> dict:
-    """Where the time goes (medians, ms). TTFT of a lazy request: host time from its arrival to the graph
-    replay's launch, the replay's device time (its kernels and the gaps between them; CUDA events around the
-    input copy and the replay), and the rest (the argmax, the token's copy, the host waking up). Decode: wall
-    time per token against each step's replay device time."""
-    graphs = engine.runner.graphs
-    run, calls = graphs.run, []
+    """Where the time goes (medians, ms after the request's arrival, or durations). TTFT of a lazy request, host
+    marks: planning (``plan_start``/``plan_end``), building the batch (``batch_start``/``batch_end``), entering
+    and leaving the graph runner (``launch``/``launched``), the first token's stamp (``ttft``); device: the input
+    copy plus the replay (``graph_device``: kernels and the gaps between them, CUDA events), then the argmax and
+    the token's copy to the host (``tokens_device``). Decode: wall time per token against each step's replay."""
+    import lazyrag.engine.scheduler as sched_mod
+
+    graphs, runner = engine.runner.graphs, engine.runner
+    run, batch_fn, launch_tokens = graphs.run, runner._batch, sched_mod.launch_tokens
+    calls, marks, token_events = [], {}, []
+    clock = engine.scheduler.clock
 
     def timed_run(batch, *rest):
-        launch = engine.scheduler.clock()
+        marks.setdefault("launch", clock())
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         out = run(batch, *rest)
         end.record()
-        calls.append((batch.is_decode, launch, start, end))
+        marks.setdefault("launched", clock())
+        calls.append((batch.is_decode, start, end))
         return out
 
-    graphs.run = timed_run
+    def timed_batch(*a, **k):
+        marks.setdefault("batch_start", clock())
+        out = batch_fn(*a, **k)
+        marks.setdefault("batch_end", clock())
+        return out
+
+    def timed_launch_tokens(*a, **k):
+        out = launch_tokens(*a, **k)
+        done = torch.cuda.Event(enable_timing=True)
+        done.record()
+        token_events.append(done)
+        return out
+
+    graphs.run, runner._batch, sched_mod.launch_tokens = timed_run, timed_batch, timed_launch_tokens
     ttft, decode = [], []
     try:
         for i in range(reps + 2):
-            calls.clear()
+            calls.clear(), marks.clear(), token_events.clear()
             stream = engine.submit(layout, SamplingParams(max_new_tokens=1))
             r = stream.result()
-            _, launch, start, end = calls[-1]
+            t0 = stream.request.arrival
+            _, start, end = calls[-1]
             if i >= 2:
-                host, graph = 1e3 * (launch - stream.request.arrival), start.elapsed_time(end)
-                ttft.append({"ttft": 1e3 * r.ttft_s, "host_to_launch": host, "plan": 1e3 * r.stats.plan_s,
-                             "graph_device": graph, "after_graph": 1e3 * r.ttft_s - host - graph})
+                row = {k: 1e3 * (v - t0) for k, v in marks.items()}
+                row.update(plan_start=1e3 * r.stats.queue_s, plan_end=1e3 * (r.stats.queue_s + r.stats.plan_s), ttft=1e3 * r.ttft_s,
+                           graph_device=start.elapsed_time(end), tokens_device=end.elapsed_time(token_events[-1]))
+                ttft.append(row)
+        # the last prefill's graph replayed back to back (its inputs unchanged: it rewrites the same K/V into blocks
+        # its request gave back): device time without the host in between, so graph_device minus this is launch latency
+        prefill_graph = next(g for key, g in graphs.graphs.items() if not key[0])
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(20):
+            prefill_graph.graph.replay()
+        end.record()
+        end.synchronize()
+        back_to_back = start.elapsed_time(end) / 20
         for _ in range(3):
             calls.clear()
             r = engine.submit(layout, SamplingParams(max_new_tokens=decode_tokens)).result()
-            steps = [s.elapsed_time(e) for is_decode, _, s, e in calls if is_decode]
+            steps = [s.elapsed_time(e) for is_decode, s, e in calls if is_decode]
             decode.append({"wall_per_token": 1e3 * (r.total_s - r.ttft_s) / max(1, len(r.token_ids) - 1),
                            "graph_device_per_step": statistics.median(steps)})
     finally:
-        graphs.run = run
+        graphs.run, runner._batch, sched_mod.launch_tokens = run, batch_fn, launch_tokens
+    for row in ttft:
+        row["graph_back_to_back"] = back_to_back
     out = {}
     for name, rows in (("ttft", ttft), ("decode", decode)):
         out[name] = {k: round(statistics.median(x[k] for x in rows), 3) for k in rows[0]}
@@ -150,7 +184,7 @@ def main() -> int:
                          "'skinny=wqkv+wo+gate_up+down' or 'skinny=none' (which 2-64 token projections run as skinny Triton GEMMs), "
                          "'decode_merge' / 'prefill_merge' (split merge inside the attention kernel), 'prefill_config=BM:BN:W:S' / 'decode_config=BN:W:S:MAXNREG' and 'prefill_rot=R' / 'decode_rot=R' (the kernels' "
                          "config and rotation schedule forced), 'prefill_blas=cublas|cublaslt', 'elementwise=compiled' (torch.compile's "
-                         "norms and silu*up, not kernels/elementwise.py), 'sync' (no async scheduling), 'base' (no change); parts joined by '&' combine")
+                         "norms and silu*up, not kernels/elementwise.py), 'sync' (no async scheduling), 'prefill_partials=query_dtype' (the prefill's split partials in bf16), 'base' (no change); parts joined by '&' combine")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
 
@@ -291,6 +325,7 @@ def main() -> int:
             backend._prefill, backend._decode = kernels
             runner.short_prefill_blas = blas0
             engine.scheduler.async_scheduling = True
+            prefill_mod.PARTIALS_IN_QUERY_DTYPE = False
             torch.backends.cuda.preferred_blas_library("cublas")
 
         def setup(name):
@@ -320,6 +355,8 @@ def main() -> int:
                     backend._decode = functools.partial(backend._decode, fused_merge=True)
                 elif part == "prefill_merge":
                     backend._prefill = functools.partial(backend._prefill, fused_merge=True)
+                elif part == "prefill_partials=query_dtype":  # split partials of the prefill kernel in bf16
+                    prefill_mod.PARTIALS_IN_QUERY_DTYPE = True
                 elif part == "sync":  # each step's tokens read before the next step is launched (no async scheduling)
                     engine.scheduler.async_scheduling = False
                 elif part == "base":  # the engine as built, measured again among the variants
