@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from lazyrag.kernels.common import pack_block_runs_host
+from lazyrag.kernels.common import DELTA_BITS, PHYS_BITS, pack_block_runs_host
 from lazyrag.kernels.reference import apply_rotary
 from lazyrag.kv.block_pool import BlockPool, blocks_for
 from lazyrag.kv.cache import Segment
@@ -48,7 +48,11 @@ class SeqState:
         n = blocks_for(own_tokens, block_size)
         if not n:
             return self._context_meta
-        return np.concatenate((self._context_meta, pack_block_runs_host([(self.blocks[:n], 0, own_tokens)], block_size)))
+        own = np.asarray(self.blocks[:n], dtype=np.int64)
+        assert own.max() < (1 << 31), "block id out of range"
+        valid = np.full(n, block_size, dtype=np.int64)
+        valid[-1] = own_tokens - (n - 1) * block_size
+        return np.concatenate((self._context_meta, own | (valid << (PHYS_BITS + DELTA_BITS))))
 
 
 # H200, Llama-3.1-8B shapes at M = 64 (round 6, benchmarks/NOTES.md): cuBLASLt's GEMMs took 4.15 ms for the 32 layers and
