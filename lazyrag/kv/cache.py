@@ -41,7 +41,7 @@ def content_key(*parts) -> str:
     Token ids are hashed as packed int64 in native byte order (the bytes of ``array("q", ids)``,
     which the keys of stores on disk were made with): a 2k-token prompt hashes in microseconds,
     where formatting each id as text took about a millisecond. ``struct.pack`` packs a list
-    about twice as fast as ``array`` (a request's five 512-token chunks: ~50 µs less).
+    about twice as fast as ``array`` (a lazy request's six keys on the dev machine: 87 -> 59 µs).
     """
     h = hashlib.sha256()
     for p in parts:
