@@ -42,7 +42,7 @@ def main() -> int:
     one = SamplingParams(max_new_tokens=1)
     engine.submit(PromptLayout(prefix, docs, question), one).result()  # caches the documents
 
-    engine.runner._run = lambda batch, logits: torch.zeros(1, cfg.vocab_size)  # the model, stubbed out
+    engine.runner._run = lambda batch, logits, device_ids=None: torch.zeros(1, cfg.vocab_size)  # the model, stubbed out
     steps = {}
     for obj, name in [(engine, "add_request"), (engine.scheduler, "_plan"), (engine.runner, "_batch"),
                       (engine.scheduler, "_accept")]:

@@ -1,13 +1,14 @@
 """Runs the model over sequences whose context is a list of placed, cached segments."""
 from __future__ import annotations
 
+import itertools
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
 
-from lazyrag.kernels.common import PHYS_BITS, DELTA_BITS, pack_block_meta_host
+from lazyrag.kernels.common import PHYS_BITS, DELTA_BITS, pack_block_runs_host
 from lazyrag.kernels.reference import apply_rotary
 from lazyrag.kv.block_pool import BlockPool, blocks_for
 from lazyrag.kv.cache import Segment
@@ -39,17 +40,11 @@ class SeqState:
     def block_meta(self, block_size: int, own_tokens: int) -> np.ndarray:
         """(block, delta, valid) for every context block, then for the first ``own_tokens`` of its own,
         packed (kernels/common.py's layout) into an int64 array; the context part is packed once (the placed
-        context never changes while the sequence runs; numpy per placement: a 2.6k-token context is ~170 blocks)."""
+        context never changes while the sequence runs)."""
         if self._context_meta is None:
-            ids, deltas, valid = [], [], []
-            for p in self.context:
-                seg = p.segment
-                j = np.arange(p.first_block, len(seg.blocks), dtype=np.int64)
-                ids.append(np.asarray(seg.blocks[p.first_block:], dtype=np.int64))
-                deltas.append(np.full(len(j), p.delta, dtype=np.int64))
-                valid.append(np.minimum(block_size, seg.num_tokens - j * block_size))
-            self._context_meta = (pack_block_meta_host(np.concatenate(ids), np.concatenate(deltas), np.concatenate(valid))
-                                  if ids else np.zeros(0, dtype=np.int64))
+            self._context_meta = pack_block_runs_host(
+                [(p.segment.blocks[p.first_block:], p.delta, p.segment.num_tokens - p.first_block * block_size)
+                 for p in self.context], block_size)
         n = blocks_for(own_tokens, block_size)
         if not n:
             return self._context_meta
@@ -122,15 +117,12 @@ class ModelRunner:
                 i = s.num_written
                 slots.append(s.blocks[i // bs] * bs + i % bs)
                 positions.append(s.next_pos)
-            else:
-                idx = np.arange(s.num_written, s.num_written + n)
-                slots.extend((np.asarray(s.blocks, dtype=np.int64)[idx // bs] * bs + idx % bs).tolist())
-                positions.extend(range(s.next_pos, s.next_pos + n))
-        cu = np.zeros(len(seqs) + 1, dtype=np.int64)
-        cu[1:] = np.cumsum(new_counts)
+            else:  # a list comprehension, converted once below: for a prefill's few dozen slots, cheaper than numpy calls
+                slots += [s.blocks[i // bs] * bs + i % bs for i in range(s.num_written, s.num_written + n)]
+                positions += range(s.next_pos, s.next_pos + n)
         return HostBatch(is_decode, np.asarray(ids, dtype=np.int64), np.asarray(positions, dtype=np.int64),
                          np.asarray(slots, dtype=np.int64), [s.block_meta(bs, n) for s, n in zip(seqs, own_tokens)],
-                         cu, max(new_counts))
+                         np.array([0, *itertools.accumulate(new_counts)], dtype=np.int64), max(new_counts))
 
     def _runtime(self, meta: AttentionMetadata) -> Runtime:
         return Runtime(self.pool, meta, self.attention, self.rope_cos, self.rope_sin, self.rope_scaling, self.model.sm_scale, self.ops)

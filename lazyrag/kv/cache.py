@@ -19,8 +19,8 @@ in a background thread, ahead of the request that will need it.
 from __future__ import annotations
 
 import hashlib
-from array import array
 import logging
+import struct
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -38,12 +38,14 @@ log = logging.getLogger(__name__)
 def content_key(*parts) -> str:
     """sha256 over the parts (strings and token-id lists), for content addressing.
 
-    Token ids are hashed as packed int64 (``array.tobytes``): a 2k-token prompt hashes in
-    microseconds, where formatting each id as text took about a millisecond.
+    Token ids are hashed as packed int64 in native byte order (the bytes of ``array("q", ids)``,
+    which the keys of stores on disk were made with): a 2k-token prompt hashes in microseconds,
+    where formatting each id as text took about a millisecond. ``struct.pack`` packs a list
+    about twice as fast as ``array`` (a lazy request's six keys on the dev machine: 87 -> 59 µs).
     """
     h = hashlib.sha256()
     for p in parts:
-        data = p.encode() if isinstance(p, str) else array("q", p).tobytes()
+        data = p.encode() if isinstance(p, str) else struct.pack(f"={len(p)}q", *p)
         h.update(len(data).to_bytes(8, "little"))
         h.update(data)
     return h.hexdigest()
