@@ -140,7 +140,8 @@ def timeline(engine, layout, SamplingParams, reps: int = 10, decode_tokens: int 
         torch.cuda.synchronize()
         start.record()
         for _ in range(20):
-            prefill_graph.graph.replay()
+            for graph in prefill_graph.graphs:
+                graph.replay()
         end.record()
         end.synchronize()
         back_to_back = start.elapsed_time(end) / 20
@@ -182,9 +183,12 @@ def main() -> int:
                          "'prefill_splits=N', 'decode_splits=N' (the attention kernels' split count forced), "
                          "'gemv=none' or 'gemv=wqkv+wo' (which one-token projections run as fused GEMVs), "
                          "'skinny=wqkv+wo+gate_up+down' or 'skinny=none' (which 2-64 token projections run as skinny Triton GEMMs), "
-                         "'decode_merge' / 'prefill_merge' (split merge inside the attention kernel), 'prefill_config=BM:BN:W:S' / 'decode_config=BN:W:S:MAXNREG' and 'prefill_rot=R' / 'decode_rot=R' (the kernels' "
-                         "config and rotation schedule forced), 'prefill_blas=cublas|cublaslt', 'elementwise=compiled' (torch.compile's "
-                         "norms and silu*up, not kernels/elementwise.py), 'sync' (no async scheduling), 'prefill_partials=query_dtype' (the prefill's split partials in bf16), 'base' (no change); parts joined by '&' combine")
+                         "'decode_merge' / 'prefill_merge' (split merge inside the attention kernel), 'prefill_config=BM:BN:W:S' / "
+                         "'decode_config=BN:W:S:MAXNREG' and 'prefill_rot=R' / 'decode_rot=R' (the kernels' config and rotation "
+                         "schedule forced), 'prefill_blas=cublas|cublaslt', 'wo_blas=cublas' (a prefill's wo GEMM alone through "
+                         "that library), 'elementwise=compiled' (torch.compile's norms and silu*up, not kernels/elementwise.py), "
+                         "'sync' (no async scheduling), 'graph_stages=none' or 'graph_stages=1+8' (layers of a forward's CUDA "
+                         "graphs but the last), 'base' (no change); parts joined by '&' combine")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
 
@@ -315,6 +319,8 @@ def main() -> int:
 
         import functools
 
+        from lazyrag.engine.cuda_graphs import STAGE_LAYERS
+
         runner, ab = engine.runner, {}
         fused_ops, backend = runner.ops, runner.attention
         kernels = (backend._prefill, backend._decode)
@@ -325,7 +331,7 @@ def main() -> int:
             backend._prefill, backend._decode = kernels
             runner.short_prefill_blas = blas0
             engine.scheduler.async_scheduling = True
-            prefill_mod.PARTIALS_IN_QUERY_DTYPE = False
+            runner.graphs.stage_layers = STAGE_LAYERS
             torch.backends.cuda.preferred_blas_library("cublas")
 
         def setup(name):
@@ -355,8 +361,23 @@ def main() -> int:
                     backend._decode = functools.partial(backend._decode, fused_merge=True)
                 elif part == "prefill_merge":
                     backend._prefill = functools.partial(backend._prefill, fused_merge=True)
-                elif part == "prefill_partials=query_dtype":  # split partials of the prefill kernel in bf16
-                    prefill_mod.PARTIALS_IN_QUERY_DTYPE = True
+                elif key == "wo_blas":  # a prefill's wo GEMM through this BLAS library, the other GEMMs as before
+                    import dataclasses
+
+                    from lazyrag.engine.runner import blas_library
+
+                    base_gemm, lib = type(runner.ops)._gemm, value
+
+                    class WoBlasOps(type(runner.ops)):
+                        def _gemm(self, name, x, linear):
+                            if name == "wo" and x.shape[0] > 1:
+                                with blas_library(lib):
+                                    return base_gemm(self, name, x, linear)
+                            return base_gemm(self, name, x, linear)
+
+                    runner.ops = WoBlasOps(**{f.name: getattr(runner.ops, f.name) for f in dataclasses.fields(runner.ops)})
+                elif key == "graph_stages":  # layers per captured graph but the last: '1+8', or 'none' (one graph)
+                    runner.graphs.stage_layers = () if value == "none" else tuple(int(v) for v in value.split("+"))
                 elif part == "sync":  # each step's tokens read before the next step is launched (no async scheduling)
                     engine.scheduler.async_scheduling = False
                 elif part == "base":  # the engine as built, measured again among the variants

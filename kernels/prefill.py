@@ -110,7 +110,7 @@ def _lazy_prefill_kernel(
 
     o_off = (seq_start + tok).to(tl.int64) * stride_ot + head * stride_oh
     if SPLIT:
-        # partials [Tq, Hq, NUM_SPLITS, (D | 2)] (acc in PART_ACC's dtype), merged by merge_splits_kernel, or (MERGE) by the
+        # partials [Tq, Hq, NUM_SPLITS, (D | 2)] in fp32, merged by merge_splits_kernel, or (MERGE) by the
         # last split program of this (sequence, query tile, KV head) to finish
         part = ((seq_start + tok).to(tl.int64) * Hq + head) * NUM_SPLITS + split
         tl.store(PART_ACC + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=q_mask)
@@ -140,8 +140,6 @@ DEFAULT_CONFIG = (128, 128, 8, 2)
 DEFAULT_ROTATION_MODE = 2
 # split partials merged by the last split program (kvloop.last_split_merges) instead of a second launch
 DEFAULT_FUSED_MERGE = False
-# the split partials' accumulators in fp32, or (True) in the query's dtype: half the bytes written and merged in bf16
-PARTIALS_IN_QUERY_DTYPE = False
 
 
 def _auto_prefill_splits(n_programs: int, max_ctx_tiles: int, device: torch.device) -> int:
@@ -244,8 +242,7 @@ def lazy_prefill(
         n_q_tiles = triton.cdiv(max_seqlen_q, bm // G)
         grid = (n_q_tiles * splits, Hkv, B)
         if splits > 1:
-            acc_dtype = q.dtype if PARTIALS_IN_QUERY_DTYPE else torch.float32
-            part_acc = workspace.get("prefill_acc", (Tq, Hq, splits, D), acc_dtype, q.device)
+            part_acc = workspace.get("prefill_acc", (Tq, Hq, splits, D), torch.float32, q.device)
             part_ml = workspace.get("prefill_ml", (Tq, Hq, splits, 2), torch.float32, q.device)
         else:
             part_acc = part_ml = out  # unused
