@@ -7,6 +7,10 @@ recorded just before it to one just after (the device waits for the launch); the
 staged graphs (13, 84, 240 nodes), as the engine replays it.
 
     python benchmarks/graph_launch.py --out benchmarks/results/graph_launch_h200.json
+
+``--engine``: also the engine's own prefill graphs (Llama-3.1-8B shapes, random weights, the e2e prompt), each
+part of ``GraphRunner.run`` timed on the host with the device idle: waiting for the previous copy, filling the
+staging buffer, the copy, each stage's replay.
 """
 from __future__ import annotations
 
@@ -55,10 +59,72 @@ def time_replays(graphs: list[torch.cuda.CUDAGraph], reps: int) -> dict:
             "back_to_back_us": round(back, 1), "start_latency_us": round(dev - back, 1)}
 
 
+def engine_replay_parts(reps: int) -> dict:
+    """Medians (µs, host) of each part of the engine's prefill ``GraphRunner.run`` for the e2e prompt."""
+    import random
+
+    from transformers import LlamaForCausalLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from e2e_gpu import llama31_8b_config
+
+    from lazyrag.engine import LazyEngine, SamplingParams
+    from lazyrag.prompt import PromptLayout
+
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        hf = LlamaForCausalLM(llama31_8b_config()).eval()
+    torch.set_default_dtype(torch.float32)
+    engine = LazyEngine.from_hf(hf, None, device="cuda", dtype=torch.bfloat16, kv_budget=8 << 30)
+    del hf
+    rng = random.Random(0)
+    ids = lambda n: [rng.randrange(1000, 120000) for _ in range(n)]  # noqa: E731
+    layout = PromptLayout(ids(32), [ids(512) for _ in range(5)], ids(64))
+    graphs, batches = engine.runner.graphs, []
+    run = graphs.run
+
+    def keep_batch(batch, *rest):
+        batches.append(batch)
+        return run(batch, *rest)
+
+    graphs.run = keep_batch
+    for _ in range(3):
+        engine.submit(layout, SamplingParams(max_new_tokens=1)).result()
+    graphs.run = run
+    batch = batches[-1]
+    g = next(g for key, g in graphs.graphs.items() if not key[0])
+    parts = {k: [] for k in ("copied_synchronize", "fill", "copy", "replays", "whole_run")}
+    clock = time.perf_counter
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = clock()
+        g.copied.synchronize()
+        t1 = clock()
+        batch.fill(g.host_np, *g.shape, graphs.scratch_slot)
+        t2 = clock()
+        g.dev.copy_(g.host, non_blocking=True)
+        g.copied.record()
+        t3 = clock()
+        for graph in g.graphs:
+            graph.replay()
+        t4 = clock()
+        torch.cuda.synchronize()
+        t5 = clock()
+        run(batch)
+        t6 = clock()
+        for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t6 - t5)):
+            parts[k].append(1e6 * v)
+    med = {k: round(statistics.median(v), 1) for k, v in parts.items()}
+    print("engine prefill replay, host µs: " + ", ".join(f"{k} {v}" for k, v in med.items()))
+    return med
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/graph_launch_h200.json"))
+    ap.add_argument("--engine", action="store_true", help="also time the parts of the 8B engine's prefill graph replay")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     x = torch.zeros(1 << 10, device="cuda")
@@ -70,9 +136,12 @@ def main() -> int:
     print(f"{'graphs':<40}{'host µs':>10}{'device µs':>12}{'back to back':>14}{'start latency':>15}")
     for name, r in rows.items():
         print(f"{name:<40}{r['host_us']:>10}{r['device_us']:>12}{r['back_to_back_us']:>14}{r['start_latency_us']:>15}")
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "command": "python " + " ".join(sys.argv),
+           "rows": rows}
+    if args.engine:
+        out["engine_prefill_replay_us"] = engine_replay_parts(args.reps)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                    "command": "python " + " ".join(sys.argv), "rows": rows}, indent=2))
+    args.out.write_text(json.dumps(out, indent=2))
     return 0
 
 
