@@ -2,15 +2,16 @@
 
 For each n: the host time of ``graph.replay()`` with the device idle; the replay's device time from an event
 recorded just before it to one just after (the device waits for the launch); the same graph replayed back to back
-(the device never waits). Their difference is the start latency a lone request pays (round 7's TTFT timeline read
-0.13-0.21 ms for the engine's first stage). Also n = 337 (the 8B prefill's node count) as one graph and as three
-staged graphs (13, 84, 240 nodes), as the engine replays it.
+(the device never waits). Their difference is the start latency a lone request pays. Also n = 337 (the 8B prefill's
+node count) as one graph and as three graphs (13, 84, 240 nodes): round 7 tried capturing a forward in such stages,
+after a TTFT timeline taken with torch.profiler run before it in the same process (whose launches it slows) had read
+0.6 ms to launch the prefill graph; without the profiler there was nothing to win (benchmarks/NOTES.md).
 
     python benchmarks/graph_launch.py --out benchmarks/results/graph_launch_h200.json
 
-``--engine``: also the engine's own prefill graphs (Llama-3.1-8B shapes, random weights, the e2e prompt), each
+``--engine``: also the engine's own prefill graph (Llama-3.1-8B shapes, random weights, the e2e prompt), each
 part of ``GraphRunner.run`` timed on the host with the device idle: waiting for the previous copy, filling the
-staging buffer, the copy, each stage's replay.
+staging buffer, the copy, the replay; and the replay's device time.
 """
 from __future__ import annotations
 
@@ -109,8 +110,7 @@ def engine_replay_parts(reps: int) -> dict:
             t3 = clock()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            for graph in g.graphs:
-                graph.replay()
+            g.graph.replay()
             end.record()
             t4 = clock()
             torch.cuda.synchronize()

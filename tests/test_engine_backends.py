@@ -99,32 +99,16 @@ def test_reuse_at_new_position_runs_only_the_question(case):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("stage_layers", [(1, 8), ()])
-def test_cuda_graph_decode_matches_eager(hf_model, stage_layers):
-    """A forward replayed from CUDA graphs, captured in stages over layer ranges (default: the first layer,
-    then the next 8, then the rest) or as one graph, gives the eager forward's tokens."""
+def test_cuda_graph_decode_matches_eager(hf_model):
     layout = random_layout(5)
     params = SamplingParams(max_new_tokens=12)
     graphs = LazyEngine.from_hf(hf_model, None, device="cuda", dtype=torch.float32, kv_budget=32 << 20)
-    graphs.runner.graphs.stage_layers = stage_layers
     eager = LazyEngine.from_hf(hf_model, None, device="cuda", dtype=torch.float32, kv_budget=32 << 20, cuda_graphs=False)
     assert graphs.runner.graphs is not None and eager.runner.graphs is None
     a = graphs.submit(layout, params).result()
     b = eager.submit(layout, params).result()
     assert a.token_ids == b.token_ids
-    captured = graphs.runner.graphs.graphs
-    assert captured and all(len(g.graphs) == (2 if stage_layers else 1) for g in captured.values())  # 2 layers
-
-
-def test_graph_stages_cover_the_layers_in_order():
-    from lazyrag.engine.cuda_graphs import stage_bounds
-
-    assert stage_bounds(32, (1, 8)) == [(0, 1), (1, 9), (9, 32)]
-    assert stage_bounds(9, (1, 8)) == [(0, 1), (1, 9)]  # a stage that would leave none for the last is the last
-    assert stage_bounds(2, (1, 8)) == [(0, 1), (1, 2)]
-    assert stage_bounds(1, (1, 8)) == [(0, 1)]
-    assert stage_bounds(5, ()) == [(0, 5)]
-    assert stage_bounds(0, (1, 8)) == [(0, 0)]
+    assert graphs.runner.graphs.graphs  # something was captured and replayed
 
 
 @pytest.mark.gpu

@@ -5,19 +5,10 @@ replaying a captured graph removes their launch cost. Inputs live in one static 
 each replay refills with one copy; shapes are padded up to buckets. Padding tokens write their K/V to a
 scratch block that no sequence reads, and padded batch rows have no context, so neither
 touches real results.
-
-A forward is captured as a few graphs over consecutive layer ranges, replayed one after the other.
-Launching a graph costs the host time in proportion to its nodes, and the device starts on a graph
-only once it is launched: on the H200 one graph of an 8B model's 337-node prefill took 0.62 ms to
-launch, 0.44 ms of which the idle device waited (round 7, benchmarks/NOTES.md). With a first graph
-of one layer the device starts after a few dozen µs and each later graph is launched while the
-earlier ones run; each stage may hold ~9x the layers of the stages before it (a layer's launch is
-~1/9 of its device time) before the device would wait again.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -32,25 +23,9 @@ def _bucket(n: int, smallest: int) -> int:
     return b
 
 
-# layers in each stage but the last (which takes the rest); () captures a forward as one graph
-STAGE_LAYERS = (1, 8)
-
-
-def stage_bounds(num_layers: int, stage_layers: tuple[int, ...]) -> list[tuple[int, int]]:
-    """Consecutive (start, end) layer ranges: ``stage_layers`` while they leave layers for a last stage."""
-    bounds, start = [], 0
-    for n in stage_layers:
-        if start + n >= num_layers:
-            break
-        bounds.append((start, start + n))
-        start += n
-    return bounds + [(start, num_layers)]
-
-
 @dataclass
 class _Graph:
-    graphs: list[torch.cuda.CUDAGraph]  # one per stage, replayed in order
-    stages: Iterator  # the finished capture: keeps the tensors that pass between stages alive
+    graph: torch.cuda.CUDAGraph
     host: torch.Tensor  # pinned staging buffer: the step's inputs, laid out by HostBatch.fill
     host_np: np.ndarray  # the same memory, for numpy
     dev: torch.Tensor  # the static device buffer the graph reads (ids, positions, metadata)
@@ -61,15 +36,12 @@ class _Graph:
 
 
 class GraphRunner:
-    """Captures ``last_logits_in_stages(ids, positions, meta, bounds)`` (forward + each sequence's last-token
-    logits, in stages over layer ranges) lazily per shape bucket and replays it. A replay's inputs (token
-    ids, positions, slots and block metadata) go to the device in one copy from a pinned buffer: no kernel
-    refills them."""
+    """Captures ``last_logits(ids, positions, meta)`` (forward + each sequence's last-token logits)
+    lazily per shape bucket and replays it. A replay's inputs (token ids, positions, slots and block
+    metadata) go to the device in one copy from a pinned buffer: no kernel refills them."""
 
-    def __init__(self, last_logits_in_stages, num_layers: int, scratch_slot: int, device: torch.device,
-                 max_tokens: int = 512):
-        self.last_logits_in_stages, self.num_layers = last_logits_in_stages, num_layers
-        self.stage_layers = STAGE_LAYERS
+    def __init__(self, last_logits, scratch_slot: int, device: torch.device, max_tokens: int = 512):
+        self.last_logits = last_logits
         self.scratch_slot, self.device, self.max_tokens = scratch_slot, device, max_tokens
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple, _Graph] = {}
@@ -98,25 +70,20 @@ class GraphRunner:
         empty.fill(host_np, tokens, batch, width, self.scratch_slot)
         dev = host.to(self.device)
         ids, positions, meta = HostBatch.views(dev, tokens, batch, width, is_decode, 1 if is_decode else tokens)
-        bounds = stage_bounds(self.num_layers, self.stage_layers)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up: compiles and tunes the kernels outside the capture
             for _ in range(2):
                 meta.kernel_cache.clear()
-                for _ in self.last_logits_in_stages(ids, positions, meta, bounds):
-                    pass
+                self.last_logits(ids, positions, meta)
         torch.cuda.current_stream().wait_stream(stream)
         meta.kernel_cache.clear()
-        stages = self.last_logits_in_stages(ids, positions, meta, bounds)
-        graphs = []
-        for _ in bounds:
-            graphs.append(torch.cuda.CUDAGraph())
-            with torch.cuda.graph(graphs[-1], pool=self.pool):
-                logits = next(stages)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self.last_logits(ids, positions, meta)
         copied = torch.cuda.Event()
         copied.record()
-        return _Graph(graphs, stages, host, host_np, dev, ids, copied, logits, (tokens, batch, width))
+        return _Graph(graph, host, host_np, dev, ids, copied, logits, (tokens, batch, width))
 
     @torch.inference_mode()
     def run(self, batch: HostBatch, device_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -135,6 +102,5 @@ class GraphRunner:
         g.copied.record()
         if device_ids is not None:
             g.ids[:n].copy_(device_ids)
-        for graph in g.graphs:
-            graph.replay()
+        g.graph.replay()
         return g.logits[:b]

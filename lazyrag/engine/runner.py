@@ -4,7 +4,6 @@ from __future__ import annotations
 import itertools
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -106,8 +105,7 @@ class ModelRunner:
     def enable_cuda_graphs(self, scratch_block: int) -> None:
         from lazyrag.engine.cuda_graphs import GraphRunner
 
-        self.graphs = GraphRunner(self._last_logits_in_stages, self.model.args.num_layers,
-                                  scratch_block * self.pool.shape.block_size, self.device)
+        self.graphs = GraphRunner(self._last_logits, scratch_block * self.pool.shape.block_size, self.device)
 
     def _batch(self, seqs: list[SeqState], own_tokens: list[int], ids: list[int], new_counts: list[int],
                is_decode: bool) -> HostBatch:
@@ -130,22 +128,9 @@ class ModelRunner:
         return Runtime(self.pool, meta, self.attention, self.rope_cos, self.rope_sin, self.rope_scaling, self.model.sm_scale, self.ops)
 
     def _last_logits(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Logits ``[B, V]`` of each sequence's last new token."""
-        *_, logits = self._last_logits_in_stages(ids, positions, meta, [(0, self.model.args.num_layers)])
-        return logits
-
-    def _last_logits_in_stages(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                               stages: list[tuple[int, int]]) -> Iterator[torch.Tensor | None]:
-        """``_last_logits`` in stages over consecutive layer ranges (what CUDA graphs capture, one graph a
-        stage): yields None after each stage but the last, then the logits ``[B, V]``."""
-        rt = self._runtime(meta)
-        state = self.model.embed_tokens(ids, positions, rt)
-        for i, (start, end) in enumerate(stages):
-            state = self.model.run_layers(state, rt, start, end)
-            if i < len(stages) - 1:
-                yield None
-        hidden = self.model.final_norm(state, rt)
-        yield self.model.logits(hidden.index_select(0, meta.cu_seqlens_q[1:].long() - 1))
+        """Logits ``[B, V]`` of each sequence's last new token (what a CUDA graph captures, too)."""
+        hidden = self.model(ids, positions, self._runtime(meta))
+        return self.model.logits(hidden.index_select(0, meta.cu_seqlens_q[1:].long() - 1))
 
     def _forward(self, batch: HostBatch, logits: bool, device_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """Logits ``[B, V]`` of each sequence's last new token (or None); K/V of every new token is written.

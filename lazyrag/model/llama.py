@@ -294,26 +294,11 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, rt: Runtime) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, H] (new K/V written into the pool)."""
-        state = self.embed_tokens(input_ids, positions, rt)
-        return self.final_norm(self.run_layers(state, rt, 0, len(self.layers)), rt)
-
-    # the forward in parts, for CUDA graphs captured over layer ranges (engine/cuda_graphs.py); a state is
-    # (x, residual, cos, sin): the last layer's output, the residual stream before it (None before layer 0),
-    # and the tokens' rotation
-
-    def embed_tokens(self, input_ids: torch.Tensor, positions: torch.Tensor, rt: Runtime) -> tuple:
         x = self.embed(input_ids)  # [T, H]
         cos, sin = rope_at(rt.rope_cos, rt.rope_sin, positions, x.dtype)  # cast once for all layers
-        return x, None, cos, sin
-
-    def run_layers(self, state: tuple, rt: Runtime, start: int, end: int) -> tuple:
-        x, residual, cos, sin = state
-        for block in self.layers[start:end]:
+        residual = None
+        for block in self.layers:
             x, residual = block(x, residual, cos, sin, rt)
-        return x, residual, cos, sin
-
-    def final_norm(self, state: tuple, rt: Runtime) -> torch.Tensor:
-        x, residual, _, _ = state
         if residual is None:  # no layers
             return rt.ops.rms_norm(x, self.norm.weight, self.norm.eps)
         return rt.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[1]
