@@ -307,14 +307,6 @@ def main() -> int:
         args.out.write_text(json.dumps({**res, **early, "partial": True}, indent=2))
 
     write_partial()
-    if args.profile:  # the engine as built, before any A/B variant recaptures its graphs
-        # the timeline first: after torch.profiler has run, kernel and graph launches stay slower in this process
-        # (round 7: a prefill graph's launch read 0.4-0.9 ms of host time there, 0.06 ms without a profiler before it)
-        line = timeline(engine, PromptLayout(prefix, docs[::-1], question), SamplingParams)
-        res["profile"] = profile_request(engine, PromptLayout(prefix, docs[::-1], question), SamplingParams)
-        res["profile"]["timeline"] = line
-        write_partial()
-
     if args.ab and res["cuda_graphs"]:
         from dataclasses import replace as dc_replace
 
@@ -402,6 +394,13 @@ def main() -> int:
         reset()
         runner.graphs.clear()
         res["ab"] = ab
+
+    # last, on the engine as built: once torch.profiler has run, launches stay slower in this process (round 7: a
+    # prefill graph's launch read 0.4-0.9 ms of host time after it, 0.06 ms without it), so nothing is timed after it
+    if args.profile:
+        line = timeline(engine, PromptLayout(prefix, docs[::-1], question), SamplingParams) if res["cuda_graphs"] else None
+        res["profile"] = profile_request(engine, PromptLayout(prefix, docs[::-1], question), SamplingParams)
+        res["profile"]["timeline"] = line
 
     med = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
     res.update({
