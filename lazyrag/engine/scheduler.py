@@ -55,19 +55,18 @@ class Launched:
     tokens: torch.Tensor  # [B] int64: each row's greedy token, on the device
     host_tokens: torch.Tensor  # [B] the same, in host memory once ``ready`` has completed
     ready: torch.cuda.Event | None  # None: computed synchronously (CPU)
-    prefill: bool
 
 
-def launch_tokens(batch: list[Request], logits: torch.Tensor, greedy_tokens, prefill: bool) -> Launched:
+def launch_tokens(batch: list[Request], logits: torch.Tensor, greedy_tokens) -> Launched:
     """Queue each row's greedy token and its copy to the host (pinned memory, one event), without waiting."""
     tokens = greedy_tokens(logits)  # [B] on the device
     if not tokens.is_cuda:
-        return Launched(batch, logits, tokens, tokens, None, prefill)
+        return Launched(batch, logits, tokens, tokens, None)
     host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
     host.copy_(tokens, non_blocking=True)
     ready = torch.cuda.Event()
     ready.record()
-    return Launched(batch, logits, tokens, host, ready, prefill)
+    return Launched(batch, logits, tokens, host, ready)
 
 
 class Scheduler:
@@ -235,13 +234,13 @@ class Scheduler:
             if not kept:
                 return None
             logits = logits[torch.tensor(kept, dtype=torch.long, device=logits.device)]
-        return launch_tokens([done[i] for i in kept], logits, self.runner.ops.greedy_tokens, prefill=True)
+        return launch_tokens([done[i] for i in kept], logits, self.runner.ops.greedy_tokens)
 
     def _decode(self) -> Launched | None:
         batch = list(self.running)
         done, logits = self._forward_isolated(batch, lambda rs: self.runner.decode([r.seq for r in rs], [r.last_token for r in rs]))
         self.steps["decode"] += 1
-        return launch_tokens(done, logits, self.runner.ops.greedy_tokens, prefill=False) if done else None
+        return launch_tokens(done, logits, self.runner.ops.greedy_tokens) if done else None
 
     def _can_chain(self, previous: Launched) -> bool:
         """Whether the next step is a decode of exactly ``previous``'s rows, each sure to want another token
@@ -261,7 +260,7 @@ class Scheduler:
             log.warning("lazyrag: an async decode launch of %d requests failed (%r); decoding after the host has the tokens", len(batch), e)
             return None
         self.steps["decode"] += 1
-        return launch_tokens(batch, logits, self.runner.ops.greedy_tokens, prefill=False)
+        return launch_tokens(batch, logits, self.runner.ops.greedy_tokens)
 
     def _forward_isolated(self, batch: list[Request], forward: Callable[[list[Request]], torch.Tensor]) -> tuple[list[Request], torch.Tensor]:
         """The requests whose forward pass ran and their logits ``[B', V]``. A failing batch runs again one
@@ -294,7 +293,7 @@ class Scheduler:
         now = self.clock()
         for i, r in live:
             try:
-                if launched.prefill and r.prompt_logits_only:
+                if r.prompt_logits_only:  # only ever in a prefill: it never joins the running batch
                     r.prompt_logits = launched.logits[i].float().cpu()
                     self._finish(r, "length")
                 else:
