@@ -186,6 +186,7 @@ def main() -> int:
                          "'decode_config=BN:W:S:MAXNREG' and 'prefill_rot=R' / 'decode_rot=R' (the kernels' config and rotation "
                          "schedule forced), 'prefill_blas=cublas|cublaslt', 'wo_blas=cublas' (a prefill's wo GEMM alone through "
                          "that library), 'elementwise=compiled' (torch.compile's norms and silu*up, not kernels/elementwise.py), "
+                         "'merge=ROWS:WARPS' (the split merge's rows per program and warps), "
                          "'sync' (no async scheduling), 'base' (no change); parts joined by '&' combine")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
@@ -316,8 +317,11 @@ def main() -> int:
         fused_ops, backend = runner.ops, runner.attention
         kernels = (backend._prefill, backend._decode)
         blas0 = runner.short_prefill_blas
+        from lazyrag.kernels import kvloop
+        merge0 = (kvloop.MERGE_ROWS, kvloop.MERGE_WARPS)
 
         def reset():
+            kvloop.MERGE_ROWS, kvloop.MERGE_WARPS = merge0
             runner.ops = fused_ops
             backend._prefill, backend._decode = kernels
             runner.short_prefill_blas = blas0
@@ -366,6 +370,8 @@ def main() -> int:
                             return base_gemm(self, name, x, linear)
 
                     runner.ops = WoBlasOps(**{f.name: getattr(runner.ops, f.name) for f in dataclasses.fields(runner.ops)})
+                elif key == "merge":  # the split merge's rows per program and warps, e.g. merge=4:4
+                    kvloop.MERGE_ROWS, kvloop.MERGE_WARPS = (int(x) for x in value.split(":"))
                 elif part == "sync":  # each step's tokens read before the next step is launched (no async scheduling)
                     engine.scheduler.async_scheduling = False
                 elif part == "base":  # the engine as built, measured again among the variants

@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
 
@@ -29,7 +30,7 @@ import triton
 from lazyrag.kernels import decode as decode_mod
 from lazyrag.kernels import prefill as prefill_mod
 from lazyrag.kernels.decode import lazy_decode
-from lazyrag.kernels.kvloop import kernel_resources, last_launch, tile_table
+from lazyrag.kernels.kvloop import kernel_resources, last_launch, merge_splits, tile_table
 from lazyrag.kernels.prefill import lazy_prefill
 from lazyrag.kernels.common import pack_block_meta, unpack_block_meta
 from lazyrag.kernels.reference import apply_rotary, lazy_decode_reference, lazy_prefill_reference, rope_tables
@@ -38,6 +39,8 @@ HQ, HKV, D, BS = 32, 8, 128, 16
 DT = torch.bfloat16
 MAX_POS = 1 << 16
 L2_BYTES = 60 * 2**20
+LAYERS = 32  # Llama-3.1-8B: one tile table per forward pass serves this many attention calls
+ROUNDS = 5  # alternating timing rounds per compared set (paired_graph_ms)
 
 
 def bench(fn):
@@ -96,22 +99,55 @@ def copy_bandwidth(dev):
     return 2 * x.numel() * 2 / (ms * 1e-3) / 1e12  # TB/s, read + write
 
 
-def graph_ms(fn, calls=1):
-    """Median ms of one call replayed from a CUDA graph holding ``calls`` calls."""
+def share_tables(cache):
+    """Let CUDA-graph captures use the tile tables already built for this block table. A forward pass of the
+    engine builds one table and every layer's attention reads it; replaying the build with each timed call would
+    charge one layer the whole forward's table (its device time is reported on its own, and a 1/LAYERS share is
+    added to the overhead)."""
+    if cache is not None:
+        for (pages, capturing), v in list(cache.items()):
+            if not capturing:
+                cache[(pages, True)] = v
+
+
+def capture(fn, calls=1, cache=None):
     fn()
     torch.cuda.synchronize()
+    share_tables(cache)
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         for _ in range(calls):
             fn()
+    return g
+
+
+def graph_ms(fn, calls=1, cache=None):
+    """Median ms of one call replayed from a CUDA graph holding ``calls`` calls."""
+    g = capture(fn, calls, cache)
     ms = bench(g.replay) / calls
     del g
     return ms
 
 
-def timings(fn, calls=1):
-    """(eager ms, eager ms again, graph ms): two eager medians give the run-to-run spread."""
-    return bench(fn), bench(fn), graph_ms(fn, calls)
+def paired_graph_ms(fns, calls=1, cache=None, rounds=ROUNDS):
+    """Device ms of each of ``fns`` (CUDA graphs), timed in alternating rounds (A B C A B C ...) so that drift
+    (clocks, temperature, the machine's other tenants) hits every variant alike: (median ms of each, median over
+    rounds of each one's ratio to the first). A difference under the rounds' spread is noise."""
+    graphs = [capture(fn, calls, cache) for fn in fns]
+    per = [[] for _ in fns]
+    for _ in range(rounds):
+        for g, p in zip(graphs, per):
+            p.append(triton.testing.do_bench(g.replay, warmup=10, rep=40, return_mode="median") / calls)
+    del graphs
+    med = [statistics.median(p) for p in per]
+    ratio = [statistics.median(a / b for a, b in zip(p, per[0])) for p in per]
+    spread = [(max(p) - min(p)) / statistics.median(p) for p in per]
+    return med, ratio, spread
+
+
+def table_graph_ms(meta, nblk, pages):
+    """Device time of one tile-table build (what a forward pass pays once for all its layers)."""
+    return graph_ms(lambda: tile_table(meta, nblk, pages))
 
 
 def launch_info(kind):
@@ -171,25 +207,29 @@ def run_prefill(gen, dev, cos, sin, batch, ctx, n_docs, n_new):
     from torch.nn.attention.bias import causal_lower_right
     mask = causal_lower_right(n_new, ks.shape[2])
     sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=c.scale)  # noqa
+    lazy_e = (bench(c.lazy()), bench(c.lazy()))
+    info = launch_info("prefill")
+    off_e = (bench(c.off()), bench(c.off()))
+    info_off = launch_info("prefill")
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION if dev.type == "cuda" else SDPBackend.MATH):
         sdpa_err = rel(sdpa().transpose(1, 2).reshape(-1, HQ, D), out)
-        t_sdpa = timings(sdpa)
+        sdpa_e = (bench(sdpa), bench(sdpa))
+        (of_g, lz_g, sd_g), (_, ratio, _), spread = paired_graph_ms([c.off(), c.lazy(), sdpa], cache=c.cache)
     del ks, vs, kc, vc
-    t_lazy = timings(c.lazy())
-    info = launch_info("prefill")
-    t_off = timings(c.off())
-    info_off = launch_info("prefill")
-    t_ns = timings(c.lazy(num_splits=1)) if info["splits"] > 1 else None
-    table_ms = bench(lambda: tile_table(c.meta, c.nblk, info_pages(info)))
+    ns_g = graph_ms(c.lazy(num_splits=1), cache=c.cache) if info["splits"] > 1 else None
+    table_ms = table_graph_ms(c.meta, c.nblk, info_pages(info))
+    lz_fwd = lz_g + table_ms / LAYERS  # the kernel plus its share of the forward's one tile table
     fl = c.flops()
-    lz, of, sd = min(t_lazy[:2]), min(t_off[:2]), min(t_sdpa[:2])
+    lz, of, sd = min(lazy_e), min(off_e), min(sdpa_e)
     return dict(kind="prefill", batch=batch, ctx=ctx, docs=n_docs, new=n_new, err=err, err_off=err_off,
-                err_sdpa=sdpa_err, ms_lazy=lz, ms_off=of, ms_sdpa=sd, ms_lazy_runs=t_lazy[:2], ms_off_runs=t_off[:2],
-                ms_sdpa_runs=t_sdpa[:2], ms_lazy_graph=t_lazy[2], ms_off_graph=t_off[2], ms_sdpa_graph=t_sdpa[2],
-                ms_lazy_nosplit=t_ns and min(t_ns[:2]), ms_lazy_nosplit_graph=t_ns and t_ns[2], ms_tile_table=table_ms,
+                err_sdpa=sdpa_err, ms_lazy=lz, ms_off=of, ms_sdpa=sd, ms_lazy_runs=lazy_e, ms_off_runs=off_e,
+                ms_sdpa_runs=sdpa_e, ms_lazy_graph=lz_g, ms_off_graph=of_g, ms_sdpa_graph=sd_g,
+                ms_lazy_graph_with_table_share=lz_fwd, graph_spread=spread,
+                ms_lazy_nosplit_graph=ns_g, ms_tile_table_graph=table_ms,
                 tflops_lazy=fl / lz / 1e9, tflops_sdpa=fl / sd / 1e9,
-                tflops_lazy_graph=fl / t_lazy[2] / 1e9, tflops_sdpa_graph=fl / t_sdpa[2] / 1e9,
-                overhead_pct=100 * (lz / of - 1), overhead_graph_pct=100 * (t_lazy[2] / t_off[2] - 1),
+                tflops_lazy_graph=fl / lz_fwd / 1e9, tflops_sdpa_graph=fl / sd_g / 1e9,
+                overhead_pct=100 * (lz / of - 1), overhead_graph_pct=100 * (ratio + table_ms / LAYERS / of_g - 1),
+                overhead_graph_table_per_call_pct=100 * (ratio + table_ms / of_g - 1),
                 lazy_kernel=info, off_kernel=info_off)
 
 
@@ -240,71 +280,106 @@ def run_decode(gen, dev, cos, sin, batch, ctx, n_docs, copy_tbs):
     out = lazy_decode(c.q, c.k, c.v, c.meta, c.nblk, cos, sin, c.scale)
     err = rel(out, lazy_decode_reference(c.q, c.k, c.v, c.meta, c.nblk, cos, sin, c.scale))
     err_off = rel(lazy_decode(c.q, c.kk, c.v, c.meta, c.nblk, cos, sin, c.scale, apply_rotation=False), out)
-    t_lazy = timings(c.lazy(), c.n_sets)
+    lazy_e = (bench(c.lazy()), bench(c.lazy()))
     info = launch_info("decode")
-    t_off = timings(c.off(), c.n_sets)
+    off_e = (bench(c.off()), bench(c.off()))
     info_off = launch_info("decode")
-    table_ms = bench(lambda: tile_table(c.meta, c.nblk, info_pages(info)))
-    lz, of = min(t_lazy[:2]), min(t_off[:2])
+    (of_g, lz_g), (_, ratio), spread = paired_graph_ms([c.off(), c.lazy()], c.n_sets, cache=c.cache)
+    table_ms = table_graph_ms(c.meta, c.nblk, info_pages(info))
+    lz_fwd = lz_g + table_ms / LAYERS
+    lz, of = min(lazy_e), min(off_e)
     bm = c.bytes_moved()
     tbs = lambda ms: bm / (ms * 1e-3) / 1e12  # noqa: E731
     return dict(kind="decode", batch=batch, ctx=ctx, docs=n_docs, err=err, err_off=err_off, ms_lazy=lz, ms_off=of,
-                ms_lazy_runs=t_lazy[:2], ms_off_runs=t_off[:2], ms_lazy_graph=t_lazy[2], ms_off_graph=t_off[2],
-                ms_tile_table=table_ms, tbs_lazy=tbs(lz), tbs_lazy_graph=tbs(t_lazy[2]),
-                bw_frac=tbs(lz) / copy_tbs, bw_frac_graph=tbs(t_lazy[2]) / copy_tbs,
-                bw_frac_off=tbs(of) / copy_tbs, bw_frac_off_graph=tbs(t_off[2]) / copy_tbs,
-                overhead_pct=100 * (lz / of - 1), overhead_graph_pct=100 * (t_lazy[2] / t_off[2] - 1),
+                ms_lazy_runs=lazy_e, ms_off_runs=off_e, ms_lazy_graph=lz_g, ms_off_graph=of_g,
+                ms_lazy_graph_with_table_share=lz_fwd, graph_spread=spread, ms_tile_table_graph=table_ms,
+                tbs_lazy=tbs(lz), tbs_lazy_graph=tbs(lz_fwd),
+                bw_frac=tbs(lz) / copy_tbs, bw_frac_graph=tbs(lz_fwd) / copy_tbs,
+                bw_frac_off=tbs(of) / copy_tbs, bw_frac_off_graph=tbs(of_g) / copy_tbs,
+                overhead_pct=100 * (lz / of - 1), overhead_graph_pct=100 * (ratio + table_ms / LAYERS / of_g - 1),
+                overhead_graph_table_per_call_pct=100 * (ratio + table_ms / of_g - 1),
                 l2_sets=c.n_sets, lazy_kernel=info, off_kernel=info_off)
 
 
-SWEEP_DECODE = [(64, 8192, 10), (8, 32768, 10), (32, 8192, 1)]  # (batch, context, documents)
-SWEEP_PREFILL = [(8, 8192, 10, 64), (1, 8192, 1, 512), (8, 2048, 10, 512)]  # (..., new tokens)
+SWEEP_DECODE = [(64, 8192, 10), (32, 8192, 10), (8, 32768, 10), (8, 8192, 10), (8, 8192, 1)]  # (batch, ctx, docs)
+SWEEP_PREFILL = [(1, 2048, 10, 64), (1, 8192, 10, 64), (8, 2048, 10, 512)]  # (..., new tokens)
+# rotation off for each lazy schedule: the same loop minus the rotation (kvloop.kv_tile_loop)
+OFF_MODE = {1: 0, 2: 4, 3: 0}
 
 
 def sweep(gen, dev, cos, sin, copy_tbs, log):
-    """Every config x rotation schedule on a few shapes, CUDA-graph timings (device time)."""
+    """Configs x rotation schedules (x split counts for short prefills) per shape, all variants of a shape timed
+    in alternating rounds from CUDA graphs (tile tables shared as in a forward pass). Modes 0 and 4 are rotation
+    off (the loops of modes 3 and 2); ``ratio`` is each variant's time over the shape's first variant."""
     rows = []
+
+    def run_shape(label, variants, calls, cache, ref, err_of, extra):
+        ok = []
+        for v in variants:
+            try:
+                e = err_of(v)
+            except Exception as ex:  # noqa: BLE001  e.g. out of shared memory
+                log(f"{label} {v['desc']} failed: {repr(ex)[:200]}")
+                continue
+            v["info"] = launch_info(v["kind"])
+            v["err"] = e
+            ok.append(v)
+        (meds, ratios, spreads) = paired_graph_ms([v["fn"] for v in ok], calls, cache=cache, rounds=3)
+        for v, ms, r, sp in zip(ok, meds, ratios, spreads):
+            row = dict(kind=v["kind"], desc=v["desc"], config=list(v["cfg"]), mode=v["mode"], splits_forced=v.get("splits"),
+                       fused_merge=v.get("merge", False), ms_graph=ms, ratio_to_first=r, spread=sp, err_vs_ref=v["err"],
+                       **extra, **v["info"])
+            rows.append(row)
+            log(f"  {label} {v['desc']:<38}: {1e3 * ms:7.1f} us  x{r:5.3f}  spread {100 * sp:4.1f}%  err {v['err']:.1e}  "
+                f"{fmt_info(v['info'])}")
+
     for batch, ctx, docs in SWEEP_DECODE:
         c = DecodeCase(gen, dev, cos, sin, batch, ctx, docs)
         ref = lazy_decode(c.q, c.kk, c.v, c.meta, c.nblk, cos, sin, c.scale, apply_rotation=False,
                           config=decode_mod.DEFAULT_CONFIG)
-        for cfg in decode_mod.CONFIGS[:2]:
-            for mode in (0, 1, 3):
-                fn = c.off(config=cfg) if mode == 0 else c.lazy(config=cfg, rotation_mode=mode)
-                try:
-                    ms = graph_ms(fn, c.n_sets)
-                    out = lazy_decode(c.q, c.k if mode else c.kk, c.v, c.meta, c.nblk, cos, sin, c.scale,
-                                      apply_rotation=bool(mode), config=cfg, rotation_mode=mode or 1)
-                    e = rel(out, ref)
-                except Exception as ex:  # noqa: BLE001
-                    log(f"decode sweep {batch} {ctx} {docs} {cfg} mode {mode} failed: {repr(ex)[:200]}")
-                    continue
-                info = launch_info("decode")
-                bw = c.bytes_moved() / (ms * 1e-3) / 1e12 / copy_tbs
-                rows.append(dict(kind="decode", batch=batch, ctx=ctx, docs=docs, config=list(cfg), mode=mode,
-                                 ms_graph=ms, bw_frac=bw, err_vs_off=e, **info))
-                log(f"  decode B={batch:2} {ctx // 1024:2}k d={docs:2} cfg={cfg} mode={mode}: {1e3 * ms:7.1f} us "
-                    f"{100 * bw:5.1f}% copy  err {e:.1e}  {fmt_info(info)}")
+        variants = []
+        for cfg in (decode_mod.CONFIGS[0], decode_mod.CONFIGS[2]):
+            for mode in (0, 3, 4, 2):
+                lazy = mode in (1, 2, 3)
+                kw = dict(config=cfg, rotation_mode=mode if lazy else {0: 3, 4: 2}[mode])
+                fn = c.lazy(**kw) if lazy else c.off(**kw)
+                variants.append(dict(kind="decode", cfg=cfg, mode=mode, fn=fn, desc=f"cfg={cfg} mode={mode}",
+                                     eager=(lambda kw=kw, lazy=lazy: lazy_decode(
+                                         c.q, c.k if lazy else c.kk, c.v, c.meta, c.nblk, cos, sin, c.scale,
+                                         apply_rotation=lazy, tile_cache=c.cache, **kw))))
+        run_shape(f"decode B={batch:2} {ctx // 1024:2}k d={docs:2}", variants, c.n_sets, c.cache, ref,
+                  lambda v: rel(v["eager"](), ref), dict(batch=batch, ctx=ctx, docs=docs,
+                                                         bytes=c.bytes_moved(), copy_tbs=copy_tbs))
         del c
         torch.cuda.empty_cache()
     for batch, ctx, docs, new in SWEEP_PREFILL:
         c = PrefillCase(gen, dev, cos, sin, batch, ctx, docs, new)
-        ref = c.off(config=prefill_mod.DEFAULT_CONFIG)()
-        for cfg in prefill_mod.CONFIGS[:3]:
-            for mode in (0, 2, 3):
-                fn = c.off(config=cfg) if mode == 0 else c.lazy(config=cfg, rotation_mode=mode)
-                try:
-                    ms = graph_ms(fn)
-                    e = rel(fn(), ref)
-                except Exception as ex:  # noqa: BLE001
-                    log(f"prefill sweep {batch} {ctx} {docs} {new} {cfg} mode {mode} failed: {repr(ex)[:200]}")
-                    continue
-                info = launch_info("prefill")
-                rows.append(dict(kind="prefill", batch=batch, ctx=ctx, docs=docs, new=new, config=list(cfg), mode=mode,
-                                 ms_graph=ms, tflops=c.flops() / ms / 1e9, err_vs_off=e, **info))
-                log(f"  prefill B={batch} {ctx // 1024}k d={docs:2} new={new:3} cfg={cfg} mode={mode}: "
-                    f"{1e3 * ms:7.1f} us "
-                    f"{c.flops() / ms / 1e9:6.1f} TF/s err {e:.1e}  {fmt_info(info)}")
+        ref = lazy_prefill_reference(c.q, c.kn, c.vn, c.cu, c.k, c.v, c.meta, c.nblk, cos, sin, c.scale)
+        variants = []
+        short = new <= 64 and batch == 1
+        cfgs = prefill_mod.CONFIGS if short else prefill_mod.CONFIGS[:3]
+        for cfg in cfgs:
+            for mode in ((4, 2, 3) if cfg == prefill_mod.DEFAULT_CONFIG or not short else (2,)):
+                for splits in ((None, 2, 4, 8, 16) if short and mode == 2 else (None,)):
+                    for merge in ((False, True) if short and mode == 2 and cfg == prefill_mod.DEFAULT_CONFIG
+                                  and splits is None else (False,)):
+                        kw = dict(config=cfg, num_splits=splits, fused_merge=merge)
+                        if mode == 4:
+                            fn = c.off(rotation_mode=2, **kw)
+                        else:
+                            fn = c.lazy(rotation_mode=mode, **kw)
+                        variants.append(dict(kind="prefill", cfg=cfg, mode=mode, splits=splits, merge=merge, fn=fn,
+                                             desc=f"cfg={cfg} mode={mode} splits={splits} merge={int(merge)}"))
+        run_shape(f"prefill B={batch} {ctx // 1024}k d={docs:2} new={new:3}", variants, 1, c.cache, ref,
+                  lambda v: rel(v["fn"](), ref), dict(batch=batch, ctx=ctx, docs=docs, new=new, flops=c.flops()))
+        if short:  # the split merge alone, at this shape's partial sizes
+            for splits in (4, 8, 16):
+                acc = torch.randn(c.q.shape[0], HQ, splits, D, device=dev)
+                ml = torch.randn(c.q.shape[0], HQ, splits, 2, device=dev)
+                o = torch.empty_like(c.q)
+                ms = graph_ms(lambda: merge_splits(acc, ml, o, splits))
+                rows.append(dict(kind="merge", batch=batch, ctx=ctx, new=new, splits=splits, ms_graph=ms))
+                log(f"  merge_splits_kernel alone, {c.q.shape[0]} tokens, {splits} splits: {1e3 * ms:6.1f} us")
         del c
         torch.cuda.empty_cache()
     return rows
@@ -317,7 +392,7 @@ def adopt_sweep(rows, log):
     for kind, mod in (("decode", decode_mod), ("prefill", prefill_mod)):
         score = {}
         for r in rows:
-            if r["kind"] == kind and r["mode"]:
+            if r["kind"] == kind and r["mode"] in (1, 2, 3) and not r.get("splits_forced") and not r.get("fused_merge"):
                 score.setdefault((tuple(r["config"]), r["mode"]), []).append(math.log(r["ms_graph"]))
         n = max(len(v) for v in score.values())
         best = min((sum(v) / n, k) for k, v in score.items() if len(v) == n)[1]
@@ -412,34 +487,38 @@ def main():
     dec_grid = [(b, c, d) for b in (1, 8, 32, 64) for c in (8192, 32768) for d in (1, 10) if b * c <= 64 * 8192]
     if a.quick:
         pre_grid, dec_grid = pre_grid[:3], dec_grid[:3]
-    log("prefill: eager ms (graph ms in brackets); overhead = lazy / off - 1 on the same layout")
+    log("prefill: eager ms (graph ms in brackets: the kernel plus 1/32 of the forward's tile table, whose device us is "
+        "the 'table' column); overhead = lazy / off - 1 on the same layout, graph ratios paired over rounds")
     log(f"{'B':>3} {'ctx':>6} {'docs':>4} {'new':>4} {'lazy':>15} {'off':>15} {'ovh%':>11} {'sdpa':>15} "
-        f"{'lazy/sdpa':>11} {'err':>7}  kernel")
+        f"{'lazy/sdpa':>11} {'err':>7} {'table':>5} kernel")
     for b, c, d, n in pre_grid:
         if time.time() - t0 > a.budget:
             log(f"budget spent: skipping prefill {(b, c, d, n)}")
             continue
         r = run_prefill(gen, dev, cos, sin, b, c, d, n)
         results.append(r)
-        log(f"{b:3} {c:6} {d:4} {n:4} {r['ms_lazy']:7.3f} [{r['ms_lazy_graph']:5.3f}] {r['ms_off']:7.3f} "
+        log(f"{b:3} {c:6} {d:4} {n:4} {r['ms_lazy']:7.3f} [{r['ms_lazy_graph_with_table_share']:5.3f}] {r['ms_off']:7.3f} "
             f"[{r['ms_off_graph']:5.3f}] {r['overhead_pct']:5.1f} [{r['overhead_graph_pct']:4.1f}] {r['ms_sdpa']:7.3f} "
             f"[{r['ms_sdpa_graph']:5.3f}] {r['tflops_lazy'] / r['tflops_sdpa']:5.2f} "
-            f"[{r['tflops_lazy_graph'] / r['tflops_sdpa_graph']:4.2f}] {r['err']:7.1e}  {fmt_info(r['lazy_kernel'])}")
+            f"[{r['tflops_lazy_graph'] / r['tflops_sdpa_graph']:4.2f}] {r['err']:7.1e} "
+            f"{1e3 * r['ms_tile_table_graph']:5.1f} {fmt_info(r['lazy_kernel'])}")
         save()
         torch.cuda.empty_cache()
-    log("decode: eager us (graph us in brackets); bandwidth as % of the copy")
+    log("decode: eager us (graph us in brackets, with 1/32 of the tile table); bandwidth as % of the copy")
     log(f"{'B':>3} {'ctx':>6} {'docs':>4} {'lazy':>15} {'off':>15} {'ovh%':>11} {'%copy':>11} {'%copy off':>11} "
-        f"{'err':>7}  kernel")
+        f"{'err':>7} {'table':>5} kernel")
     for b, c, d in dec_grid:
         if time.time() - t0 > a.budget:
             log(f"budget spent: skipping decode {(b, c, d)}")
             continue
         r = run_decode(gen, dev, cos, sin, b, c, d, copy_tbs)
         results.append(r)
-        log(f"{b:3} {c:6} {d:4} {1e3 * r['ms_lazy']:7.1f} [{1e3 * r['ms_lazy_graph']:5.1f}] {1e3 * r['ms_off']:7.1f} "
+        log(f"{b:3} {c:6} {d:4} {1e3 * r['ms_lazy']:7.1f} [{1e3 * r['ms_lazy_graph_with_table_share']:5.1f}] "
+            f"{1e3 * r['ms_off']:7.1f} "
             f"[{1e3 * r['ms_off_graph']:5.1f}] {r['overhead_pct']:5.1f} [{r['overhead_graph_pct']:4.1f}] "
             f"{100 * r['bw_frac']:5.1f} [{100 * r['bw_frac_graph']:4.1f}] {100 * r['bw_frac_off']:5.1f} "
-            f"[{100 * r['bw_frac_off_graph']:4.1f}] {r['err']:7.1e}  {fmt_info(r['lazy_kernel'])}")
+            f"[{100 * r['bw_frac_off_graph']:4.1f}] {r['err']:7.1e} {1e3 * r['ms_tile_table_graph']:5.1f} "
+            f"{fmt_info(r['lazy_kernel'])}")
         save()
         torch.cuda.empty_cache()
     bad = [r for r in results if not (r["err"] < 2e-2 and r["err_off"] < 2e-2)]

@@ -5,8 +5,9 @@ Layout and semantics: see :mod:`lazyrag.kernels.reference` (``lazy_decode_refere
 Grid (sequence, KV head, split). A program takes the ``G`` query heads that share one KV
 head (so K/V is read once per group) over a contiguous range of the sequence's
 segment-aligned KV tiles (:func:`lazyrag.kernels.kvloop.tile_table`). By default
-(``rotation_mode=3``) it rotates the G query rows once per segment (document) and runs the
-rotation-off tile loop over that segment's blocks; no scratch memory, scan or barrier. The
+(``rotation_mode=2``) it walks the tiles in one flat loop and rotates the G query rows again only
+on a tile whose delta differs from the previous one's, so a document costs one rotation; no scratch
+memory, scan or barrier. The
 kernel reads what plain paged decode reads: K, V, one int64 meta per block, plus two int32 per
 segment. Splits write partial (m, l, acc); a small second kernel merges them. The split count
 fills whole waves of the SMs at the kernel's real occupancy (its compiled registers), and the
@@ -90,14 +91,15 @@ CONFIGS = [
     (64, 4, 3, None),
     (32, 4, 3, None),
 ]
-# defaults from the H200 sweep (benchmarks/NOTES.md, round 3): 4 programs per SM under the
-# 128-register cap, q rotated once per segment ahead of the plain tile loop
+# defaults from the H200 sweeps (benchmarks/NOTES.md, rounds 3 and 8): 4 programs per SM under the
+# 128-register cap; the flat loop that re-rotates q only where the delta changes (ROT 2). Round 8 (paired
+# rounds, B=8-64, 8k-32k, 1 and 10 documents): ROT 2 within 0.2% of its rotation-off loop (ROT 4) everywhere
+# and within 0-1.5% of the plain one (ROT 0); ROT 3's per-document restart cost 1.2-3.2%.
 DEFAULT_CONFIG = (64, 4, 3, 128)
-DEFAULT_ROTATION_MODE = 3
+DEFAULT_ROTATION_MODE = 2
 # One or two sequences (B * Hkv programs before splitting at most SMALL_GRID_PROGRAMS) are latency-bound: each
-# split holds ~2-3 tiles, so the per-document restart of ROT 3 and the 64-key tiles cost more than they save.
-# H200 sweep at the e2e shape (B=1, 2.6k context, 6 segments; round 6, benchmarks/NOTES.md): 32-key tiles,
-# the flat loop (ROT 2) and 32 splits 11.8 µs against 13.6 with the default config and ROT 3.
+# split holds ~2-3 tiles, so 64-key tiles cost more than they save. H200 sweep at the e2e shape (B=1, 2.6k
+# context, 6 segments; round 6): 32-key tiles, ROT 2 and 32 splits 11.8 µs against 13.6 with the default config.
 SMALL_GRID_PROGRAMS = 16
 SMALL_GRID_CONFIG = (32, 4, 3, None)
 SMALL_GRID_ROTATION_MODE = 2
@@ -153,8 +155,9 @@ def lazy_decode(
     ``config`` = (BLOCK_N, num_warps, num_stages[, maxnreg]). ``tile_cache``: a dict that lives
     as long as ``block_meta``/``num_blocks`` (one forward pass), so the tile table is built once
     for all layers. ``rotation_mode`` (``kvloop.kv_tile_loop``'s ROT): 1 rotates the G query rows
-    on every tile, 3 once per segment ahead of a plain tile loop; ``None``: ``DEFAULT_ROTATION_MODE``
-    (``SMALL_GRID_ROTATION_MODE`` for one or two sequences, which also take ``SMALL_GRID_CONFIG``).
+    on every tile, 2 in a flat loop when the delta changes, 3 once per segment ahead of a plain tile loop;
+    ``None``: ``DEFAULT_ROTATION_MODE`` (``SMALL_GRID_ROTATION_MODE`` for one or two sequences, which also
+    take ``SMALL_GRID_CONFIG``).
     """
     B, Hq, D = q.shape
     nb_total, block_size, Hkv, Dc = k_cache.shape

@@ -246,26 +246,27 @@ def kv_tile_loop(q_rows, row_ok, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_C
 
 @triton.jit
 def merge_splits_kernel(
-    PART_ACC, PART_ML, OUT, stride_ob, stride_oh, Hq, NUM_SPLITS,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    PART_ACC, PART_ML, OUT, stride_ob, stride_oh, Hq, n_rows, NUM_SPLITS,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, ROWS: tl.constexpr,
 ):
     """Combine split partials [R0, Hq, NUM_SPLITS, (D | 2)] (unnormalised acc, base-2 max m,
-    sum l) into OUT[r0, h]. Used by split decode (r0 = sequence) and split prefill (r0 = token)."""
-    b = tl.program_id(0)
-    h = tl.program_id(1)
+    sum l) into OUT[r0, h]. Used by split decode (r0 = sequence) and split prefill (r0 = token).
+    A program merges ``ROWS`` consecutive (r0, h) rows: their partials are one contiguous run."""
+    offs_r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
-    s_ok = offs_s < NUM_SPLITS
-    part = (b.to(tl.int64) * Hq + h) * NUM_SPLITS + offs_s
-    m = tl.load(PART_ML + part * 2, mask=s_ok, other=-1.0e30)
-    l = tl.load(PART_ML + part * 2 + 1, mask=s_ok, other=0.0)
-    # rescale each split to the common max (base-2 logits, as in the main kernels)
-    m_max = tl.max(m, 0)
-    w = tl.where(s_ok, tl.math.exp2(m - m_max), 0.0)
-    l_sum = tl.sum(l * w, 0)
-    acc = tl.load(PART_ACC + part[:, None] * HEAD_DIM + offs_d[None, :], mask=s_ok[:, None], other=0.0)
-    out = tl.sum(acc * w[:, None], 0) / tl.where(l_sum > 0, l_sum, 1.0)
-    tl.store(OUT + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d, out.to(OUT.dtype.element_ty))
+    r_ok = offs_r < n_rows
+    ok = r_ok[:, None] & (offs_s < NUM_SPLITS)[None, :]
+    part = offs_r.to(tl.int64)[:, None] * NUM_SPLITS + offs_s[None, :]  # [ROWS, BLOCK_S]
+    m = tl.load(PART_ML + part * 2, mask=ok, other=-1.0e30)
+    l = tl.load(PART_ML + part * 2 + 1, mask=ok, other=0.0)
+    acc = tl.load(PART_ACC + part[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=ok[:, :, None], other=0.0)
+    # rescale each split to the row's common max (base-2 logits, as in the main kernels)
+    w = tl.where(ok, tl.math.exp2(m - tl.max(m, 1)[:, None]), 0.0)
+    l_sum = tl.sum(l * w, 1)
+    out = tl.sum(acc * w[:, :, None], 1) / tl.where(l_sum > 0, l_sum, 1.0)[:, None]  # [ROWS, D]
+    o_off = (offs_r // Hq).to(tl.int64) * stride_ob + (offs_r % Hq) * stride_oh
+    tl.store(OUT + o_off[:, None] + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=r_ok[:, None])
 
 
 @triton.jit
@@ -315,10 +316,20 @@ def split_counters(device: torch.device, n: int) -> torch.Tensor:
     return buf
 
 
-def merge_splits(part_acc, part_ml, out, splits: int) -> None:
+# (rows per program, warps) of the merge. H200 (benchmarks/split_merge.py, round 8): the TTFT prefill's merge
+# (64 tokens x 32 heads x 8 splits) 8.8 µs with 4 warps, 4.9 with 2; decode merges at B = 1-32 within
+# ±0.3 µs of 4 warps; more rows per program gained nothing on top.
+MERGE_ROWS, MERGE_WARPS = 1, 2
+
+
+def merge_splits(part_acc, part_ml, out, splits: int, rows: int | None = None, num_warps: int | None = None) -> None:
     R, Hq, D = out.shape
-    merge_splits_kernel[(R, Hq)](part_acc, part_ml, out, out.stride(0), out.stride(1), Hq, splits,
-                                 HEAD_DIM=D, BLOCK_S=triton.next_power_of_2(splits), num_warps=4 if D >= 128 else 2)
+    rows = MERGE_ROWS if rows is None else rows
+    n_rows = R * Hq
+    merge_splits_kernel[(triton.cdiv(n_rows, rows),)](
+        part_acc, part_ml, out, out.stride(0), out.stride(1), Hq, n_rows, splits,
+        HEAD_DIM=D, BLOCK_S=triton.next_power_of_2(splits), ROWS=rows,
+        num_warps=num_warps or (MERGE_WARPS if D >= 128 else max(1, MERGE_WARPS // 2)))
 
 
 # ---------------------------------------------------------------- launch helpers

@@ -14,7 +14,8 @@ segment-aligned KV tiles (:func:`lazyrag.kernels.kvloop.tile_table`); q is re-ro
 a tile whose delta differs from the previous tile's (``ROT=2``; ``ROT=1`` rotates on every
 tile), so one document costs one rotation. New tokens follow: the tiles before the query
 tile's first token need no causal mask, only the diagonal ones do. Short prefills (few
-programs) split the context tiles over programs and merge partials. See benchmarks/NOTES.md.
+programs) split the context tiles over programs (one wave of them) and merge partials. See
+benchmarks/NOTES.md.
 """
 from __future__ import annotations
 
@@ -143,17 +144,18 @@ DEFAULT_FUSED_MERGE = False
 
 
 def _auto_prefill_splits(n_programs: int, max_ctx_tiles: int, device: torch.device) -> int:
-    """Split the context (flash-decoding style) only when the (query tile, KV head, sequence)
-    programs fill less than half the SMs: ~2 waves then, at least 4 KV tiles per split.
-    Measured (H200, round 2): B=1/64 new tokens/8k (16 programs) 0.29 -> 0.18 ms with 17 splits;
-    B=8/64 new (128 programs) 3 splits were 5-15% slower than none, hence the half-wave bound."""
+    """Split the context (flash-decoding style) only when the (query tile, KV head, sequence) programs fill
+    less than half the SMs; then as many splits as fill ONE wave (the default 128x128 config runs one program
+    per SM: 255 registers x 8 warps), with at least 2 KV tiles per split. H200, round 8 (benchmarks/NOTES.md;
+    B=1, 64 new tokens, 16 programs): 8 splits (one wave) 33.8 / 60.9 µs at 2k / 8k context against 44.2 / 70.6
+    with round 2's rule (two waves, >= 4 tiles a split: 4 / 16 splits); B=8 / 64 new (128 programs): splitting
+    was 5-15% slower (round 2)."""
     if device.type != "cuda" or interpreting():
         return 1
     sms = num_sms(device)
     if 2 * n_programs > sms:
         return 1
-    want = triton.cdiv(2 * sms, max(1, n_programs))
-    return max(1, min(want, max_ctx_tiles // 4, 64))
+    return max(1, min(sms // max(1, n_programs), max_ctx_tiles // 2, 64))
 
 
 def lazy_prefill(

@@ -17,7 +17,7 @@ from lazyrag.kernels.decode import CONFIGS as DECODE_CONFIGS
 from lazyrag.kernels.decode import choose_splits, lazy_decode
 from lazyrag.kernels.gemm import CANDIDATES as SKINNY_CANDIDATES
 from lazyrag.kernels.gemv import CANDIDATES as GEMV_CANDIDATES
-from lazyrag.kernels.kvloop import split_counters, tile_table
+from lazyrag.kernels.kvloop import merge_splits, split_counters, tile_table
 from lazyrag.kernels.prefill import CONFIGS as PREFILL_CONFIGS
 from lazyrag.kernels.prefill import lazy_prefill
 from lazyrag.kernels.common import pack_block_meta, unpack_block_meta
@@ -345,6 +345,25 @@ def test_choose_splits_fills_whole_waves():
     assert choose_splits(8, 8, 528) == 2  # too few tiles: at least 4 per split
 
 
+def _split_partials(r0, hq, splits, device):
+    """Random partials as a split kernel leaves them: acc [R0, Hq, S, D], (base-2 max m, sum l) [R0, Hq, S, 2]."""
+    acc = torch.randn(r0, hq, splits, 128, device=device)
+    ml = torch.stack((4 * torch.randn(r0, hq, splits, device=device), torch.rand(r0, hq, splits, device=device) + 0.5), -1)
+    m, l = ml[..., 0].double(), ml[..., 1].double()
+    w = torch.exp2(m - m.max(-1, keepdim=True).values)
+    ref = (acc.double() * w[..., None]).sum(-2) / (l * w).sum(-1)[..., None]
+    return acc, ml, ref
+
+
+@pytest.mark.parametrize("rows,warps", [(1, 4), (4, 4), (8, 8)])
+@pytest.mark.parametrize("r0,hq,splits", [(3, 8, 5), (5, 12, 1), (2, 32, 8)])  # rows not a multiple of `rows`
+def test_merge_splits_rows_per_program(rows, warps, r0, hq, splits):
+    acc, ml, ref = _split_partials(r0, hq, splits, "cpu")
+    out = torch.full((r0, hq, 128), float("nan"))
+    merge_splits(acc, ml, out, splits, rows=rows, num_warps=warps)
+    assert rel_err(out, ref) < 1e-5
+
+
 # ---------------------------------------------------------------- GPU, bf16/fp16
 
 
@@ -466,6 +485,17 @@ def _check_fused_merge(run, launch_into, ref):
         torch.cuda.synchronize()
         assert all(torch.equal(o, first) for o in outs)
     assert not split_counters(first.device, 1).any()
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("rows,warps", [(1, 4), (2, 4), (4, 4), (8, 8), (16, 8)])
+@pytest.mark.parametrize("r0,hq,splits", [(64, 32, 8), (1, 32, 48), (7, 24, 3)])
+def test_merge_splits_gpu(rows, warps, r0, hq, splits):
+    acc, ml, ref = _split_partials(r0, hq, splits, "cuda")
+    out = torch.full((r0, hq, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+    merge_splits(acc, ml, out, splits, rows=rows, num_warps=warps)
+    assert rel_err(out, ref) < 1e-2
 
 
 @gpu
