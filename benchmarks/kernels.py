@@ -432,7 +432,7 @@ def plot(results, path):
     ax[2].axhline(85, color="r", ls="--", lw=1)
     ax[2].axhline(10, color="k", ls=":", lw=1)
     ax[2].set_xticks(list(xd), labd, rotation=90, fontsize=6)
-    ax[2].set_title("decode (CUDA graph; goals >= 85% copy, overhead <= 1% = 10 on this axis)")
+    ax[2].set_title("decode (CUDA graph)\ngoals: >= 85% of copy; overhead <= 1% (10 on this axis)")
     ax[2].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
