@@ -41,6 +41,7 @@ MAX_POS = 1 << 16
 L2_BYTES = 60 * 2**20
 LAYERS = 32  # Llama-3.1-8B: one tile table per forward pass serves this many attention calls
 ROUNDS = 5  # alternating timing rounds per compared set (paired_graph_ms)
+MIN_SETS = 4  # decode: KV copies (and calls per CUDA graph) at the least
 
 
 def bench(fn):
@@ -246,8 +247,10 @@ class DecodeCase:
         self.q = torch.randn(batch, HQ, D, device=dev, dtype=DT)
         self.cos, self.sin, self.scale = cos, sin, D ** -0.5
         self.kv_bytes = 2 * int(self.nblk.sum()) * BS * HKV * D * 2
-        # small problems fit in L2: rotate among copies so timings read HBM, not cache
-        self.n_sets = max(1, min(8, math.ceil(4 * L2_BYTES / self.kv_bytes)))
+        # small problems fit in L2: rotate among copies so timings read HBM, not cache; and at least MIN_SETS calls
+        # per CUDA graph, so that the graph's own launch (several µs after do_bench's L2 flush) is not charged whole
+        # to one ~80 µs call: in a forward pass the kernel runs back to back with the others
+        self.n_sets = max(MIN_SETS, min(8, math.ceil(4 * L2_BYTES / self.kv_bytes)))
         self.sets = [(self.k, self.v, self.kk)] + [(self.k.clone(), self.v.clone(), self.kk.clone())
                                                    for _ in range(self.n_sets - 1)]
         self.cache = {}
@@ -307,7 +310,7 @@ SWEEP_PREFILL = [(1, 2048, 10, 64), (1, 8192, 10, 64), (8, 2048, 10, 512)]  # (.
 OFF_MODE = {1: 0, 2: 4, 3: 0}
 
 
-def sweep(gen, dev, cos, sin, copy_tbs, log):
+def sweep(gen, dev, cos, sin, copy_tbs, log, kinds=("decode", "prefill")):
     """Configs x rotation schedules (x split counts for short prefills) per shape, all variants of a shape timed
     in alternating rounds from CUDA graphs (tile tables shared as in a forward pass). Modes 0 and 4 are rotation
     off (the loops of modes 3 and 2); ``ratio`` is each variant's time over the shape's first variant."""
@@ -333,26 +336,29 @@ def sweep(gen, dev, cos, sin, copy_tbs, log):
             log(f"  {label} {v['desc']:<38}: {1e3 * ms:7.1f} us  x{r:5.3f}  spread {100 * sp:4.1f}%  err {v['err']:.1e}  "
                 f"{fmt_info(v['info'])}")
 
-    for batch, ctx, docs in SWEEP_DECODE:
+    for batch, ctx, docs in SWEEP_DECODE if "decode" in kinds else ():
         c = DecodeCase(gen, dev, cos, sin, batch, ctx, docs)
         ref = lazy_decode(c.q, c.kk, c.v, c.meta, c.nblk, cos, sin, c.scale, apply_rotation=False,
                           config=decode_mod.DEFAULT_CONFIG)
         variants = []
         for cfg in (decode_mod.CONFIGS[0], decode_mod.CONFIGS[2]):
             for mode in (0, 3, 4, 2):
-                lazy = mode in (1, 2, 3)
-                kw = dict(config=cfg, rotation_mode=mode if lazy else {0: 3, 4: 2}[mode])
-                fn = c.lazy(**kw) if lazy else c.off(**kw)
-                variants.append(dict(kind="decode", cfg=cfg, mode=mode, fn=fn, desc=f"cfg={cfg} mode={mode}",
-                                     eager=(lambda kw=kw, lazy=lazy: lazy_decode(
-                                         c.q, c.k if lazy else c.kk, c.v, c.meta, c.nblk, cos, sin, c.scale,
-                                         apply_rotation=lazy, tile_cache=c.cache, **kw))))
+                for splits in ((None, 4, 16) if batch <= 8 and mode in (2, 4) and cfg == decode_mod.CONFIGS[0]
+                               else (None,)):
+                    lazy = mode in (1, 2, 3)
+                    kw = dict(config=cfg, rotation_mode=mode if lazy else {0: 3, 4: 2}[mode], num_splits=splits)
+                    fn = c.lazy(**kw) if lazy else c.off(**kw)
+                    variants.append(dict(kind="decode", cfg=cfg, mode=mode, splits=splits, fn=fn,
+                                         desc=f"cfg={cfg} mode={mode} splits={splits}",
+                                         eager=(lambda kw=kw, lazy=lazy: lazy_decode(
+                                             c.q, c.k if lazy else c.kk, c.v, c.meta, c.nblk, cos, sin, c.scale,
+                                             apply_rotation=lazy, tile_cache=c.cache, **kw))))
         run_shape(f"decode B={batch:2} {ctx // 1024:2}k d={docs:2}", variants, c.n_sets, c.cache, ref,
                   lambda v: rel(v["eager"](), ref), dict(batch=batch, ctx=ctx, docs=docs,
                                                          bytes=c.bytes_moved(), copy_tbs=copy_tbs))
         del c
         torch.cuda.empty_cache()
-    for batch, ctx, docs, new in SWEEP_PREFILL:
+    for batch, ctx, docs, new in SWEEP_PREFILL if "prefill" in kinds else ():
         c = PrefillCase(gen, dev, cos, sin, batch, ctx, docs, new)
         ref = lazy_prefill_reference(c.q, c.kn, c.vn, c.cu, c.k, c.v, c.meta, c.nblk, cos, sin, c.scale)
         variants = []
@@ -394,6 +400,8 @@ def adopt_sweep(rows, log):
         for r in rows:
             if r["kind"] == kind and r["mode"] in (1, 2, 3) and not r.get("splits_forced") and not r.get("fused_merge"):
                 score.setdefault((tuple(r["config"]), r["mode"]), []).append(math.log(r["ms_graph"]))
+        if not score:  # this kernel was not swept
+            continue
         n = max(len(v) for v in score.values())
         best = min((sum(v) / n, k) for k, v in score.items() if len(v) == n)[1]
         mod.DEFAULT_CONFIG, mod.DEFAULT_ROTATION_MODE = best
@@ -445,6 +453,7 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="time every config and rotation schedule first")
     ap.add_argument("--no-grid", action="store_true", help="only the sweep")
+    ap.add_argument("--sweep-only", choices=("decode", "prefill"), help="sweep one kernel's shapes only")
     ap.add_argument("--adopt", action="store_true", help="after --sweep, run the grid with the sweep's fastest "
                     "lazy config and rotation mode as defaults (written to kernel_defaults.json beside --out)")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds: start no new row after this")
@@ -471,7 +480,8 @@ def main():
 
     log(f"device {torch.cuda.get_device_name()}  copy bandwidth {copy_tbs:.2f} TB/s")
     if a.sweep:
-        summary["sweep"] = sweep(gen, dev, cos, sin, copy_tbs, log)
+        summary["sweep"] = sweep(gen, dev, cos, sin, copy_tbs, log,
+                                 (a.sweep_only,) if a.sweep_only else ("decode", "prefill"))
         if a.adopt:
             summary["adopted"] = adopt_sweep(summary["sweep"], log)
             with open(os.path.join(os.path.dirname(os.path.abspath(a.out)), "kernel_defaults.json"), "w") as f:
