@@ -8,11 +8,15 @@ measured device-to-device copy. Every timing is given eager (host launch cost in
 caller without CUDA graphs pays) and replayed from a CUDA graph (device time). Each row logs
 the kernel config, registers, spills, shared memory, programs per SM and waves.
 
-    python benchmarks/kernels.py [--out PATH] [--quick] [--sweep] [--no-grid]
+    python benchmarks/kernels.py [--out PATH] [--quick] [--sweep [--sweep-only decode|prefill]] [--no-grid]
 
 ``--sweep`` first times the leading configs and rotation schedules on a few shapes (to choose
 the defaults; ``--adopt`` then uses the fastest for the grid). Writes JSON (default
 benchmarks/results/kernels.json, or $OUT/kernels.json) and a PNG.
+
+What a forward pass pays, not what one lonely call pays: CUDA-graph timings share one tile table
+(built once per forward for all layers; 1/32 of its build is added), a decode graph holds at least
+4 calls on 4 KV copies, and compared variants are timed in alternating rounds (median ratio).
 """
 from __future__ import annotations
 
