@@ -451,10 +451,10 @@ def plot(results, path):
 
 
 def main():
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     default_dir = os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
-    ap.add_argument("--out", default=os.path.join(default_dir, "kernels.json"))
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=os.path.join(default_dir, "kernels.json"), help="JSON to write (a PNG beside it)")
+    ap.add_argument("--quick", action="store_true", help="only the first 3 prefill and 3 decode shapes of the grid")
     ap.add_argument("--sweep", action="store_true", help="time every config and rotation schedule first")
     ap.add_argument("--no-grid", action="store_true", help="only the sweep")
     ap.add_argument("--sweep-only", choices=("decode", "prefill"), help="sweep one kernel's shapes only")
