@@ -93,8 +93,9 @@ CONFIGS = [
 ]
 # defaults from the H200 sweeps (benchmarks/NOTES.md, rounds 3 and 8): 4 programs per SM under the
 # 128-register cap; the flat loop that re-rotates q only where the delta changes (ROT 2). Round 8 (paired
-# rounds, B=8-64, 8k-32k, 1 and 10 documents): ROT 2 within 0.2% of its rotation-off loop (ROT 4) everywhere
-# and within 0-1.5% of the plain one (ROT 0); ROT 3's per-document restart cost 1.2-3.2%.
+# rounds, B=8-64, 8k-32k, 1 and 10 documents, two sweeps): ROT 2 within -1.3 to +1.0% of its rotation-off loop
+# (ROT 4), 0-0.6% over the plain one (ROT 0) at B >= 32 and 1.5-2.5% at B=8; ROT 3's per-document restart cost
+# 1.2-4.4%.
 DEFAULT_CONFIG = (64, 4, 3, 128)
 DEFAULT_ROTATION_MODE = 2
 # One or two sequences (B * Hkv programs before splitting at most SMALL_GRID_PROGRAMS) are latency-bound: each
