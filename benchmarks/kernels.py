@@ -34,7 +34,7 @@ import triton
 from lazyrag.kernels import decode as decode_mod
 from lazyrag.kernels import prefill as prefill_mod
 from lazyrag.kernels.decode import lazy_decode
-from lazyrag.kernels.kvloop import kernel_resources, last_launch, tile_table
+from lazyrag.kernels.kvloop import OFF_TWIN, kernel_resources, last_launch, tile_table
 from lazyrag.kernels.prefill import lazy_prefill
 from lazyrag.kernels.common import pack_block_meta, unpack_block_meta
 from lazyrag.kernels.reference import apply_rotary, lazy_decode_reference, lazy_prefill_reference, rope_tables
@@ -110,9 +110,9 @@ def share_tables(cache):
     charge one layer the whole forward's table (its device time is reported on its own, and a 1/LAYERS share is
     added to the overhead)."""
     if cache is not None:
-        for (pages, capturing), v in list(cache.items()):
+        for (pages, block_size, capturing), v in list(cache.items()):
             if not capturing:
-                cache[(pages, True)] = v
+                cache[(pages, block_size, True)] = v
 
 
 def capture(fn, calls=1, cache=None):
@@ -152,7 +152,7 @@ def paired_graph_ms(fns, calls=1, cache=None, rounds=ROUNDS):
 
 def table_graph_ms(meta, nblk, pages):
     """Device time of one tile-table build (what a forward pass pays once for all its layers)."""
-    return graph_ms(lambda: tile_table(meta, nblk, pages))
+    return graph_ms(lambda: tile_table(meta, nblk, pages, BS))
 
 
 def launch_info(kind):
@@ -308,6 +308,8 @@ def run_decode(gen, dev, cos, sin, batch, ctx, n_docs, copy_tbs):
                 l2_sets=c.n_sets, lazy_kernel=info, off_kernel=info_off)
 
 
+LAZY_MODES = tuple(OFF_TWIN)  # kv_tile_loop's rotation schedules; the other modes are their rotation-off loops:
+TWIN_OF_OFF = {off: on for on, off in OFF_TWIN.items()}  # off mode -> the schedule whose loop it runs
 SWEEP_DECODE = [(64, 8192, 10), (32, 8192, 10), (8, 32768, 10), (8, 8192, 10), (8, 8192, 1)]  # (batch, ctx, docs)
 SWEEP_PREFILL = [(1, 2048, 10, 64), (1, 8192, 10, 64), (8, 2048, 10, 512)]  # (..., new tokens)
 
@@ -344,11 +346,11 @@ def sweep(gen, dev, cos, sin, copy_tbs, log, kinds=("decode", "prefill")):
                           config=decode_mod.DEFAULT_CONFIG)
         variants = []
         for cfg in (decode_mod.CONFIGS[0], decode_mod.CONFIGS[2]):
-            for mode in (0, 3, 4, 2):
+            for mode in ((0, 3, 4, 2, 6, 5) if cfg == decode_mod.CONFIGS[0] else (0, 3, 4, 2)):
                 for splits in ((None, 4, 16) if batch <= 8 and mode in (2, 4) and cfg == decode_mod.CONFIGS[0]
                                else (None,)):
-                    lazy = mode in (1, 2, 3)
-                    kw = dict(config=cfg, rotation_mode=mode if lazy else {0: 3, 4: 2}[mode], num_splits=splits)
+                    lazy = mode in LAZY_MODES
+                    kw = dict(config=cfg, rotation_mode=mode if lazy else TWIN_OF_OFF[mode], num_splits=splits)
                     fn = c.lazy(**kw) if lazy else c.off(**kw)
                     variants.append(dict(kind="decode", cfg=cfg, mode=mode, splits=splits, fn=fn,
                                          desc=f"cfg={cfg} mode={mode} splits={splits}"))
@@ -363,15 +365,15 @@ def sweep(gen, dev, cos, sin, copy_tbs, log, kinds=("decode", "prefill")):
         ref = lazy_prefill_reference(c.q, c.kn, c.vn, c.cu, c.k, c.v, c.meta, c.nblk, cos, sin, c.scale)
         variants = []
         short = new <= 64 and batch == 1
-        cfgs = prefill_mod.CONFIGS if short else prefill_mod.CONFIGS[:3]
+        cfgs = prefill_mod.CONFIGS if short else prefill_mod.CONFIGS[:2]
         for cfg in cfgs:
-            for mode in ((4, 2, 3) if cfg == prefill_mod.DEFAULT_CONFIG or not short else (2,)):
-                for splits in ((None, 2, 4, 8, 16) if short and mode == 2 else (None,)):
+            for mode in ((4, 2, 3, 6, 5, 8, 7) if cfg == prefill_mod.DEFAULT_CONFIG or not short else (5, 7)):
+                for splits in ((None, 8, 16) if short and mode in (2, 5, 7) else (None,)):
                     for merge in ((False, True) if short and mode == 2 and cfg == prefill_mod.DEFAULT_CONFIG
                                   and splits is None else (False,)):
                         kw = dict(config=cfg, num_splits=splits, fused_merge=merge)
-                        if mode == 4:
-                            fn = c.off(rotation_mode=2, **kw)
+                        if mode in TWIN_OF_OFF:
+                            fn = c.off(rotation_mode=TWIN_OF_OFF[mode], **kw)
                         else:
                             fn = c.lazy(rotation_mode=mode, **kw)
                         variants.append(dict(kind="prefill", cfg=cfg, mode=mode, splits=splits, merge=merge, fn=fn,
@@ -390,7 +392,7 @@ def adopt_sweep(rows, log):
     for kind, mod in (("decode", decode_mod), ("prefill", prefill_mod)):
         score = {}
         for r in rows:
-            if r["kind"] == kind and r["mode"] in (1, 2, 3) and not r.get("splits_forced") and not r.get("fused_merge"):
+            if r["kind"] == kind and r["mode"] in LAZY_MODES and not r.get("splits_forced") and not r.get("fused_merge"):
                 score.setdefault((tuple(r["config"]), r["mode"]), []).append(math.log(r["ms_graph"]))
         if not score:  # this kernel was not swept
             continue

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from .kvloop import (
     blocks_per_sm, interpreting, kv_tile_loop, last_split_merges, merge_splits, num_sms, pick_config, record_launch,
-    split_counters, split_tile_range, tile_table, workspace,
+    split_counters, split_tile_range, tile_table, workspace, OFF_TWIN, TABLE_MODES,
 )
 
 
@@ -37,6 +37,7 @@ def _lazy_decode_kernel(
     Hq, NUM_SPLITS,
     G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ROT: tl.constexpr, IEEE: tl.constexpr, MERGE: tl.constexpr,
+    ASM_INDEX: tl.constexpr,
 ):
     PAGES: tl.constexpr = BLOCK_N // BLOCK_SIZE
     PREC: tl.constexpr = "ieee" if IEEE else "tf32"
@@ -65,7 +66,7 @@ def _lazy_decode_kernel(
     m_i, l_i, acc = kv_tile_loop(Q + row_off, row_ok, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row,
                                  tiles_row, t_lo, t_hi, nb, kvh,
                                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                 BLOCK_G, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC, ROT)
+                                 BLOCK_G, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC, ROT, ASM_INDEX)
 
     o_ptrs = OUT + (b.to(tl.int64) * stride_ob + head * stride_oh)[:, None] + offs_d[None, :]
     if not SPLIT:
@@ -184,8 +185,8 @@ def lazy_decode(
     if rotation_mode is None:
         rotation_mode = SMALL_GRID_ROTATION_MODE if small_grid else DEFAULT_ROTATION_MODE
     fused_merge = DEFAULT_FUSED_MERGE if fused_merge is None else fused_merge
-    assert rotation_mode in (1, 2, 3), "rotation_mode: 1, 2 or 3 (see kvloop.kv_tile_loop)"
-    rot = rotation_mode if apply_rotation else (4 if rotation_mode == 2 else 0)  # same loop, no rotation
+    assert rotation_mode in OFF_TWIN, f"rotation_mode: one of {tuple(OFF_TWIN)} (see kvloop.kv_tile_loop)"
+    rot = rotation_mode if apply_rotation else OFF_TWIN[rotation_mode]  # same loop, no rotation
     block_g = max(16, triton.next_power_of_2(G))
     W = block_meta.shape[1]
 
@@ -194,7 +195,7 @@ def lazy_decode(
         maxnreg = cfg[3] if len(cfg) > 3 else None
         bn = max(bn, block_size)
         pages = bn // block_size
-        tiles, n_tiles = (tile_table(block_meta, num_blocks, pages, tile_cache) if rot in (1, 2, 3)
+        tiles, n_tiles = (tile_table(block_meta, num_blocks, pages, block_size, tile_cache) if rot in TABLE_MODES
                           else (block_meta, num_blocks))
         okey = (bn, warps, stages, maxnreg, rot, D, G, q.dtype)
         if splits is None:
@@ -223,7 +224,7 @@ def lazy_decode(
             Hq, splits,
             G=G, BLOCK_G=block_g, HEAD_DIM=D, BLOCK_SIZE=block_size,
             BLOCK_N=bn, SPLIT=splits > 1, ROT=rot, IEEE=q.dtype == torch.float32, MERGE=merge_here,
-            num_warps=warps, num_stages=stages, **extra,
+            ASM_INDEX=on_gpu, num_warps=warps, num_stages=stages, **extra,
         )
         e = record_launch("decode", f"decode rot={rot} bn={bn} w={warps} s={stages} maxnreg={maxnreg} "
                           f"split={splits > 1} merge={merge_here}", compiled, warps, grid, splits)

@@ -23,6 +23,9 @@ from .common import meta_delta, meta_phys, meta_valid
 
 
 # ---------------------------------------------------------------- tile table
+TILE_FIELDS = tl.constexpr(4)  # int32 per tile-table row
+
+
 @triton.jit
 def _max_combine(a, b):
     return tl.maximum(a, b)
@@ -35,10 +38,11 @@ def _min_combine(a, b):
 
 @triton.jit
 def _tile_table_kernel(META, NUM_BLOCKS, TILES, NUM_TILES, stride_mb, stride_tb,
-                       PAGES: tl.constexpr, CHUNK: tl.constexpr):
-    """One program per sequence. TILES[b] holds (start, next_segment) int32 pairs: the first
-    block of each segment-aligned tile and the index of the first tile of the next segment;
-    the pair after the last tile starts with the number of blocks (sentinel). NUM_TILES[b] = n."""
+                       PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr):
+    """One program per sequence. TILES[b] holds one row of TILE_FIELDS int32 per tile: (first block,
+    first tile of the next segment, valid keys, delta); the row after the last tile starts with the
+    number of blocks (sentinel). NUM_TILES[b] = n. A segment here is a run of blocks with one delta
+    that ends at a partly filled block, so a tile's valid keys are a prefix of it."""
     b = tl.program_id(0)
     nb = tl.load(NUM_BLOCKS + b).to(tl.int32)
     meta_row = META + b.to(tl.int64) * stride_mb
@@ -51,18 +55,20 @@ def _tile_table_kernel(META, NUM_BLOCKS, TILES, NUM_TILES, stride_mb, stride_tb,
         j = c0 + offs
         ok = j < nb
         d = meta_delta(tl.load(meta_row + j, mask=ok, other=0))
-        d_prev = meta_delta(tl.load(meta_row + j - 1, mask=ok & (j > 0), other=0))
-        starts_seg = ok & ((j == 0) | (d != d_prev))
+        prev = tl.load(meta_row + j - 1, mask=ok & (j > 0), other=0)
+        starts_seg = ok & ((j == 0) | (d != meta_delta(prev)) | (meta_valid(prev) < BLOCK_SIZE))
         # start of the segment holding block j: running max of the segment starts so far
         ss = tl.maximum(tl.associative_scan(tl.where(starts_seg, j, -1), 0, _max_combine), seg_start)
         starts_tile = ok & ((j - ss) % PAGES == 0)
         idx = n_tiles + tl.cumsum(starts_tile.to(tl.int32), 0) - 1
-        tl.store(tiles_row + 2 * idx, j, mask=starts_tile)
-        tl.store(tiles_row + 2 * idx + 1, starts_seg.to(tl.int32), mask=starts_tile)
+        tl.store(tiles_row + TILE_FIELDS * idx, j, mask=starts_tile)
+        tl.store(tiles_row + TILE_FIELDS * idx + 1, starts_seg.to(tl.int32), mask=starts_tile)
         n_tiles += tl.sum(starts_tile.to(tl.int32), 0)
         seg_start = tl.max(tl.where(ok, ss, 0), 0)
-    tl.store(tiles_row + 2 * n_tiles, nb)
-    tl.store(tiles_row + 2 * n_tiles + 1, n_tiles)
+    tl.store(tiles_row + TILE_FIELDS * n_tiles, nb)
+    tl.store(tiles_row + TILE_FIELDS * n_tiles + 1, n_tiles)
+    tl.store(tiles_row + TILE_FIELDS * n_tiles + 2, 0)
+    tl.store(tiles_row + TILE_FIELDS * n_tiles + 3, 0)
     tl.store(NUM_TILES + b, n_tiles)
     # pass 2, backward over tiles: next[i] = first segment-starting tile after i (else n_tiles)
     BIG: tl.constexpr = 1 << 30
@@ -72,41 +78,83 @@ def _tile_table_kernel(META, NUM_BLOCKS, TILES, NUM_TILES, stride_mb, stride_tb,
         c0 = (n_chunks - 1 - c) * CHUNK
         i = c0 + offs
         ok = i < n_tiles
-        flag = tl.load(tiles_row + 2 * i + 1, mask=ok, other=0)
+        flag = tl.load(tiles_row + TILE_FIELDS * i + 1, mask=ok, other=0)
         nxt_ok = (i + 1 < c0 + CHUNK) & (i + 1 < n_tiles)
-        flag_next = tl.load(tiles_row + 2 * (i + 1) + 1, mask=nxt_ok, other=0)
+        flag_next = tl.load(tiles_row + TILE_FIELDS * (i + 1) + 1, mask=nxt_ok, other=0)
         cand_next = tl.where(nxt_ok & (flag_next != 0), i + 1, BIG)
         nxt = tl.minimum(tl.associative_scan(cand_next, 0, _min_combine, reverse=True), carry)
         tl.debug_barrier()  # every flag of this chunk is read before any is overwritten
-        tl.store(tiles_row + 2 * i + 1, nxt, mask=ok)
+        tl.store(tiles_row + TILE_FIELDS * i + 1, nxt, mask=ok)
         carry = tl.minimum(carry, tl.min(tl.where(ok & (flag != 0), i, BIG), 0))
+    # pass 3, over tiles: valid keys (only a tile's last block may be partly filled) and delta
+    for c0 in range(0, n_tiles, CHUNK):
+        i = c0 + offs
+        ok = i < n_tiles
+        first = tl.load(tiles_row + TILE_FIELDS * i, mask=ok, other=0)
+        end = tl.load(tiles_row + TILE_FIELDS * (i + 1), mask=ok, other=1)
+        last = tl.load(meta_row + end - 1, mask=ok, other=0)
+        tl.store(tiles_row + TILE_FIELDS * i + 2, (end - 1 - first) * BLOCK_SIZE + meta_valid(last), mask=ok)
+        tl.store(tiles_row + TILE_FIELDS * i + 3, meta_delta(tl.load(meta_row + first, mask=ok, other=0)), mask=ok)
 
 
-def tile_table(block_meta: torch.Tensor, num_blocks: torch.Tensor, pages: int,
+def tile_table(block_meta: torch.Tensor, num_blocks: torch.Tensor, pages: int, block_size: int,
                cache: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Segment-aligned tiles of at most ``pages`` blocks: (tiles [B, W + 1, 2] int32 of
-    (first block, first tile of the next segment), n_tiles [B] int32); see _tile_table_kernel.
+    """Segment-aligned tiles of at most ``pages`` blocks: (tiles [B, W + 1, TILE_FIELDS] int32 of
+    (first block, first tile of the next segment, valid keys, delta), n_tiles [B] int32); see
+    _tile_table_kernel.
 
     ``cache`` (a dict living as long as the block table's contents, e.g. one forward pass) keeps
     the table for every later call with the same ``pages``. A CUDA-graph capture never reuses a
     table built outside it (the graph must rebuild it from its static inputs on every replay)."""
     capturing = block_meta.is_cuda and torch.cuda.is_current_stream_capturing()
-    key = (pages, capturing)
+    key = (pages, block_size, capturing)
     if cache is not None and key in cache:
         return cache[key]
     B, W = block_meta.shape
-    tiles = torch.empty(B, W + 1, 2, device=block_meta.device, dtype=torch.int32)
+    tiles = torch.empty(B, W + 1, TILE_FIELDS.value, device=block_meta.device, dtype=torch.int32)
     n_tiles = torch.empty(B, device=block_meta.device, dtype=torch.int32)
     if B:
         chunk = 16 if interpreting() else max(16, min(1024, triton.next_power_of_2(W)))
         _tile_table_kernel[(B,)](block_meta, num_blocks, tiles, n_tiles, block_meta.stride(0), tiles.stride(0),
-                                 PAGES=pages, CHUNK=chunk, num_warps=4)
+                                 PAGES=pages, BLOCK_SIZE=block_size, CHUNK=chunk, num_warps=4)
     if cache is not None:
         cache[key] = (tiles, n_tiles)
     return tiles, n_tiles
 
 
 # ---------------------------------------------------------------- the KV loop
+OFF_TWIN = {1: 0, 2: 4, 3: 0, 5: 6, 7: 8}  # each rotation mode's rotation-off loop (kv_tile_loop)
+TABLE_MODES = (1, 2, 3, 5, 6, 7, 8)  # the modes that walk the tile table
+@triton.jit
+def load_index(ptrs, mask, ASM: tl.constexpr):
+    """``tl.load(ptrs, mask, other=0)`` of an int32 or int64 index tensor. ASM: as inline PTX (``ld.global.nc``),
+    which the software pipeliner does not count as a load: K/V addresses computed from it then count as
+    direct, and their copies run ``num_stages - 1`` tiles ahead as for a contiguous cache (after a real load
+    of the index they stay one tile ahead at any stage count). The interpreter has no PTX: ASM=False there."""
+    if ASM:
+        if ptrs.dtype.element_ty == tl.int64:
+            return tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b64 $0, 0; @p ld.global.nc.b64 $0, [$1]; }",
+                "=l,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int64, is_pure=True, pack=1)
+        else:
+            return tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.nc.b32 $0, [$1]; }",
+                "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        return tl.load(ptrs, mask=mask, other=0)
+
+
+@triton.jit
+def load_index_scalar(ptr, mask, ASM: tl.constexpr):
+    """One int32 index: :func:`load_index` of a scalar pointer. The pipeliner runs the ops feeding the K/V
+    addresses of later tiles ahead of the loop's exit test and predicates only the loads it knows, so a
+    pipelined PTX load must be masked with the loop condition itself."""
+    if ASM:
+        return tl.sum(load_index(ptr + tl.zeros([1], tl.int32), mask + tl.zeros([1], tl.int1), ASM), 0)
+    else:
+        return tl.load(ptr, mask=mask, other=0)
+
+
 @triton.jit
 def softmax_step(q, k, v, keep, m_i, l_i, acc, PREC: tl.constexpr, MASKED: tl.constexpr = True):
     """One KV tile of online softmax in base 2 (the scale and log2(e) are folded into q);
@@ -179,7 +227,7 @@ def kv_tile_loop(q_rows, row_ok, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_C
                  t_lo, t_hi, nb, kvh,
                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                  ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 PREC: tl.constexpr, ROT: tl.constexpr):
+                 PREC: tl.constexpr, ROT: tl.constexpr, ASM_INDEX: tl.constexpr = False):
     """Online softmax of ``ROWS`` query rows (pointers ``q_rows`` to their first feature) over KV
     tiles [t_lo, t_hi) of one sequence.
 
@@ -193,6 +241,16 @@ def kv_tile_loop(q_rows, row_ok, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_C
     ROT = 4: no rotation, plain tiles, q carried through the loop as in ROT = 2: the rotation-off
     counterpart of ROT = 2 (Triton keeps a loop-carried q in registers; a loop-invariant one it
     re-reads from shared memory on every tile, which measured up to 27% slower on 128x128 tiles).
+    ROT = 5: ROT 2 with every per-tile index from the tile table's row (first block, valid keys, delta;
+    the valid keys are a prefix of the tile, so the mask is one compare) and, with ASM_INDEX, read by
+    :func:`load_index`'s inline PTX: nothing the pipeliner counts as a load lies between the loop counter
+    and the K/V addresses, so with ``num_stages`` 3 the K/V copies run two tiles ahead instead of one.
+    ROT = 6: ROT 5's loop and tiles without the rotation (its rotation-off twin).
+    ROT = 7: per segment (as ROT 3) q rotated once, then ROT 6's loop over the segment's tiles: q is
+    loop-invariant there, so Triton keeps it in shared memory for the MMA (a loop-carried q, as in ROT 2 and 5,
+    lives in registers: 68 spilled words and -36% on a plain flash loop, benchmarks/prefill_ceiling.py); the
+    pipeline restarts at each segment.
+    ROT = 8: ROT 7's loops without the rotation (its rotation-off twin).
     """
     PAGES: tl.constexpr = BLOCK_N // BLOCK_SIZE
     dtype = q_rows.dtype.element_ty
@@ -202,9 +260,9 @@ def kv_tile_loop(q_rows, row_ok, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_C
     if ROT == 3:
         t = t_lo
         while t < t_hi:
-            t_next = tl.minimum(tl.load(tiles_row + 2 * t + 1), t_hi)
-            b_lo = tl.load(tiles_row + 2 * t)
-            b_hi = tl.load(tiles_row + 2 * t_next)  # the next segment's first block (or the sentinel)
+            t_next = tl.minimum(tl.load(tiles_row + TILE_FIELDS * t + 1), t_hi)
+            b_lo = tl.load(tiles_row + TILE_FIELDS * t)
+            b_hi = tl.load(tiles_row + TILE_FIELDS * t_next)  # the next segment's first block (or the sentinel)
             q = rotated_q(q_rows, row_ok, COS, SIN, meta_delta(tl.load(meta_row + b_lo)), qk_scale,
                           ROWS, HEAD_DIM).to(dtype)
             for s0 in range(b_lo, b_hi, PAGES):
@@ -212,6 +270,55 @@ def kv_tile_loop(q_rows, row_ok, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_C
                                          tl.minimum(s0 + PAGES, b_hi), kvh,
                                          stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                                          BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC)
+            t = t_next
+    elif ROT == 5 or ROT == 6:
+        offs_n = tl.arange(0, BLOCK_N)
+        page = offs_n // BLOCK_SIZE
+        slot = offs_n % BLOCK_SIZE
+        q = (tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32) * qk_scale).to(dtype)
+        d_prev = nb * 0 - 1
+        for t in range(t_lo, t_hi):
+            row = tiles_row + TILE_FIELDS * t
+            live = t < t_hi  # see load_index_scalar
+            s0 = load_index_scalar(row, live, ASM_INDEX)
+            kv_ok = offs_n < load_index_scalar(row + 2, live, ASM_INDEX)  # a tile's valid keys are a prefix
+            if ROT == 5:
+                d = load_index_scalar(row + 3, live, ASM_INDEX)
+                if d != d_prev:
+                    q = rotated_q(q_rows, row_ok, COS, SIN, d, qk_scale, ROWS, HEAD_DIM).to(dtype)
+                    d_prev = d
+            else:
+                if t == t_lo:  # as in ROT 4
+                    q = (tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32) * qk_scale).to(dtype)
+            phys = meta_phys(load_index(meta_row + s0 + page, kv_ok, ASM_INDEX))
+            k = tl.load(K_CACHE + (phys * stride_kb + slot * stride_ks + kvh * stride_kh)[:, None] + offs_d[None, :],
+                        mask=kv_ok[:, None], other=0.0)
+            v = tl.load(V_CACHE + (phys * stride_vb + slot * stride_vs + kvh * stride_vh)[:, None] + offs_d[None, :],
+                        mask=kv_ok[:, None], other=0.0)
+            m_i, l_i, acc = softmax_step(q, k, v, kv_ok[None, :], m_i, l_i, acc, PREC)
+    elif ROT == 7 or ROT == 8:
+        offs_n = tl.arange(0, BLOCK_N)
+        page = offs_n // BLOCK_SIZE
+        slot = offs_n % BLOCK_SIZE
+        t = t_lo
+        while t < t_hi:
+            seg = tiles_row + TILE_FIELDS * t
+            t_next = tl.minimum(tl.load(seg + 1), t_hi)
+            if ROT == 7:
+                q = rotated_q(q_rows, row_ok, COS, SIN, tl.load(seg + 3), qk_scale, ROWS, HEAD_DIM).to(dtype)
+            else:
+                q = (tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32) * qk_scale).to(dtype)
+            for u in range(t, t_next):  # the segment's tiles: ROT 6's loop body, q loop-invariant
+                row = tiles_row + TILE_FIELDS * u
+                live = u < t_next  # see load_index_scalar
+                s0 = load_index_scalar(row, live, ASM_INDEX)
+                kv_ok = offs_n < load_index_scalar(row + 2, live, ASM_INDEX)
+                phys = meta_phys(load_index(meta_row + s0 + page, kv_ok, ASM_INDEX))
+                k = tl.load(K_CACHE + (phys * stride_kb + slot * stride_ks + kvh * stride_kh)[:, None]
+                            + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
+                v = tl.load(V_CACHE + (phys * stride_vb + slot * stride_vs + kvh * stride_vh)[:, None]
+                            + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
+                m_i, l_i, acc = softmax_step(q, k, v, kv_ok[None, :], m_i, l_i, acc, PREC)
             t = t_next
     else:
         q = (tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32) * qk_scale).to(dtype)
@@ -221,8 +328,8 @@ def kv_tile_loop(q_rows, row_ok, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_C
                 s0 = t * PAGES
                 s1 = tl.minimum(s0 + PAGES, nb)
             else:
-                s0 = tl.load(tiles_row + 2 * t)
-                s1 = tl.load(tiles_row + 2 * t + 2)
+                s0 = tl.load(tiles_row + TILE_FIELDS * t)
+                s1 = tl.load(tiles_row + TILE_FIELDS * (t + 1))
             if ROT == 1:
                 qt = rotated_q(q_rows, row_ok, COS, SIN, meta_delta(tl.load(meta_row + s0)), qk_scale,
                                ROWS, HEAD_DIM).to(dtype)

@@ -11,11 +11,12 @@ was encoded needs ``k' = R(delta) k``. Instead of touching K we rotate the *quer
 by ``-delta`` (``<q, R(delta) k> = <R(-delta) q, k>``), always from the original q (never
 an un-rotate/re-rotate pair). The context is walked as one flat, pipelined loop over
 segment-aligned KV tiles (:func:`lazyrag.kernels.kvloop.tile_table`); q is re-rotated only on
-a tile whose delta differs from the previous tile's (``ROT=2``; ``ROT=1`` rotates on every
-tile), so one document costs one rotation. New tokens follow: the tiles before the query
-tile's first token need no causal mask, only the diagonal ones do. Short prefills (few
-programs) split the context tiles over programs (one wave of them) and merge partials. See
-benchmarks/NOTES.md.
+a tile whose delta differs from the previous tile's (``ROT=5``), so one document costs one
+rotation; the tile indices are read as inline PTX so that the K/V copies run two tiles ahead
+(``kvloop.load_index``). New tokens follow: the tiles before the query tile's first token need
+no causal mask, only the diagonal ones do. Short prefills (few programs) take smaller tiles,
+rotate q once per segment ahead of a loop where it is loop-invariant (``ROT=7``), split the
+context tiles over programs (one wave of them) and merge partials. See benchmarks/NOTES.md.
 """
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ import triton
 import triton.language as tl
 
 from .kvloop import (
-    interpreting, kv_tile_loop, last_split_merges, merge_splits, num_sms, pick_config, record_launch, softmax_step,
-    split_counters, split_tile_range, tile_table, workspace,
+    blocks_per_sm, interpreting, kv_tile_loop, last_split_merges, merge_splits, num_sms, pick_config, record_launch, softmax_step,
+    split_counters, split_tile_range, tile_table, workspace, OFF_TWIN, TABLE_MODES,
 )
 
 
@@ -39,7 +40,7 @@ def _lazy_prefill_kernel(
     Hq, NUM_SPLITS,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    ROT: tl.constexpr, IEEE: tl.constexpr, MERGE: tl.constexpr,
+    ROT: tl.constexpr, IEEE: tl.constexpr, MERGE: tl.constexpr, ASM_INDEX: tl.constexpr,
 ):
     TOK: tl.constexpr = BLOCK_M // G  # query tokens per tile
     PAGES: tl.constexpr = BLOCK_N // BLOCK_SIZE  # whole pages per KV tile
@@ -84,7 +85,7 @@ def _lazy_prefill_kernel(
     m_i, l_i, acc = kv_tile_loop(Q + row_off, row_ok, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row,
                                  tiles_row, t_lo, t_hi, n_ctx, kvh,
                                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                 BLOCK_M, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC, ROT)
+                                 BLOCK_M, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC, ROT, ASM_INDEX)
 
     # -- stage 2: the sequence's new tokens (true positions, delta 0), causal; the last split
     # (whose context share is the smallest) does it. Keys before the tile's first token are
@@ -132,30 +133,43 @@ CONFIGS = [
     (128, 128, 8, 2),
     (128, 128, 8, 3),
     (128, 64, 8, 3),
+    (128, 64, 8, 4),
     (64, 128, 4, 3),
     (64, 64, 4, 3),
 ]
-# defaults adopted from the H200 sweep (benchmarks/NOTES.md, round 3): the flat loop that
-# re-rotates q when the delta changes, 128x128 tiles, 2 stages
-DEFAULT_CONFIG = (128, 128, 8, 2)
-DEFAULT_ROTATION_MODE = 2
+# defaults from the H200 sweeps (benchmarks/NOTES.md, "Kernels, round 9"): the flat loop with its indices read
+# as PTX (ROT 5: K/V copies two tiles ahead), 128x128 tiles, 3 stages. B=8, 512 new tokens: 1.77 vs 1.90 ms
+# (8k, 1 doc) and 0.73 vs 0.75 ms (2k, 10 docs) against round 8's ROT 2 with 2 stages.
+DEFAULT_CONFIG = (128, 128, 8, 3)
+DEFAULT_ROTATION_MODE = 5
+# short prefills (the default config's programs fill under half the SMs, so the context is split): 64x64 tiles,
+# 4 warps (two programs an SM) and ROT 7 (q rotated once per segment, loop-invariant). B=1, 64 new tokens,
+# 10 docs, 8 splits: 27.3 / 44.8 µs at 2k / 8k against 30.3 / 58.4 with round 8's defaults.
+SHORT_CONFIG = (64, 64, 4, 3)
+SHORT_ROTATION_MODE = 7
 # split partials merged by the last split program (kvloop.last_split_merges) instead of a second launch
 DEFAULT_FUSED_MERGE = False
+# resident programs per SM per compiled variant, learned from the first launch (as decode's)
+_occupancy: dict[tuple, int] = {}
 
 
-def _auto_prefill_splits(n_programs: int, max_ctx_tiles: int, device: torch.device) -> int:
+def _programs(max_seqlen_q: int, block_m: int, G: int, Hkv: int, B: int) -> int:
+    return triton.cdiv(max_seqlen_q, max(block_m, triton.next_power_of_2(G)) // G) * Hkv * B
+
+
+def _auto_prefill_splits(n_programs: int, max_ctx_tiles: int, per_sm: int, device: torch.device) -> int:
     """Split the context (flash-decoding style) only when the (query tile, KV head, sequence) programs fill
-    less than half the SMs; then as many splits as fill ONE wave (the default 128x128 config runs one program
-    per SM: 255 registers x 8 warps), with at least 2 KV tiles per split. H200, round 8 (benchmarks/NOTES.md;
-    B=1, 64 new tokens, 16 programs): 8 splits (one wave) 33.8 / 60.9 µs at 2k / 8k context against 44.2 / 70.6
-    with round 2's rule (two waves, >= 4 tiles a split: 4 / 16 splits); B=8 / 64 new (128 programs): splitting
-    was 5-15% slower (round 2)."""
+    less than half the SMs; then as many splits as fill ONE wave at ``per_sm`` resident programs an SM, with at
+    least 2 KV tiles per split. H200, round 8 (benchmarks/NOTES.md; B=1, 64 new tokens, 16 programs of 128x128,
+    one an SM): 8 splits (one wave) 33.8 / 60.9 µs at 2k / 8k context against 44.2 / 70.6 with round 2's rule
+    (two waves, >= 4 tiles a split); round 9: SHORT_CONFIG (32 programs, two an SM) 8 splits against 16: 27.3 vs
+    32.5 µs (2k) and 44.8 vs 52.4 (8k). B=8 / 64 new (128 programs): splitting was 5-15% slower (round 2)."""
     if device.type != "cuda" or interpreting():
         return 1
     sms = num_sms(device)
     if 2 * n_programs > sms:
         return 1
-    return max(1, min(sms // max(1, n_programs), max_ctx_tiles // 2, 64))
+    return max(1, min(sms * per_sm // max(1, n_programs), max_ctx_tiles // 2, 64))
 
 
 def lazy_prefill(
@@ -187,9 +201,10 @@ def lazy_prefill(
     shape/dtype as q). ``num_splits`` splits each sequence's cached context over that many
     programs (partials merged by a second kernel); ``None`` splits only when the grid would not
     fill the GPU. ``tile_cache``: see :func:`lazyrag.kernels.decode.lazy_decode`.
-    ``rotation_mode``: how the query is rotated (``kvloop.kv_tile_loop``'s ROT): 3 once per
-    segment ahead of a plain tile loop, 2 in a flat loop when the delta changes, 1 on every tile;
-    ``None``: ``DEFAULT_ROTATION_MODE``. ``fused_merge``: the last split program of each query tile merges
+    ``rotation_mode``: how the query is rotated (``kvloop.kv_tile_loop``'s ROT): 5 in a flat loop when the
+    delta changes (indices read as PTX), 7 once per segment ahead of ROT 5's tile loop, 2 / 3 their round-8
+    forms, 1 on every tile; ``None``: ``DEFAULT_ROTATION_MODE`` (short prefills, whose context is split:
+    ``SHORT_ROTATION_MODE`` with ``SHORT_CONFIG``). ``fused_merge``: the last split program of each query tile merges
     the partials (no merge launch); ``None``: ``DEFAULT_FUSED_MERGE``.
     """
     Tq, Hq, D = q.shape
@@ -199,10 +214,15 @@ def lazy_prefill(
     nb_total, block_size, Hkv_c, Dc = k_cache.shape
     assert Hkv_c == Hkv and Dc == D and D in (64, 128)
     assert block_size >= 16 and block_size & (block_size - 1) == 0, "block_size: power of two >= 16"
-    rotation_mode = DEFAULT_ROTATION_MODE if rotation_mode is None else rotation_mode
-    assert rotation_mode in (1, 2, 3), "rotation_mode: 1, 2 or 3 (see kvloop.kv_tile_loop)"
-    fused_merge = DEFAULT_FUSED_MERGE if fused_merge is None else fused_merge
+    on_gpu = q.is_cuda and not interpreting()
     B = cu_seqlens_q.numel() - 1
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if B > 0 else 0
+    short = on_gpu and 2 * _programs(max_seqlen_q, DEFAULT_CONFIG[0], G, Hkv, B) <= num_sms(q.device)
+    if rotation_mode is None:
+        rotation_mode = SHORT_ROTATION_MODE if short else DEFAULT_ROTATION_MODE
+    assert rotation_mode in OFF_TWIN, f"rotation_mode: one of {tuple(OFF_TWIN)} (see kvloop.kv_tile_loop)"
+    fused_merge = DEFAULT_FUSED_MERGE if fused_merge is None else fused_merge
     q, k_new, v_new = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_new, v_new))
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
     if block_meta.dtype != torch.int64:
@@ -217,8 +237,6 @@ def lazy_prefill(
     nctx = num_ctx_blocks
     if nctx.dtype != torch.int32 or nctx.device != q.device:
         nctx = nctx.to(device=q.device, dtype=torch.int32)
-    if max_seqlen_q is None:
-        max_seqlen_q = int((cu[1:] - cu[:-1]).max()) if B > 0 else 0
     if out is None:
         out = torch.empty_like(q)
     assert out.shape == q.shape and out.stride(-1) == 1
@@ -226,8 +244,7 @@ def lazy_prefill(
         return out
     qk_scale = float(sm_scale) * 1.4426950408889634  # log2(e): the kernel uses exp2
     # rotation off runs the same loop structure minus the rotation (ROT 4 mirrors ROT 2's loop)
-    rot = rotation_mode if apply_rotation else (4 if rotation_mode == 2 else 0)
-    on_gpu = q.is_cuda and not interpreting()
+    rot = rotation_mode if apply_rotation else OFF_TWIN[rotation_mode]
     W = block_meta.shape[1]
 
     def launch(cfg, splits):
@@ -235,11 +252,13 @@ def lazy_prefill(
         bm = max(bm, triton.next_power_of_2(G))
         bn = max(bn, block_size)
         pages = bn // block_size
+        okey = (bm, bn, warps, stages, rot, D, G, q.dtype)
         if splits is None:
-            n_prog = triton.cdiv(max_seqlen_q, bm // G) * Hkv * B
-            splits = _auto_prefill_splits(n_prog, triton.cdiv(W, pages), q.device)
+            per_sm = _occupancy.get(okey, blocks_per_sm(255, warps, 0))  # before the first launch: all registers
+            splits = _auto_prefill_splits(_programs(max_seqlen_q, bm, G, Hkv, B), triton.cdiv(W, pages), per_sm,
+                                          q.device)
         splits = max(1, int(splits))
-        tiles, n_tiles = (tile_table(block_meta, nctx, pages, tile_cache) if rot in (1, 2, 3)
+        tiles, n_tiles = (tile_table(block_meta, nctx, pages, block_size, tile_cache) if rot in TABLE_MODES
                           else (block_meta, nctx))
         n_q_tiles = triton.cdiv(max_seqlen_q, bm // G)
         grid = (n_q_tiles * splits, Hkv, B)
@@ -260,11 +279,13 @@ def lazy_prefill(
             block_meta.stride(0), tiles.stride(0), out.stride(0), out.stride(1),
             Hq, splits,
             G=G, HEAD_DIM=D, BLOCK_SIZE=block_size, BLOCK_M=bm, BLOCK_N=bn, SPLIT=splits > 1,
-            ROT=rot, IEEE=q.dtype == torch.float32, MERGE=merge_here,
+            ROT=rot, IEEE=q.dtype == torch.float32, MERGE=merge_here, ASM_INDEX=on_gpu,
             num_warps=warps, num_stages=stages,
         )
-        record_launch("prefill", f"prefill rot={rot} bm={bm} bn={bn} w={warps} s={stages} split={splits > 1} "
-                      f"merge={merge_here}", compiled, warps, grid, splits)
+        e = record_launch("prefill", f"prefill rot={rot} bm={bm} bn={bn} w={warps} s={stages} split={splits > 1} "
+                          f"merge={merge_here}", compiled, warps, grid, splits)
+        if e is not None and okey not in _occupancy:
+            _occupancy[okey] = e["blocks_per_sm"]
         if splits > 1 and not merge_here:
             merge_splits(part_acc, part_ml, out, splits)
 
@@ -274,6 +295,6 @@ def lazy_prefill(
         else:
             key = ("prefill", D, G, block_size, q.dtype, rot, triton.next_power_of_2(max_seqlen_q),
                    num_splits, fused_merge, triton.next_power_of_2(B), triton.next_power_of_2(W))
-            config = pick_config(key, lambda c: launch(c, num_splits), CONFIGS, DEFAULT_CONFIG)
+            config = pick_config(key, lambda c: launch(c, num_splits), CONFIGS, SHORT_CONFIG if short else DEFAULT_CONFIG)
     launch(config, num_splits)
     return out

@@ -236,7 +236,7 @@ def test_prefill_split_context_matches_reference(case):
     pre = prerotated(p, cos, sin)
     off = run_prefill(pre, q, kn, vn, cu, cos, sin, scale, apply_rotation=False, num_splits=splits)
     assert rel_err(off, ref) < 1e-4
-    for mode in (1, 2):  # the other query-rotation schedules
+    for mode in (1, 2, 5, 7):  # the query-rotation schedules
         out = run_prefill(p, q, kn, vn, cu, cos, sin, scale, num_splits=splits, rotation_mode=mode)
         assert rel_err(out, ref) < 1e-4
 
@@ -249,7 +249,7 @@ def test_prefill_rotation_off_in_the_lazy_layout():
     ref = ref_prefill(p, q, kn, vn, cu, cos, sin, 0.125)
     qd = torch.randn(2, 4, 64)
     refd = lazy_decode_reference(qd, p.k_cache, p.v_cache, p.meta, p.nblocks, cos, sin, 0.125)
-    for mode in (2, 3):  # each schedule's rotation-off counterpart (ROT 4 and 0)
+    for mode in (2, 3, 5, 7):  # each schedule's rotation-off counterpart (ROT 4, 0, 6 and 8)
         off = run_prefill(pre, q, kn, vn, cu, cos, sin, 0.125, apply_rotation=False, rotation_mode=mode)
         assert rel_err(off, ref) < 1e-4
         offd = run_decode(pre, qd, cos, sin, 0.125, apply_rotation=False, num_splits=2, rotation_mode=mode)
@@ -258,19 +258,31 @@ def test_prefill_rotation_off_in_the_lazy_layout():
 
 @pytest.mark.parametrize("pages", [1, 2, 4])
 def test_tile_table(pages):
-    # segment-aligned tiles: each tile lies in one segment, holds <= pages blocks, and together
-    # they cover every block once in order; the sentinel is the block count. Chunk of 16 blocks
-    # in the interpreter, so rows of 40 blocks cross chunk boundaries inside a segment.
+    # segment-aligned tiles: each tile lies in one segment (blocks of one delta, ended by a partly filled
+    # block), holds <= pages blocks, and together they cover every block once in order; the sentinel is the
+    # block count; each row also holds the tile's valid keys and delta. Chunk of 16 blocks in the interpreter,
+    # so rows of 40 blocks cross chunk boundaries inside a segment. The first document is reused with the same
+    # delta in the last row, so one segment there holds a partly filled block before its end.
     gen = torch.Generator().manual_seed(40 + pages)
-    p = make_paged(gen, [[5, 16, 3, 300, 2, 9], [], [400], [17, 17, 17, 40]], 1, 64, 16, torch.float32, "cpu",
+    bs = 16
+    p = make_paged(gen, [[5, 16, 3, 300, 2, 9], [], [400], [17, 17, 17, 40]], 1, 64, bs, torch.float32, "cpu",
                    reuse_first_doc=True)
-    tiles, n_tiles = tile_table(p.meta, p.nblocks, pages)
-    _, deltas, _ = unpack_block_meta(p.meta)
+    ids, deltas, valid = unpack_block_meta(p.meta)
+    last = p.meta[3].clone()  # make the 2nd document of the last row share the 1st one's delta
+    nb0 = (17 + bs - 1) // bs
+    last[nb0: 2 * nb0] = pack_block_meta(ids[3, nb0: 2 * nb0], deltas[3, :nb0], valid[3, nb0: 2 * nb0])
+    p.meta[3] = last
+    ids, deltas, valid = unpack_block_meta(p.meta)
+    tiles, n_tiles = tile_table(p.meta, p.nblocks, pages, bs)
+    assert tiles.shape[-1] == 4
     for b in range(p.meta.shape[0]):
         nb, n = int(p.nblocks[b]), int(n_tiles[b])
         starts = tiles[b, : n + 1, 0].tolist()
         assert starts[-1] == nb and (n == 0) == (nb == 0)
-        seg_starts = {0} | {j for j in range(1, nb) if deltas[b, j] != deltas[b, j - 1]}
+        seg_starts = {0} | {j for j in range(1, nb)
+                            if deltas[b, j] != deltas[b, j - 1] or valid[b, j - 1] < bs}
+        if b == 3:
+            assert deltas[b, nb0] == deltas[b, 0] and nb0 in seg_starts  # a segment ended by a partial block
         want, j = [], 0
         while j < nb:  # expected: restart at every segment start, else every `pages` blocks
             want.append(j)
@@ -281,6 +293,12 @@ def test_tile_table(pages):
         # link to the first tile of the next segment (n after the last segment)
         seg_tiles = [i for i in range(n) if starts[i] in seg_starts]
         assert tiles[b, :n, 1].tolist() == [min([i2 for i2 in seg_tiles if i2 > i] + [n]) for i in range(n)]
+        # valid keys: a prefix of the tile (only its last block partly filled); the tile's delta
+        for i in range(n):
+            blocks = range(starts[i], starts[i + 1])
+            assert all(int(valid[b, j]) == bs for j in blocks[:-1])
+            assert int(tiles[b, i, 2]) == sum(int(valid[b, j]) for j in blocks)
+            assert int(tiles[b, i, 3]) == int(deltas[b, starts[i]])
 
 
 # (seed, documents per sequence (tokens), Hq, Hkv, D, block_size, num_splits)
@@ -306,6 +324,26 @@ def test_decode_matches_reference(case):
     assert not split_counters(q.device, 1).any()  # the arrival counters are left at zero
 
 
+def test_documents_sharing_a_delta_after_a_partial_block():
+    # two neighbouring documents with one delta: the first one's partly filled last block sits inside the
+    # run of equal deltas, so it must end its tile (ROT 5 masks a tile's keys as one prefix)
+    p, q, kn, vn, cu = make_prefill(27, [5], [[17, 40, 9]], 4, 2, 64, 16, torch.float32, "cpu")
+    ids, deltas, valid = unpack_block_meta(p.meta)
+    deltas[0, 2:5] = deltas[0, 0]  # blocks 0-1: 17 tokens (block 1 holds 1), blocks 2-4: 40 tokens
+    p.meta.copy_(pack_block_meta(ids, deltas, valid))
+    cos, sin = make_rope(64, "cpu")
+    ref = ref_prefill(p, q, kn, vn, cu, cos, sin, 0.125)
+    qd = torch.randn(1, 4, 64)
+    refd = lazy_decode_reference(qd, p.k_cache, p.v_cache, p.meta, p.nblocks, cos, sin, 0.125)
+    for mode in (1, 2, 3, 5, 7):
+        for splits in (1, 2):
+            out = run_prefill(p, q, kn, vn, cu, cos, sin, 0.125, num_splits=splits, rotation_mode=mode,
+                              config=(16, 64, 1, 1))
+            assert rel_err(out, ref) < 1e-4
+            outd = run_decode(p, qd, cos, sin, 0.125, num_splits=splits, config=(64, 1, 1), rotation_mode=mode)
+            assert rel_err(outd, refd) < 1e-4
+
+
 def test_decode_tile_spans_several_documents_and_wrong_rotation():
     gen = torch.Generator().manual_seed(25)
     p = make_paged(gen, [[5, 16, 3, 30, 2, 9]], 2, 64, 16, torch.float32, "cpu", reuse_first_doc=True)
@@ -314,7 +352,7 @@ def test_decode_tile_spans_several_documents_and_wrong_rotation():
     out = run_decode(p, q, cos, sin, 0.125, num_splits=2, config=(64, 1, 1))
     ref = lazy_decode_reference(q, p.k_cache, p.v_cache, p.meta, p.nblocks, cos, sin, 0.125)
     assert rel_err(out, ref) < 1e-4
-    for mode in (2, 3):  # the other query-rotation schedules
+    for mode in (2, 3, 5, 7):  # the other query-rotation schedules
         out = run_decode(p, q, cos, sin, 0.125, num_splits=3, config=(32, 1, 1), rotation_mode=mode)
         assert rel_err(out, ref) < 1e-4
     ids, deltas, valid = unpack_block_meta(p.meta)
@@ -408,9 +446,13 @@ def test_prefill_gpu_split_context(hq, hkv, d, splits):
     ref0 = ref_prefill(pre, q, kn, vn, cu, cos, sin, d ** -0.5)
     off = run_prefill(pre, q, kn, vn, cu, cos, sin, d ** -0.5, apply_rotation=False, num_splits=splits)
     assert rel_err(off, ref0) < 1e-2
-    for mode in (1, 2):
+    for mode in (1, 2, 3, 5, 7):
         out = run_prefill(p, q, kn, vn, cu, cos, sin, d ** -0.5, num_splits=splits, rotation_mode=mode)
         assert rel_err(out, ref) < 1e-2
+    for mode in (3, 5, 7):  # rotation off, each schedule's own loop
+        off = run_prefill(pre, q, kn, vn, cu, cos, sin, d ** -0.5, apply_rotation=False, num_splits=splits,
+                          rotation_mode=mode)
+        assert rel_err(off, ref0) < 1e-2
 
 
 @gpu
