@@ -92,13 +92,13 @@ CONFIGS = [
     (64, 4, 3, None),
     (32, 4, 3, None),
 ]
-# defaults from the H200 sweeps (benchmarks/NOTES.md, rounds 3 and 8): 4 programs per SM under the
-# 128-register cap; the flat loop that re-rotates q only where the delta changes (ROT 2). Round 8 (paired
-# rounds, B=8-64, 8k-32k, 1 and 10 documents, two sweeps): ROT 2 within -1.3 to +1.0% of its rotation-off loop
-# (ROT 4), 0-0.6% over the plain one (ROT 0) at B >= 32 and 1.5-2.5% at B=8; ROT 3's per-document restart cost
-# 1.2-4.4%.
+# defaults from the H200 sweeps (benchmarks/NOTES.md, rounds 3, 8 and 9): 4 programs per SM under the
+# 128-register cap; the flat loop that re-rotates q only where the delta changes, its indices read as PTX so
+# the K/V copies run two tiles ahead (ROT 5). Round 9 (paired rounds, 10 documents unless noted): against the
+# plain rotation-off loop (ROT 0) ROT 5 is -2.8% (B=8, 32k), -2.1 / -0.4% (B=8, 8k, 10 / 1 docs), +0.1% (B=32)
+# and +1.1% (B=64); round 8's ROT 2 +1.9-2.5% at B=8 and +0.7-1.1% at B >= 32.
 DEFAULT_CONFIG = (64, 4, 3, 128)
-DEFAULT_ROTATION_MODE = 2
+DEFAULT_ROTATION_MODE = 5
 # One or two sequences (B * Hkv programs before splitting at most SMALL_GRID_PROGRAMS) are latency-bound: each
 # split holds ~2-3 tiles, so 64-key tiles cost more than they save. H200 sweep at the e2e shape (B=1, 2.6k
 # context, 6 segments; round 6): 32-key tiles, ROT 2 and 32 splits 11.8 µs against 13.6 with the default config.
