@@ -387,14 +387,15 @@ def main() -> int:
                     raise ValueError(part)
 
         for name in [v for v in args.ab.split(",") if v]:
+            key = name if name not in ab else f"{name}#{sum(k.split('#')[0] == name for k in ab) + 1}"  # repeats kept
             try:
                 setup(name)
                 runner.graphs.clear()
                 t, d = measure(engine, ("lazy",), 3)
-                ab[name] = {"lazy_ttft_ms": 1e3 * statistics.median(t["lazy"]), "decode_ms_per_token": 1e3 * statistics.median(d)}
+                ab[key] = {"lazy_ttft_ms": 1e3 * statistics.median(t["lazy"]), "decode_ms_per_token": 1e3 * statistics.median(d)}
             except Exception as e:
-                ab[name] = {"error": repr(e)}
-            print(f"A/B {name}: {ab[name]}", flush=True)
+                ab[key] = {"error": repr(e)}
+            print(f"A/B {key}: {ab[key]}", flush=True)
             res["ab"] = ab
             write_partial()
         reset()

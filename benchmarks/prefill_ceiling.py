@@ -172,8 +172,9 @@ def main():
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
     mask = causal_lower_right(N, S)
-    variants["sdpa"] = lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=c.scale)
-    variants["sdpa_full"] = lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, scale=c.scale)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    variants["sdpa"] = lambda: sdpa(qs, ks, vs, attn_mask=mask, scale=c.scale)
+    variants["sdpa_full"] = lambda: sdpa(qs, ks, vs, scale=c.scale)
     flops_causal = c.flops()
     flops_full = 4 * B * HQ * D * N * S
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):

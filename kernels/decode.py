@@ -5,13 +5,13 @@ Layout and semantics: see :mod:`lazyrag.kernels.reference` (``lazy_decode_refere
 Grid (sequence, KV head, split). A program takes the ``G`` query heads that share one KV
 head (so K/V is read once per group) over a contiguous range of the sequence's
 segment-aligned KV tiles (:func:`lazyrag.kernels.kvloop.tile_table`). By default
-(``rotation_mode=2``) it walks the tiles in one flat loop and rotates the G query rows again only
+(``rotation_mode=5``) it walks the tiles in one flat loop and rotates the G query rows again only
 on a tile whose delta differs from the previous one's, so a document costs one rotation; no scratch
-memory, scan or barrier. The
-kernel reads what plain paged decode reads: K, V, one int64 meta per block, plus two int32 per
-segment. Splits write partial (m, l, acc); a small second kernel merges them. The split count
-fills whole waves of the SMs at the kernel's real occupancy (its compiled registers), and the
-default config caps registers at 128 so that 4 programs fit on an SM.
+memory, scan or barrier; the tile indices are read as inline PTX so that the K/V copies run two tiles
+ahead (``kvloop.load_index``). The kernel reads what plain paged decode reads: K, V, one int64 meta
+per block, plus four int32 per tile. Splits write partial (m, l, acc); a small second kernel merges
+them. The split count fills whole waves of the SMs at the kernel's real occupancy (its compiled
+registers), and the default config caps registers at 128 so that 4 programs fit on an SM.
 """
 from __future__ import annotations
 

@@ -3,12 +3,13 @@ segment-aligned tile table, one online-softmax KV loop, the split merge, and lau
 (default/tuned configs, occupancy, reused workspaces).
 
 Tile table: the KV loops walk *segment-aligned* tiles. A tile is up to ``PAGES`` consecutive
-blocks of one segment (a segment = consecutive blocks sharing delta), so one rotation of the
-query serves a whole tile and the loop is one flat ``for`` that Triton can software-pipeline
-(round 2's per-segment ``while`` around the tile loop cost 12-14% even for one document).
-``_tile_table_kernel`` writes, per sequence, the first block of each tile followed by the
-sequence's block count as a sentinel (so tile ``t`` spans ``[tiles[t], tiles[t + 1])``) and the
-number of tiles. It depends on the block table only, so one table serves every layer of a
+blocks of one segment (a segment = consecutive blocks sharing delta, ended by a partly filled
+block), so one rotation of the query serves a whole tile, its valid keys are a prefix, and the loop
+is one flat ``for`` that Triton can software-pipeline (round 2's per-segment ``while`` around the
+tile loop cost 12-14% even for one document). ``_tile_table_kernel`` writes, per sequence, one row
+per tile (first block, first tile of the next segment, valid keys, delta) followed by a row starting
+with the sequence's block count as a sentinel (so tile ``t`` spans blocks ``[tiles[t, 0], tiles[t + 1, 0])``),
+and the number of tiles. It depends on the block table only, so one table serves every layer of a
 forward pass (the attention backend caches it per batch metadata).
 """
 from __future__ import annotations

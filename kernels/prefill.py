@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from .kvloop import (
-    blocks_per_sm, interpreting, kv_tile_loop, last_split_merges, merge_splits, num_sms, pick_config, record_launch, softmax_step,
-    split_counters, split_tile_range, tile_table, workspace, OFF_TWIN, TABLE_MODES,
+    OFF_TWIN, TABLE_MODES, blocks_per_sm, interpreting, kv_tile_loop, last_split_merges, merge_splits, num_sms,
+    pick_config, record_launch, softmax_step, split_counters, split_tile_range, tile_table, workspace,
 )
 
 
@@ -138,8 +138,8 @@ CONFIGS = [
     (64, 64, 4, 3),
 ]
 # defaults from the H200 sweeps (benchmarks/NOTES.md, "Kernels, round 9"): the flat loop with its indices read
-# as PTX (ROT 5: K/V copies two tiles ahead), 128x128 tiles, 3 stages. B=8, 512 new tokens: 1.77 vs 1.90 ms
-# (8k, 1 doc) and 0.73 vs 0.75 ms (2k, 10 docs) against round 8's ROT 2 with 2 stages.
+# as PTX (ROT 5: K/V copies two tiles ahead), 128x128 tiles, 3 stages. B=8, 512 new tokens: 1.77 vs 1.90-1.92 ms
+# (8k, 1 doc) and 0.73 vs 0.75 ms (2k, 10 docs) against round 8's ROT 2 with 2 stages (calls 2-4).
 DEFAULT_CONFIG = (128, 128, 8, 3)
 DEFAULT_ROTATION_MODE = 5
 # short prefills (the default config's programs fill under half the SMs, so the context is split): 64x64 tiles,
@@ -295,6 +295,7 @@ def lazy_prefill(
         else:
             key = ("prefill", D, G, block_size, q.dtype, rot, triton.next_power_of_2(max_seqlen_q),
                    num_splits, fused_merge, triton.next_power_of_2(B), triton.next_power_of_2(W))
-            config = pick_config(key, lambda c: launch(c, num_splits), CONFIGS, SHORT_CONFIG if short else DEFAULT_CONFIG)
+            default = SHORT_CONFIG if short else DEFAULT_CONFIG
+            config = pick_config(key, lambda c: launch(c, num_splits), CONFIGS, default)
     launch(config, num_splits)
     return out
