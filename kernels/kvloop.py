@@ -211,6 +211,23 @@ def _kv_tile(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, s0, s1, kvh,
 
 
 @triton.jit
+def _prefix_tile(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, s0, kv_ok, kvh,
+                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PREC: tl.constexpr,
+                 ASM_INDEX: tl.constexpr):
+    """Online softmax over one tile-table tile: blocks from ``s0`` on, keys ``kv_ok`` (a prefix)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    slot = offs_n % BLOCK_SIZE
+    phys = meta_phys(load_index(meta_row + s0 + offs_n // BLOCK_SIZE, kv_ok, ASM_INDEX))
+    k = tl.load(K_CACHE + (phys * stride_kb + slot * stride_ks + kvh * stride_kh)[:, None] + offs_d[None, :],
+                mask=kv_ok[:, None], other=0.0)
+    v = tl.load(V_CACHE + (phys * stride_vb + slot * stride_vs + kvh * stride_vh)[:, None] + offs_d[None, :],
+                mask=kv_ok[:, None], other=0.0)
+    return softmax_step(q, k, v, kv_ok[None, :], m_i, l_i, acc, PREC)
+
+
+@triton.jit
 def split_tile_range(NUM_TILES, b, nb, split, NUM_SPLITS, PAGES: tl.constexpr, ROT: tl.constexpr):
     """[t_lo, t_hi): this split's share of sequence b's KV tiles (plain tiles of PAGES blocks when
     there is no rotation, else the tile table's segment-aligned ones)."""
@@ -274,8 +291,6 @@ def kv_tile_loop(q_rows, row_ok, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_C
             t = t_next
     elif ROT == 5 or ROT == 6:
         offs_n = tl.arange(0, BLOCK_N)
-        page = offs_n // BLOCK_SIZE
-        slot = offs_n % BLOCK_SIZE
         q = (tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32) * qk_scale).to(dtype)
         d_prev = nb * 0 - 1
         for t in range(t_lo, t_hi):
@@ -291,16 +306,11 @@ def kv_tile_loop(q_rows, row_ok, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_C
             else:
                 if t == t_lo:  # as in ROT 4
                     q = (tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32) * qk_scale).to(dtype)
-            phys = meta_phys(load_index(meta_row + s0 + page, kv_ok, ASM_INDEX))
-            k = tl.load(K_CACHE + (phys * stride_kb + slot * stride_ks + kvh * stride_kh)[:, None] + offs_d[None, :],
-                        mask=kv_ok[:, None], other=0.0)
-            v = tl.load(V_CACHE + (phys * stride_vb + slot * stride_vs + kvh * stride_vh)[:, None] + offs_d[None, :],
-                        mask=kv_ok[:, None], other=0.0)
-            m_i, l_i, acc = softmax_step(q, k, v, kv_ok[None, :], m_i, l_i, acc, PREC)
+            m_i, l_i, acc = _prefix_tile(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, s0, kv_ok, kvh,
+                                         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                         BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC, ASM_INDEX)
     elif ROT == 7 or ROT == 8:
         offs_n = tl.arange(0, BLOCK_N)
-        page = offs_n // BLOCK_SIZE
-        slot = offs_n % BLOCK_SIZE
         t = t_lo
         while t < t_hi:
             seg = tiles_row + TILE_FIELDS * t
@@ -314,12 +324,9 @@ def kv_tile_loop(q_rows, row_ok, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_C
                 live = u < t_next  # see load_index_scalar
                 s0 = load_index_scalar(row, live, ASM_INDEX)
                 kv_ok = offs_n < load_index_scalar(row + 2, live, ASM_INDEX)
-                phys = meta_phys(load_index(meta_row + s0 + page, kv_ok, ASM_INDEX))
-                k = tl.load(K_CACHE + (phys * stride_kb + slot * stride_ks + kvh * stride_kh)[:, None]
-                            + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
-                v = tl.load(V_CACHE + (phys * stride_vb + slot * stride_vs + kvh * stride_vh)[:, None]
-                            + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
-                m_i, l_i, acc = softmax_step(q, k, v, kv_ok[None, :], m_i, l_i, acc, PREC)
+                m_i, l_i, acc = _prefix_tile(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, s0, kv_ok, kvh,
+                                             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                             BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC, ASM_INDEX)
             t = t_next
     else:
         q = (tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32) * qk_scale).to(dtype)
