@@ -64,10 +64,9 @@ def compile_variant(kind: str, overrides: dict):
 
 def kv_copies_ahead(ttgir: str) -> int:
     """Tiles of K/V copied before the context loop starts (its pipeline depth)."""
-    head = ttgir.split("scf.for", 1)[0] if "scf.while" not in ttgir.split("scf.for", 1)[0] else ""
-    if not head:  # a loop nest (ROT 3 / 7): the copies before its inner loop
-        body = ttgir.split("scf.while", 1)[1]
-        head = body.split("scf.for", 1)[0]
+    head = ttgir.split("scf.for", 1)[0]
+    if "scf.while" in head:  # a loop nest (ROT 3 / 7): the copies between the segment loop and its inner loop
+        head = head.split("scf.while", 1)[1]
     return len(re.findall(r"async_copy_global_to_local[^\n]*x128xbf16", head)) // 2
 
 

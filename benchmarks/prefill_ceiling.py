@@ -70,7 +70,7 @@ def _dense_attn_kernel(Q, K, V, OUT, PAGES, qk_scale, S, stride_qb, stride_qt, s
         keep = offs_n < S - t * BLOCK_N
         if GATHER:
             blk = load_index(PAGES + b.to(tl.int64) * (S // BLOCK_SIZE) + t * (BLOCK_N // BLOCK_SIZE)
-                             + offs_n // BLOCK_SIZE, keep & (t < n_tiles), True)
+                             + offs_n // BLOCK_SIZE, keep & (t < n_tiles), True)  # t < n_tiles: as kvloop's `live`
             rows = blk * BLOCK_SIZE + offs_n % BLOCK_SIZE  # rows of the [B * S] key array
             k = tl.load(K + kvh * HEAD_DIM + rows[:, None] * stride_ks + offs_d[None, :], mask=keep[:, None],
                         other=0.0)
@@ -95,13 +95,13 @@ def _dense_attn_kernel(Q, K, V, OUT, PAGES, qk_scale, S, stride_qb, stride_qt, s
              mask=row_ok[:, None])
 
 
-def dense_attn(q, k, v, out, scale, stages, carry_q=False, mask=False, gather=False, block_m=128, block_n=128,
-               warps=8):
-    """q [B, NQ, HQ, D], k/v [B, S, HKV, D] contiguous (S a multiple of block_n)."""
+def dense_attn(q, k, v, out, scale, stages, pages, carry_q=False, mask=False, gather=False, block_m=128,
+               block_n=128, warps=8):
+    """q [B, NQ, HQ, D], k/v [B, S, HKV, D] contiguous (S a multiple of block_n); ``pages``: the block table
+    GATHER reads (int64 [B * S / BS], blocks in order)."""
     B, NQ, Hq, Dd = q.shape
     S, Hkv = k.shape[1], k.shape[2]
     G = Hq // Hkv
-    pages = torch.arange(B * S // BS, device=q.device, dtype=torch.int64)  # the block table: blocks in order
     grid = (triton.cdiv(NQ, block_m // G), Hkv, B)
     _dense_attn_kernel[grid](q, k, v, out, pages, scale * 1.4426950408889634, S, q.stride(0), q.stride(1),
                              k.stride(0), k.stride(1), out.stride(0), out.stride(1), NQ, G=G, HEAD_DIM=Dd,
@@ -161,11 +161,12 @@ def main():
     for mode, cfg in ((5, (128, 128, 8, 3)), (7, (128, 128, 8, 3)), (7, (128, 128, 8, 2))):
         variants[f"lazy r{mode} {cfg}"] = c.lazy(rotation_mode=mode, config=cfg)
         variants[f"off r{mode} {cfg}"] = c.off(rotation_mode=mode, config=cfg)
+    pages = torch.arange(B * S // BS, device=dev, dtype=torch.int64)  # the dense kernel's block table, in order
     for st in (2, 3):
-        variants[f"dense s{st}"] = (lambda st=st: dense_attn(qd, kd, vd, od, c.scale, st))
+        variants[f"dense s{st}"] = (lambda st=st: dense_attn(qd, kd, vd, od, c.scale, st, pages))
     for flags in ("carry_q", "mask", "gather", "carry_q,mask,gather"):
         kw = {f: True for f in flags.split(",")}
-        variants[f"dense s3 +{flags}"] = (lambda kw=kw: dense_attn(qd, kd, vd, od, c.scale, 3, **kw))
+        variants[f"dense s3 +{flags}"] = (lambda kw=kw: dense_attn(qd, kd, vd, od, c.scale, 3, pages, **kw))
     qs = qd.transpose(1, 2)
     ks = kd.transpose(1, 2).repeat_interleave(HQ // HKV, 1)
     vs = vd.transpose(1, 2).repeat_interleave(HQ // HKV, 1)

@@ -22,8 +22,8 @@ import triton
 import triton.language as tl
 
 from .kvloop import (
-    blocks_per_sm, interpreting, kv_tile_loop, last_split_merges, merge_splits, num_sms, pick_config, record_launch,
-    split_counters, split_tile_range, tile_table, workspace, OFF_TWIN, TABLE_MODES,
+    OFF_TWIN, TABLE_MODES, blocks_per_sm, interpreting, kv_tile_loop, last_split_merges, merge_splits, num_sms,
+    pick_config, programs_per_sm, record_launch, split_counters, split_tile_range, tile_table, workspace,
 )
 
 
@@ -107,10 +107,6 @@ SMALL_GRID_CONFIG = (32, 4, 3, None)
 SMALL_GRID_ROTATION_MODE = 2
 # split partials merged by the last split program (kvloop.last_split_merges) instead of a second launch
 DEFAULT_FUSED_MERGE = False
-# resident programs per SM per compiled variant, learned from the first launch (see _splits)
-_occupancy: dict[tuple, int] = {}
-
-
 def _assumed_occupancy(cfg) -> int:
     bn, warps, stages, maxnreg = cfg
     return blocks_per_sm(maxnreg or 168, warps, 0)
@@ -197,12 +193,12 @@ def lazy_decode(
         pages = bn // block_size
         tiles, n_tiles = (tile_table(block_meta, num_blocks, pages, block_size, tile_cache) if rot in TABLE_MODES
                           else (block_meta, num_blocks))
-        okey = (bn, warps, stages, maxnreg, rot, D, G, q.dtype)
+        variant = ("decode", bn, warps, stages, maxnreg, rot, D, G, q.dtype)
         if splits is None:
             if not on_gpu:
                 splits = max(1, min(4, triton.cdiv(W, pages)))
             else:
-                slots = num_sms(q.device) * _occupancy.get(okey, _assumed_occupancy((bn, warps, stages, maxnreg)))
+                slots = num_sms(q.device) * programs_per_sm(variant, _assumed_occupancy((bn, warps, stages, maxnreg)))
                 splits = choose_splits(B * Hkv, triton.cdiv(W, pages), slots)
         splits = max(1, int(splits))
         if splits > 1:
@@ -226,10 +222,8 @@ def lazy_decode(
             BLOCK_N=bn, SPLIT=splits > 1, ROT=rot, IEEE=q.dtype == torch.float32, MERGE=merge_here,
             ASM_INDEX=on_gpu, num_warps=warps, num_stages=stages, **extra,
         )
-        e = record_launch("decode", f"decode rot={rot} bn={bn} w={warps} s={stages} maxnreg={maxnreg} "
-                          f"split={splits > 1} merge={merge_here}", compiled, warps, grid, splits)
-        if e is not None and okey not in _occupancy:
-            _occupancy[okey] = e["blocks_per_sm"]
+        record_launch("decode", f"decode rot={rot} bn={bn} w={warps} s={stages} maxnreg={maxnreg} "
+                      f"split={splits > 1} merge={merge_here}", compiled, warps, grid, splits, variant)
         if splits > 1 and not merge_here:
             merge_splits(part_acc, part_ml, out, splits)
         return splits

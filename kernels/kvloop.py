@@ -495,6 +495,9 @@ def num_sms(device: torch.device) -> int:
 # recorded once per name; and the last launch of each kind (name, grid, splits), for the benchmark log
 kernel_resources: dict[str, dict] = {}
 last_launch: dict[str, tuple] = {}
+# resident programs per SM by compiled variant (a key that excludes the split count, which depends on it),
+# learned from the first launch of the variant; see programs_per_sm
+_occupancy: dict[tuple, int] = {}
 
 
 def blocks_per_sm(n_regs: int, num_warps: int, shared: int) -> int:
@@ -506,8 +509,14 @@ def blocks_per_sm(n_regs: int, num_warps: int, shared: int) -> int:
     return max(1, min(by_regs, by_smem, 64 // num_warps, 32))
 
 
-def record_launch(kind: str, name: str, compiled, num_warps: int, grid, splits: int) -> dict | None:
-    """Note a launch (cheap after the first of a name); returns the compiled kernel's resources."""
+def programs_per_sm(variant: tuple, assumed: int) -> int:
+    """Resident programs per SM of a compiled ``variant`` (see record_launch), ``assumed`` before its first launch."""
+    return _occupancy.get(variant, assumed)
+
+
+def record_launch(kind: str, name: str, compiled, num_warps: int, grid, splits: int, variant: tuple | None = None):
+    """Note a launch (cheap after the first of a name); returns the compiled kernel's resources. ``variant``:
+    the key under which :func:`programs_per_sm` answers for this kernel from now on."""
     last_launch[kind] = (name, grid, splits)
     entry = kernel_resources.get(name)
     if entry is None and getattr(compiled, "n_regs", 0):
@@ -515,6 +524,8 @@ def record_launch(kind: str, name: str, compiled, num_warps: int, grid, splits: 
         shared = int(getattr(compiled.metadata, "shared", 0) or 0)
         entry = kernel_resources[name] = dict(regs=regs, spills=getattr(compiled, "n_spills", 0) or 0, shared=shared,
                                               num_warps=num_warps, blocks_per_sm=blocks_per_sm(regs, num_warps, shared))
+    if entry is not None and variant is not None:
+        _occupancy.setdefault(variant, entry["blocks_per_sm"])
     return entry
 
 

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from .kvloop import (
     OFF_TWIN, TABLE_MODES, blocks_per_sm, interpreting, kv_tile_loop, last_split_merges, merge_splits, num_sms,
-    pick_config, record_launch, softmax_step, split_counters, split_tile_range, tile_table, workspace,
+    pick_config, programs_per_sm, record_launch, softmax_step, split_counters, split_tile_range, tile_table, workspace,
 )
 
 
@@ -149,8 +149,6 @@ SHORT_CONFIG = (64, 64, 4, 3)
 SHORT_ROTATION_MODE = 7
 # split partials merged by the last split program (kvloop.last_split_merges) instead of a second launch
 DEFAULT_FUSED_MERGE = False
-# resident programs per SM per compiled variant, learned from the first launch (as decode's)
-_occupancy: dict[tuple, int] = {}
 
 
 def _programs(max_seqlen_q: int, block_m: int, G: int, Hkv: int, B: int) -> int:
@@ -243,7 +241,7 @@ def lazy_prefill(
     if B == 0 or Tq == 0 or max_seqlen_q == 0:
         return out
     qk_scale = float(sm_scale) * 1.4426950408889634  # log2(e): the kernel uses exp2
-    # rotation off runs the same loop structure minus the rotation (ROT 4 mirrors ROT 2's loop)
+    # rotation off runs the same loop structure minus the rotation (kvloop.OFF_TWIN)
     rot = rotation_mode if apply_rotation else OFF_TWIN[rotation_mode]
     W = block_meta.shape[1]
 
@@ -252,15 +250,14 @@ def lazy_prefill(
         bm = max(bm, triton.next_power_of_2(G))
         bn = max(bn, block_size)
         pages = bn // block_size
-        okey = (bm, bn, warps, stages, rot, D, G, q.dtype)
+        n_q_tiles = triton.cdiv(max_seqlen_q, bm // G)
+        variant = ("prefill", bm, bn, warps, stages, rot, D, G, q.dtype)
         if splits is None:
-            per_sm = _occupancy.get(okey, blocks_per_sm(255, warps, 0))  # before the first launch: all registers
-            splits = _auto_prefill_splits(_programs(max_seqlen_q, bm, G, Hkv, B), triton.cdiv(W, pages), per_sm,
-                                          q.device)
+            per_sm = programs_per_sm(variant, blocks_per_sm(255, warps, 0))  # before the first launch: all registers
+            splits = _auto_prefill_splits(n_q_tiles * Hkv * B, triton.cdiv(W, pages), per_sm, q.device)
         splits = max(1, int(splits))
         tiles, n_tiles = (tile_table(block_meta, nctx, pages, block_size, tile_cache) if rot in TABLE_MODES
                           else (block_meta, nctx))
-        n_q_tiles = triton.cdiv(max_seqlen_q, bm // G)
         grid = (n_q_tiles * splits, Hkv, B)
         if splits > 1:
             part_acc = workspace.get("prefill_acc", (Tq, Hq, splits, D), torch.float32, q.device)
@@ -282,10 +279,8 @@ def lazy_prefill(
             ROT=rot, IEEE=q.dtype == torch.float32, MERGE=merge_here, ASM_INDEX=on_gpu,
             num_warps=warps, num_stages=stages,
         )
-        e = record_launch("prefill", f"prefill rot={rot} bm={bm} bn={bn} w={warps} s={stages} split={splits > 1} "
-                          f"merge={merge_here}", compiled, warps, grid, splits)
-        if e is not None and okey not in _occupancy:
-            _occupancy[okey] = e["blocks_per_sm"]
+        record_launch("prefill", f"prefill rot={rot} bm={bm} bn={bn} w={warps} s={stages} split={splits > 1} "
+                      f"merge={merge_here}", compiled, warps, grid, splits, variant)
         if splits > 1 and not merge_here:
             merge_splits(part_acc, part_ml, out, splits)
 
