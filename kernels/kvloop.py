@@ -160,12 +160,7 @@ def load_index_scalar(ptr, mask, ASM: tl.constexpr):
 def softmax_step(q, k, v, keep, m_i, l_i, acc, PREC: tl.constexpr, MASKED: tl.constexpr = True):
     """One KV tile of online softmax in base 2 (the scale and log2(e) are folded into q);
     ``keep`` is ignored when not MASKED (tiles known to be entirely visible)."""
-    return softmax_update(tl.dot(q, tl.trans(k), input_precision=PREC), v, keep, m_i, l_i, acc, PREC, MASKED)
-
-
-@triton.jit
-def softmax_update(s, v, keep, m_i, l_i, acc, PREC: tl.constexpr, MASKED: tl.constexpr = True):
-    """:func:`softmax_step` from the tile's logits ``s`` [ROWS, BLOCK_N] (base 2, scaled)."""
+    s = tl.dot(q, tl.trans(k), input_precision=PREC)
     if MASKED:
         s = tl.where(keep, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -235,9 +230,8 @@ def _prefix_tile(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, s0, kv_ok, kvh,
 @triton.jit
 def split_tile_range(NUM_TILES, b, nb, split, NUM_SPLITS, PAGES: tl.constexpr, ROT: tl.constexpr):
     """[t_lo, t_hi): this split's share of sequence b's KV tiles (plain tiles of PAGES blocks when
-    there is no rotation or when each key is rotated on its own (prefill's ROT 13 / 14), else the tile table's
-    segment-aligned ones)."""
-    if ROT == 0 or ROT == 4 or ROT == 13 or ROT == 14:
+    there is no rotation, else the tile table's segment-aligned ones)."""
+    if ROT == 0 or ROT == 4:
         n_t = tl.cdiv(nb, PAGES)
     else:
         n_t = tl.load(NUM_TILES + b)

@@ -24,140 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import meta_delta, meta_phys, meta_valid
 from .kvloop import (
-    OFF_TWIN, TABLE_MODES, TILE_FIELDS, blocks_per_sm, interpreting, kv_tile_loop, last_split_merges, load_index,
-    load_index_scalar, merge_splits, num_sms, pick_config, programs_per_sm, record_launch, rotated_q, softmax_step,
-    softmax_update, split_counters, split_tile_range, tile_table, workspace,
+    OFF_TWIN, TABLE_MODES, blocks_per_sm, interpreting, kv_tile_loop, last_split_merges, merge_splits, num_sms,
+    pick_config, programs_per_sm, record_launch, softmax_step, split_counters, split_tile_range, tile_table, workspace,
 )
-
-# prefill's own schedules (_context_and_new_loop): one flat loop over the context tiles and on into the new
-# tokens' tiles (one software pipeline per program instead of three). ROT 9 re-rotates q when the delta changes
-# (as ROT 5); ROT 11 rotates each K tile by its delta instead, so q stays loop-invariant. 10 and 12: their twins.
-# ROT 13 rotates every key by its own block's delta, so its tiles are plain runs of blocks across documents.
-# ROT 15: ROT 12's loop (q's two halves loop-invariant) with the halves re-rotated when the delta changes.
-PREFILL_OFF_TWIN = {**OFF_TWIN, 9: 10, 11: 12, 13: 14, 15: 12}
-PREFILL_TABLE_MODES = TABLE_MODES + (9, 10, 11, 12, 15)
-
-
-@triton.jit
-def _context_and_new_loop(
-    Q_ROWS, row_ok, tok, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, tiles_row, nb, t_lo, t_hi,
-    n_new_tiles, hi_new, K_NEW, V_NEW, seq_start, kvh,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_knt, stride_knh, stride_vnt, stride_vnh,
-    ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    PREC: tl.constexpr, ROT: tl.constexpr, ASM_INDEX: tl.constexpr,
-):
-    """One flat loop over this program's context tiles [t_lo, t_hi) of the tile table, then ``n_new_tiles``
-    tiles of the sequence's new tokens (keys [0, hi_new), delta 0, causal), as one software pipeline: the tiles
-    after the context only switch the K/V source and the mask. ``tok`` [ROWS]: each row's token index in the
-    sequence (its causal limit among the new keys).
-
-    ROT 9: q re-rotated by -delta when the tile's delta changes (ROT 5; the new tokens' delta 0 turns it back
-    into plain q); q is loop-carried, so Triton keeps it in registers. ROT 10: ROT 9 without the rotation.
-    ROT 11: the K tile is rotated by +delta instead (``<q, R(d) k>`` with the model's own q, which is
-    loop-invariant and read from shared memory by the MMA; the cached keys were encoded at their positions
-    inside the document, ``R(d)`` moves them to the document's place). The tile's two halves are loaded and
-    multiplied separately (HF rotate-half pairs feature i with i + D/2), so the rotation is elementwise.
-    ROT 12: ROT 11 without the rotation.
-    ROT 13: ROT 11 with every key rotated by its own block's delta: tiles are plain runs of ``BLOCK_N //
-    BLOCK_SIZE`` blocks (no table; a tile may span documents, so no tile is cut short at a document's end) and
-    the keys' validity comes from each block's meta. ROT 14: ROT 13 without the rotation."""
-    dtype = Q_ROWS.dtype.element_ty
-    HALF: tl.constexpr = HEAD_DIM // 2
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_h = tl.arange(0, HALF)
-    slot = offs_n % BLOCK_SIZE
-    t_lo = tl.minimum(t_lo, t_hi)  # a split past the last context tile has none
-    t_end = t_hi + n_new_tiles
-    d_prev = t_hi * 0 - 1
-    if ROT == 9 or ROT == 10:
-        q = (tl.load(Q_ROWS[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-             * qk_scale).to(dtype)
-    else:
-        q_lo = (tl.load(Q_ROWS[:, None] + offs_h[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-                * qk_scale).to(dtype)
-        q_hi = (tl.load(Q_ROWS[:, None] + HALF + offs_h[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-                * qk_scale).to(dtype)
-        if ROT == 15:
-            q_full = tl.load(Q_ROWS[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    for t in range(t_lo, t_end):
-        is_new = t >= t_hi
-        ctx_live = t < t_hi  # see load_index_scalar: the pipeliner runs these loads past the loop's end too
-        j0 = (t - t_hi) * BLOCK_N  # first new key of a new-token tile
-        if ROT == 13 or ROT == 14:  # plain tile t: blocks [t * PAGES, (t + 1) * PAGES), each with its own meta
-            page = t * (BLOCK_N // BLOCK_SIZE) + offs_n // BLOCK_SIZE
-            meta = load_index(meta_row + page, page < tl.where(ctx_live, nb, 0), ASM_INDEX)  # 0 on new tiles
-            ctx_ok = slot < meta_valid(meta)
-            kv_ok = ctx_ok | (offs_n < tl.where(is_new, hi_new - j0, 0))
-            keep = ctx_ok[None, :] | (offs_n[None, :] < tl.where(is_new, tl.minimum(tok + 1, hi_new) - j0, 0)[:, None])
-            phys = meta_phys(meta)
-        else:
-            row = tiles_row + TILE_FIELDS * t
-            s0 = load_index_scalar(row, ctx_live, ASM_INDEX)
-            valid = load_index_scalar(row + 2, ctx_live, ASM_INDEX)
-            kv_ok = offs_n < tl.where(is_new, hi_new - j0, valid)  # the keys to read: a prefix of the tile
-            # rows' limits: a context tile's valid keys; among the new keys, each row's own causal prefix
-            keep = offs_n[None, :] < tl.where(is_new, tl.minimum(tok + 1, hi_new) - j0, valid)[:, None]
-            # valid is 0 on the new tokens' tiles (a masked index load), so this reads no block meta there
-            phys = meta_phys(load_index(meta_row + s0 + offs_n // BLOCK_SIZE, offs_n < valid, ASM_INDEX))
-        if ROT == 9:
-            d = load_index_scalar(row + 3, ctx_live, ASM_INDEX)  # 0 on the new tokens' tiles
-            if d != d_prev:
-                q = rotated_q(Q_ROWS, row_ok, COS, SIN, d, qk_scale, ROWS, HEAD_DIM).to(dtype)
-                d_prev = d
-        new_row = (seq_start + j0 + offs_n).to(tl.int64)
-        k_row = tl.where(is_new, K_NEW + new_row * stride_knt + kvh * stride_knh,
-                         K_CACHE + phys * stride_kb + slot * stride_ks + kvh * stride_kh)
-        v_row = tl.where(is_new, V_NEW + new_row * stride_vnt + kvh * stride_vnh,
-                         V_CACHE + phys * stride_vb + slot * stride_vs + kvh * stride_vh)
-        v = tl.load(v_row[:, None] + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
-        if ROT == 9 or ROT == 10:
-            k = tl.load(k_row[:, None] + offs_d[None, :], mask=kv_ok[:, None], other=0.0)
-            m_i, l_i, acc = softmax_step(q, k, v, keep, m_i, l_i, acc, PREC)
-        else:
-            k_lo = tl.load(k_row[:, None] + offs_h[None, :], mask=kv_ok[:, None], other=0.0)
-            k_hi = tl.load(k_row[:, None] + HALF + offs_h[None, :], mask=kv_ok[:, None], other=0.0)
-            if ROT == 15:  # R(-d) [q1, q2] = [q1 c + q2 s, q2 c - q1 s], elementwise on the halves
-                d = load_index_scalar(row + 3, ctx_live, ASM_INDEX)
-                c = tl.load(COS + d * HALF + offs_h)[None, :] * qk_scale
-                sn = tl.load(SIN + d * HALF + offs_h)[None, :] * qk_scale
-                if d != d_prev:
-                    # q R as an MMA: its result comes out in the MMA's register layout, which the QK product
-                    # takes as its A operand without a trip through shared memory. R's columns: the halves'
-                    # rotation, R[j, j] = R[j+H, j+H] = c_j, R[j+H, j] = s_j, R[j, j+H] = -s_j (j < H)
-                    ii = tl.arange(0, HEAD_DIM)[:, None]
-                    jj = tl.arange(0, HEAD_DIM)[None, :]
-                    c_full = tl.load(COS + d * HALF + jj % HALF) * qk_scale
-                    s_full = tl.load(SIN + d * HALF + jj % HALF) * qk_scale
-                    rmat = tl.where(ii == jj, c_full, 0.0)
-                    rmat = tl.where((ii == jj + HALF) & (jj < HALF), s_full, rmat)
-                    rmat = tl.where((ii + HALF == jj) & (jj >= HALF), -s_full, rmat)
-                    r_hi = rmat.to(dtype)  # R in two parts (R = r_hi + r_lo to ~2^-17): q R as exact as in fp32
-                    q_rot = tl.dot(q_full, r_hi, input_precision=PREC)
-                    q_rot = tl.dot(q_full, (rmat - r_hi.to(tl.float32)).to(dtype), q_rot, input_precision=PREC)
-                    q_lo, q_hi = tl.split(tl.permute(tl.reshape(q_rot, (ROWS, 2, HALF)), (0, 2, 1)))
-                    q_lo = q_lo.to(dtype)
-                    q_hi = q_hi.to(dtype)
-                    d_prev = d
-            if ROT == 11 or ROT == 13:  # R(d) [k1, k2] = [k1 c - k2 s, k2 c + k1 s]; d = 0 (new tokens): c = 1, s = 0
-                if ROT == 11:
-                    d = load_index_scalar(row + 3, ctx_live, ASM_INDEX)
-                    c = tl.load(COS + d * HALF + offs_h)[None, :]
-                    sn = tl.load(SIN + d * HALF + offs_h)[None, :]
-                else:  # one delta per key (its block's)
-                    d_key = meta_delta(meta)[:, None] * HALF + offs_h[None, :]
-                    c = tl.load(COS + d_key)
-                    sn = tl.load(SIN + d_key)
-                k1 = k_lo.to(tl.float32)
-                k2 = k_hi.to(tl.float32)
-                k_lo = (k1 * c - k2 * sn).to(dtype)
-                k_hi = (k2 * c + k1 * sn).to(dtype)
-            s = tl.dot(q_lo, tl.trans(k_lo), input_precision=PREC)
-            s = tl.dot(q_hi, tl.trans(k_hi), s, input_precision=PREC)
-            m_i, l_i, acc = softmax_update(s, v, keep, m_i, l_i, acc, PREC)
-    return m_i, l_i, acc
 
 
 @triton.jit
@@ -212,24 +82,15 @@ def _lazy_prefill_kernel(
     tiles_row = TILES + b.to(tl.int64) * stride_tb
     n_ctx = tl.load(NUM_CTX + b).to(tl.int32)
     t_lo, t_hi = split_tile_range(NUM_TILES, b, n_ctx, split, NUM_SPLITS, PAGES, ROT)
-    if ROT >= 9:  # stages 1 and 2 in one loop; the last split takes the new tokens
-        hi_new = tl.minimum(t0 + TOK, seq_len)
-        n_new_tiles = tl.where(split == NUM_SPLITS - 1, tl.cdiv(hi_new, BLOCK_N), 0)
-        m_i, l_i, acc = _context_and_new_loop(
-            Q + row_off, row_ok, tok, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, tiles_row,
-            n_ctx, t_lo, t_hi, n_new_tiles, hi_new, K_NEW, V_NEW, seq_start, kvh,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_knt, stride_knh, stride_vnt,
-            stride_vnh, BLOCK_M, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC, ROT, ASM_INDEX)
-    else:
-        m_i, l_i, acc = kv_tile_loop(Q + row_off, row_ok, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_CACHE,
-                                     meta_row, tiles_row, t_lo, t_hi, n_ctx, kvh,
-                                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                     BLOCK_M, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC, ROT, ASM_INDEX)
+    m_i, l_i, acc = kv_tile_loop(Q + row_off, row_ok, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row,
+                                 tiles_row, t_lo, t_hi, n_ctx, kvh,
+                                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                                 BLOCK_M, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC, ROT, ASM_INDEX)
 
     # -- stage 2: the sequence's new tokens (true positions, delta 0), causal; the last split
     # (whose context share is the smallest) does it. Keys before the tile's first token are
     # visible to every row (no mask); only the tiles reaching the diagonal are masked.
-    if split == NUM_SPLITS - 1 and ROT < 9:
+    if split == NUM_SPLITS - 1:
         q = (tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32) * qk_scale).to(dtype)
         offs_n = tl.arange(0, BLOCK_N)
         full_end = (t0 // BLOCK_N) * BLOCK_N
@@ -358,8 +219,7 @@ def lazy_prefill(
     short = on_gpu and 2 * _programs(max_seqlen_q, DEFAULT_CONFIG[0], G, Hkv, B) <= num_sms(q.device)
     if rotation_mode is None:
         rotation_mode = SHORT_ROTATION_MODE if short else DEFAULT_ROTATION_MODE
-    assert rotation_mode in PREFILL_OFF_TWIN, (f"rotation_mode: one of {tuple(PREFILL_OFF_TWIN)} (see "
-                                               "kvloop.kv_tile_loop, prefill._context_and_new_loop)")
+    assert rotation_mode in OFF_TWIN, f"rotation_mode: one of {tuple(OFF_TWIN)} (see kvloop.kv_tile_loop)"
     fused_merge = DEFAULT_FUSED_MERGE if fused_merge is None else fused_merge
     q, k_new, v_new = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_new, v_new))
     assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
@@ -382,7 +242,7 @@ def lazy_prefill(
         return out
     qk_scale = float(sm_scale) * 1.4426950408889634  # log2(e): the kernel uses exp2
     # rotation off runs the same loop structure minus the rotation (kvloop.OFF_TWIN)
-    rot = rotation_mode if apply_rotation else PREFILL_OFF_TWIN[rotation_mode]
+    rot = rotation_mode if apply_rotation else OFF_TWIN[rotation_mode]
     W = block_meta.shape[1]
 
     def launch(cfg, splits):
@@ -396,7 +256,7 @@ def lazy_prefill(
             per_sm = programs_per_sm(variant, blocks_per_sm(255, warps, 0))  # before the first launch: all registers
             splits = _auto_prefill_splits(n_q_tiles * Hkv * B, triton.cdiv(W, pages), per_sm, q.device)
         splits = max(1, int(splits))
-        tiles, n_tiles = (tile_table(block_meta, nctx, pages, block_size, tile_cache) if rot in PREFILL_TABLE_MODES
+        tiles, n_tiles = (tile_table(block_meta, nctx, pages, block_size, tile_cache) if rot in TABLE_MODES
                           else (block_meta, nctx))
         grid = (n_q_tiles * splits, Hkv, B)
         if splits > 1:
