@@ -346,9 +346,8 @@ def sweep(gen, dev, cos, sin, copy_tbs, log, kinds=("decode", "prefill")):
         ref = lazy_decode(c.q, c.kk, c.v, c.meta, c.nblk, cos, sin, c.scale, apply_rotation=False,
                           config=decode_mod.DEFAULT_CONFIG)
         variants = []
-        for cfg in (decode_mod.CONFIGS[0], decode_mod.CONFIGS[2], decode_mod.CONFIGS[4], decode_mod.CONFIGS[5]):
-            for mode in ((0, 3, 4, 2, 6, 5) if cfg == decode_mod.CONFIGS[0] else (0, 3, 4, 2) if cfg[3] is None
-                         else (0, 6, 5)):
+        for cfg in (decode_mod.CONFIGS[0], decode_mod.CONFIGS[2]):
+            for mode in ((0, 3, 4, 2, 6, 5) if cfg == decode_mod.CONFIGS[0] else (0, 3, 4, 2)):
                 for splits in ((None, 4, 16) if batch <= 8 and mode in (2, 4) and cfg == decode_mod.CONFIGS[0]
                                else (None,)):
                     lazy = mode in LAZY_MODES

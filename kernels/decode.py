@@ -91,8 +91,6 @@ CONFIGS = [
     (64, 4, 4, 128),
     (64, 4, 3, None),
     (32, 4, 3, None),
-    (32, 4, 3, 128),  # ROT 5 in 37 KB of shared memory (64-key tiles at 3 stages: 70 KB, 3 programs an SM)
-    (32, 4, 4, 128),
 ]
 # defaults from the H200 sweeps (benchmarks/NOTES.md, rounds 3, 8 and 9): 4 programs per SM under the
 # 128-register cap; the flat loop that re-rotates q only where the delta changes, its indices read as PTX so
