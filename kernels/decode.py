@@ -107,6 +107,8 @@ SMALL_GRID_CONFIG = (32, 4, 3, None)
 SMALL_GRID_ROTATION_MODE = 2
 # split partials merged by the last split program (kvloop.last_split_merges) instead of a second launch
 DEFAULT_FUSED_MERGE = False
+
+
 def _assumed_occupancy(cfg) -> int:
     bn, warps, stages, maxnreg = cfg
     return blocks_per_sm(maxnreg or 168, warps, 0)

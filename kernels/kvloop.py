@@ -190,24 +190,33 @@ def rotated_q(q_rows, row_ok, COS, SIN, delta, scale, ROWS: tl.constexpr, HEAD_D
 
 
 @triton.jit
+def _paged_tile(q, m_i, l_i, acc, K_CACHE, V_CACHE, phys, slot, kv_ok, kvh,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                HEAD_DIM: tl.constexpr, PREC: tl.constexpr):
+    """Online softmax over one KV tile gathered from the paged cache: key n is slot ``slot[n]`` of physical
+    block ``phys[n]``, read where ``kv_ok[n]``."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    k = tl.load(K_CACHE + (phys * stride_kb + slot * stride_ks + kvh * stride_kh)[:, None] + offs_d[None, :],
+                mask=kv_ok[:, None], other=0.0)
+    v = tl.load(V_CACHE + (phys * stride_vb + slot * stride_vs + kvh * stride_vh)[:, None] + offs_d[None, :],
+                mask=kv_ok[:, None], other=0.0)
+    return softmax_step(q, k, v, kv_ok[None, :], m_i, l_i, acc, PREC)
+
+
+@triton.jit
 def _kv_tile(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, s0, s1, kvh,
              stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
              BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PREC: tl.constexpr):
     """Online softmax over the blocks [s0, s1) (at most BLOCK_N // BLOCK_SIZE of them)."""
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
     slot = offs_n % BLOCK_SIZE
     page = s0 + offs_n // BLOCK_SIZE
     page_ok = page < s1
     # one int64 per page: physical id, delta and valid length in a single load
     meta = tl.load(meta_row + page, mask=page_ok, other=0)
     kv_ok = page_ok & (slot < meta_valid(meta))
-    phys = meta_phys(meta)
-    k = tl.load(K_CACHE + (phys * stride_kb + slot * stride_ks + kvh * stride_kh)[:, None] + offs_d[None, :],
-                mask=kv_ok[:, None], other=0.0)
-    v = tl.load(V_CACHE + (phys * stride_vb + slot * stride_vs + kvh * stride_vh)[:, None] + offs_d[None, :],
-                mask=kv_ok[:, None], other=0.0)
-    return softmax_step(q, k, v, kv_ok[None, :], m_i, l_i, acc, PREC)
+    return _paged_tile(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_phys(meta), slot, kv_ok, kvh,
+                       stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, HEAD_DIM, PREC)
 
 
 @triton.jit
@@ -217,14 +226,9 @@ def _prefix_tile(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, s0, kv_ok, kvh,
                  ASM_INDEX: tl.constexpr):
     """Online softmax over one tile-table tile: blocks from ``s0`` on, keys ``kv_ok`` (a prefix)."""
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    slot = offs_n % BLOCK_SIZE
     phys = meta_phys(load_index(meta_row + s0 + offs_n // BLOCK_SIZE, kv_ok, ASM_INDEX))
-    k = tl.load(K_CACHE + (phys * stride_kb + slot * stride_ks + kvh * stride_kh)[:, None] + offs_d[None, :],
-                mask=kv_ok[:, None], other=0.0)
-    v = tl.load(V_CACHE + (phys * stride_vb + slot * stride_vs + kvh * stride_vh)[:, None] + offs_d[None, :],
-                mask=kv_ok[:, None], other=0.0)
-    return softmax_step(q, k, v, kv_ok[None, :], m_i, l_i, acc, PREC)
+    return _paged_tile(q, m_i, l_i, acc, K_CACHE, V_CACHE, phys, offs_n % BLOCK_SIZE, kv_ok, kvh,
+                       stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, HEAD_DIM, PREC)
 
 
 @triton.jit
@@ -515,8 +519,8 @@ def programs_per_sm(variant: tuple, assumed: int) -> int:
 
 
 def record_launch(kind: str, name: str, compiled, num_warps: int, grid, splits: int, variant: tuple | None = None):
-    """Note a launch (cheap after the first of a name); returns the compiled kernel's resources. ``variant``:
-    the key under which :func:`programs_per_sm` answers for this kernel from now on."""
+    """Note a launch (cheap after the first of a name): the compiled kernel's resources once per name, and under
+    ``variant`` the programs per SM that :func:`programs_per_sm` answers for this kernel from now on."""
     last_launch[kind] = (name, grid, splits)
     entry = kernel_resources.get(name)
     if entry is None and getattr(compiled, "n_regs", 0):
@@ -526,7 +530,6 @@ def record_launch(kind: str, name: str, compiled, num_warps: int, grid, splits: 
                                               num_warps=num_warps, blocks_per_sm=blocks_per_sm(regs, num_warps, shared))
     if entry is not None and variant is not None:
         _occupancy.setdefault(variant, entry["blocks_per_sm"])
-    return entry
 
 
 class Workspace:

@@ -151,8 +151,9 @@ SHORT_ROTATION_MODE = 7
 DEFAULT_FUSED_MERGE = False
 
 
-def _programs(max_seqlen_q: int, block_m: int, G: int, Hkv: int, B: int) -> int:
-    return triton.cdiv(max_seqlen_q, max(block_m, triton.next_power_of_2(G)) // G) * Hkv * B
+def _q_tiles(max_seqlen_q: int, block_m: int, G: int) -> int:
+    """Query tiles per (sequence, KV head): ``block_m`` rows of packed (token, q head) pairs, at least one token's G."""
+    return triton.cdiv(max_seqlen_q, max(block_m, triton.next_power_of_2(G)) // G)
 
 
 def _auto_prefill_splits(n_programs: int, max_ctx_tiles: int, per_sm: int, device: torch.device) -> int:
@@ -216,7 +217,7 @@ def lazy_prefill(
     B = cu_seqlens_q.numel() - 1
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if B > 0 else 0
-    short = on_gpu and 2 * _programs(max_seqlen_q, DEFAULT_CONFIG[0], G, Hkv, B) <= num_sms(q.device)
+    short = on_gpu and 2 * _q_tiles(max_seqlen_q, DEFAULT_CONFIG[0], G) * Hkv * B <= num_sms(q.device)
     if rotation_mode is None:
         rotation_mode = SHORT_ROTATION_MODE if short else DEFAULT_ROTATION_MODE
     assert rotation_mode in OFF_TWIN, f"rotation_mode: one of {tuple(OFF_TWIN)} (see kvloop.kv_tile_loop)"
@@ -250,7 +251,7 @@ def lazy_prefill(
         bm = max(bm, triton.next_power_of_2(G))
         bn = max(bn, block_size)
         pages = bn // block_size
-        n_q_tiles = triton.cdiv(max_seqlen_q, bm // G)
+        n_q_tiles = _q_tiles(max_seqlen_q, bm, G)
         variant = ("prefill", bm, bn, warps, stages, rot, D, G, q.dtype)
         if splits is None:
             per_sm = programs_per_sm(variant, blocks_per_sm(255, warps, 0))  # before the first launch: all registers
