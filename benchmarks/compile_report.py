@@ -28,7 +28,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from kernels import decode, prefill  # noqa: E402  (the source tree: lazyrag.kernels once installed)
+from kernels import decode, prefill, prefill_wgmma  # noqa: E402  (the source tree: lazyrag.kernels once installed)
 
 ARG_TYPES = {"qk_scale": "fp32", "META": "*i64", "CU_SEQLENS": "*i32", "NUM_CTX": "*i32", "NUM_BLOCKS": "*i32",
              "TILES": "*i32", "NUM_TILES": "*i32", "COUNTERS": "*i32", "COS": "*fp32", "SIN": "*fp32",
@@ -40,6 +40,9 @@ KERNELS = {
     "decode": (decode._lazy_decode_kernel,
                dict(G=4, BLOCK_G=16, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_N=64, SPLIT=True, ROT=5, IEEE=False,
                     MERGE=False, ASM_INDEX=True, num_warps=4, num_stages=3, maxnreg=128)),
+    "prefill_wgmma": (prefill_wgmma._lazy_prefill_wgmma_kernel,
+                      dict(G=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=128, BLOCK_N=128, STAGES=3, ROTATE=True,
+                           num_warps=8)),
 }
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
@@ -48,7 +51,7 @@ def compile_variant(kind: str, overrides: dict):
     fn, defaults = KERNELS[kind]
     cfg = {**defaults, **overrides}
     options = {k: cfg.pop(k) for k in ("num_warps", "num_stages", "maxnreg") if k in cfg}
-    if not cfg["SPLIT"]:
+    if not cfg.get("SPLIT", True):
         cfg["NUM_SPLITS"] = 1  # an int argument equal to 1 is specialised as a constant at launch
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
@@ -58,8 +61,13 @@ def compile_variant(kind: str, overrides: dict):
         sig[name] = ARG_TYPES.get(name, "*bf16" if name.isupper() else "i32")
         if sig[name].startswith("*") or (name.startswith("stride") and name != "stride_tb") or name == "Hq":
             attrs[(i,)] = [["tt.divisibility", 16]]  # tile-table rows are (W + 1) * 4 int32: not 16-divisible
-    return triton.compile(ASTSource(fn, sig, constexprs=cfg, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                          options=options)
+    if getattr(fn, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource
+        cfg["num_warps"] = options["num_warps"]  # a Gluon kernel reads it as a constexpr argument
+        src = GluonASTSource(fn, {**sig, "num_warps": "constexpr"}, constexprs=cfg, attrs=attrs)
+    else:
+        src = ASTSource(fn, sig, constexprs=cfg, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def kv_copies_ahead(ttgir: str) -> int:

@@ -33,6 +33,7 @@ import triton
 
 from lazyrag.kernels import decode as decode_mod
 from lazyrag.kernels import prefill as prefill_mod
+from lazyrag.kernels import prefill_wgmma
 from lazyrag.kernels.decode import lazy_decode
 from lazyrag.kernels.kvloop import OFF_TWIN, kernel_resources, last_launch, tile_table
 from lazyrag.kernels.prefill import lazy_prefill
@@ -379,6 +380,12 @@ def sweep(gen, dev, cos, sin, copy_tbs, log, kinds=("decode", "prefill")):
                             fn = c.lazy(rotation_mode=mode, **kw)
                         variants.append(dict(kind="prefill", cfg=cfg, mode=mode, splits=splits, merge=merge, fn=fn,
                                              desc=f"cfg={cfg} mode={mode} splits={splits} merge={int(merge)}"))
+        if not short and prefill_wgmma.supported(c.q, BS):  # the Gluon kernel (kernels/prefill_wgmma.py)
+            for cfg in ((128, 128, 8, 3), (128, 64, 8, 3)):
+                for lazy in (True, False):
+                    fn = (c.lazy if lazy else c.off)(kernel="wgmma", config=cfg)
+                    mode = "wgmma" if lazy else "wgmma off"
+                    variants.append(dict(kind="prefill", cfg=cfg, mode=mode, fn=fn, desc=f"cfg={cfg} mode={mode}"))
         run_shape(f"prefill B={batch} {ctx // 1024}k d={docs:2} new={new:3}", variants, 1, c.cache,
                   lambda v: rel(v["fn"](), ref), dict(batch=batch, ctx=ctx, docs=docs, new=new, flops=c.flops()))
         del c
@@ -483,6 +490,7 @@ def main():
                 json.dump(summary["adopted"], f)
         save()
     summary["defaults_used"] = dict(prefill=[prefill_mod.DEFAULT_CONFIG, prefill_mod.DEFAULT_ROTATION_MODE],
+                                    prefill_kernel=[prefill_mod.DEFAULT_KERNEL, prefill_wgmma.DEFAULT_CONFIG],
                                     decode=[decode_mod.DEFAULT_CONFIG, decode_mod.DEFAULT_ROTATION_MODE])
     if a.no_grid:
         return 0

@@ -7,13 +7,16 @@
 - ``dense sN``: a plain flash-attention kernel in Triton (the fused-attention tutorial's loop, with the same
   packed-GQA rows and 128x128 tiles) over contiguous K/V, with ``N`` pipeline stages: what Triton reaches on this
   GPU when the K/V addresses need no load,
-- ``sdpa``: torch SDPA (flash) on a contiguous copy, KV heads repeated.
+- ``sdpa``: torch SDPA (flash) on a contiguous copy, KV heads repeated,
+- ``lazy wgmma (BM, BN, W, S)`` / ``off wgmma ...``: ``lazy_prefill(kernel="wgmma")``, the Gluon kernel
+  (kernels/prefill_wgmma.py), rotation on and off, where the GPU is a Hopper.
 
 The dense kernel attends to every key (no causal mask) over ctx + new keys; its FLOPs are counted as such, the
 others' with the causal new-token part (``benchmarks/kernels.py``'s count). All timed from CUDA graphs in
 alternating rounds. ``--ncu`` instead runs each variant once (for ``ncu --kernel-name regex:...``).
 
     python benchmarks/prefill_ceiling.py [--batch 8] [--ctx 8192] [--docs 1] [--new 512] [--out PATH] [--ncu]
+                                         [--only REGEX]
 """
 from __future__ import annotations
 
@@ -125,6 +128,7 @@ def main():
     ap.add_argument("--new", type=int, default=512)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "benchmarks/results"), "prefill_ceiling.json"))
     ap.add_argument("--ncu", action="store_true", help="run each variant once (no timing), for ncu")
+    ap.add_argument("--only", help="time only the variants matching this regex (plus lazy, off and sdpa)")
     a = ap.parse_args()
     dev = torch.device("cuda")
     gen = torch.Generator().manual_seed(0)
@@ -161,6 +165,11 @@ def main():
     for mode, cfg in ((5, (128, 128, 8, 3)), (7, (128, 128, 8, 3)), (7, (128, 128, 8, 2))):
         variants[f"lazy r{mode} {cfg}"] = c.lazy(rotation_mode=mode, config=cfg)
         variants[f"off r{mode} {cfg}"] = c.off(rotation_mode=mode, config=cfg)
+    from lazyrag.kernels import prefill_wgmma
+    if prefill_wgmma.supported(c.q, BS):
+        for cfg in ((128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2)):
+            variants[f"lazy wgmma {cfg}"] = c.lazy(kernel="wgmma", config=cfg)
+            variants[f"off wgmma {cfg}"] = c.off(kernel="wgmma", config=cfg)
     pages = torch.arange(B * S // BS, device=dev, dtype=torch.int64)  # the dense kernel's block table, in order
     for st in (2, 3):
         variants[f"dense s{st}"] = (lambda st=st: dense_attn(qd, kd, vd, od, c.scale, st, pages))
@@ -176,6 +185,10 @@ def main():
     sdpa = torch.nn.functional.scaled_dot_product_attention
     variants["sdpa"] = lambda: sdpa(qs, ks, vs, attn_mask=mask, scale=c.scale)
     variants["sdpa_full"] = lambda: sdpa(qs, ks, vs, scale=c.scale)
+    if a.only:
+        import re
+        variants = {n: f for n, f in variants.items()
+                    if n in ("lazy", "off", "sdpa", "sdpa_full") or re.search(a.only, n)}
     flops_causal = c.flops()
     flops_full = 4 * B * HQ * D * N * S
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):

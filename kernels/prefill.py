@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import prefill_wgmma
 from .kvloop import (
     OFF_TWIN, TABLE_MODES, blocks_per_sm, interpreting, kv_tile_loop, last_split_merges, merge_splits, num_sms,
     pick_config, programs_per_sm, record_launch, softmax_step, split_counters, split_tile_range, tile_table, workspace,
@@ -149,6 +150,10 @@ SHORT_CONFIG = (64, 64, 4, 3)
 SHORT_ROTATION_MODE = 7
 # split partials merged by the last split program (kvloop.last_split_merges) instead of a second launch
 DEFAULT_FUSED_MERGE = False
+# unsplit prefills on Hopper: "wgmma" runs kernels/prefill_wgmma.py (Gluon), "triton" the kernel above. H200, B=8,
+# 512 new tokens (benchmarks/NOTES.md, "Kernels, round 11", one sweep): 1652 / 1839 / 706 µs against ROT 5's
+# 1738 / 1875 / 727 at 8k with 1 / 10 documents and 2k with 10
+DEFAULT_KERNEL = "wgmma"
 
 
 def _q_tiles(max_seqlen_q: int, block_m: int, G: int) -> int:
@@ -191,6 +196,7 @@ def lazy_prefill(
     tile_cache: dict | None = None,
     rotation_mode: int | None = None,
     fused_merge: bool | None = None,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """Triton version of :func:`lazyrag.kernels.reference.lazy_prefill_reference`.
 
@@ -204,7 +210,11 @@ def lazy_prefill(
     delta changes (indices read as PTX), 7 once per segment ahead of ROT 5's tile loop, 2 / 3 their round-8
     forms, 1 on every tile; ``None``: ``DEFAULT_ROTATION_MODE`` (short prefills, whose context is split:
     ``SHORT_ROTATION_MODE`` with ``SHORT_CONFIG``). ``fused_merge``: the last split program of each query tile merges
-    the partials (no merge launch); ``None``: ``DEFAULT_FUSED_MERGE``.
+    the partials (no merge launch); ``None``: ``DEFAULT_FUSED_MERGE``. ``kernel``: ``"wgmma"`` runs an unsplit
+    prefill on a Hopper GPU with :mod:`lazyrag.kernels.prefill_wgmma` (``config`` is then its (BLOCK_M, BLOCK_N,
+    num_warps, stages); ``rotation_mode`` does not apply); ``"triton"`` this module's kernel; ``None``:
+    ``DEFAULT_KERNEL`` where the wgmma kernel supports the call, the context is not split and no ``rotation_mode``
+    is asked for, else ``"triton"``.
     """
     Tq, Hq, D = q.shape
     Hkv = k_new.shape[1]
@@ -218,6 +228,11 @@ def lazy_prefill(
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if B > 0 else 0
     short = on_gpu and 2 * _q_tiles(max_seqlen_q, DEFAULT_CONFIG[0], G) * Hkv * B <= num_sms(q.device)
+    auto_kernel = kernel is None
+    if auto_kernel:  # the wgmma kernel unless something only the Triton kernel has is asked for
+        kernel = (DEFAULT_KERNEL if rotation_mode is None and config is None and num_splits in (None, 1) and not short
+                  and on_gpu and prefill_wgmma.disabled_because is None and prefill_wgmma.supported(q, block_size)
+                  else "triton")
     if rotation_mode is None:
         rotation_mode = SHORT_ROTATION_MODE if short else DEFAULT_ROTATION_MODE
     assert rotation_mode in OFF_TWIN, f"rotation_mode: one of {tuple(OFF_TWIN)} (see kvloop.kv_tile_loop)"
@@ -245,6 +260,27 @@ def lazy_prefill(
     # rotation off runs the same loop structure minus the rotation (kvloop.OFF_TWIN)
     rot = rotation_mode if apply_rotation else OFF_TWIN[rotation_mode]
     W = block_meta.shape[1]
+    assert kernel in ("triton", "wgmma"), "kernel: 'triton' or 'wgmma'"
+    if kernel == "wgmma":
+        assert on_gpu and prefill_wgmma.supported(q, block_size), \
+            "the wgmma kernel needs a Hopper GPU, Triton with Gluon, 16-bit q, head dim 64 or 128"
+        assert num_splits in (None, 1), "the wgmma kernel does not split the context"
+        cfg = config or prefill_wgmma.DEFAULT_CONFIG
+        tiles, n_tiles = tile_table(block_meta, nctx, cfg[1] // block_size, block_size, tile_cache)
+        try:
+            compiled, grid = prefill_wgmma.lazy_prefill_wgmma(q, k_new, v_new, cu, k_cache, v_cache, block_meta,
+                                                              tiles, n_tiles, rope_cos, rope_sin, qk_scale,
+                                                              max_seqlen_q, out, apply_rotation=apply_rotation,
+                                                              config=cfg)
+        except Exception as e:  # noqa: BLE001  a compile error (Gluon's API moves between Triton releases)
+            if not auto_kernel:
+                raise
+            prefill_wgmma.disable(f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+        else:
+            bm, bn, warps, stages = cfg
+            record_launch("prefill", f"prefill wgmma rotate={apply_rotation} bm={bm} bn={bn} w={warps} s={stages}",
+                          compiled, warps, grid, 1)
+            return out
 
     def launch(cfg, splits):
         bm, bn, warps, stages = cfg

@@ -26,6 +26,14 @@ from lazyrag.kernels.reference import apply_rotary, lazy_decode_reference, lazy_
 CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
+
+
+def _hopper() -> bool:
+    from lazyrag.kernels import prefill_wgmma
+    return CUDA and prefill_wgmma.HAVE_GLUON and torch.cuda.get_device_capability()[0] == 9
+
+
+needs_hopper = pytest.mark.skipif(not _hopper(), reason="needs a Hopper GPU and Triton with Gluon")
 MAX_POS = 1 << 15
 
 
@@ -413,7 +421,13 @@ def _gpu_docs(gen, n_seqs, n_docs, max_doc):
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (12, 4, 64), (8, 8, 128), (24, 3, 64)])
-def test_prefill_gpu(dtype, hq, hkv, d):
+@pytest.mark.parametrize("kernel,cfg", [(None, None), ("triton", None)] + [
+    pytest.param("wgmma", cfg, marks=needs_hopper)
+    for cfg in [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3)]])
+def test_prefill_gpu(dtype, hq, hkv, d, kernel, cfg):
+    # the default kernel (Hopper: the wgmma one), the Triton one, and the wgmma one in each config, against the
+    # reference: documents reused at other offsets, partial blocks, a sequence without context, G not dividing
+    # the tile's rows (hq=12, hkv=4), rotation on and off
     gen = torch.Generator().manual_seed(100 + hq + d)
     docs = _gpu_docs(gen, 3, 4, 700) + [[]]
     new_lens = [130, 7, 64, 300]
@@ -422,10 +436,10 @@ def test_prefill_gpu(dtype, hq, hkv, d):
     cos, sin = make_rope(d, "cuda", base=500000.0)
     scale = d ** -0.5
     ref = ref_prefill(p, q, kn, vn, cu, cos, sin, scale)
-    out = run_prefill(p, q, kn, vn, cu, cos, sin, scale)
+    out = run_prefill(p, q, kn, vn, cu, cos, sin, scale, kernel=kernel, config=cfg)
     assert rel_err(out, ref) < 1e-2
     pre = prerotated(p, cos, sin)
-    off = run_prefill(pre, q, kn, vn, cu, cos, sin, scale, apply_rotation=False)
+    off = run_prefill(pre, q, kn, vn, cu, cos, sin, scale, apply_rotation=False, kernel=kernel, config=cfg)
     assert rel_err(off, ref_prefill(pre, q, kn, vn, cu, cos, sin, scale)) < 1e-2
 
 
@@ -453,6 +467,45 @@ def test_prefill_gpu_split_context(hq, hkv, d, splits):
         off = run_prefill(pre, q, kn, vn, cu, cos, sin, d ** -0.5, apply_rotation=False, num_splits=splits,
                           rotation_mode=mode)
         assert rel_err(off, ref0) < 1e-2
+
+
+@gpu
+@needs_hopper
+@pytest.mark.parametrize("bs", [16, 32, 64])
+def test_prefill_wgmma_gpu_many_short_documents(bs):
+    # many documents shorter than a tile (one rotation per tile), block sizes up to a 64-key tile
+    gen = torch.Generator().manual_seed(950 + bs)
+    docs = [[int(x) for x in torch.randint(1, 200, (12,), generator=gen)] for _ in range(2)]
+    p, q, kn, vn, cu = make_prefill(bs, [512, 333], docs, 32, 8, 128, bs, torch.bfloat16, "cuda")
+    cos, sin = make_rope(128, "cuda", base=500000.0)
+    ref = ref_prefill(p, q, kn, vn, cu, cos, sin, 128 ** -0.5)
+    for cfg in ((128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4)):
+        out = run_prefill(p, q, kn, vn, cu, cos, sin, 128 ** -0.5, kernel="wgmma", config=cfg)
+        assert rel_err(out, ref) < 1e-2
+
+
+@gpu
+@needs_hopper
+def test_prefill_wgmma_build_failure_falls_back(monkeypatch):
+    # a Triton whose Gluon API moved: the default prefill warns once and runs the Triton kernel from then on;
+    # asking for the wgmma kernel by name shows the error
+    from lazyrag.kernels import prefill_wgmma
+    p, q, kn, vn, cu = make_prefill(77, [512, 300], [[900, 300], [1200]], 32, 8, 128, 16, torch.bfloat16, "cuda")
+    cos, sin = make_rope(128, "cuda", base=500000.0)
+    ref = ref_prefill(p, q, kn, vn, cu, cos, sin, 128 ** -0.5)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated Gluon API change")
+
+    monkeypatch.setattr(prefill_wgmma, "lazy_prefill_wgmma", broken)
+    monkeypatch.setattr(prefill_wgmma, "disabled_because", None)
+    with pytest.warns(RuntimeWarning, match="Triton kernel"):
+        out = run_prefill(p, q, kn, vn, cu, cos, sin, 128 ** -0.5)
+    assert rel_err(out, ref) < 1e-2
+    assert "simulated" in prefill_wgmma.disabled_because
+    assert rel_err(run_prefill(p, q, kn, vn, cu, cos, sin, 128 ** -0.5), ref) < 1e-2  # no second warning needed
+    with pytest.raises(RuntimeError, match="simulated"):
+        run_prefill(p, q, kn, vn, cu, cos, sin, 128 ** -0.5, kernel="wgmma")
 
 
 @gpu

@@ -1,0 +1,339 @@
+"""LazyAttention prefill for Hopper (sm_90), written in Gluon: the rotated query tile lives in an explicit
+shared-memory buffer that is rewritten once per document while the K/V copies keep running.
+
+Same work and layout as :func:`lazyrag.kernels.prefill.lazy_prefill`'s Triton kernel (unsplit programs of
+``BLOCK_M`` packed (token, q head) rows of one KV head; see :mod:`lazyrag.kernels.reference`), which picks this one
+on a Hopper GPU when the context is not split. Why a second kernel: in Triton's language a query tile that changes
+inside the loop is a loop-carried register value, which Triton copies through shared memory for the MMA on *every*
+tile (20% of the loop, benchmarks/NOTES.md "Kernels, round 10"); a loop-invariant q instead restarts Triton's
+software pipeline at each document (ROT 7). Here every step is explicit:
+
+- Segments: an outer loop over the tile table's segments (a document's tiles; then the new tokens' tiles, delta 0,
+  causal) and an inner loop over a segment's tiles, the same code with and without rotation.
+- q: at a segment's start the original tile is read from global memory, rotated (``scale * R(-delta) q``) and
+  stored to the q buffer: one store, one fence, one barrier a document.
+- K/V: ``cp.async`` gathers from the paged cache into a ring of ``STAGES`` shared-memory slots, ``STAGES - 1``
+  tiles ahead by tile index, so they run on across segments. Their block indices are read two tiles earlier still
+  (the tile-table row, then the block metas), so no index load sits in front of a copy.
+- S = q K^T and O += P V are warpgroup MMAs (q, K, V from shared memory, P from registers). Tile i-1's P V is
+  issued right after tile i's S and runs under tile i's softmax (FA3's intra-warpgroup overlap); both are waited
+  for inside the iteration, because an MMA accumulator in flight across the loop's back edge makes ptxas
+  serialize the MMAs (its warning C7515, which the Triton kernel's loop gets too).
+
+H200 (benchmarks/NOTES.md, "Kernels, round 11"): B=8, 512 new tokens, 8k context: 1652 µs with 1 document and
+1839 with 10, against the Triton kernel's 1738 / 1875 (ROT 5, same run) and SDPA's 1711 / 1685 on a contiguous
+re-rotated copy.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+import triton
+
+from .common import _PHYS_MASK as PHYS_MASK  # the packed block meta's physical-id field (common.py)
+from .kvloop import TILE_FIELDS  # int32 per tile-table row: first block, next segment, valid keys, delta
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait,
+    )
+    # Gluon is experimental and renames things between releases (3.6 -> 3.9: thread_barrier -> barrier,
+    # async_copy_global_to_shared -> async_load); both spellings compile
+    _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+    _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+    HAVE_GLUON = True
+except (ImportError, AttributeError):  # Triton without Gluon (< 3.5): the Triton kernels serve every GPU
+    HAVE_GLUON = False
+
+# (BLOCK_M, BLOCK_N, num_warps, STAGES); 8 warps = two warpgroups of 64 rows each. H200, B=8, 512 new tokens
+# (benchmarks/NOTES.md, "Kernels, round 11"): 128x128 / 3 stages 1652 / 1839 / 706 µs at 8k with 1 / 10 documents
+# and 2k with 10, against 1761 / 1895 / 663 with 128x64 (whose rotation-off twin is 11% faster than it: unexplained)
+DEFAULT_CONFIG = (128, 128, 8, 3)
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] == 9
+
+
+disabled_because: str | None = None  # set by disable(): the kernel failed to build here, the Triton one serves
+
+
+def disable(reason: str) -> None:
+    """Stop choosing this kernel by default in this process (``lazy_prefill`` calls it when the kernel fails to
+    compile, e.g. on a Triton whose Gluon API differs from the 3.6 and 3.9 this file is written for)."""
+    global disabled_because
+    if disabled_because is None:
+        warnings.warn(f"lazyrag: the Hopper prefill kernel (kernels/prefill_wgmma.py) failed to build ({reason}); "
+                      "prefills run on the Triton kernel from now on. Triton 3.6 is the tested version; pass "
+                      "kernel='wgmma' to lazy_prefill to see the error itself.", RuntimeWarning, stacklevel=3)
+    disabled_because = reason
+
+
+def supported(q: torch.Tensor, block_size: int, block_n: int = DEFAULT_CONFIG[1]) -> bool:
+    """Whether this kernel can run the call: Gluon present, a Hopper GPU, 16-bit q, head dim 64 or 128, pages no
+    larger than a KV tile."""
+    return (HAVE_GLUON and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in (64, 128)
+            and block_size <= block_n and _hopper(q.device.index if q.device.index is not None
+                                                  else torch.cuda.current_device()))
+
+
+if HAVE_GLUON:
+    @gluon.constexpr_function
+    def _copy_layout(rows, head_dim, num_warps):
+        """Blocked layout for [rows, head_dim] 16-bit tiles: 16-byte vectors, a warp's threads along a row first."""
+        cols = head_dim // 8
+        return gl.BlockedLayout([1, 8], [32 // cols, cols], [num_warps, 1], [1, 0])
+
+    @gluon.jit
+    def _issue_kv(k_dst, v_dst, u, n_ctx, n_all, meta, valid, new_row0, new_len, K_CACHE, V_CACHE, K_NEW, V_NEW,
+                  kvh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                  stride_knt, stride_knh, stride_vnt, stride_vnh,
+                  BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, LOAD: gl.constexpr):
+        """Start the copies of tile ``u`` into ``k_dst`` / ``v_dst`` and commit them as one group (an empty group past
+        the last tile, so that the group count stays one per tile). Context tiles (``u < n_ctx``): key n is slot
+        n % BLOCK_SIZE of block ``meta[n]`` (packed metas, read ahead), keys below ``valid``; new-token tiles: rows
+        ``new_row0 + key`` of K_NEW / V_NEW, keys below ``new_len``. Keys outside are zero-filled."""
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LOAD))
+        offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LOAD))
+        if u < n_ctx:
+            phys = (meta & PHYS_MASK).to(gl.int64)
+            slot = offs_n % BLOCK_SIZE
+            ok = offs_n < valid
+            k_rows = phys * stride_kb + slot * stride_ks + kvh * stride_kh
+            v_rows = phys * stride_vb + slot * stride_vs + kvh * stride_vh
+            _async_load(k_dst, K_CACHE + k_rows[:, None] + offs_d[None, :],
+                                                   mask=ok[:, None])
+            _async_load(v_dst, V_CACHE + v_rows[:, None] + offs_d[None, :],
+                                                   mask=ok[:, None])
+        elif u < n_all:
+            key = (u - n_ctx) * BLOCK_N + offs_n
+            ok = key < new_len
+            rows = (new_row0 + key).to(gl.int64)
+            _async_load(
+                k_dst, K_NEW + (rows * stride_knt + kvh * stride_knh)[:, None] + offs_d[None, :], mask=ok[:, None])
+            _async_load(
+                v_dst, V_NEW + (rows * stride_vnt + kvh * stride_vnh)[:, None] + offs_d[None, :], mask=ok[:, None])
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _tile_metas(tiles_row, meta_row, u, n_ctx, s0, valid, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+                    LOAD: gl.constexpr):
+        """The packed metas of context tile ``u``'s keys (block s0 + n // BLOCK_SIZE), 0 where invalid."""
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LOAD))
+        return gl.load(meta_row + s0 + offs_n // BLOCK_SIZE, mask=(offs_n < valid) & (u < n_ctx), other=0)
+
+    @gluon.jit
+    def _store_rotated_q(q_smem, Q, COS, SIN, delta, qk_scale, seq_start, seq_len, t0, kvh, stride_qt, stride_qh,
+                         ROTATE: gl.constexpr, G: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
+                         num_warps: gl.constexpr):
+        """Write ``scale * R(-delta) q`` (ROTATE; else ``scale * q``) into the q buffer, from the original query tile
+        (never an un-rotate/re-rotate pair), visible to the next MMA. Row r is token t0 + r // G of q head
+        kvh * G + r % G; rows past the sequence or past the tile's whole tokens are 0. HF rotate-half: R(-d) [x1, x2]
+        = [x1 c + x2 s, x2 c - x1 s]; the halves are two [BLOCK_M, HEAD_DIM / 2] loads and stores."""
+        HALF: gl.constexpr = HEAD_DIM // 2
+        QL: gl.constexpr = _copy_layout(BLOCK_M, HALF, num_warps)
+        offs_r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, QL))
+        offs_h = gl.arange(0, HALF, layout=gl.SliceLayout(0, QL))
+        tok = t0 + offs_r // G
+        ok = ((offs_r < (BLOCK_M // G) * G) & (tok < seq_len))[:, None]
+        rows = Q + ((seq_start + tok).to(gl.int64) * stride_qt + (kvh * G + offs_r % G) * stride_qh)[:, None]
+        x1 = gl.load(rows + offs_h[None, :], mask=ok, other=0.0).to(gl.float32)
+        x2 = gl.load(rows + HALF + offs_h[None, :], mask=ok, other=0.0).to(gl.float32)
+        if ROTATE:
+            c = (gl.load(COS + delta * HALF + offs_h) * qk_scale)[None, :]
+            sn = (gl.load(SIN + delta * HALF + offs_h) * qk_scale)[None, :]
+            q_smem.slice(0, HALF, dim=1).store((x1 * c + x2 * sn).to(q_smem.dtype))
+            q_smem.slice(HALF, HALF, dim=1).store((x2 * c - x1 * sn).to(q_smem.dtype))
+        else:
+            q_smem.slice(0, HALF, dim=1).store((x1 * qk_scale).to(q_smem.dtype))
+            q_smem.slice(HALF, HALF, dim=1).store((x2 * qk_scale).to(q_smem.dtype))
+        fence_async_shared()
+        _cta_barrier()
+
+    @gluon.jit
+    def _keep(i, n_ctx, valid, offs_n, tok, BLOCK_N: gl.constexpr):
+        """Tile i's visible keys: a prefix (``valid``) of a context tile, whose keys count as negative here so that
+        the causal test passes; causal for the new tokens (a real row's keys end before hi_new, where the copies
+        end)."""
+        lim = gl.where(i < n_ctx, valid, BLOCK_N)
+        key = (i - n_ctx) * BLOCK_N + offs_n
+        return (offs_n < lim)[None, :] & (key[None, :] <= tok[:, None])
+
+    @gluon.jit
+    def _softmax_step(s, m_i, l_i):
+        """Online softmax in base 2 (scale and log2(e) are folded into q): (p, the old rows' rescale, m, l)."""
+        m_new = gl.maximum(m_i, gl.max(s, 1))
+        p = gl.exp2(s - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
+
+    @gluon.jit
+    def _copy_ahead(k_smem, v_smem, i, n_ctx, n_all, meta_a, valid_a, s0_b, valid_b, tiles_row, meta_row,
+                    seq_start, hi_new, K_CACHE, V_CACHE, K_NEW, V_NEW, kvh,
+                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                    stride_knt, stride_knh, stride_vnt, stride_vnh,
+                    BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
+                    LOAD: gl.constexpr):
+        """At tile i: start tile i + STAGES - 1's copies (metas ``meta_a``, valid keys ``valid_a``, read a tile ago)
+        and read the indices ahead: tile i + STAGES's metas (from its row ``s0_b``, ``valid_b``), the row of the one
+        after, and tile i + 1's valid keys."""
+        ua = i + STAGES - 1
+        _issue_kv(k_smem.index(ua % STAGES), v_smem.index(ua % STAGES), ua, n_ctx, n_all, meta_a, valid_a,
+                  seq_start, hi_new, K_CACHE, V_CACHE, K_NEW, V_NEW, kvh, stride_kb, stride_ks, stride_kh,
+                  stride_vb, stride_vs, stride_vh, stride_knt, stride_knh, stride_vnt, stride_vnh,
+                  BLOCK_SIZE, BLOCK_N, HEAD_DIM, LOAD)
+        meta_a = _tile_metas(tiles_row, meta_row, ua + 1, n_ctx, s0_b, valid_b, BLOCK_SIZE, BLOCK_N, LOAD)
+        ub = ua + 2
+        s0_b = gl.load(tiles_row + TILE_FIELDS * ub, mask=ub < n_ctx, other=0)
+        valid_n = gl.load(tiles_row + TILE_FIELDS * ub + 2, mask=ub < n_ctx, other=0)
+        valid_cur = gl.load(tiles_row + TILE_FIELDS * (i + 1) + 2, mask=i + 1 < n_ctx, other=0)
+        return meta_a, valid_b, s0_b, valid_n, valid_cur
+
+    @gluon.jit
+    def _lazy_prefill_wgmma_kernel(
+        Q, K_NEW, V_NEW, CU_SEQLENS, K_CACHE, V_CACHE, META, TILES, NUM_TILES, COS, SIN, OUT, qk_scale,
+        stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        stride_mb, stride_tb, stride_ot, stride_oh,
+        G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ROTATE: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        TOK: gl.constexpr = BLOCK_M // G  # query tokens per tile
+        dtype: gl.constexpr = Q.dtype.element_ty
+        # -- layouts: MMA accumulators (two warpgroups stacked along the rows), P as the A operand, copies
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        LOAD: gl.constexpr = _copy_layout(BLOCK_N, HEAD_DIM, num_warps)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+        q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+
+        tile = gl.program_id(0)
+        kvh = gl.program_id(1)
+        b = gl.program_id(2)
+        seq_start = gl.load(CU_SEQLENS + b)
+        seq_len = gl.load(CU_SEQLENS + b + 1) - seq_start
+        t0 = tile * TOK
+        if t0 < seq_len:  # the grid is sized for the longest sequence
+            q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_smem_layout)
+            k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_smem_layout)
+            v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_smem_layout)
+
+            meta_row = META + b.to(gl.int64) * stride_mb
+            tiles_row = TILES + b.to(gl.int64) * stride_tb
+            n_ctx = gl.load(NUM_TILES + b)
+            hi_new = gl.minimum(t0 + TOK, seq_len)  # keys of the new tokens this tile can see
+            n_all = n_ctx + gl.cdiv(hi_new, BLOCK_N)
+
+            # -- prologue: tiles 0 .. STAGES-2's copies; the metas of tile STAGES-1 and the row of tile STAGES
+            for u in gl.static_range(STAGES - 1):
+                s0 = gl.load(tiles_row + TILE_FIELDS * u, mask=u < n_ctx, other=0)
+                valid = gl.load(tiles_row + TILE_FIELDS * u + 2, mask=u < n_ctx, other=0)
+                meta = _tile_metas(tiles_row, meta_row, u, n_ctx, s0, valid, BLOCK_SIZE, BLOCK_N, LOAD)
+                _issue_kv(k_smem.index(u), v_smem.index(u), u, n_ctx, n_all, meta, valid, seq_start, hi_new,
+                          K_CACHE, V_CACHE, K_NEW, V_NEW, kvh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                          stride_vh, stride_knt, stride_knh, stride_vnt, stride_vnh, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
+                          LOAD)
+            ua = STAGES - 1  # the next tile to copy: its metas and valid keys are read
+            s0_a = gl.load(tiles_row + TILE_FIELDS * ua, mask=ua < n_ctx, other=0)
+            valid_a = gl.load(tiles_row + TILE_FIELDS * ua + 2, mask=ua < n_ctx, other=0)
+            meta_a = _tile_metas(tiles_row, meta_row, ua, n_ctx, s0_a, valid_a, BLOCK_SIZE, BLOCK_N, LOAD)
+            ub = STAGES  # the one after: its tile-table row is read
+            s0_b = gl.load(tiles_row + TILE_FIELDS * ub, mask=ub < n_ctx, other=0)
+            valid_b = gl.load(tiles_row + TILE_FIELDS * ub + 2, mask=ub < n_ctx, other=0)
+            valid_cur = gl.load(tiles_row + 2, mask=n_ctx > 0, other=0)  # tile 0's valid keys
+
+            offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            tok_s = t0 + gl.arange(0, BLOCK_M, layout=row_s) // G
+            m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, row_s)
+            l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
+            acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+            s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+            p_op = gl.zeros([BLOCK_M, BLOCK_N], dtype, p_layout)  # the previous tile's P (none before tile 0)
+            # -- one segment (a run of tiles with one delta: a document, or the new tokens) at a time; the K/V
+            # copies run on by tile index across segments, so a new document costs the q store and no refill
+            t = n_ctx * 0
+            while t < n_all:
+                if t < n_ctx:
+                    t_end = gl.minimum(gl.load(tiles_row + TILE_FIELDS * t + 1), n_ctx)
+                    delta = gl.load(tiles_row + TILE_FIELDS * t + 3)
+                else:
+                    t_end = n_all
+                    delta = t * 0
+                # every warpgroup is past the previous tile's S (the barrier before its copies)
+                _store_rotated_q(q_smem, Q, COS, SIN, delta, qk_scale, seq_start, seq_len, t0, kvh, stride_qt,
+                                 stride_qh, ROTATE, G, BLOCK_M, HEAD_DIM, num_warps)
+                for i in range(t, t_end):
+                    # -- tile i's K/V have landed, every thread's: the barrier
+                    async_copy.wait_group(STAGES - 2)
+                    _cta_barrier()
+                    # -- FA3's intra-warpgroup overlap: S = q K^T of tile i, then O += P V of tile i-1, which runs
+                    # under tile i's softmax (waiting for one outstanding group waits for S). At tile 0: P = 0 times
+                    # tile 0's V (finite, where an unused slot may hold NaN patterns).
+                    s_t = warpgroup_mma(q_smem, k_smem.index(i % STAGES).permute((1, 0)), s_zero, use_acc=False,
+                                        is_async=True)
+                    acc_t = warpgroup_mma(p_op, v_smem.index(gl.maximum(i - 1, 0) % STAGES), acc, is_async=True)
+                    s = warpgroup_mma_wait(num_outstanding=1, deps=(s_t,))
+                    s = gl.where(_keep(i, n_ctx, valid_cur, offs_n, tok_s, BLOCK_N), s, float("-inf"))
+                    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
+                    # waited inside the iteration: an accumulator in flight across the loop's back edge makes
+                    # ptxas serialize the MMAs (C7515: the loop-carried registers are moved while the MMA runs)
+                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t,))
+                    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+                    p_op = gl.convert_layout(p.to(dtype), p_layout)
+                    # -- every warpgroup is past tile i-1's P V: its slot takes tile i + STAGES - 1
+                    _cta_barrier()
+                    meta_a, valid_a, s0_b, valid_b, valid_cur = _copy_ahead(
+                        k_smem, v_smem, i, n_ctx, n_all, meta_a, valid_a, s0_b, valid_b, tiles_row, meta_row,
+                        seq_start, hi_new, K_CACHE, V_CACHE, K_NEW, V_NEW, kvh, stride_kb, stride_ks, stride_kh,
+                        stride_vb, stride_vs, stride_vh, stride_knt, stride_knh, stride_vnt, stride_vnh,
+                        BLOCK_SIZE, BLOCK_N, HEAD_DIM, STAGES, LOAD)
+                t = t_end
+            # -- the last tile's P V
+            acc_t = warpgroup_mma(p_op, v_smem.index((n_all - 1) % STAGES), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t,))
+            async_copy.wait_group(0)
+
+            # -- every real row attends at least to itself, so l_i > 0 there
+            out = acc / gl.convert_layout(l_i, row_o)[:, None]
+            OL: gl.constexpr = _copy_layout(BLOCK_M, HEAD_DIM, num_warps)
+            out = gl.convert_layout(out.to(OUT.dtype.element_ty), OL)
+            offs_or = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, OL))
+            offs_od = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, OL))
+            o_tok = t0 + offs_or // G
+            o_rows = (seq_start + o_tok).to(gl.int64) * stride_ot + (kvh * G + offs_or % G) * stride_oh
+            gl.store(OUT + o_rows[:, None] + offs_od[None, :], out, mask=((offs_or < TOK * G) & (o_tok < seq_len))[:, None])
+
+
+def lazy_prefill_wgmma(q, k_new, v_new, cu, k_cache, v_cache, block_meta, tiles, n_tiles, rope_cos, rope_sin,
+                       qk_scale, max_seqlen_q, out, apply_rotation=True, config=None):
+    """Launch the kernel on prepared arguments (``lazy_prefill`` checks and converts them; ``tiles``, ``n_tiles``:
+    its tile table for ``BLOCK_N // block_size`` pages a tile; ``qk_scale`` includes log2(e)). Returns the compiled
+    kernel and the grid (for the launch record)."""
+    bm, bn, warps, stages = config or DEFAULT_CONFIG
+    Tq, Hq, D = q.shape
+    Hkv = k_new.shape[1]
+    G = Hq // Hkv
+    B = cu.numel() - 1
+    assert bm == 64 * (warps // 4) and G <= bm, "BLOCK_M: 64 rows a warpgroup, at least one token"
+    assert stages >= 2
+    grid = (triton.cdiv(max_seqlen_q, bm // G), Hkv, B)
+    compiled = _lazy_prefill_wgmma_kernel[grid](
+        q, k_new, v_new, cu, k_cache, v_cache, block_meta, tiles, n_tiles, rope_cos, rope_sin, out, qk_scale,
+        q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_meta.stride(0), tiles.stride(0), out.stride(0), out.stride(1),
+        G=G, HEAD_DIM=D, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=bm, BLOCK_N=bn, STAGES=stages,
+        ROTATE=apply_rotation, num_warps=warps,
+    )
+    return compiled, grid
