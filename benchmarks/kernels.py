@@ -11,7 +11,9 @@ the kernel config, registers, spills, shared memory, programs per SM and waves.
     python benchmarks/kernels.py [--out PATH] [--quick] [--sweep [--sweep-only decode|prefill]] [--no-grid]
 
 ``--sweep`` first times the leading configs and rotation schedules on a few shapes (to choose
-the defaults; ``--adopt`` then uses the fastest for the grid). Writes JSON (default
+the defaults; ``--adopt`` then uses the fastest for the grid); on a Hopper GPU the prefill sweep also
+times the Gluon kernel (kernels/prefill_wgmma.py, rows ``mode=wgmma`` / ``wgmma off``), which the
+grid's prefill rows use wherever ``lazy_prefill`` picks it (unsplit prefills). Writes JSON (default
 benchmarks/results/kernels.json, or $OUT/kernels.json) and a PNG.
 
 What a forward pass pays, not what one lonely call pays: CUDA-graph timings share one tile table

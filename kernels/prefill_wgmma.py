@@ -51,7 +51,7 @@ except (ImportError, AttributeError):  # Triton without Gluon (< 3.5): the Trito
 
 # (BLOCK_M, BLOCK_N, num_warps, STAGES); 8 warps = two warpgroups of 64 rows each. H200, B=8, 512 new tokens
 # (benchmarks/NOTES.md, "Kernels, round 11"): 128x128 / 3 stages 1652 / 1839 / 706 µs at 8k with 1 / 10 documents
-# and 2k with 10, against 1761 / 1895 / 663 with 128x64 (whose rotation-off twin is 11% faster than it: unexplained)
+# and 2k with 10, against 1761 / 1895 / 663 with 128x64 (10-12% slower than its rotation-off twin: unexplained)
 DEFAULT_CONFIG = (128, 128, 8, 3)
 
 
