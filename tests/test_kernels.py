@@ -484,6 +484,20 @@ def test_prefill_wgmma_gpu_many_short_documents(bs):
         assert rel_err(out, ref) < 1e-2
 
 
+def test_prefill_wgmma_disable_warns_once(monkeypatch):
+    # what lazy_prefill calls when the Gluon kernel fails to build: one warning that says what happens and what to
+    # do, then the kernel is no longer chosen by default
+    from lazyrag.kernels import prefill_wgmma
+    monkeypatch.setattr(prefill_wgmma, "disabled_because", None)
+    with pytest.warns(RuntimeWarning, match="Triton kernel from now on.*kernel='wgmma'"):
+        prefill_wgmma.disable("CompilationError: at 1:2")
+    assert prefill_wgmma.disabled_because == "CompilationError: at 1:2"
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        prefill_wgmma.disable("a second failure")  # no second warning
+
+
 @gpu
 @needs_hopper
 def test_prefill_wgmma_build_failure_falls_back(monkeypatch):
