@@ -106,10 +106,8 @@ if HAVE_GLUON:
             ok = offs_n < valid
             k_rows = phys * stride_kb + slot * stride_ks + kvh * stride_kh
             v_rows = phys * stride_vb + slot * stride_vs + kvh * stride_vh
-            _async_load(k_dst, K_CACHE + k_rows[:, None] + offs_d[None, :],
-                                                   mask=ok[:, None])
-            _async_load(v_dst, V_CACHE + v_rows[:, None] + offs_d[None, :],
-                                                   mask=ok[:, None])
+            _async_load(k_dst, K_CACHE + k_rows[:, None] + offs_d[None, :], mask=ok[:, None])
+            _async_load(v_dst, V_CACHE + v_rows[:, None] + offs_d[None, :], mask=ok[:, None])
         elif u < n_all:
             key = (u - n_ctx) * BLOCK_N + offs_n
             ok = key < new_len
@@ -121,7 +119,7 @@ if HAVE_GLUON:
         async_copy.commit_group()
 
     @gluon.jit
-    def _tile_metas(tiles_row, meta_row, u, n_ctx, s0, valid, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+    def _tile_metas(meta_row, u, n_ctx, s0, valid, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
                     LOAD: gl.constexpr):
         """The packed metas of context tile ``u``'s keys (block s0 + n // BLOCK_SIZE), 0 where invalid."""
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LOAD))
@@ -187,7 +185,7 @@ if HAVE_GLUON:
                   seq_start, hi_new, K_CACHE, V_CACHE, K_NEW, V_NEW, kvh, stride_kb, stride_ks, stride_kh,
                   stride_vb, stride_vs, stride_vh, stride_knt, stride_knh, stride_vnt, stride_vnh,
                   BLOCK_SIZE, BLOCK_N, HEAD_DIM, LOAD)
-        meta_a = _tile_metas(tiles_row, meta_row, ua + 1, n_ctx, s0_b, valid_b, BLOCK_SIZE, BLOCK_N, LOAD)
+        meta_a = _tile_metas(meta_row, ua + 1, n_ctx, s0_b, valid_b, BLOCK_SIZE, BLOCK_N, LOAD)
         ub = ua + 2
         s0_b = gl.load(tiles_row + TILE_FIELDS * ub, mask=ub < n_ctx, other=0)
         valid_n = gl.load(tiles_row + TILE_FIELDS * ub + 2, mask=ub < n_ctx, other=0)
@@ -238,7 +236,7 @@ if HAVE_GLUON:
             for u in gl.static_range(STAGES - 1):
                 s0 = gl.load(tiles_row + TILE_FIELDS * u, mask=u < n_ctx, other=0)
                 valid = gl.load(tiles_row + TILE_FIELDS * u + 2, mask=u < n_ctx, other=0)
-                meta = _tile_metas(tiles_row, meta_row, u, n_ctx, s0, valid, BLOCK_SIZE, BLOCK_N, LOAD)
+                meta = _tile_metas(meta_row, u, n_ctx, s0, valid, BLOCK_SIZE, BLOCK_N, LOAD)
                 _issue_kv(k_smem.index(u), v_smem.index(u), u, n_ctx, n_all, meta, valid, seq_start, hi_new,
                           K_CACHE, V_CACHE, K_NEW, V_NEW, kvh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
                           stride_vh, stride_knt, stride_knh, stride_vnt, stride_vnh, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
@@ -246,7 +244,7 @@ if HAVE_GLUON:
             ua = STAGES - 1  # the next tile to copy: its metas and valid keys are read
             s0_a = gl.load(tiles_row + TILE_FIELDS * ua, mask=ua < n_ctx, other=0)
             valid_a = gl.load(tiles_row + TILE_FIELDS * ua + 2, mask=ua < n_ctx, other=0)
-            meta_a = _tile_metas(tiles_row, meta_row, ua, n_ctx, s0_a, valid_a, BLOCK_SIZE, BLOCK_N, LOAD)
+            meta_a = _tile_metas(meta_row, ua, n_ctx, s0_a, valid_a, BLOCK_SIZE, BLOCK_N, LOAD)
             ub = STAGES  # the one after: its tile-table row is read
             s0_b = gl.load(tiles_row + TILE_FIELDS * ub, mask=ub < n_ctx, other=0)
             valid_b = gl.load(tiles_row + TILE_FIELDS * ub + 2, mask=ub < n_ctx, other=0)
@@ -311,7 +309,8 @@ if HAVE_GLUON:
             offs_od = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, OL))
             o_tok = t0 + offs_or // G
             o_rows = (seq_start + o_tok).to(gl.int64) * stride_ot + (kvh * G + offs_or % G) * stride_oh
-            gl.store(OUT + o_rows[:, None] + offs_od[None, :], out, mask=((offs_or < TOK * G) & (o_tok < seq_len))[:, None])
+            o_ok = (offs_or < TOK * G) & (o_tok < seq_len)
+            gl.store(OUT + o_rows[:, None] + offs_od[None, :], out, mask=o_ok[:, None])
 
 
 def lazy_prefill_wgmma(q, k_new, v_new, cu, k_cache, v_cache, block_meta, tiles, n_tiles, rope_cos, rope_sin,
