@@ -213,8 +213,8 @@ def lazy_prefill(
     the partials (no merge launch); ``None``: ``DEFAULT_FUSED_MERGE``. ``kernel``: ``"wgmma"`` runs an unsplit
     prefill on a Hopper GPU with :mod:`lazyrag.kernels.prefill_wgmma` (``config`` is then its (BLOCK_M, BLOCK_N,
     num_warps, stages); ``rotation_mode`` does not apply); ``"triton"`` this module's kernel; ``None``:
-    ``DEFAULT_KERNEL`` where the wgmma kernel supports the call, the context is not split and no ``rotation_mode``
-    is asked for, else ``"triton"``.
+    ``DEFAULT_KERNEL`` where the wgmma kernel supports the call, the context is not split and neither
+    ``rotation_mode`` nor ``config`` (the Triton kernel's) is given, else ``"triton"``.
     """
     Tq, Hq, D = q.shape
     Hkv = k_new.shape[1]
@@ -262,22 +262,22 @@ def lazy_prefill(
     W = block_meta.shape[1]
     assert kernel in ("triton", "wgmma"), "kernel: 'triton' or 'wgmma'"
     if kernel == "wgmma":
-        assert on_gpu and prefill_wgmma.supported(q, block_size), \
-            "the wgmma kernel needs a Hopper GPU, Triton with Gluon, 16-bit q, head dim 64 or 128"
-        assert num_splits in (None, 1), "the wgmma kernel does not split the context"
         cfg = config or prefill_wgmma.DEFAULT_CONFIG
-        tiles, n_tiles = tile_table(block_meta, nctx, cfg[1] // block_size, block_size, tile_cache)
+        bm, bn, warps, stages = cfg
+        assert on_gpu and prefill_wgmma.supported(q, block_size, bn), \
+            "the wgmma kernel needs a Hopper GPU, Triton with Gluon, 16-bit q, head dim 64 or 128, pages <= BLOCK_N"
+        assert num_splits in (None, 1), "the wgmma kernel does not split the context"
+        tiles, n_tiles = tile_table(block_meta, nctx, bn // block_size, block_size, tile_cache)
+        grid = (_q_tiles(max_seqlen_q, bm, G), Hkv, B)
         try:
-            compiled, grid = prefill_wgmma.lazy_prefill_wgmma(q, k_new, v_new, cu, k_cache, v_cache, block_meta,
-                                                              tiles, n_tiles, rope_cos, rope_sin, qk_scale,
-                                                              max_seqlen_q, out, apply_rotation=apply_rotation,
-                                                              config=cfg)
+            compiled = prefill_wgmma.lazy_prefill_wgmma(q, k_new, v_new, cu, k_cache, v_cache, block_meta, tiles,
+                                                        n_tiles, rope_cos, rope_sin, qk_scale, out, grid,
+                                                        apply_rotation=apply_rotation, config=cfg)
         except Exception as e:  # noqa: BLE001  a compile error (Gluon's API moves between Triton releases)
             if not auto_kernel:
                 raise
-            prefill_wgmma.disable(f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}")
+            prefill_wgmma.disable(f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
         else:
-            bm, bn, warps, stages = cfg
             record_launch("prefill", f"prefill wgmma rotate={apply_rotation} bm={bm} bn={bn} w={warps} s={stages}",
                           compiled, warps, grid, 1)
             return out

@@ -30,7 +30,6 @@ import functools
 import warnings
 
 import torch
-import triton
 
 from .common import _PHYS_MASK as PHYS_MASK  # the packed block meta's physical-id field (common.py)
 from .kvloop import TILE_FIELDS  # int32 per tile-table row: first block, next segment, valid keys, delta
@@ -314,18 +313,15 @@ if HAVE_GLUON:
 
 
 def lazy_prefill_wgmma(q, k_new, v_new, cu, k_cache, v_cache, block_meta, tiles, n_tiles, rope_cos, rope_sin,
-                       qk_scale, max_seqlen_q, out, apply_rotation=True, config=None):
+                       qk_scale, out, grid, apply_rotation=True, config=None):
     """Launch the kernel on prepared arguments (``lazy_prefill`` checks and converts them; ``tiles``, ``n_tiles``:
-    its tile table for ``BLOCK_N // block_size`` pages a tile; ``qk_scale`` includes log2(e)). Returns the compiled
-    kernel and the grid (for the launch record)."""
+    its tile table for ``BLOCK_N // block_size`` pages a tile; ``qk_scale`` includes log2(e); ``grid``: (query
+    tiles of ``BLOCK_M // G`` tokens, KV heads, sequences)). Returns the compiled kernel (for the launch record)."""
     bm, bn, warps, stages = config or DEFAULT_CONFIG
-    Tq, Hq, D = q.shape
-    Hkv = k_new.shape[1]
-    G = Hq // Hkv
-    B = cu.numel() - 1
+    D = q.shape[2]
+    G = q.shape[1] // k_new.shape[1]
     assert bm == 64 * (warps // 4) and G <= bm, "BLOCK_M: 64 rows a warpgroup, at least one token"
     assert stages >= 2
-    grid = (triton.cdiv(max_seqlen_q, bm // G), Hkv, B)
     compiled = _lazy_prefill_wgmma_kernel[grid](
         q, k_new, v_new, cu, k_cache, v_cache, block_meta, tiles, n_tiles, rope_cos, rope_sin, out, qk_scale,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
@@ -335,4 +331,4 @@ def lazy_prefill_wgmma(q, k_new, v_new, cu, k_cache, v_cache, block_meta, tiles,
         G=G, HEAD_DIM=D, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=bm, BLOCK_N=bn, STAGES=stages,
         ROTATE=apply_rotation, num_warps=warps,
     )
-    return compiled, grid
+    return compiled
