@@ -113,9 +113,9 @@ def share_tables(cache):
     charge one layer the whole forward's table (its device time is reported on its own, and a 1/LAYERS share is
     added to the overhead)."""
     if cache is not None:
-        for (pages, block_size, capturing), v in list(cache.items()):
+        for (pages, block_size, capturing, packed), v in list(cache.items()):
             if not capturing:
-                cache[(pages, block_size, True)] = v
+                cache[(pages, block_size, True, packed)] = v
 
 
 def capture(fn, calls=1, cache=None):
@@ -153,9 +153,9 @@ def paired_graph_ms(fns, calls=1, cache=None, rounds=ROUNDS):
     return med, ratio, spread
 
 
-def table_graph_ms(meta, nblk, pages):
+def table_graph_ms(meta, nblk, pages, packed=False):
     """Device time of one tile-table build (what a forward pass pays once for all its layers)."""
-    return graph_ms(lambda: tile_table(meta, nblk, pages, BS))
+    return graph_ms(lambda: tile_table(meta, nblk, pages, BS, packed=packed))
 
 
 def launch_info(kind):
@@ -225,7 +225,7 @@ def run_prefill(gen, dev, cos, sin, batch, ctx, n_docs, n_new):
         (of_g, lz_g, sd_g), (_, ratio, _), spread = paired_graph_ms([c.off(), c.lazy(), sdpa], cache=c.cache)
     del ks, vs, kc, vc
     ns_g = graph_ms(c.lazy(num_splits=1), cache=c.cache) if info["splits"] > 1 else None
-    table_ms = table_graph_ms(c.meta, c.nblk, info_pages(info))
+    table_ms = table_graph_ms(c.meta, c.nblk, info_pages(info), packed="packed=True" in info["kernel"])
     lz_fwd = lz_g + table_ms / LAYERS  # the kernel plus its share of the forward's one tile table
     fl = c.flops()
     lz, of, sd = min(lazy_e), min(off_e), min(sdpa_e)
@@ -295,7 +295,7 @@ def run_decode(gen, dev, cos, sin, batch, ctx, n_docs, copy_tbs):
     off_e = (bench(c.off()), bench(c.off()))
     info_off = launch_info("decode")
     (of_g, lz_g), (_, ratio), spread = paired_graph_ms([c.off(), c.lazy()], c.n_sets, cache=c.cache)
-    table_ms = table_graph_ms(c.meta, c.nblk, info_pages(info))
+    table_ms = table_graph_ms(c.meta, c.nblk, info_pages(info), packed="packed=True" in info["kernel"])
     lz_fwd = lz_g + table_ms / LAYERS
     lz, of = min(lazy_e), min(off_e)
     bm = c.bytes_moved()

@@ -9,7 +9,8 @@
   GPU when the K/V addresses need no load,
 - ``sdpa``: torch SDPA (flash) on a contiguous copy, KV heads repeated,
 - ``lazy wgmma (BM, BN, W, S)`` / ``off wgmma ...``: ``lazy_prefill(kernel="wgmma")``, the Gluon kernel
-  (kernels/prefill_wgmma.py), rotation on and off, where the GPU is a Hopper.
+  (kernels/prefill_wgmma.py), rotation on and off, where the GPU is a Hopper; ``... wgmma aligned ...``: the same on
+  segment-aligned KV tiles (``prefill_wgmma.PACKED_TILES = False``) instead of packed ones.
 
 The dense kernel attends to every key (no causal mask) over ctx + new keys; its FLOPs are counted as such, the
 others' with the causal new-token part (``benchmarks/kernels.py``'s count). All timed from CUDA graphs in
@@ -120,6 +121,18 @@ def contiguous_meta(meta):
     return pack_block_meta(ordered, delta, valid)
 
 
+def segment_aligned(fn):
+    """``fn`` with the Gluon kernel on segment-aligned tiles (every document starts a tile) instead of packed ones."""
+    def run():
+        from lazyrag.kernels import prefill_wgmma
+        prefill_wgmma.PACKED_TILES = False
+        try:
+            return fn()
+        finally:
+            prefill_wgmma.PACKED_TILES = True
+    return run
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=8)
@@ -170,6 +183,9 @@ def main():
         for cfg in ((128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2)):
             variants[f"lazy wgmma {cfg}"] = c.lazy(kernel="wgmma", config=cfg)
             variants[f"off wgmma {cfg}"] = c.off(kernel="wgmma", config=cfg)
+        for cfg in ((128, 64, 8, 3), (128, 128, 8, 3)):  # segment-aligned tiles (round 11) on the same layout
+            variants[f"lazy wgmma aligned {cfg}"] = segment_aligned(c.lazy(kernel="wgmma", config=cfg))
+            variants[f"off wgmma aligned {cfg}"] = segment_aligned(c.off(kernel="wgmma", config=cfg))
     pages = torch.arange(B * S // BS, device=dev, dtype=torch.int64)  # the dense kernel's block table, in order
     for st in (2, 3):
         variants[f"dense s{st}"] = (lambda st=st: dense_attn(qd, kd, vd, od, c.scale, st, pages))

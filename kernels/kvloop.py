@@ -10,7 +10,9 @@ tile loop cost 12-14% even for one document). ``_tile_table_kernel`` writes, per
 per tile (first block, first tile of the next segment, valid keys, delta) followed by a row starting
 with the sequence's block count as a sentinel (so tile ``t`` spans blocks ``[tiles[t, 0], tiles[t + 1, 0])``),
 and the number of tiles. It depends on the block table only, so one table serves every layer of a
-forward pass (the attention backend caches it per batch metadata).
+forward pass (the attention backend caches it per batch metadata). The Hopper prefill kernel
+(prefill_wgmma.py) walks *packed* tiles instead (``tile_table(packed=True)``, ``_packed_tile_table_kernel``):
+``PAGES`` blocks a tile across document boundaries; it rotates the keys of a mixed tile itself.
 """
 from __future__ import annotations
 
@@ -35,6 +37,28 @@ def _max_combine(a, b):
 @triton.jit
 def _min_combine(a, b):
     return tl.minimum(a, b)
+
+
+@triton.jit
+def _next_segment_pass(tiles_row, n_tiles, CHUNK: tl.constexpr):
+    """Backward over a table's tiles: field 1 of each row, a flag "this tile starts a segment" on entry, becomes
+    the first segment-starting tile after it (else n_tiles)."""
+    offs = tl.arange(0, CHUNK)
+    BIG: tl.constexpr = 1 << 30
+    carry = n_tiles  # first segment-starting tile at or after the chunk already done
+    n_chunks = tl.cdiv(n_tiles, CHUNK)
+    for c in range(0, n_chunks):
+        c0 = (n_chunks - 1 - c) * CHUNK
+        i = c0 + offs
+        ok = i < n_tiles
+        flag = tl.load(tiles_row + TILE_FIELDS * i + 1, mask=ok, other=0)
+        nxt_ok = (i + 1 < c0 + CHUNK) & (i + 1 < n_tiles)
+        flag_next = tl.load(tiles_row + TILE_FIELDS * (i + 1) + 1, mask=nxt_ok, other=0)
+        cand_next = tl.where(nxt_ok & (flag_next != 0), i + 1, BIG)
+        nxt = tl.minimum(tl.associative_scan(cand_next, 0, _min_combine, reverse=True), carry)
+        tl.debug_barrier()  # every flag of this chunk is read before any is overwritten
+        tl.store(tiles_row + TILE_FIELDS * i + 1, nxt, mask=ok)
+        carry = tl.minimum(carry, tl.min(tl.where(ok & (flag != 0), i, BIG), 0))
 
 
 @triton.jit
@@ -71,22 +95,7 @@ def _tile_table_kernel(META, NUM_BLOCKS, TILES, NUM_TILES, stride_mb, stride_tb,
     tl.store(tiles_row + TILE_FIELDS * n_tiles + 2, 0)
     tl.store(tiles_row + TILE_FIELDS * n_tiles + 3, 0)
     tl.store(NUM_TILES + b, n_tiles)
-    # pass 2, backward over tiles: next[i] = first segment-starting tile after i (else n_tiles)
-    BIG: tl.constexpr = 1 << 30
-    carry = n_tiles  # first segment-starting tile at or after the chunk already done
-    n_chunks = tl.cdiv(n_tiles, CHUNK)
-    for c in range(0, n_chunks):
-        c0 = (n_chunks - 1 - c) * CHUNK
-        i = c0 + offs
-        ok = i < n_tiles
-        flag = tl.load(tiles_row + TILE_FIELDS * i + 1, mask=ok, other=0)
-        nxt_ok = (i + 1 < c0 + CHUNK) & (i + 1 < n_tiles)
-        flag_next = tl.load(tiles_row + TILE_FIELDS * (i + 1) + 1, mask=nxt_ok, other=0)
-        cand_next = tl.where(nxt_ok & (flag_next != 0), i + 1, BIG)
-        nxt = tl.minimum(tl.associative_scan(cand_next, 0, _min_combine, reverse=True), carry)
-        tl.debug_barrier()  # every flag of this chunk is read before any is overwritten
-        tl.store(tiles_row + TILE_FIELDS * i + 1, nxt, mask=ok)
-        carry = tl.minimum(carry, tl.min(tl.where(ok & (flag != 0), i, BIG), 0))
+    _next_segment_pass(tiles_row, n_tiles, CHUNK)
     # pass 3, over tiles: valid keys (only a tile's last block may be partly filled) and delta
     for c0 in range(0, n_tiles, CHUNK):
         i = c0 + offs
@@ -98,26 +107,84 @@ def _tile_table_kernel(META, NUM_BLOCKS, TILES, NUM_TILES, stride_mb, stride_tb,
         tl.store(tiles_row + TILE_FIELDS * i + 3, meta_delta(tl.load(meta_row + first, mask=ok, other=0)), mask=ok)
 
 
+@triton.jit
+def _packed_tile(meta_row, u, nb, ok, PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Packed tiles u (a vector; ``ok``: which exist): (delta of the first block, keys), keys as in
+    _packed_tile_table_kernel (negative: a mixed tile)."""
+    page = tl.arange(0, PAGES)[None, :]
+    first = u * PAGES
+    n_in = tl.minimum(nb - first, PAGES)  # blocks in the tile
+    inb = ok[:, None] & (page < n_in[:, None])
+    m = tl.load(meta_row + first[:, None] + page, mask=inb, other=0)  # [tiles, PAGES]
+    d, v = meta_delta(m), meta_valid(m)
+    d0 = tl.sum(tl.where(page == 0, d, 0), 1)
+    v_last = tl.sum(tl.where(page == n_in[:, None] - 1, v, 0), 1)
+    odd = inb & ((d != d0[:, None]) | ((page < n_in[:, None] - 1) & (v < BLOCK_SIZE)))
+    mixed = tl.max(odd.to(tl.int32), 1) > 0
+    return d0, tl.where(mixed, -n_in * BLOCK_SIZE, (n_in - 1) * BLOCK_SIZE + v_last)
+
+
+@triton.jit
+def _packed_tile_table_kernel(META, NUM_BLOCKS, TILES, NUM_TILES, stride_mb, stride_tb,
+                              PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr):
+    """One program per sequence, CHUNK tiles at a time. Packed tiles: tile u is blocks [u * PAGES, (u + 1) * PAGES)
+    whatever documents they hold. Row u: (first block, first tile of the next segment, keys, delta of the first
+    block), where keys is the tile's valid-key count if its blocks share one delta and its valid keys are a prefix,
+    else minus the keys its blocks span (a mixed tile: the kernel reads each key's meta). A segment here is a run of
+    tiles whose first blocks share a delta (one rotation of the query), ended by a mixed tile (so the kernel's loop
+    over a segment's other tiles has no mixed one). Sentinel row and NUM_TILES as in _tile_table_kernel."""
+    b = tl.program_id(0)
+    nb = tl.load(NUM_BLOCKS + b).to(tl.int32)
+    meta_row = META + b.to(tl.int64) * stride_mb
+    tiles_row = TILES + b.to(tl.int64) * stride_tb
+    n_tiles = tl.cdiv(nb, PAGES)
+    offs = tl.arange(0, CHUNK)
+    for c0 in range(0, n_tiles, CHUNK):
+        u = c0 + offs
+        ok = u < n_tiles
+        d0, keys = _packed_tile(meta_row, u, nb, ok, PAGES, BLOCK_SIZE)
+        d0_prev, keys_prev = _packed_tile(meta_row, u - 1, nb, ok & (u > 0), PAGES, BLOCK_SIZE)
+        starts_seg = (u == 0) | (d0_prev != d0) | (keys_prev < 0)
+        tl.store(tiles_row + TILE_FIELDS * u, u * PAGES, mask=ok)
+        tl.store(tiles_row + TILE_FIELDS * u + 1, starts_seg.to(tl.int32), mask=ok)
+        tl.store(tiles_row + TILE_FIELDS * u + 2, keys, mask=ok)
+        tl.store(tiles_row + TILE_FIELDS * u + 3, d0, mask=ok)
+    tl.store(tiles_row + TILE_FIELDS * n_tiles, nb)
+    tl.store(tiles_row + TILE_FIELDS * n_tiles + 1, n_tiles)
+    tl.store(tiles_row + TILE_FIELDS * n_tiles + 2, 0)
+    tl.store(tiles_row + TILE_FIELDS * n_tiles + 3, 0)
+    tl.store(NUM_TILES + b, n_tiles)
+    tl.debug_barrier()  # every flag is stored before the backward pass reads them
+    _next_segment_pass(tiles_row, n_tiles, CHUNK)
+
+
 def tile_table(block_meta: torch.Tensor, num_blocks: torch.Tensor, pages: int, block_size: int,
-               cache: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               cache: dict | None = None, packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Segment-aligned tiles of at most ``pages`` blocks: (tiles [B, W + 1, TILE_FIELDS] int32 of
     (first block, first tile of the next segment, valid keys, delta), n_tiles [B] int32); see
-    _tile_table_kernel.
+    _tile_table_kernel. ``packed``: tiles of ``pages`` blocks across document boundaries instead
+    (_packed_tile_table_kernel; the Hopper prefill kernel's table, which rotates the keys of a mixed tile).
 
     ``cache`` (a dict living as long as the block table's contents, e.g. one forward pass) keeps
     the table for every later call with the same ``pages``. A CUDA-graph capture never reuses a
     table built outside it (the graph must rebuild it from its static inputs on every replay)."""
     capturing = block_meta.is_cuda and torch.cuda.is_current_stream_capturing()
-    key = (pages, block_size, capturing)
+    key = (pages, block_size, capturing, packed)
     if cache is not None and key in cache:
         return cache[key]
     B, W = block_meta.shape
     tiles = torch.empty(B, W + 1, TILE_FIELDS.value, device=block_meta.device, dtype=torch.int32)
     n_tiles = torch.empty(B, device=block_meta.device, dtype=torch.int32)
     if B:
-        chunk = 16 if interpreting() else max(16, min(1024, triton.next_power_of_2(W)))
-        _tile_table_kernel[(B,)](block_meta, num_blocks, tiles, n_tiles, block_meta.stride(0), tiles.stride(0),
-                                 PAGES=pages, BLOCK_SIZE=block_size, CHUNK=chunk, num_warps=4)
+        if packed:
+            chunk = 16 if interpreting() else max(16, min(256, triton.next_power_of_2(triton.cdiv(W, pages))))
+            _packed_tile_table_kernel[(B,)](block_meta, num_blocks, tiles, n_tiles, block_meta.stride(0),
+                                            tiles.stride(0), PAGES=pages, BLOCK_SIZE=block_size, CHUNK=chunk,
+                                            num_warps=4)
+        else:
+            chunk = 16 if interpreting() else max(16, min(1024, triton.next_power_of_2(W)))
+            _tile_table_kernel[(B,)](block_meta, num_blocks, tiles, n_tiles, block_meta.stride(0), tiles.stride(0),
+                                     PAGES=pages, BLOCK_SIZE=block_size, CHUNK=chunk, num_warps=4)
     if cache is not None:
         cache[key] = (tiles, n_tiles)
     return tiles, n_tiles

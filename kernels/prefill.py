@@ -267,7 +267,8 @@ def lazy_prefill(
         assert on_gpu and prefill_wgmma.supported(q, block_size, bn), \
             "the wgmma kernel needs a Hopper GPU, Triton with Gluon, 16-bit q, head dim 64 or 128, pages <= BLOCK_N"
         assert num_splits in (None, 1), "the wgmma kernel does not split the context"
-        tiles, n_tiles = tile_table(block_meta, nctx, bn // block_size, block_size, tile_cache)
+        tiles, n_tiles = tile_table(block_meta, nctx, bn // block_size, block_size, tile_cache,
+                                    packed=prefill_wgmma.PACKED_TILES)
         grid = (_q_tiles(max_seqlen_q, bm, G), Hkv, B)
         try:
             compiled = prefill_wgmma.lazy_prefill_wgmma(q, k_new, v_new, cu, k_cache, v_cache, block_meta, tiles,
@@ -278,7 +279,8 @@ def lazy_prefill(
                 raise
             prefill_wgmma.disable(f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
         else:
-            record_launch("prefill", f"prefill wgmma rotate={apply_rotation} bm={bm} bn={bn} w={warps} s={stages}",
+            record_launch("prefill", f"prefill wgmma rotate={apply_rotation} bm={bm} bn={bn} w={warps} s={stages} "
+                          f"packed={prefill_wgmma.PACKED_TILES}",
                           compiled, warps, grid, 1)
             return out
 

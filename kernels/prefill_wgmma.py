@@ -8,10 +8,16 @@ inside the loop is a loop-carried register value, which Triton copies through sh
 tile (20% of the loop, benchmarks/NOTES.md "Kernels, round 10"); a loop-invariant q instead restarts Triton's
 software pipeline at each document (ROT 7). Here every step is explicit:
 
-- Segments: an outer loop over the tile table's segments (a document's tiles; then the new tokens' tiles, delta 0,
-  causal) and an inner loop over a segment's tiles, the same code with and without rotation.
+- Tiles: packed (``kvloop.tile_table(packed=True)``): a KV tile is ``BLOCK_N / block_size`` consecutive blocks
+  whatever documents they belong to, so short documents do not each leave a part-empty tile behind (segment-aligned
+  tiles, where every document starts a tile, are ~30% more tiles for 10 documents in 2k tokens).
+- Segments: an outer loop over the tile table's segments (tiles whose first blocks share a delta; then the new
+  tokens' tiles, delta 0, causal) and an inner loop over a segment's tiles, the same code with and without rotation.
 - q: at a segment's start the original tile is read from global memory, rotated (``scale * R(-delta) q``) and
   stored to the q buffer: one store, one fence, one barrier a document.
+- Mixed tiles (keys of another document than the first block's, or valid keys that are not a prefix): the keys of
+  other documents are rotated in place in shared memory by the difference of the deltas (R(-a) q . R(b - a) k =
+  R(-b) q . k) and each key's validity comes from its block's meta: one extra pass over a K tile per document.
 - K/V: ``cp.async`` gathers from the paged cache into a ring of ``STAGES`` shared-memory slots, ``STAGES - 1``
   tiles ahead by tile index, so they run on across segments. Their block indices are read two tiles earlier still
   (the tile-table row, then the block metas), so no index load sits in front of a copy.
@@ -31,7 +37,10 @@ import warnings
 
 import torch
 
-from .common import _PHYS_MASK as PHYS_MASK  # the packed block meta's physical-id field (common.py)
+from .common import (  # the packed block meta's fields (common.py)
+    _DELTA_MASK as DELTA_MASK, _DELTA_SHIFT as DELTA_SHIFT, _PHYS_MASK as PHYS_MASK, _VALID_MASK as VALID_MASK,
+    _VALID_SHIFT as VALID_SHIFT,
+)
 from .kvloop import TILE_FIELDS  # int32 per tile-table row: first block, next segment, valid keys, delta
 
 try:
@@ -52,6 +61,10 @@ except (ImportError, AttributeError):  # Triton without Gluon (< 3.5): the Trito
 # (benchmarks/NOTES.md, "Kernels, round 11"): 128x128 / 3 stages 1652 / 1839 / 706 µs at 8k with 1 / 10 documents
 # and 2k with 10, against 1761 / 1895 / 663 with 128x64 (10-12% slower than its rotation-off twin: unexplained)
 DEFAULT_CONFIG = (128, 128, 8, 3)
+# KV tiles packed across document boundaries (kvloop.tile_table(packed=True); a mixed tile's keys are rotated in
+# shared memory) rather than segment-aligned ones (every document starts a tile: ~30% more tiles for 10 documents
+# in 2k tokens). A switch for benchmarks/prefill_ceiling.py's side by side.
+PACKED_TILES = True
 
 
 @functools.lru_cache(maxsize=None)
@@ -89,20 +102,21 @@ if HAVE_GLUON:
         return gl.BlockedLayout([1, 8], [32 // cols, cols], [num_warps, 1], [1, 0])
 
     @gluon.jit
-    def _issue_kv(k_dst, v_dst, u, n_ctx, n_all, meta, valid, new_row0, new_len, K_CACHE, V_CACHE, K_NEW, V_NEW,
+    def _issue_kv(k_dst, v_dst, u, n_ctx, n_all, meta, new_row0, new_len, K_CACHE, V_CACHE, K_NEW, V_NEW,
                   kvh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                   stride_knt, stride_knh, stride_vnt, stride_vnh,
                   BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, LOAD: gl.constexpr):
         """Start the copies of tile ``u`` into ``k_dst`` / ``v_dst`` and commit them as one group (an empty group past
         the last tile, so that the group count stays one per tile). Context tiles (``u < n_ctx``): key n is slot
-        n % BLOCK_SIZE of block ``meta[n]`` (packed metas, read ahead), keys below ``valid``; new-token tiles: rows
-        ``new_row0 + key`` of K_NEW / V_NEW, keys below ``new_len``. Keys outside are zero-filled."""
+        n % BLOCK_SIZE of block ``meta[n]`` (packed metas, read ahead; 0 past the tile), if that block holds it;
+        new-token tiles: rows ``new_row0 + key`` of K_NEW / V_NEW, keys below ``new_len``. Keys outside are
+        zero-filled."""
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LOAD))
         offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, LOAD))
         if u < n_ctx:
             phys = (meta & PHYS_MASK).to(gl.int64)
             slot = offs_n % BLOCK_SIZE
-            ok = offs_n < valid
+            ok = slot < ((meta >> VALID_SHIFT) & VALID_MASK).to(gl.int32)
             k_rows = phys * stride_kb + slot * stride_ks + kvh * stride_kh
             v_rows = phys * stride_vb + slot * stride_vs + kvh * stride_vh
             _async_load(k_dst, K_CACHE + k_rows[:, None] + offs_d[None, :], mask=ok[:, None])
@@ -120,9 +134,10 @@ if HAVE_GLUON:
     @gluon.jit
     def _tile_metas(meta_row, u, n_ctx, s0, valid, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
                     LOAD: gl.constexpr):
-        """The packed metas of context tile ``u``'s keys (block s0 + n // BLOCK_SIZE), 0 where invalid."""
+        """The packed metas of context tile ``u``'s keys (block s0 + n // BLOCK_SIZE), 0 past its keys (``valid``,
+        or minus the keys its blocks span: a mixed tile of a packed table)."""
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LOAD))
-        return gl.load(meta_row + s0 + offs_n // BLOCK_SIZE, mask=(offs_n < valid) & (u < n_ctx), other=0)
+        return gl.load(meta_row + s0 + offs_n // BLOCK_SIZE, mask=(offs_n < gl.abs(valid)) & (u < n_ctx), other=0)
 
     @gluon.jit
     def _store_rotated_q(q_smem, Q, COS, SIN, delta, qk_scale, seq_start, seq_len, t0, kvh, stride_qt, stride_qh,
@@ -162,6 +177,56 @@ if HAVE_GLUON:
         return (offs_n < lim)[None, :] & (key[None, :] <= tok[:, None])
 
     @gluon.jit
+    def _mask_mixed_keys(s, meta_row, s0, span, offs_n, BLOCK_SIZE: gl.constexpr):
+        """S of a mixed tile with the keys its blocks do not hold (slot >= the block's valid count) masked."""
+        meta = gl.load(meta_row + s0 + offs_n // BLOCK_SIZE, mask=offs_n < span, other=0)
+        held = offs_n % BLOCK_SIZE < ((meta >> VALID_SHIFT) & VALID_MASK).to(gl.int32)
+        return gl.where(held[None, :], s, float("-inf"))
+
+    @gluon.jit
+    def _relative_deltas(meta_row, s0, span, delta_q, r0, ROWS: gl.constexpr, BLOCK_SIZE: gl.constexpr,
+                         RL: gl.constexpr):
+        """Keys r0 .. r0 + ROWS of a mixed tile: their block's delta minus the query's (0 past the tile)."""
+        offs_r = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, RL))
+        inside = offs_r < span
+        meta = gl.load(meta_row + s0 + offs_r // BLOCK_SIZE, mask=inside, other=0)
+        return gl.where(inside, ((meta >> DELTA_SHIFT) & DELTA_MASK).to(gl.int32) - delta_q, 0)
+
+    @gluon.jit
+    def _rotate_rows(rows, rel, COS, SIN, HALF: gl.constexpr, RL: gl.constexpr):
+        """rows[r] = R(rel[r]) rows[r] in shared memory (HF rotate-half), rows with rel 0 untouched."""
+        offs_h = gl.arange(0, HALF, layout=gl.SliceLayout(0, RL))
+        moved = (rel != 0)[:, None]
+        at = gl.abs(rel)[:, None] * HALF + offs_h[None, :]
+        c = gl.load(COS + at, mask=moved, other=1.0)
+        sn = gl.load(SIN + at, mask=moved, other=0.0)
+        sn = gl.where((rel < 0)[:, None], -sn, sn)  # R(-x): cos x, -sin x
+        lo = rows.slice(0, HALF, dim=1)
+        hi = rows.slice(HALF, HALF, dim=1)
+        x1 = lo.load(RL).to(gl.float32)
+        x2 = hi.load(RL).to(gl.float32)
+        lo.store((x1 * c - x2 * sn).to(rows.dtype))
+        hi.store((x2 * c + x1 * sn).to(rows.dtype))
+
+    @gluon.jit
+    def _rotate_mixed_keys(k_slot, meta_row, s0, span, delta_q, COS, SIN, BLOCK_SIZE: gl.constexpr,
+                           BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, num_warps: gl.constexpr):
+        """A mixed tile's keys, in place in their slot: key n (block s0 + n // BLOCK_SIZE, delta d) becomes
+        R(d - delta_q) k, so that the query rotated for ``delta_q`` sees each key at its document's offset
+        (R(-a) q . R(b - a) k = R(-b) q . k); visible to the next MMA. Two halves of the tile, both halves' metas
+        read first (each half's cos / sin gather waits for them): the accumulator is live here, registers are
+        short."""
+        HALF: gl.constexpr = HEAD_DIM // 2
+        ROWS: gl.constexpr = BLOCK_N // 2
+        RL: gl.constexpr = _copy_layout(ROWS, HALF, num_warps)
+        rel_a = _relative_deltas(meta_row, s0, span, delta_q, 0, ROWS, BLOCK_SIZE, RL)
+        rel_b = _relative_deltas(meta_row, s0, span, delta_q, ROWS, ROWS, BLOCK_SIZE, RL)
+        _rotate_rows(k_slot.slice(0, ROWS, dim=0), rel_a, COS, SIN, HALF, RL)
+        _rotate_rows(k_slot.slice(ROWS, ROWS, dim=0), rel_b, COS, SIN, HALF, RL)
+        fence_async_shared()
+        _cta_barrier()
+
+    @gluon.jit
     def _softmax_step(s, m_i, l_i):
         """Online softmax in base 2 (scale and log2(e) are folded into q): (p, the old rows' rescale, m, l)."""
         m_new = gl.maximum(m_i, gl.max(s, 1))
@@ -170,26 +235,69 @@ if HAVE_GLUON:
         return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
     @gluon.jit
-    def _copy_ahead(k_smem, v_smem, i, n_ctx, n_all, meta_a, valid_a, s0_b, valid_b, tiles_row, meta_row,
+    def _copy_ahead(k_smem, v_smem, i, n_ctx, n_all, meta_a, s0_b, valid_b, tiles_row, meta_row,
                     seq_start, hi_new, K_CACHE, V_CACHE, K_NEW, V_NEW, kvh,
                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                     stride_knt, stride_knh, stride_vnt, stride_vnh,
                     BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                     LOAD: gl.constexpr):
-        """At tile i: start tile i + STAGES - 1's copies (metas ``meta_a``, valid keys ``valid_a``, read a tile ago)
-        and read the indices ahead: tile i + STAGES's metas (from its row ``s0_b``, ``valid_b``), the row of the one
-        after, and tile i + 1's valid keys."""
+        """At tile i: start tile i + STAGES - 1's copies (metas ``meta_a``, read a tile ago) and read the indices
+        ahead: tile i + STAGES's metas (from its row ``s0_b``, ``valid_b``), the row of the one after, and tile
+        i + 1's valid keys."""
         ua = i + STAGES - 1
-        _issue_kv(k_smem.index(ua % STAGES), v_smem.index(ua % STAGES), ua, n_ctx, n_all, meta_a, valid_a,
-                  seq_start, hi_new, K_CACHE, V_CACHE, K_NEW, V_NEW, kvh, stride_kb, stride_ks, stride_kh,
-                  stride_vb, stride_vs, stride_vh, stride_knt, stride_knh, stride_vnt, stride_vnh,
-                  BLOCK_SIZE, BLOCK_N, HEAD_DIM, LOAD)
+        _issue_kv(k_smem.index(ua % STAGES), v_smem.index(ua % STAGES), ua, n_ctx, n_all, meta_a, seq_start, hi_new,
+                  K_CACHE, V_CACHE, K_NEW, V_NEW, kvh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                  stride_vh, stride_knt, stride_knh, stride_vnt, stride_vnh, BLOCK_SIZE, BLOCK_N, HEAD_DIM, LOAD)
         meta_a = _tile_metas(meta_row, ua + 1, n_ctx, s0_b, valid_b, BLOCK_SIZE, BLOCK_N, LOAD)
         ub = ua + 2
         s0_b = gl.load(tiles_row + TILE_FIELDS * ub, mask=ub < n_ctx, other=0)
         valid_n = gl.load(tiles_row + TILE_FIELDS * ub + 2, mask=ub < n_ctx, other=0)
         valid_cur = gl.load(tiles_row + TILE_FIELDS * (i + 1) + 2, mask=i + 1 < n_ctx, other=0)
-        return meta_a, valid_b, s0_b, valid_n, valid_cur
+        return meta_a, s0_b, valid_n, valid_cur
+
+    @gluon.jit
+    def _attend_tile(i, q_smem, k_smem, v_smem, s_zero, acc, m_i, l_i, p_op, meta_a, s0_b, valid_b, valid_cur,
+                     n_ctx, n_all, offs_n, tok_s, delta, tiles_row, meta_row, COS, SIN, seq_start, hi_new,
+                     K_CACHE, V_CACHE, K_NEW, V_NEW, kvh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                     stride_vh, stride_knt, stride_knh, stride_vnt, stride_vnh,
+                     MIXED: gl.constexpr, ROTATE: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, LOAD: gl.constexpr, p_layout: gl.constexpr,
+                     row_o: gl.constexpr, num_warps: gl.constexpr):
+        """One KV tile: S = q K^T of tile i, the online softmax, O += P V of tile i-1, then tile i + STAGES - 1's
+        copies. MIXED (a packed table's mixed tile, ``valid_cur`` = minus its span): its keys of other documents are
+        rotated first and the keys its blocks do not hold are masked; a separate build, so that the loop over the
+        other tiles carries none of it."""
+        # -- tile i's K/V have landed, every thread's: the barrier
+        async_copy.wait_group(STAGES - 2)
+        _cta_barrier()
+        if MIXED:
+            s0_cur = gl.load(tiles_row + TILE_FIELDS * i)
+            if ROTATE:
+                _rotate_mixed_keys(k_smem.index(i % STAGES), meta_row, s0_cur, -valid_cur, delta, COS, SIN,
+                                   BLOCK_SIZE, BLOCK_N, HEAD_DIM, num_warps)
+        # -- FA3's intra-warpgroup overlap: S = q K^T of tile i, then O += P V of tile i-1, which runs under tile
+        # i's softmax (waiting for one outstanding group waits for S). At tile 0: P = 0 times tile 0's V (finite,
+        # where an unused slot may hold NaN patterns).
+        s_t = warpgroup_mma(q_smem, k_smem.index(i % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        acc_t = warpgroup_mma(p_op, v_smem.index(gl.maximum(i - 1, 0) % STAGES), acc, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_t,))
+        if MIXED:
+            s = _mask_mixed_keys(s, meta_row, s0_cur, -valid_cur, offs_n, BLOCK_SIZE)
+        else:
+            s = gl.where(_keep(i, n_ctx, valid_cur, offs_n, tok_s, BLOCK_N), s, float("-inf"))
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
+        # waited inside the iteration: an accumulator in flight across the loop's back edge makes ptxas serialize
+        # the MMAs (C7515: the loop-carried registers are moved while the MMA runs)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t,))
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p_op = gl.convert_layout(p.to(p_op.dtype), p_layout)
+        # -- every warpgroup is past tile i-1's P V: its slot takes tile i + STAGES - 1
+        _cta_barrier()
+        meta_a, s0_b, valid_b, valid_cur = _copy_ahead(
+            k_smem, v_smem, i, n_ctx, n_all, meta_a, s0_b, valid_b, tiles_row, meta_row, seq_start, hi_new,
+            K_CACHE, V_CACHE, K_NEW, V_NEW, kvh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            stride_knt, stride_knh, stride_vnt, stride_vnh, BLOCK_SIZE, BLOCK_N, HEAD_DIM, STAGES, LOAD)
+        return acc, m_i, l_i, p_op, meta_a, s0_b, valid_b, valid_cur
 
     @gluon.jit
     def _lazy_prefill_wgmma_kernel(
@@ -236,11 +344,11 @@ if HAVE_GLUON:
                 s0 = gl.load(tiles_row + TILE_FIELDS * u, mask=u < n_ctx, other=0)
                 valid = gl.load(tiles_row + TILE_FIELDS * u + 2, mask=u < n_ctx, other=0)
                 meta = _tile_metas(meta_row, u, n_ctx, s0, valid, BLOCK_SIZE, BLOCK_N, LOAD)
-                _issue_kv(k_smem.index(u), v_smem.index(u), u, n_ctx, n_all, meta, valid, seq_start, hi_new,
+                _issue_kv(k_smem.index(u), v_smem.index(u), u, n_ctx, n_all, meta, seq_start, hi_new,
                           K_CACHE, V_CACHE, K_NEW, V_NEW, kvh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
                           stride_vh, stride_knt, stride_knh, stride_vnt, stride_vnh, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
                           LOAD)
-            ua = STAGES - 1  # the next tile to copy: its metas and valid keys are read
+            ua = STAGES - 1  # the next tile to copy: its metas are read
             s0_a = gl.load(tiles_row + TILE_FIELDS * ua, mask=ua < n_ctx, other=0)
             valid_a = gl.load(tiles_row + TILE_FIELDS * ua + 2, mask=ua < n_ctx, other=0)
             meta_a = _tile_metas(meta_row, ua, n_ctx, s0_a, valid_a, BLOCK_SIZE, BLOCK_N, LOAD)
@@ -263,37 +371,28 @@ if HAVE_GLUON:
                 if t < n_ctx:
                     t_end = gl.minimum(gl.load(tiles_row + TILE_FIELDS * t + 1), n_ctx)
                     delta = gl.load(tiles_row + TILE_FIELDS * t + 3)
+                    last_mixed = gl.load(tiles_row + TILE_FIELDS * (t_end - 1) + 2) < 0
                 else:
                     t_end = n_all
                     delta = t * 0
+                    last_mixed = t < 0
                 # every warpgroup is past the previous tile's S (the barrier before its copies)
                 _store_rotated_q(q_smem, Q, COS, SIN, delta, qk_scale, seq_start, seq_len, t0, kvh, stride_qt,
                                  stride_qh, ROTATE, G, BLOCK_M, HEAD_DIM, num_warps)
-                for i in range(t, t_end):
-                    # -- tile i's K/V have landed, every thread's: the barrier
-                    async_copy.wait_group(STAGES - 2)
-                    _cta_barrier()
-                    # -- FA3's intra-warpgroup overlap: S = q K^T of tile i, then O += P V of tile i-1, which runs
-                    # under tile i's softmax (waiting for one outstanding group waits for S). At tile 0: P = 0 times
-                    # tile 0's V (finite, where an unused slot may hold NaN patterns).
-                    s_t = warpgroup_mma(q_smem, k_smem.index(i % STAGES).permute((1, 0)), s_zero, use_acc=False,
-                                        is_async=True)
-                    acc_t = warpgroup_mma(p_op, v_smem.index(gl.maximum(i - 1, 0) % STAGES), acc, is_async=True)
-                    s = warpgroup_mma_wait(num_outstanding=1, deps=(s_t,))
-                    s = gl.where(_keep(i, n_ctx, valid_cur, offs_n, tok_s, BLOCK_N), s, float("-inf"))
-                    p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
-                    # waited inside the iteration: an accumulator in flight across the loop's back edge makes
-                    # ptxas serialize the MMAs (C7515: the loop-carried registers are moved while the MMA runs)
-                    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t,))
-                    acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-                    p_op = gl.convert_layout(p.to(dtype), p_layout)
-                    # -- every warpgroup is past tile i-1's P V: its slot takes tile i + STAGES - 1
-                    _cta_barrier()
-                    meta_a, valid_a, s0_b, valid_b, valid_cur = _copy_ahead(
-                        k_smem, v_smem, i, n_ctx, n_all, meta_a, valid_a, s0_b, valid_b, tiles_row, meta_row,
-                        seq_start, hi_new, K_CACHE, V_CACHE, K_NEW, V_NEW, kvh, stride_kb, stride_ks, stride_kh,
-                        stride_vb, stride_vs, stride_vh, stride_knt, stride_knh, stride_vnt, stride_vnh,
-                        BLOCK_SIZE, BLOCK_N, HEAD_DIM, STAGES, LOAD)
+                for i in range(t, t_end - last_mixed.to(gl.int32)):
+                    acc, m_i, l_i, p_op, meta_a, s0_b, valid_b, valid_cur = _attend_tile(
+                        i, q_smem, k_smem, v_smem, s_zero, acc, m_i, l_i, p_op, meta_a, s0_b, valid_b, valid_cur,
+                        n_ctx, n_all, offs_n, tok_s, delta, tiles_row, meta_row, COS, SIN, seq_start, hi_new,
+                        K_CACHE, V_CACHE, K_NEW, V_NEW, kvh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                        stride_vh, stride_knt, stride_knh, stride_vnt, stride_vnh, False, ROTATE, BLOCK_SIZE, BLOCK_N,
+                        HEAD_DIM, STAGES, LOAD, p_layout, row_o, num_warps)
+                if last_mixed:  # a segment's only mixed tile is its last (the table ends segments there)
+                    acc, m_i, l_i, p_op, meta_a, s0_b, valid_b, valid_cur = _attend_tile(
+                        t_end - 1, q_smem, k_smem, v_smem, s_zero, acc, m_i, l_i, p_op, meta_a, s0_b, valid_b,
+                        valid_cur, n_ctx, n_all, offs_n, tok_s, delta, tiles_row, meta_row, COS, SIN, seq_start,
+                        hi_new, K_CACHE, V_CACHE, K_NEW, V_NEW, kvh, stride_kb, stride_ks, stride_kh, stride_vb,
+                        stride_vs, stride_vh, stride_knt, stride_knh, stride_vnt, stride_vnh, True, ROTATE, BLOCK_SIZE,
+                        BLOCK_N, HEAD_DIM, STAGES, LOAD, p_layout, row_o, num_warps)
                 t = t_end
             # -- the last tile's P V
             acc_t = warpgroup_mma(p_op, v_smem.index((n_all - 1) % STAGES), acc, is_async=True)

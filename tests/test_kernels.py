@@ -309,6 +309,48 @@ def test_tile_table(pages):
             assert int(tiles[b, i, 3]) == int(deltas[b, starts[i]])
 
 
+@pytest.mark.parametrize("pages", [1, 4, 8])
+def test_packed_tile_table(pages):
+    # packed tiles (the Hopper prefill's table): tile u is blocks [u * pages, (u + 1) * pages) across documents;
+    # keys = the valid-key count where they are a prefix and one delta serves the tile, else -(keys spanned);
+    # segments = runs of tiles whose first blocks share a delta, ended by a mixed tile. The last row's second
+    # document shares the first one's delta, so a tile there has one delta and a partly filled block inside it:
+    # mixed all the same. More than 16 tiles in a row (the interpreter's chunk) at pages=1.
+    gen = torch.Generator().manual_seed(70 + pages)
+    bs = 16
+    p = make_paged(gen, [[5, 16, 3, 300, 2, 9], [], [400], [17, 17, 17, 40]], 1, 64, bs, torch.float32, "cpu",
+                   reuse_first_doc=True)
+    ids, deltas, valid = unpack_block_meta(p.meta)
+    nb0 = (17 + bs - 1) // bs
+    p.meta[3, nb0: 2 * nb0] = pack_block_meta(ids[3, nb0: 2 * nb0], deltas[3, :nb0], valid[3, nb0: 2 * nb0])
+    ids, deltas, valid = unpack_block_meta(p.meta)
+    tiles, n_tiles = tile_table(p.meta, p.nblocks, pages, bs, packed=True)
+    saw_mixed = saw_prefix = False
+    for b in range(p.meta.shape[0]):
+        nb, n = int(p.nblocks[b]), int(n_tiles[b])
+        assert n == -(-nb // pages) and int(tiles[b, n, 0]) == nb
+        starts = [u * pages for u in range(n)]
+        assert tiles[b, :n, 0].tolist() == starts
+        first_delta = [int(deltas[b, j]) for j in starts]
+        assert tiles[b, :n, 3].tolist() == first_delta
+        mixed = []
+        for u in range(n):
+            blocks = range(starts[u], min(starts[u] + pages, nb))
+            one_delta = all(int(deltas[b, j]) == first_delta[u] for j in blocks)
+            prefix = all(int(valid[b, j]) == bs for j in blocks[:-1])
+            keys = int(tiles[b, u, 2])
+            if one_delta and prefix:
+                saw_prefix = True
+                assert keys == sum(int(valid[b, j]) for j in blocks)
+            else:
+                saw_mixed = True
+                assert keys == -len(blocks) * bs
+            mixed.append(keys < 0)
+        seg = [u for u in range(n) if u == 0 or first_delta[u] != first_delta[u - 1] or mixed[u - 1]]
+        assert tiles[b, :n, 1].tolist() == [min([s for s in seg if s > u] + [n]) for u in range(n)]
+    assert saw_prefix and saw_mixed == (pages > 1)  # a one-block tile is never mixed
+
+
 # (seed, documents per sequence (tokens), Hq, Hkv, D, block_size, num_splits)
 DECODE_CASES = [
     (21, [[20, 9]], 2, 2, 64, 16, 1),  # MHA, single split (direct write)
@@ -472,16 +514,27 @@ def test_prefill_gpu_split_context(hq, hkv, d, splits):
 @gpu
 @needs_hopper
 @pytest.mark.parametrize("bs", [16, 32, 64])
-def test_prefill_wgmma_gpu_many_short_documents(bs):
-    # many documents shorter than a tile (one rotation per tile), block sizes up to a 64-key tile
+def test_prefill_wgmma_gpu_many_short_documents(bs, monkeypatch):
+    # many documents shorter than a tile, block sizes up to a 64-key tile: packed tiles (mixed ones hold keys of
+    # several documents, rotated in shared memory) and segment-aligned ones (one rotation per tile); then every
+    # document at one offset, so that mixed tiles (valid keys not a prefix) have nothing to rotate
+    from lazyrag.kernels import prefill_wgmma
     gen = torch.Generator().manual_seed(950 + bs)
     docs = [[int(x) for x in torch.randint(1, 200, (12,), generator=gen)] for _ in range(2)]
     p, q, kn, vn, cu = make_prefill(bs, [512, 333], docs, 32, 8, 128, bs, torch.bfloat16, "cuda")
     cos, sin = make_rope(128, "cuda", base=500000.0)
     ref = ref_prefill(p, q, kn, vn, cu, cos, sin, 128 ** -0.5)
-    for cfg in ((128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4)):
-        out = run_prefill(p, q, kn, vn, cu, cos, sin, 128 ** -0.5, kernel="wgmma", config=cfg)
-        assert rel_err(out, ref) < 1e-2
+    ids, deltas, valid = unpack_block_meta(p.meta)
+    one_offset = Paged(p.k_cache, p.v_cache, pack_block_meta(ids, torch.full_like(deltas, 77), valid), p.nblocks,
+                       p.docs)
+    ref_one = ref_prefill(one_offset, q, kn, vn, cu, cos, sin, 128 ** -0.5)
+    for packed in (True, False):
+        monkeypatch.setattr(prefill_wgmma, "PACKED_TILES", packed)
+        for cfg in ((128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4)):
+            out = run_prefill(p, q, kn, vn, cu, cos, sin, 128 ** -0.5, kernel="wgmma", config=cfg)
+            assert rel_err(out, ref) < 1e-2, (packed, cfg)
+            out = run_prefill(one_offset, q, kn, vn, cu, cos, sin, 128 ** -0.5, kernel="wgmma", config=cfg)
+            assert rel_err(out, ref_one) < 1e-2, (packed, cfg)
 
 
 def test_prefill_wgmma_disable_warns_once(monkeypatch):
