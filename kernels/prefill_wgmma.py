@@ -26,9 +26,9 @@ software pipeline at each document (ROT 7). Here every step is explicit:
   for inside the iteration, because an MMA accumulator in flight across the loop's back edge makes ptxas
   serialize the MMAs (its warning C7515, which the Triton kernel's loop gets too).
 
-H200 (benchmarks/NOTES.md, "Kernels, round 11"): B=8, 512 new tokens, 8k context: 1652 µs with 1 document and
-1839 with 10, against the Triton kernel's 1738 / 1875 (ROT 5, same run) and SDPA's 1711 / 1685 on a contiguous
-re-rotated copy.
+H200 (benchmarks/NOTES.md, "Kernels, rounds 11-12"): B=8, 512 new tokens: 1694 / 1872 / 682 µs at 8k with 1 / 10
+documents and 2k with 10 (round 12's grid), against SDPA's 1637 / 1669 / 485 on a contiguous re-rotated copy; the
+Triton kernel (ROT 5) read 1738 / 1875 / 727 in round 11's.
 """
 from __future__ import annotations
 
@@ -57,9 +57,9 @@ try:
 except (ImportError, AttributeError):  # Triton without Gluon (< 3.5): the Triton kernels serve every GPU
     HAVE_GLUON = False
 
-# (BLOCK_M, BLOCK_N, num_warps, STAGES); 8 warps = two warpgroups of 64 rows each. H200, B=8, 512 new tokens
-# (benchmarks/NOTES.md, "Kernels, round 11"): 128x128 / 3 stages 1652 / 1839 / 706 µs at 8k with 1 / 10 documents
-# and 2k with 10, against 1761 / 1895 / 663 with 128x64 (10-12% slower than its rotation-off twin: unexplained)
+# (BLOCK_M, BLOCK_N, num_warps, STAGES); 8 warps = two warpgroups of 64 rows each. H200, B=8, 512 new tokens, packed
+# tiles (benchmarks/NOTES.md, "Kernels, round 12", call 4): 128x128 / 3 stages 1698 / 1885 / 676 µs at 8k with 1 / 10
+# documents and 2k with 10, against 1767 / 1895 / 660 with 128x64 (9-17% slower than its rotation-off twin there)
 DEFAULT_CONFIG = (128, 128, 8, 3)
 # KV tiles packed across document boundaries (kvloop.tile_table(packed=True); a mixed tile's keys are rotated in
 # shared memory) rather than segment-aligned ones (every document starts a tile: ~30% more tiles for 10 documents

@@ -264,6 +264,20 @@ def test_prefill_rotation_off_in_the_lazy_layout():
         assert rel_err(offd, refd) < 1e-4
 
 
+def _tile_table_layout(seed, bs):
+    """Block tables for the tile-table tests: short and long documents, an empty row, a row of one 400-token
+    document, and a last row whose second document shares the first one's delta (one delta, a partly filled block
+    inside). The first document of row 0 is reused at another offset. Returns (paged, ids, deltas, valid,
+    the last row's first-document block count)."""
+    gen = torch.Generator().manual_seed(seed)
+    p = make_paged(gen, [[5, 16, 3, 300, 2, 9], [], [400], [17, 17, 17, 40]], 1, 64, bs, torch.float32, "cpu",
+                   reuse_first_doc=True)
+    ids, deltas, valid = unpack_block_meta(p.meta)
+    nb0 = (17 + bs - 1) // bs
+    p.meta[3, nb0: 2 * nb0] = pack_block_meta(ids[3, nb0: 2 * nb0], deltas[3, :nb0], valid[3, nb0: 2 * nb0])
+    return (p, *unpack_block_meta(p.meta), nb0)
+
+
 @pytest.mark.parametrize("pages", [1, 2, 4])
 def test_tile_table(pages):
     # segment-aligned tiles: each tile lies in one segment (blocks of one delta, ended by a partly filled
@@ -271,16 +285,8 @@ def test_tile_table(pages):
     # block count; each row also holds the tile's valid keys and delta. Chunk of 16 blocks in the interpreter,
     # so rows of 40 blocks cross chunk boundaries inside a segment. The first document is reused with the same
     # delta in the last row, so one segment there holds a partly filled block before its end.
-    gen = torch.Generator().manual_seed(40 + pages)
     bs = 16
-    p = make_paged(gen, [[5, 16, 3, 300, 2, 9], [], [400], [17, 17, 17, 40]], 1, 64, bs, torch.float32, "cpu",
-                   reuse_first_doc=True)
-    ids, deltas, valid = unpack_block_meta(p.meta)
-    last = p.meta[3].clone()  # make the 2nd document of the last row share the 1st one's delta
-    nb0 = (17 + bs - 1) // bs
-    last[nb0: 2 * nb0] = pack_block_meta(ids[3, nb0: 2 * nb0], deltas[3, :nb0], valid[3, nb0: 2 * nb0])
-    p.meta[3] = last
-    ids, deltas, valid = unpack_block_meta(p.meta)
+    p, ids, deltas, valid, nb0 = _tile_table_layout(40 + pages, bs)
     tiles, n_tiles = tile_table(p.meta, p.nblocks, pages, bs)
     assert tiles.shape[-1] == 4
     for b in range(p.meta.shape[0]):
@@ -316,14 +322,8 @@ def test_packed_tile_table(pages):
     # segments = runs of tiles whose first blocks share a delta, ended by a mixed tile. The last row's second
     # document shares the first one's delta, so a tile there has one delta and a partly filled block inside it:
     # mixed all the same. More than 16 tiles in a row (the interpreter's chunk) at pages=1.
-    gen = torch.Generator().manual_seed(70 + pages)
     bs = 16
-    p = make_paged(gen, [[5, 16, 3, 300, 2, 9], [], [400], [17, 17, 17, 40]], 1, 64, bs, torch.float32, "cpu",
-                   reuse_first_doc=True)
-    ids, deltas, valid = unpack_block_meta(p.meta)
-    nb0 = (17 + bs - 1) // bs
-    p.meta[3, nb0: 2 * nb0] = pack_block_meta(ids[3, nb0: 2 * nb0], deltas[3, :nb0], valid[3, nb0: 2 * nb0])
-    ids, deltas, valid = unpack_block_meta(p.meta)
+    p, ids, deltas, valid, _ = _tile_table_layout(70 + pages, bs)
     tiles, n_tiles = tile_table(p.meta, p.nblocks, pages, bs, packed=True)
     saw_mixed = saw_prefix = False
     for b in range(p.meta.shape[0]):
