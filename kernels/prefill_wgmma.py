@@ -271,24 +271,31 @@ if HAVE_GLUON:
         async_copy.wait_group(STAGES - 2)
         _cta_barrier()
         if MIXED:
+            # -- O += P V of tile i-1 runs under the rotation of tile i's keys, then S (its softmax has no MMA under)
             s0_cur = gl.load(tiles_row + TILE_FIELDS * i)
+            acc_t = warpgroup_mma(p_op, v_smem.index(gl.maximum(i - 1, 0) % STAGES), acc, is_async=True)
             if ROTATE:
                 _rotate_mixed_keys(k_smem.index(i % STAGES), meta_row, s0_cur, -valid_cur, delta, COS, SIN,
                                    BLOCK_SIZE, BLOCK_N, HEAD_DIM, num_warps)
-        # -- FA3's intra-warpgroup overlap: S = q K^T of tile i, then O += P V of tile i-1, which runs under tile
-        # i's softmax (waiting for one outstanding group waits for S). At tile 0: P = 0 times tile 0's V (finite,
-        # where an unused slot may hold NaN patterns).
-        s_t = warpgroup_mma(q_smem, k_smem.index(i % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
-        acc_t = warpgroup_mma(p_op, v_smem.index(gl.maximum(i - 1, 0) % STAGES), acc, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_t,))
-        if MIXED:
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t,))
+            s_t = warpgroup_mma(q_smem, k_smem.index(i % STAGES).permute((1, 0)), s_zero, use_acc=False,
+                                is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_t,))
             s = _mask_mixed_keys(s, meta_row, s0_cur, -valid_cur, offs_n, BLOCK_SIZE)
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
         else:
+            # -- FA3's intra-warpgroup overlap: S = q K^T of tile i, then O += P V of tile i-1, which runs under
+            # tile i's softmax (waiting for one outstanding group waits for S). At tile 0: P = 0 times tile 0's V
+            # (finite, where an unused slot may hold NaN patterns).
+            s_t = warpgroup_mma(q_smem, k_smem.index(i % STAGES).permute((1, 0)), s_zero, use_acc=False,
+                                is_async=True)
+            acc_t = warpgroup_mma(p_op, v_smem.index(gl.maximum(i - 1, 0) % STAGES), acc, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_t,))
             s = gl.where(_keep(i, n_ctx, valid_cur, offs_n, tok_s, BLOCK_N), s, float("-inf"))
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
-        # waited inside the iteration: an accumulator in flight across the loop's back edge makes ptxas serialize
-        # the MMAs (C7515: the loop-carried registers are moved while the MMA runs)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t,))
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
+            # waited inside the iteration: an accumulator in flight across the loop's back edge makes ptxas
+            # serialize the MMAs (C7515: the loop-carried registers are moved while the MMA runs)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t,))
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         p_op = gl.convert_layout(p.to(p_op.dtype), p_layout)
         # -- every warpgroup is past tile i-1's P V: its slot takes tile i + STAGES - 1
