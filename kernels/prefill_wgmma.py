@@ -17,7 +17,8 @@ software pipeline at each document (ROT 7). Here every step is explicit:
   stored to the q buffer: one store, one fence, one barrier a document.
 - Mixed tiles (keys of another document than the first block's, or valid keys that are not a prefix): the keys of
   other documents are rotated in place in shared memory by the difference of the deltas (R(-a) q . R(b - a) k =
-  R(-b) q . k) and each key's validity comes from its block's meta: one extra pass over a K tile per document.
+  R(-b) q . k), with tile i-1's P V running under that pass, and each key's validity comes from its block's meta:
+  one extra pass over a K tile per document, in a separate build of the tile step (the table ends a segment there).
 - K/V: ``cp.async`` gathers from the paged cache into a ring of ``STAGES`` shared-memory slots, ``STAGES - 1``
   tiles ahead by tile index, so they run on across segments. Their block indices are read two tiles earlier still
   (the tile-table row, then the block metas), so no index load sits in front of a copy.
