@@ -43,6 +43,10 @@ KERNELS = {
     "prefill_wgmma": (prefill_wgmma._lazy_prefill_wgmma_kernel,
                       dict(G=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=128, BLOCK_N=128, STAGES=3, ROTATE=True,
                            num_warps=8)),
+    "prefill_ws": (prefill_wgmma._lazy_prefill_ws_kernel,
+                   dict(G=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_M=128, BLOCK_N=64, STAGES=6, ROTATE=True,
+                        PINGPONG=True, CONSUMER_REGS=216, PRODUCER_REGS=72, KEY_CHUNK=16,
+                        num_warps=4)),
 }
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 

@@ -383,7 +383,7 @@ def sweep(gen, dev, cos, sin, copy_tbs, log, kinds=("decode", "prefill")):
                         variants.append(dict(kind="prefill", cfg=cfg, mode=mode, splits=splits, merge=merge, fn=fn,
                                              desc=f"cfg={cfg} mode={mode} splits={splits} merge={int(merge)}"))
         if not short and prefill_wgmma.supported(c.q, BS):  # the Gluon kernel (kernels/prefill_wgmma.py)
-            for cfg in ((128, 128, 8, 3), (128, 64, 8, 3)):
+            for cfg in ((128, 64, 12, 6), (128, 128, 8, 3)):  # the warp-specialized default; round 12's
                 for lazy in (True, False):
                     fn = (c.lazy if lazy else c.off)(kernel="wgmma", config=cfg)
                     mode = "wgmma" if lazy else "wgmma off"

@@ -9,8 +9,10 @@
   GPU when the K/V addresses need no load,
 - ``sdpa``: torch SDPA (flash) on a contiguous copy, KV heads repeated,
 - ``lazy wgmma (BM, BN, W, S)`` / ``off wgmma ...``: ``lazy_prefill(kernel="wgmma")``, the Gluon kernel
-  (kernels/prefill_wgmma.py), rotation on and off, where the GPU is a Hopper; ``... wgmma aligned ...``: the same on
-  segment-aligned KV tiles (``prefill_wgmma.PACKED_TILES = False``) instead of packed ones.
+  (kernels/prefill_wgmma.py), rotation on and off, where the GPU is a Hopper (W = 12: its warp-specialized build,
+  two consumer warpgroups and a producer; ``... no-pingpong ...``: its consumers without turns, ``... regs ...``:
+  other register splits); ``... wgmma aligned ...``: the same on segment-aligned KV tiles
+  (``prefill_wgmma.PACKED_TILES = False``) instead of packed ones.
 
 The dense kernel attends to every key (no causal mask) over ctx + new keys; its FLOPs are counted as such, the
 others' with the causal new-token part (``benchmarks/kernels.py``'s count). All timed from CUDA graphs in
@@ -121,15 +123,18 @@ def contiguous_meta(meta):
     return pack_block_meta(ordered, delta, valid)
 
 
-def segment_aligned(fn):
-    """``fn`` with the Gluon kernel on segment-aligned tiles (every document starts a tile) instead of packed ones."""
+def with_switch(name, value, fn):
+    """``fn`` with ``prefill_wgmma.<name>`` (a module switch the launch reads) set to ``value`` while it runs:
+    PACKED_TILES = False for segment-aligned tiles, WS_PINGPONG = False for consumers without turns, WS_REGS /
+    WS_KEY_CHUNK for the warp-specialized build's register split and key-rotation step."""
     def run():
         from lazyrag.kernels import prefill_wgmma
-        prefill_wgmma.PACKED_TILES = False
+        old = getattr(prefill_wgmma, name)
+        setattr(prefill_wgmma, name, value)
         try:
             return fn()
         finally:
-            prefill_wgmma.PACKED_TILES = True
+            setattr(prefill_wgmma, name, old)
     return run
 
 
@@ -180,12 +185,22 @@ def main():
         variants[f"off r{mode} {cfg}"] = c.off(rotation_mode=mode, config=cfg)
     from lazyrag.kernels import prefill_wgmma
     if prefill_wgmma.supported(c.q, BS):
-        for cfg in ((128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2)):
+        for cfg in ((128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
+                    (128, 128, 12, 3), (128, 64, 12, 4), (128, 64, 12, 5), (128, 64, 12, 6)):
             variants[f"lazy wgmma {cfg}"] = c.lazy(kernel="wgmma", config=cfg)
             variants[f"off wgmma {cfg}"] = c.off(kernel="wgmma", config=cfg)
+        cfg = (128, 64, 12, 6)  # round 13's switches
+        for label, name, value in (("no-pingpong", "WS_PINGPONG", False), ("regs 200/104", "WS_REGS", (200, 104)),
+                                   ("regs 192/120 chunk 32", "WS_REGS", (192, 120))):
+            for kind in ("lazy", "off"):
+                fn = (c.lazy if kind == "lazy" else c.off)(kernel="wgmma", config=cfg)
+                if "chunk" in label:
+                    fn = with_switch("WS_KEY_CHUNK", 32, fn)
+                variants[f"{kind} wgmma {label} {cfg}"] = with_switch(name, value, fn)
         for cfg in ((128, 64, 8, 3), (128, 128, 8, 3)):  # segment-aligned tiles (round 11) on the same layout
-            variants[f"lazy wgmma aligned {cfg}"] = segment_aligned(c.lazy(kernel="wgmma", config=cfg))
-            variants[f"off wgmma aligned {cfg}"] = segment_aligned(c.off(kernel="wgmma", config=cfg))
+            for kind in ("lazy", "off"):
+                fn = (c.lazy if kind == "lazy" else c.off)(kernel="wgmma", config=cfg)
+                variants[f"{kind} wgmma aligned {cfg}"] = with_switch("PACKED_TILES", False, fn)
     pages = torch.arange(B * S // BS, device=dev, dtype=torch.int64)  # the dense kernel's block table, in order
     for st in (2, 3):
         variants[f"dense s{st}"] = (lambda st=st: dense_attn(qd, kd, vd, od, c.scale, st, pages))

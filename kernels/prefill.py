@@ -151,8 +151,8 @@ SHORT_ROTATION_MODE = 7
 # split partials merged by the last split program (kvloop.last_split_merges) instead of a second launch
 DEFAULT_FUSED_MERGE = False
 # unsplit prefills on Hopper: "wgmma" runs kernels/prefill_wgmma.py (Gluon), "triton" the kernel above. H200, B=8,
-# 512 new tokens (benchmarks/NOTES.md, "Kernels, round 11", one sweep): 1652 / 1839 / 706 µs against ROT 5's
-# 1738 / 1875 / 727 at 8k with 1 / 10 documents and 2k with 10
+# 512 new tokens (benchmarks/NOTES.md, "Kernels, round 13", its sweep): 1378 / 1476 / 531 µs at 8k with 1 / 10
+# documents and 2k with 10 against ROT 5's 1732 / 1886 / 722 in the same sweep
 DEFAULT_KERNEL = "wgmma"
 
 

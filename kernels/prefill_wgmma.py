@@ -27,9 +27,21 @@ software pipeline at each document (ROT 7). Here every step is explicit:
   for inside the iteration, because an MMA accumulator in flight across the loop's back edge makes ptxas
   serialize the MMAs (its warning C7515, which the Triton kernel's loop gets too).
 
-H200 (benchmarks/NOTES.md, "Kernels, rounds 11-12"): B=8, 512 new tokens: 1694 / 1872 / 682 µs at 8k with 1 / 10
-documents and 2k with 10 (round 12's grid), against SDPA's 1637 / 1669 / 485 on a contiguous re-rotated copy; the
-Triton kernel (ROT 5) read 1738 / 1875 / 727 in round 11's.
+Two builds of that loop (``config``'s warps):
+
+- 8 warps (``_lazy_prefill_wgmma_kernel``, round 12's): both warpgroups issue the copies and compute, in lockstep
+  behind two CTA barriers a tile; a mixed tile's keys are rotated by them too, in a separate build of the tile step.
+- 12 warps (``_lazy_prefill_ws_kernel``, the default since round 13): warp-specialized like FA3. A producer
+  warpgroup issues the copies into a ring of STAGES slots, rotates a mixed tile's keys once they have landed and
+  hands each tile over through an mbarrier; two consumer warpgroups of 64 rows each store their own q rows per
+  segment and compute, giving a slot back through another mbarrier once they have read it, and take turns to issue
+  their MMAs (ping-pong), so that one's softmax, q store and waits run under the other's MMAs. Registers are split
+  216 / 216 / 72 a thread (setmaxnreg). The producer hands tile u-1 over after it has waited for tile u's slot,
+  so it needs STAGES >= 3.
+
+H200 (benchmarks/NOTES.md, "Kernels, rounds 11-13"): B=8, 512 new tokens: 1443 / 1519 / 539 µs at 8k with 1 / 10
+documents and 2k with 10 (round 13's grid, 128x64 tiles, 6 stages, 12 warps), against round 12's 8-warp build's
+1694 / 1872 / 682 and SDPA's 1741 / 1737 / 490 on a contiguous re-rotated copy.
 """
 from __future__ import annotations
 
@@ -48,7 +60,7 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
-        async_copy, fence_async_shared, warpgroup_mma, warpgroup_mma_wait,
+        async_copy, fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait,
     )
     # Gluon is experimental and renames things between releases (3.6 -> 3.9: thread_barrier -> barrier,
     # async_copy_global_to_shared -> async_load); both spellings compile
@@ -58,14 +70,25 @@ try:
 except (ImportError, AttributeError):  # Triton without Gluon (< 3.5): the Triton kernels serve every GPU
     HAVE_GLUON = False
 
-# (BLOCK_M, BLOCK_N, num_warps, STAGES); 8 warps = two warpgroups of 64 rows each. H200, B=8, 512 new tokens, packed
-# tiles (benchmarks/NOTES.md, "Kernels, round 12", call 4): 128x128 / 3 stages 1698 / 1885 / 676 µs at 8k with 1 / 10
-# documents and 2k with 10, against 1767 / 1895 / 660 with 128x64 (9-17% slower than its rotation-off twin there)
-DEFAULT_CONFIG = (128, 128, 8, 3)
+# (BLOCK_M, BLOCK_N, num_warps, STAGES); 8 warps = two warpgroups of 64 rows each, 12 = those two plus a producer
+# (the warp-specialized build). H200, B=8, 512 new tokens, same calls (benchmarks/NOTES.md, "Kernels, round 13",
+# calls 2-3): 128x64 / 12 warps / 6 stages 1419 / 1514 / 542 µs at 8k with 1 / 10 documents and 2k with 10; 4
+# stages 1423 / 1511 / 558; 128x128 / 12 warps / 3 stages 1733 / - / 757 (only 3 slots fit: with the producer's
+# hand-over lag, little lookahead);
+# round 12's 128x128 / 8 warps / 3 stages 1709 / 1924 / 658
+DEFAULT_CONFIG = (128, 64, 12, 6)
 # KV tiles packed across document boundaries (kvloop.tile_table(packed=True); a mixed tile's keys are rotated in
 # shared memory) rather than segment-aligned ones (every document starts a tile: ~30% more tiles for 10 documents
 # in 2k tokens). A switch for benchmarks/prefill_ceiling.py's side by side.
 PACKED_TILES = True
+# config warps = 12: the warp-specialized build (two consumer warpgroups of 64 rows, one producer warpgroup)
+WS_WARPS = 12
+# the warp-specialized build's consumers take turns to issue their MMAs (FA3's ping-pong)
+WS_PINGPONG = True
+# registers a thread of a consumer and of the producer (setmaxnreg; 2 * 216 + 72 = 504: what three warpgroups
+# may hold beside Triton's share) and the producer's rows a step when it rotates a mixed tile's keys
+WS_REGS = (216, 72)
+WS_KEY_CHUNK = 16
 
 
 @functools.lru_cache(maxsize=None)
@@ -143,17 +166,21 @@ if HAVE_GLUON:
     @gluon.jit
     def _store_rotated_q(q_smem, Q, COS, SIN, delta, qk_scale, seq_start, seq_len, t0, kvh, stride_qt, stride_qh,
                          ROTATE: gl.constexpr, G: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                         num_warps: gl.constexpr):
+                         num_warps: gl.constexpr, ROW0: gl.constexpr = 0, TILE_M: gl.constexpr = 0):
         """Write ``scale * R(-delta) q`` (ROTATE; else ``scale * q``) into the q buffer, from the original query tile
         (never an un-rotate/re-rotate pair), visible to the next MMA. Row r is token t0 + r // G of q head
         kvh * G + r % G; rows past the sequence or past the tile's whole tokens are 0. HF rotate-half: R(-d) [x1, x2]
-        = [x1 c + x2 s, x2 c - x1 s]; the halves are two [BLOCK_M, HEAD_DIM / 2] loads and stores."""
+        = [x1 c + x2 s, x2 c - x1 s]; the halves are two [BLOCK_M, HEAD_DIM / 2] loads and stores. ``ROW0`` /
+        ``TILE_M``: the buffer holds rows ROW0 .. ROW0 + BLOCK_M of a TILE_M-row tile (one warpgroup's rows)."""
         HALF: gl.constexpr = HEAD_DIM // 2
+        TILE_ROWS: gl.constexpr = TILE_M if TILE_M > 0 else BLOCK_M
         QL: gl.constexpr = _copy_layout(BLOCK_M, HALF, num_warps)
         offs_r = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, QL))
+        if ROW0 > 0:
+            offs_r += ROW0
         offs_h = gl.arange(0, HALF, layout=gl.SliceLayout(0, QL))
         tok = t0 + offs_r // G
-        ok = ((offs_r < (BLOCK_M // G) * G) & (tok < seq_len))[:, None]
+        ok = ((offs_r < (TILE_ROWS // G) * G) & (tok < seq_len))[:, None]
         rows = Q + ((seq_start + tok).to(gl.int64) * stride_qt + (kvh * G + offs_r % G) * stride_qh)[:, None]
         x1 = gl.load(rows + offs_h[None, :], mask=ok, other=0.0).to(gl.float32)
         x2 = gl.load(rows + HALF + offs_h[None, :], mask=ok, other=0.0).to(gl.float32)
@@ -226,6 +253,30 @@ if HAVE_GLUON:
         _rotate_rows(k_slot.slice(ROWS, ROWS, dim=0), rel_b, COS, SIN, HALF, RL)
         fence_async_shared()
         _cta_barrier()
+
+    @gluon.jit
+    def _segment(tiles_row, t, n_ctx, n_all):
+        """The segment starting at tile t: (its end, its delta, whether its last tile is mixed); past the context,
+        the new tokens' tiles (delta 0)."""
+        if t < n_ctx:
+            t_end = gl.minimum(gl.load(tiles_row + TILE_FIELDS * t + 1), n_ctx)
+            delta = gl.load(tiles_row + TILE_FIELDS * t + 3)
+            last_mixed = gl.load(tiles_row + TILE_FIELDS * (t_end - 1) + 2) < 0
+        else:
+            t_end = n_all
+            delta = t * 0
+            last_mixed = t < 0
+        return t_end, delta, last_mixed
+
+    @gluon.jit
+    def _store_out(OUT, out, offs_r, offs_d, t0, seq_start, seq_len, kvh, stride_ot, stride_oh, G: gl.constexpr,
+                   TOK: gl.constexpr):
+        """Output rows ``offs_r`` of the tile (row r: token t0 + r // G, q head kvh * G + r % G), those of whole
+        tokens inside the sequence."""
+        o_tok = t0 + offs_r // G
+        o_rows = (seq_start + o_tok).to(gl.int64) * stride_ot + (kvh * G + offs_r % G) * stride_oh
+        o_ok = (offs_r < TOK * G) & (o_tok < seq_len)
+        gl.store(OUT + o_rows[:, None] + offs_d[None, :], out, mask=o_ok[:, None])
 
     @gluon.jit
     def _softmax_step(s, m_i, l_i):
@@ -376,14 +427,7 @@ if HAVE_GLUON:
             # copies run on by tile index across segments, so a new document costs the q store and no refill
             t = n_ctx * 0
             while t < n_all:
-                if t < n_ctx:
-                    t_end = gl.minimum(gl.load(tiles_row + TILE_FIELDS * t + 1), n_ctx)
-                    delta = gl.load(tiles_row + TILE_FIELDS * t + 3)
-                    last_mixed = gl.load(tiles_row + TILE_FIELDS * (t_end - 1) + 2) < 0
-                else:
-                    t_end = n_all
-                    delta = t * 0
-                    last_mixed = t < 0
+                t_end, delta, last_mixed = _segment(tiles_row, t, n_ctx, n_all)
                 # every warpgroup is past the previous tile's S (the barrier before its copies)
                 _store_rotated_q(q_smem, Q, COS, SIN, delta, qk_scale, seq_start, seq_len, t0, kvh, stride_qt,
                                  stride_qh, ROTATE, G, BLOCK_M, HEAD_DIM, num_warps)
@@ -413,10 +457,196 @@ if HAVE_GLUON:
             out = gl.convert_layout(out.to(OUT.dtype.element_ty), OL)
             offs_or = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, OL))
             offs_od = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, OL))
-            o_tok = t0 + offs_or // G
-            o_rows = (seq_start + o_tok).to(gl.int64) * stride_ot + (kvh * G + offs_or % G) * stride_oh
-            o_ok = (offs_or < TOK * G) & (o_tok < seq_len)
-            gl.store(OUT + o_rows[:, None] + offs_od[None, :], out, mask=o_ok[:, None])
+            _store_out(OUT, out, offs_or, offs_od, t0, seq_start, seq_len, kvh, stride_ot, stride_oh, G, TOK)
+
+
+    # -- the warp-specialized build (config warps = 12): two consumer warpgroups of 64 rows each and a producer
+    # warpgroup, synchronised by mbarriers instead of CTA barriers, so that one consumer's softmax, q stores and
+    # waits run under the other's MMAs, and the copies and the mixed tiles' key rotation leave the consumers' path.
+    # Barriers: full[s] (the producer's arrival: slot s holds its tile), empty[s] (both consumers': slot s is free),
+    # turn[w] (the other consumer's: consumer w may issue its MMAs); phases alternate every STAGES tiles (every
+    # tile for turn), and a wait for the phase before the first passes at once
+    @gluon.jit
+    def _ws_attend_tile(i, q_rows, k_smem, v_smem, full, empty, turn, s_zero, acc, m_i, l_i, p_op, valid_cur, n_ctx,
+                        offs_n, tok_s, tiles_row, meta_row, MIXED: gl.constexpr, WG: gl.constexpr,
+                        PINGPONG: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+                        STAGES: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr):
+        """One KV tile in consumer WG: S = q K^T of tile i (its keys already rotated by the producer), O += P V of
+        tile i-1 under tile i's softmax, then tile i-1's slot handed back to the producer. MIXED: the keys its
+        blocks do not hold are masked (``valid_cur`` = minus its span). PINGPONG: the two consumers take turns to
+        issue their MMAs (FA3's schedule), so that one's softmax runs while the other's MMAs do."""
+        mbarrier.wait(full.index(i % STAGES), (i // STAGES) & 1)
+        if PINGPONG:
+            mbarrier.wait(turn.index(WG), (i & 1) ^ (1 - WG))  # consumer 0 goes first
+        s_t = warpgroup_mma(q_rows, k_smem.index(i % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        acc_t = warpgroup_mma(p_op, v_smem.index(gl.maximum(i - 1, 0) % STAGES), acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - WG))
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s_t,))
+        if MIXED:
+            s = _mask_mixed_keys(s, meta_row, gl.load(tiles_row + TILE_FIELDS * i), -valid_cur, offs_n, BLOCK_SIZE)
+        else:
+            s = gl.where(_keep(i, n_ctx, valid_cur, offs_n, tok_s, BLOCK_N), s, float("-inf"))
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t,))
+        mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=i > 0)  # tile i-1's K and V are read
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        p_op = gl.convert_layout(p.to(p_op.dtype), p_layout)
+        return acc, m_i, l_i, p_op
+
+    @gluon.jit
+    def _ws_consumer(q_smem, k_smem, v_smem, full, empty, turn, Q, COS, SIN, OUT, META, TILES, NUM_TILES, qk_scale,
+                     b, kvh, seq_start, seq_len, t0, stride_qt, stride_qh, stride_mb, stride_tb, stride_ot, stride_oh,
+                     WG: gl.constexpr, PINGPONG: gl.constexpr, G: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     BLOCK_SIZE: gl.constexpr, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     ROTATE: gl.constexpr, num_warps: gl.constexpr):
+        """Rows ROW0 .. ROW0 + 64 of the query tile (ROW0 = 64 WG): per segment its q rows rotated into its own
+        part of the q buffer, then the segment's tiles as the producer hands them over; writes its rows of the
+        output."""
+        ROWS: gl.constexpr = 16 * num_warps  # one warpgroup
+        ROW0: gl.constexpr = WG * ROWS
+        TOK: gl.constexpr = TILE_M // G
+        dtype: gl.constexpr = Q.dtype.element_ty
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        q_rows = q_smem.slice(ROW0, ROWS, dim=0)
+        meta_row = META + b.to(gl.int64) * stride_mb
+        tiles_row = TILES + b.to(gl.int64) * stride_tb
+        n_ctx = gl.load(NUM_TILES + b)
+        hi_new = gl.minimum(t0 + TOK, seq_len)
+        n_all = n_ctx + gl.cdiv(hi_new, BLOCK_N)
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        tok_s = t0 + (ROW0 + gl.arange(0, ROWS, layout=row_s)) // G
+        m_i = gl.full([ROWS], -1.0e30, gl.float32, row_s)
+        l_i = gl.zeros([ROWS], gl.float32, row_s)
+        acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, o_layout)
+        s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+        p_op = gl.zeros([ROWS, BLOCK_N], dtype, p_layout)
+        t = n_ctx * 0
+        while t < n_all:
+            t_end, delta, last_mixed = _segment(tiles_row, t, n_ctx, n_all)
+            # this warpgroup's S MMAs of the previous segment are done (waited in its last tile)
+            _store_rotated_q(q_rows, Q, COS, SIN, delta, qk_scale, seq_start, seq_len, t0, kvh, stride_qt, stride_qh,
+                             ROTATE, G, ROWS, HEAD_DIM, num_warps, ROW0, TILE_M)
+            for i in range(t, t_end - last_mixed.to(gl.int32)):
+                valid_cur = gl.load(tiles_row + TILE_FIELDS * i + 2, mask=i < n_ctx, other=0)
+                acc, m_i, l_i, p_op = _ws_attend_tile(
+                    i, q_rows, k_smem, v_smem, full, empty, turn, s_zero, acc, m_i, l_i, p_op, valid_cur, n_ctx,
+                    offs_n, tok_s, tiles_row, meta_row, False, WG, PINGPONG, BLOCK_SIZE, BLOCK_N, STAGES, p_layout,
+                    row_o)
+            if last_mixed:
+                valid_cur = gl.load(tiles_row + TILE_FIELDS * (t_end - 1) + 2)
+                acc, m_i, l_i, p_op = _ws_attend_tile(
+                    t_end - 1, q_rows, k_smem, v_smem, full, empty, turn, s_zero, acc, m_i, l_i, p_op, valid_cur,
+                    n_ctx, offs_n, tok_s, tiles_row, meta_row, True, WG, PINGPONG, BLOCK_SIZE, BLOCK_N, STAGES,
+                    p_layout, row_o)
+            t = t_end
+        acc_t = warpgroup_mma(p_op, v_smem.index((n_all - 1) % STAGES), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t,))
+        # stored from the MMA layout: a layout conversion would need shared memory, which the K/V ring fills
+        out = (acc / gl.convert_layout(l_i, row_o)[:, None]).to(OUT.dtype.element_ty)
+        offs_or = ROW0 + gl.arange(0, ROWS, layout=row_o)
+        offs_od = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        _store_out(OUT, out, offs_or, offs_od, t0, seq_start, seq_len, kvh, stride_ot, stride_oh, G, TOK)
+
+    @gluon.jit
+    def _ws_rotate_keys(k_slot, meta_row, s0, span, delta_q, COS, SIN, BLOCK_SIZE: gl.constexpr,
+                        BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, CHUNK: gl.constexpr, num_warps: gl.constexpr):
+        """:func:`_rotate_mixed_keys` in CHUNK-row steps (the producer has few registers)."""
+        HALF: gl.constexpr = HEAD_DIM // 2
+        RL: gl.constexpr = _copy_layout(CHUNK, HALF, num_warps)
+        for c in gl.static_range(BLOCK_N // CHUNK):
+            rel = _relative_deltas(meta_row, s0, span, delta_q, c * CHUNK, CHUNK, BLOCK_SIZE, RL)
+            _rotate_rows(k_slot.slice(c * CHUNK, CHUNK, dim=0), rel, COS, SIN, HALF, RL)
+
+    @gluon.jit
+    def _ws_producer(k_smem, v_smem, full, empty, K_CACHE, V_CACHE, K_NEW, V_NEW, META, TILES, NUM_TILES, COS, SIN,
+                     b, kvh, seq_start, seq_len, t0, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                     stride_knt, stride_knh, stride_vnt, stride_vnh, stride_mb, stride_tb,
+                     G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, TILE_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ROTATE: gl.constexpr, KEY_CHUNK: gl.constexpr,
+                     num_warps: gl.constexpr):
+        """Tile u's K/V copies into slot u % STAGES once the consumers handed it back; tile u-1 is handed over
+        when its copies have landed (a mixed tile's keys of other documents rotated first, in place)."""
+        LOAD: gl.constexpr = _copy_layout(BLOCK_N, HEAD_DIM, num_warps)
+        meta_row = META + b.to(gl.int64) * stride_mb
+        tiles_row = TILES + b.to(gl.int64) * stride_tb
+        n_ctx = gl.load(NUM_TILES + b)
+        hi_new = gl.minimum(t0 + TILE_M // G, seq_len)
+        n_all = n_ctx + gl.cdiv(hi_new, BLOCK_N)
+        for u in range(n_all + 1):
+            s0 = gl.load(tiles_row + TILE_FIELDS * u, mask=u < n_ctx, other=0)
+            valid = gl.load(tiles_row + TILE_FIELDS * u + 2, mask=u < n_ctx, other=0)
+            meta = _tile_metas(meta_row, u, n_ctx, s0, valid, BLOCK_SIZE, BLOCK_N, LOAD)
+            mbarrier.wait(empty.index(u % STAGES), ((u // STAGES) & 1) ^ 1, pred=u < n_all)
+            _issue_kv(k_smem.index(u % STAGES), v_smem.index(u % STAGES), u, n_ctx, n_all, meta, seq_start, hi_new,
+                      K_CACHE, V_CACHE, K_NEW, V_NEW, kvh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                      stride_vh, stride_knt, stride_knh, stride_vnt, stride_vnh, BLOCK_SIZE, BLOCK_N, HEAD_DIM, LOAD)
+            if u > 0:
+                f = u - 1
+                async_copy.wait_group(1)  # tile f's copies (this thread's); tile u's may run on
+                valid_f = gl.load(tiles_row + TILE_FIELDS * f + 2, mask=f < n_ctx, other=0)
+                if ROTATE:
+                    if valid_f < 0:
+                        _cta_barrier()  # every producer thread's copies of tile f
+                        _ws_rotate_keys(k_smem.index(f % STAGES), meta_row, gl.load(tiles_row + TILE_FIELDS * f),
+                                        -valid_f, gl.load(tiles_row + TILE_FIELDS * f + 3), COS, SIN, BLOCK_SIZE,
+                                        BLOCK_N, HEAD_DIM, KEY_CHUNK, num_warps)
+                fence_async_shared()
+                mbarrier.arrive(full.index(f % STAGES))
+        async_copy.wait_group(0)
+
+    @gluon.jit
+    def _lazy_prefill_ws_kernel(
+        Q, K_NEW, V_NEW, CU_SEQLENS, K_CACHE, V_CACHE, META, TILES, NUM_TILES, COS, SIN, OUT, qk_scale,
+        stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        stride_mb, stride_tb, stride_ot, stride_oh,
+        G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ROTATE: gl.constexpr, PINGPONG: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, KEY_CHUNK: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        TOK: gl.constexpr = BLOCK_M // G
+        dtype: gl.constexpr = Q.dtype.element_ty
+        kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
+        q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
+        tile = gl.program_id(0)
+        kvh = gl.program_id(1)
+        b = gl.program_id(2)
+        seq_start = gl.load(CU_SEQLENS + b)
+        seq_len = gl.load(CU_SEQLENS + b + 1) - seq_start
+        t0 = tile * TOK
+        if t0 < seq_len:
+            q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_smem_layout)
+            k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_smem_layout)
+            v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_smem_layout)
+            full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+            for s in gl.static_range(STAGES):
+                mbarrier.init(full.index(s), count=1)  # the producer's arrival
+                mbarrier.init(empty.index(s), count=2)  # both consumers'
+            for w in gl.static_range(2):
+                mbarrier.init(turn.index(w), count=1)  # the other consumer's
+            gl.warp_specialize([
+                (_ws_consumer, (q_smem, k_smem, v_smem, full, empty, turn, Q, COS, SIN, OUT, META, TILES, NUM_TILES,
+                                qk_scale, b, kvh, seq_start, seq_len, t0, stride_qt, stride_qh, stride_mb, stride_tb,
+                                stride_ot, stride_oh, 0, PINGPONG, G, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, STAGES,
+                                ROTATE, num_warps)),
+                (_ws_consumer, (q_smem, k_smem, v_smem, full, empty, turn, Q, COS, SIN, OUT, META, TILES, NUM_TILES,
+                                qk_scale, b, kvh, seq_start, seq_len, t0, stride_qt, stride_qh, stride_mb, stride_tb,
+                                stride_ot, stride_oh, 1, PINGPONG, G, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, STAGES,
+                                ROTATE, num_warps)),
+                (_ws_producer, (k_smem, v_smem, full, empty, K_CACHE, V_CACHE, K_NEW, V_NEW, META, TILES, NUM_TILES,
+                                COS, SIN, b, kvh, seq_start, seq_len, t0, stride_kb, stride_ks, stride_kh, stride_vb,
+                                stride_vs, stride_vh, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_mb,
+                                stride_tb, G, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, STAGES, ROTATE, KEY_CHUNK, 4)),
+            ], [num_warps, 4], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 def lazy_prefill_wgmma(q, k_new, v_new, cu, k_cache, v_cache, block_meta, tiles, n_tiles, rope_cos, rope_sin,
@@ -427,15 +657,21 @@ def lazy_prefill_wgmma(q, k_new, v_new, cu, k_cache, v_cache, block_meta, tiles,
     bm, bn, warps, stages = config or DEFAULT_CONFIG
     D = q.shape[2]
     G = q.shape[1] // k_new.shape[1]
-    assert bm == 64 * (warps // 4) and G <= bm, "BLOCK_M: 64 rows a warpgroup, at least one token"
-    assert stages >= 2
-    compiled = _lazy_prefill_wgmma_kernel[grid](
+    ws = warps == WS_WARPS
+    assert bm == 64 * ((warps - 4 if ws else warps) // 4) and G <= bm, "BLOCK_M: 64 rows a warpgroup, at least one token"
+    # the producer hands tile u-1 over after it has waited for tile u's slot, which the consumers give back
+    # after tile u-STAGES+1: with two stages that would wait on itself
+    assert stages >= (3 if ws else 2), "STAGES: at least 2 (3 in the warp-specialized build)"
+    kernel = _lazy_prefill_ws_kernel if ws else _lazy_prefill_wgmma_kernel
+    compiled = kernel[grid](
         q, k_new, v_new, cu, k_cache, v_cache, block_meta, tiles, n_tiles, rope_cos, rope_sin, out, qk_scale,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_meta.stride(0), tiles.stride(0), out.stride(0), out.stride(1),
         G=G, HEAD_DIM=D, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=bm, BLOCK_N=bn, STAGES=stages,
-        ROTATE=apply_rotation, num_warps=warps,
+        ROTATE=apply_rotation, num_warps=4 if ws else warps,
+        **(dict(PINGPONG=WS_PINGPONG, CONSUMER_REGS=WS_REGS[0], PRODUCER_REGS=WS_REGS[1], KEY_CHUNK=WS_KEY_CHUNK)
+           if ws else {}),
     )
     return compiled

@@ -464,12 +464,14 @@ def _gpu_docs(gen, n_seqs, n_docs, max_doc):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (12, 4, 64), (8, 8, 128), (24, 3, 64)])
 @pytest.mark.parametrize("kernel,cfg", [(None, None), ("triton", None)] + [
-    pytest.param("wgmma", cfg, marks=needs_hopper)
-    for cfg in [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3)]])
+    pytest.param("wgmma", cfg, marks=needs_hopper, id="wgmma-{}x{}-w{}-s{}".format(*cfg))
+    for cfg in [(128, 128, 8, 2), (128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 2), (64, 64, 4, 3),
+                (128, 128, 12, 3), (128, 64, 12, 4)]])
 def test_prefill_gpu(dtype, hq, hkv, d, kernel, cfg):
-    # the default kernel (Hopper: the wgmma one), the Triton one, and the wgmma one in each config, against the
-    # reference: documents reused at other offsets, partial blocks, a sequence without context, G not dividing
-    # the tile's rows (hq=12, hkv=4), rotation on and off
+    # the default kernel (Hopper: the wgmma one), the Triton one, and the wgmma one in each config (12 warps: the
+    # warp-specialized build), against the reference: documents reused at other offsets, partial blocks, a
+    # sequence without context, G not dividing the tile's rows (hq=12, hkv=4; with 12 warps a token's heads then
+    # straddle the two consumers), rotation on and off
     gen = torch.Generator().manual_seed(100 + hq + d)
     docs = _gpu_docs(gen, 3, 4, 700) + [[]]
     new_lens = [130, 7, 64, 300]
@@ -530,7 +532,7 @@ def test_prefill_wgmma_gpu_many_short_documents(bs, monkeypatch):
     ref_one = ref_prefill(one_offset, q, kn, vn, cu, cos, sin, 128 ** -0.5)
     for packed in (True, False):
         monkeypatch.setattr(prefill_wgmma, "PACKED_TILES", packed)
-        for cfg in ((128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4)):
+        for cfg in ((128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 12, 3), (128, 64, 12, 6)):
             out = run_prefill(p, q, kn, vn, cu, cos, sin, 128 ** -0.5, kernel="wgmma", config=cfg)
             assert rel_err(out, ref) < 1e-2, (packed, cfg)
             out = run_prefill(one_offset, q, kn, vn, cu, cos, sin, 128 ** -0.5, kernel="wgmma", config=cfg)
