@@ -190,13 +190,13 @@ def main():
             variants[f"lazy wgmma {cfg}"] = c.lazy(kernel="wgmma", config=cfg)
             variants[f"off wgmma {cfg}"] = c.off(kernel="wgmma", config=cfg)
         cfg = (128, 64, 12, 6)  # round 13's switches
-        for label, name, value in (("no-pingpong", "WS_PINGPONG", False), ("regs 200/104", "WS_REGS", (200, 104)),
-                                   ("regs 192/120 chunk 32", "WS_REGS", (192, 120))):
+        for label, switches in (("no-pingpong", {"WS_PINGPONG": False}), ("regs 200/104", {"WS_REGS": (200, 104)}),
+                                ("regs 192/120 chunk 32", {"WS_REGS": (192, 120), "WS_KEY_CHUNK": 32})):
             for kind in ("lazy", "off"):
                 fn = (c.lazy if kind == "lazy" else c.off)(kernel="wgmma", config=cfg)
-                if "chunk" in label:
-                    fn = with_switch("WS_KEY_CHUNK", 32, fn)
-                variants[f"{kind} wgmma {label} {cfg}"] = with_switch(name, value, fn)
+                for name, value in switches.items():
+                    fn = with_switch(name, value, fn)
+                variants[f"{kind} wgmma {label} {cfg}"] = fn
         for cfg in ((128, 64, 8, 3), (128, 128, 8, 3)):  # segment-aligned tiles (round 11) on the same layout
             for kind in ("lazy", "off"):
                 fn = (c.lazy if kind == "lazy" else c.off)(kernel="wgmma", config=cfg)

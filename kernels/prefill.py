@@ -212,8 +212,8 @@ def lazy_prefill(
     ``SHORT_ROTATION_MODE`` with ``SHORT_CONFIG``). ``fused_merge``: the last split program of each query tile merges
     the partials (no merge launch); ``None``: ``DEFAULT_FUSED_MERGE``. ``kernel``: ``"wgmma"`` runs an unsplit
     prefill on a Hopper GPU with :mod:`lazyrag.kernels.prefill_wgmma` (``config`` is then its (BLOCK_M, BLOCK_N,
-    num_warps, stages), 12 warps its warp-specialized build; ``rotation_mode`` does not apply); ``"triton"`` this module's kernel; ``None``:
-    ``DEFAULT_KERNEL`` where the wgmma kernel supports the call, the context is not split and neither
+    num_warps, stages), 12 warps its warp-specialized build; ``rotation_mode`` does not apply); ``"triton"`` this
+    module's kernel; ``None``: ``DEFAULT_KERNEL`` where the wgmma kernel supports the call, the context is not split and neither
     ``rotation_mode`` nor ``config`` (the Triton kernel's) is given, else ``"triton"``.
     """
     Tq, Hq, D = q.shape

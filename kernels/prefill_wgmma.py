@@ -658,7 +658,8 @@ def lazy_prefill_wgmma(q, k_new, v_new, cu, k_cache, v_cache, block_meta, tiles,
     D = q.shape[2]
     G = q.shape[1] // k_new.shape[1]
     ws = warps == WS_WARPS
-    assert bm == 64 * ((warps - 4 if ws else warps) // 4) and G <= bm, "BLOCK_M: 64 rows a warpgroup, at least one token"
+    consumer_warps = warps - 4 if ws else warps
+    assert bm == 64 * (consumer_warps // 4) and G <= bm, "BLOCK_M: 64 rows a warpgroup, at least one token"
     # the producer hands tile u-1 over after it has waited for tile u's slot, which the consumers give back
     # after tile u-STAGES+1: with two stages that would wait on itself
     assert stages >= (3 if ws else 2), "STAGES: at least 2 (3 in the warp-specialized build)"
