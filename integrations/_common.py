@@ -16,6 +16,7 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
+from lazyrag.defaults import MAX_K, MIN_TEMPERATURE, MIN_TOP_P, SEED_LIMIT
 from lazyrag.strategy_names import check_strategy
 
 if TYPE_CHECKING:  # torch is imported only when an engine is really needed
@@ -174,8 +175,10 @@ _GENERATE_KEYS = ("temperature", "top_p", "seed", "max_new_tokens", "do_sample",
 
 
 def adapter_validators(renames: dict[str, str]) -> tuple:
-    """An adapter class's pydantic validators: its constructor's arguments (``init_kwargs``) and its
-    ``strategy`` field (checked before any model loads). In the class: ``_a, _b = adapter_validators(...)``."""
+    """An adapter class's pydantic validators: its constructor's arguments (``init_kwargs``), its
+    ``strategy`` field and its ``temperature`` (0 or at least MIN_TEMPERATURE, as SamplingParams takes),
+    checked before any model loads. In the class: ``_a, _b, _c = adapter_validators(...)``; the other
+    numbers are checked by the fields' own constraints (``SAMPLING_LIMITS``)."""
     from pydantic import field_validator, model_validator
 
     def known_arguments(cls, data: Any) -> Any:
@@ -184,7 +187,38 @@ def adapter_validators(renames: dict[str, str]) -> tuple:
     def strategy_exists(cls, name: str) -> str:
         return check_strategy(name)
 
-    return model_validator(mode="before")(classmethod(known_arguments)), field_validator("strategy")(classmethod(strategy_exists))
+    def greedy_or_warm(cls, t: float) -> float:
+        if t != 0 and t < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}; got {t!r}")
+        return t
+
+    return (model_validator(mode="before")(classmethod(known_arguments)), field_validator("strategy")(classmethod(strategy_exists)),
+            field_validator("temperature")(classmethod(greedy_or_warm)))
+
+
+# pydantic Field constraints of the adapters' numeric fields: what SamplingParams and the engine accept
+SAMPLING_LIMITS = {
+    "temperature": dict(ge=0.0, allow_inf_nan=False),
+    "top_p": dict(ge=MIN_TOP_P, le=1.0, allow_inf_nan=False),
+    "seed": dict(ge=0, lt=SEED_LIMIT),
+    "top_k": dict(gt=0, le=MAX_K),
+    "positive": dict(gt=0),
+}
+
+
+def check_top_k(k, name: str = "similarity_top_k") -> int:
+    """A retriever adapter's k: a positive int, at most MAX_K (the retriever also clamps it to the store's size)."""
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K:
+        raise ValueError(f"{name} must be an integer from 1 to {MAX_K}; got {k!r}")
+    return k
+
+
+def check_prompt(prompt, who: str) -> str:
+    """A completion prompt: a str (None, bytes or numbers are refused, not answered)."""
+    if not isinstance(prompt, str):
+        hint = " (decode it first: prompt.decode())" if isinstance(prompt, (bytes, bytearray)) else ""
+        raise TypeError(f"{who} takes the prompt as a str; got {type(prompt).__name__}{hint}.")
+    return prompt
 
 
 def _did_you_mean(name: str, known: list[str]) -> str:

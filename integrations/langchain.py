@@ -126,23 +126,23 @@ class ChatLazyLlama(BaseChatModel):
     model: Optional[str] = Field(default=None, description="Local Llama folder or .gguf file; None = the embedded SmolLM2-135M-Instruct.")
     device: Optional[str] = None
     dtype: Optional[str] = None
-    temperature: float = Field(default=0.0, ge=0.0, description="0 = greedy.")
+    temperature: float = Field(default=0.0, description="0 = greedy, else at least 1e-5.", **_common.SAMPLING_LIMITS["temperature"])
     max_tokens: int = Field(default=256, gt=0, description="Most new tokens per call.")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: Optional[int] = None
+    top_p: float = Field(default=1.0, **_common.SAMPLING_LIMITS["top_p"])
+    seed: Optional[int] = Field(default=None, description="Sampling seed, in [0, 2**63).", **_common.SAMPLING_LIMITS["seed"])
     stop: Optional[list[str]] = None
     strategy: str = Field(default="lazy", description="full, prefix, position_aware, lazy, lazy+recover (lazy with quality recovery, ~15% of chunk tokens recomputed), lazy:first=K or lazy:blend=R[:select=attn_dev].")
     store: Optional[str] = Field(default=None, description="A corpus store folder (lazyrag precache) to serve chunk KV from.")
-    kv_budget: Optional[int] = Field(default=None, description="Bytes of KV pool, when this model loads the shared engine.")
+    kv_budget: Optional[int] = Field(default=None, description="Bytes of KV pool, when this model loads the shared engine.", **_common.SAMPLING_LIMITS["positive"])
     system_prompt: Optional[str] = Field(default=None, description="A system message put first when the messages have none.")
     streaming: bool = False
     # Accepted because callers pass them to every chat model; a local engine has no network to time out or retry.
-    timeout: Optional[float] = None
-    max_retries: int = 0
+    timeout: Optional[float] = Field(default=None, ge=0.0)
+    max_retries: int = Field(default=0, ge=0)
 
     _engine: Any = PrivateAttr(default=None)
 
-    _known_arguments, _strategy_exists = _common.adapter_validators(_RENAMES)
+    _known_arguments, _strategy_exists, _temperature_usable = _common.adapter_validators(_RENAMES)
 
     def __init__(self, engine=None, **kwargs: Any):
         super().__init__(**kwargs)
@@ -300,7 +300,7 @@ class LazyRAGRetriever(BaseRetriever):
     ``retriever | LazyRAG(...)`` chain knows the question."""
 
     store: str
-    k: int = Field(default=4, gt=0)
+    k: int = Field(default=4, **_common.SAMPLING_LIMITS["top_k"])
     embedder: Optional[str] = None
 
     _retriever: Any = PrivateAttr(default=None)
@@ -309,7 +309,7 @@ class LazyRAGRetriever(BaseRetriever):
         self._retriever = _common.open_retriever(self.store, self.embedder)  # StoreError for missing/empty stores
 
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun, **kwargs: Any) -> list[Document]:
-        hits = self._retriever.retrieve(query, kwargs.get("k", self.k))
+        hits = self._retriever.retrieve(query, _common.check_top_k(kwargs.get("k", self.k), "k"))
         return [Document(page_content=h.text, id=str(h.id),
                          metadata={**h.metadata, "chunk_id": h.id, "doc_id": h.doc_id, "score": h.score,
                                    "num_tokens": h.num_tokens, "query": query})

@@ -118,20 +118,20 @@ class LazyLlamaLLM(CustomLLM):
     device: Optional[str] = Field(default=None, description="cpu or cuda (default: cuda if available).")
     dtype: Optional[str] = Field(default=None, description="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA).")
     max_new_tokens: int = Field(default=256, gt=0, description="Most tokens generated per call.")
-    temperature: float = Field(default=0.0, ge=0.0, description="0 = greedy.")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    seed: Optional[int] = Field(default=None, description="Sampling seed (temperature > 0).")
+    temperature: float = Field(default=0.0, description="0 = greedy, else at least 1e-5.", **_common.SAMPLING_LIMITS["temperature"])
+    top_p: float = Field(default=1.0, **_common.SAMPLING_LIMITS["top_p"])
+    seed: Optional[int] = Field(default=None, description="Sampling seed (temperature > 0), in [0, 2**63).", **_common.SAMPLING_LIMITS["seed"])
     stop: list[str] = Field(default_factory=list, description="Stop strings.")
     strategy: str = Field(default="lazy", description="full, prefix, position_aware, lazy, lazy+recover (lazy with quality recovery, ~15% of chunk tokens recomputed), lazy:first=K or lazy:blend=R[:select=attn_dev] (see the README).")
     store: Optional[str] = Field(default=None, description="A corpus store folder (lazyrag precache) to serve chunk KV from.")
-    kv_budget: Optional[int] = Field(default=None, description="Bytes of KV pool, when this LLM loads the shared engine.")
-    context_window: Optional[int] = Field(default=None, description="Override the model's context length (tokens).")
+    kv_budget: Optional[int] = Field(default=None, description="Bytes of KV pool, when this LLM loads the shared engine.", **_common.SAMPLING_LIMITS["positive"])
+    context_window: Optional[int] = Field(default=None, description="Override the model's context length (tokens).", **_common.SAMPLING_LIMITS["positive"])
     learn_retrieved_chunks: bool = Field(default=True, description="Register nodes retrieved by any LlamaIndex retriever as reusable chunks.")
 
     _engine: Any = PrivateAttr(default=None)
     _stats: Any = PrivateAttr(default_factory=lambda: deque(maxlen=1000))
 
-    _known_arguments, _strategy_exists = _common.adapter_validators(_RENAMES)
+    _known_arguments, _strategy_exists, _temperature_usable = _common.adapter_validators(_RENAMES)
 
     def __init__(self, engine=None, messages_to_prompt=None, completion_to_prompt=None, **kwargs: Any) -> None:
         # Like HuggingFaceLLM: the model's own chat template unless the user passes a formatter.
@@ -216,12 +216,18 @@ class LazyLlamaLLM(CustomLLM):
     # -- completion and chat: each fires one LLM event (CustomLLM's chat would call the decorated
     # complete, and token counters would count every answer twice) --
 
-    @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        return self._complete(prompt, formatted, kwargs)
+        return self._complete_checked(_common.check_prompt(prompt, "LazyLlamaLLM.complete"), formatted, **kwargs)
 
     @llm_completion_callback()
+    def _complete_checked(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return self._complete(prompt, formatted, kwargs)
+
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
+        return self._stream_checked(_common.check_prompt(prompt, "LazyLlamaLLM.stream_complete"), formatted, **kwargs)
+
+    @llm_completion_callback()
+    def _stream_checked(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
         return self._stream(prompt, formatted, kwargs)
 
     @llm_chat_callback()
@@ -257,8 +263,11 @@ class LazyLlamaLLM(CustomLLM):
 
     # -- async: the engine's scheduler batches concurrent calls; no thread per request --
 
-    @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        return await self._acomplete_checked(_common.check_prompt(prompt, "LazyLlamaLLM.acomplete"), formatted, **kwargs)
+
+    @llm_completion_callback()
+    async def _acomplete_checked(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         return await self._acomplete(prompt, formatted, kwargs)
 
     async def _acomplete(self, prompt: str, formatted: bool, kwargs: dict) -> CompletionResponse:
@@ -267,8 +276,11 @@ class LazyLlamaLLM(CustomLLM):
             pass
         return CompletionResponse(text=last.text, raw=last.raw, additional_kwargs=last.additional_kwargs)
 
-    @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
+        return await self._astream_checked(_common.check_prompt(prompt, "LazyLlamaLLM.astream_complete"), formatted, **kwargs)
+
+    @llm_completion_callback()
+    async def _astream_checked(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
         return self._astream(prompt, formatted, kwargs)
 
     async def _astream(self, prompt: str, formatted: bool, kwargs: dict) -> CompletionResponseAsyncGen:
@@ -311,7 +323,7 @@ class LazyRAGRetriever(BaseRetriever):
     def __init__(self, store: str, similarity_top_k: int = 4, embedder: Optional[str] = None,
                  callback_manager: Optional[CallbackManager] = None, **kwargs: Any) -> None:
         self.store = str(store)
-        self.similarity_top_k = similarity_top_k
+        self.similarity_top_k = _common.check_top_k(similarity_top_k)
         self._retriever = _common.open_retriever(store, embedder)  # raises StoreError for missing/empty stores
         super().__init__(callback_manager=callback_manager, **kwargs)
 

@@ -7,6 +7,9 @@ so a chunk's token ids never depend on its neighbours and its KV can be reused a
 """
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 DEFAULT_SYSTEM_PROMPT = (
@@ -76,6 +79,9 @@ def check_chunks(chunks) -> list[str]:
                          "character per chunk); wrap it: [text].")
     if chunks is None:
         raise ValueError("chunks must be a list of strings; got None (pass [] for no context).")
+    if isinstance(chunks, Mapping):
+        raise TypeError(f"chunks must be a list of strings, not a {type(chunks).__name__} (iterating it would read its "
+                        "keys as the chunks); pass the texts as a list: list(d.values()) or [text, ...].")
     try:
         chunks = list(chunks)
     except TypeError:
@@ -201,28 +207,54 @@ class ChunkFinder:
     at every offset of the prompt (a dict lookup of a fixed-size slice), then verifies the
     whole chunk. Time is linear in the prompt's length and independent of how many chunks
     are indexed. Chunks shorter than the anchor are not worth a cache entry and are not found.
+
+    It holds at most ``max_chunks`` texts, least recently added or found first out, so a process
+    that sees new chunks forever (every retrieval registers its results) stays bounded.
     """
 
-    def __init__(self, anchor: int = 24):
+    MAX_CHUNKS = 1 << 17  # texts kept: a store's chunks and more (a few hundred MB of text at most)
+
+    def __init__(self, anchor: int = 24, max_chunks: int | None = None):
         self.anchor = anchor
+        self.max_chunks = self.MAX_CHUNKS if max_chunks is None else max_chunks
+        if self.max_chunks < 1:
+            raise ValueError(f"max_chunks must be at least 1; got {max_chunks!r}")
         self._by_anchor: dict[str, list[str]] = {}
+        self._recent: OrderedDict[str, None] = OrderedDict()  # every text held, least recently used first
+        self._lock = threading.Lock()  # adapters register retrieved texts from other threads while prompts are split
 
     def __len__(self) -> int:
-        return sum(map(len, self._by_anchor.values()))
+        return len(self._recent)
+
+    def __contains__(self, text: str) -> bool:
+        return text.strip() in self._recent
 
     def add(self, text: str) -> None:
         text = text.strip()
         if len(text) < self.anchor:
             return
-        bucket = self._by_anchor.setdefault(text[: self.anchor], [])
-        if text not in bucket:
-            bucket.append(text)
-            bucket.sort(key=len, reverse=True)  # longest match first
+        with self._lock:
+            if text in self._recent:
+                self._recent.move_to_end(text)
+                return
+            self._recent[text] = None
+            bucket = self._by_anchor.setdefault(text[: self.anchor], [])
+            self._by_anchor[text[: self.anchor]] = sorted(bucket + [text], key=len, reverse=True)  # longest match first
+            while len(self._recent) > self.max_chunks:
+                self._drop(self._recent.popitem(last=False)[0])
+
+    def _drop(self, text: str) -> None:
+        key = text[: self.anchor]
+        bucket = [t for t in self._by_anchor.get(key, ()) if t != text]
+        if bucket:
+            self._by_anchor[key] = bucket
+        else:
+            self._by_anchor.pop(key, None)
 
     def find(self, prompt: str) -> list[tuple[int, int, str]]:
         """Non-overlapping (start, end, chunk text) occurrences, left to right."""
         found, i, a = [], 0, self.anchor
-        lookup = self._by_anchor.get
+        lookup = self._by_anchor.get  # buckets are replaced, never changed in place: safe to read unlocked
         while i <= len(prompt) - a:
             bucket = lookup(prompt[i : i + a])
             if bucket:
@@ -232,4 +264,9 @@ class ChunkFinder:
                     i += len(text)
                     continue
             i += 1
+        if found:
+            with self._lock:
+                for _, _, text in found:
+                    if text in self._recent:
+                        self._recent.move_to_end(text)
         return found

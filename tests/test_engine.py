@@ -201,3 +201,22 @@ def test_reuse_stats_count_only_kv_taken_from_the_cache(tiny_hf, default_hf):
     warm = engine.generate(QUESTION, CHUNKS[:3][::-1], max_new_tokens=1).stats
     assert cold.chunks_missed == 3 and cold.tokens_reused == 0 and cold.tokens_context > 0
     assert warm.chunks_hit == 3 and warm.tokens_reused == warm.tokens_context == cold.tokens_context
+
+
+def test_the_chunk_finder_is_bounded_least_recently_used_first(tiny_engine):
+    """Every retrieval registers its chunks: the finder keeps the recent ones, not every text ever seen."""
+    from lazyrag.prompt import ChunkFinder
+
+    assert 0 < tiny_engine.chunk_finder.max_chunks <= ChunkFinder.MAX_CHUNKS
+    finder = ChunkFinder(max_chunks=3)
+    texts = [f"Document number {i} talks about a topic of its own." for i in range(6)]
+    for text in texts[:3]:
+        finder.add(text)
+    assert [t for *_, t in finder.find("see " + texts[0])] == [texts[0]]  # found: now the most recent
+    for text in texts[3:5]:
+        finder.add(text)
+    assert len(finder) == 3 and [t in finder for t in texts[:5]] == [True, False, False, True, True]
+    assert finder.find(texts[1] + " " + texts[4]) == [(len(texts[1]) + 1, len(texts[1]) + 1 + len(texts[4]), texts[4])]
+    for i in range(1000):
+        finder.add(f"Another passage, number {i}, longer than the anchor.")
+    assert len(finder) == 3 and sum(map(len, finder._by_anchor.values())) == 3

@@ -32,6 +32,14 @@ def fresh_engine(tiny_hf, default_hf):
     (dict(max_new_tokens=True), "max_new_tokens"),
     (dict(stop=[None]), "stop"),
     (dict(seed="7"), "seed"),
+    # issue 29: values that passed and then failed inside torch
+    (dict(temperature=1e-320), "temperature"),
+    (dict(temperature=1e-6), "temperature"),
+    (dict(top_p=1e-300), "top_p"),
+    (dict(top_p=1e-7), "top_p"),
+    (dict(seed=2**70), "seed"),
+    (dict(seed=2**63), "seed"),
+    (dict(seed=-1), "seed"),
 ])
 def test_bad_sampling_params_are_refused_before_admission(kwargs, problem):
     with pytest.raises(ValueError, match=problem):
@@ -44,13 +52,14 @@ def test_tiny_temperature_samples_the_top_token(fresh_engine):
     logits = torch.tensor([1.0, 3.0, 2.0])
     from lazyrag.engine.sampling import sample
 
-    assert sample(logits, SamplingParams(temperature=1e-30), torch.Generator().manual_seed(0)) == 1
+    assert sample(logits, SamplingParams(temperature=1e-5), torch.Generator().manual_seed(0)) == 1  # the smallest accepted
 
 
 def _poisoned_params():
-    """Params that pass validation and then go bad, as a caller mutating them in flight would."""
+    """Params that pass validation and then go bad in flight (SamplingParams is frozen, so only a bug
+    or a deliberate bypass does this; sampling then fails, and must fail that request alone)."""
     params = SamplingParams(max_new_tokens=6, temperature=0.7, seed=1, ignore_eos=True)
-    params.temperature = math.nan
+    object.__setattr__(params, "temperature", math.nan)
     return params
 
 
@@ -205,3 +214,33 @@ def test_whatever_the_pool_held_never_reaches_the_logits(tiny_hf, default_hf):
         want, got = clean.layout_logits(layout, strategy), dirty.layout_logits(layout, strategy)
         assert torch.isfinite(got).all(), strategy
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), strategy
+
+
+# -- issue 29 ------------------------------------------------------------------------------------
+
+def test_sampling_params_are_frozen_and_replace_checks_again():
+    import dataclasses
+
+    params = SamplingParams(max_new_tokens=4, temperature=0.5, stop=["."])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        params.temperature = math.nan
+    assert params.stop == (".",) and hash(params) == hash(SamplingParams(max_new_tokens=4, temperature=0.5, stop="."))
+    assert dataclasses.replace(params, temperature=0.0).temperature == 0.0
+    with pytest.raises(ValueError, match="temperature"):
+        dataclasses.replace(params, temperature=1e-320)
+
+
+def test_the_edge_values_accepted_actually_run(fresh_engine):
+    greedy = fresh_engine.generate(QUESTION, CHUNKS[:2], max_new_tokens=4, ignore_eos=True)
+    for kw in (dict(temperature=1e-5, top_p=1.0, seed=0), dict(temperature=1.0, top_p=1e-6, seed=2**63 - 1),
+               dict(temperature=1e-5, top_p=1e-6, seed=2**63 - 1)):
+        got = fresh_engine.generate(QUESTION, CHUNKS[:2], max_new_tokens=4, ignore_eos=True, **kw)
+        assert got.token_ids == greedy.token_ids, kw  # the top token every time: the greedy answer
+    got = fresh_engine.generate(QUESTION, CHUNKS[:2], max_new_tokens=4, ignore_eos=True, temperature=1e6, seed=3)
+    assert len(got.token_ids) == 4
+
+
+def test_a_dict_of_chunks_is_refused_not_read_as_its_keys(fresh_engine):
+    with pytest.raises(TypeError, match=r"not a dict.*list\(d\.values\(\)\)"):
+        fresh_engine.generate(QUESTION, {"curie": CHUNKS[1]}, max_new_tokens=2)
+    assert not fresh_engine.scheduler.has_work()

@@ -9,6 +9,7 @@ the rest finish or fail alone for lack of blocks), nothing stays pinned and ever
 a cached segment is free; and ``lazy`` gives ``position_aware``'s next-token logits.
 """
 import asyncio
+import dataclasses
 import math
 import random
 
@@ -69,8 +70,8 @@ def test_fuzz_requests_faults_and_aborts(small_engine):
             layout = engine.build_prompt(_text(rng, 1, 8), chunks)
             fate = rng.choices(["ok", "poison", "abort"], [6, 1, 2])[0]
             params = _params(rng, rng.choice(STRATEGIES))
-            if fate == "poison":  # valid at admission, bad in flight
-                params.temperature = math.nan
+            if fate == "poison":  # valid at admission, bad in flight (a bypass of the frozen dataclass)
+                object.__setattr__(params, "temperature", math.nan)
             with pytest.raises(ValueError):
                 SamplingParams(**_invalid_params(rng))
             reqs.append(engine.add_request(layout, params))
@@ -138,3 +139,69 @@ def test_fuzz_asyncio_cancellations(small_engine):
         asyncio.run(asyncio.sleep(0.01))
     _check_quiet(engine)
     assert engine._driver.is_alive()
+
+
+# -- issue 29: the retriever's k, the adapters' prompts and constructor arguments ------------------------
+
+def _odd_value(rng: random.Random):
+    """Anything a caller might pass where a number or a string is expected."""
+    return rng.choice([
+        rng.randint(-3, 12), rng.randint(13, 10**4), 2**31, 2**63, 2**70, 10**8, -(2**63),
+        rng.uniform(-2, 2), 1e-320, 1e-300, 1e-5, 1e-6, 1e-7, math.inf, -math.inf, math.nan, 0.0, 1.0,
+        True, False, None, "3", b"3", [3], {"k": 3},
+    ])
+
+
+def test_fuzz_retriever_k(tiny_engine, tiny_corpus, embedder, tmp_path):
+    from lazyrag.store.build import PrecacheConfig, precache
+    from lazyrag.store.retriever import Retriever
+
+    out = tmp_path / "store"
+    precache(tiny_engine, PrecacheConfig([str(tiny_corpus)], str(out), chunks_per_shard=2, progress=False), embedder)
+    retriever = Retriever(out, embedder)
+    rng = random.Random(29)
+    for _ in range(60):
+        k = _odd_value(rng)
+        query = rng.choice([_text(rng, 1, 6), "", _odd_value(rng)])
+        try:
+            hits = retriever.retrieve(query, k)
+        except ValueError:  # a bad k or query is refused by name; the process never aborts
+            assert not isinstance(query, str) or isinstance(k, bool) or not isinstance(k, int) or k < 1, (query, k)
+            continue
+        assert isinstance(query, str) and isinstance(k, int) and k >= 1
+        assert len(hits) == min(k, 5) and len({h.id for h in hits}) == len(hits)
+        assert [h.score for h in hits] == sorted((h.score for h in hits), reverse=True)
+
+
+def test_fuzz_adapter_arguments_and_prompts(small_engine):
+    """Whatever an adapter's constructor accepts, the engine runs; whatever it would not run is refused
+    at construction (ValueError) and any non-str prompt at the call (TypeError)."""
+    from lazyrag.integrations.langchain import ChatLazyLlama
+    from lazyrag.integrations.llama_index import LazyLlamaLLM
+
+    rng = random.Random(2929)
+    fields = {LazyLlamaLLM: ("temperature", "top_p", "seed", "max_new_tokens", "context_window", "kv_budget"),
+              ChatLazyLlama: ("temperature", "top_p", "seed", "max_tokens", "kv_budget", "max_retries")}
+    ran = 0
+    for _ in range(80):
+        cls = rng.choice([LazyLlamaLLM, ChatLazyLlama])
+        kwargs = {name: _odd_value(rng) for name in rng.sample(fields[cls], k=rng.randint(1, 3))}
+        kwargs.pop("kv_budget", None) if rng.random() < 0.7 else None
+        try:
+            adapter = cls(engine=small_engine, **kwargs)
+        except ValueError:
+            continue
+        params = adapter._params({}) if cls is LazyLlamaLLM else adapter.sampling_params()  # never raises once built
+        if ran < 6 and params.max_new_tokens <= 64:
+            params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, 3))
+            assert small_engine.generate("Why?", ["café au lait"], params).finish_reason in ("stop", "length")
+            ran += 1
+    llm = LazyLlamaLLM(engine=small_engine, max_new_tokens=2)
+    for _ in range(20):
+        prompt = rng.choice([_odd_value(rng), _text(rng, 1, 5)])
+        if isinstance(prompt, str):
+            assert isinstance(llm.complete(prompt).text, str)
+        else:
+            with pytest.raises(TypeError, match="takes the prompt as a str"):
+                llm.complete(prompt)
+    _check_quiet(small_engine)

@@ -326,3 +326,23 @@ def test_structured_output_with_the_default_model(adapter_engine):
     # the 135M model is weak at JSON: the path must run end to end and either parse or explain why not
     assert result["raw"].content
     assert (result["parsed"] is not None and result["parsed"].year == 1928) or isinstance(result["parsing_error"], OutputParserException)
+
+
+# -- issue 29: the doors checked before any work ---------------------------------------------------
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=float("inf")), dict(temperature=float("nan")), dict(temperature=1e-320),
+                                    dict(top_p=1e-300), dict(seed=2**70), dict(seed=-1), dict(kv_budget=-1), dict(max_retries=-1)])
+def test_constructor_numbers_are_checked(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        ChatLazyLlama(**kwargs)
+    ChatLazyLlama(temperature=1e-5, top_p=1e-6, seed=2**63 - 1)  # the edges are accepted
+
+
+def test_retriever_k_is_checked_and_clamped(tiny_store):
+    for k in (0, 2**31, 10**8):
+        with pytest.raises(ValueError, match="k"):
+            LazyRAGRetriever(store=str(tiny_store), k=k)
+    retriever = LazyRAGRetriever(store=str(tiny_store), k=64)
+    assert len(retriever.invoke(QUESTION)) == 5  # all the store has
+    with pytest.raises(ValueError, match="k must be an integer"):
+        retriever.invoke(QUESTION, k=2**31)

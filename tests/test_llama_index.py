@@ -212,3 +212,32 @@ def test_a_shared_engine_asked_for_another_kv_budget_raises(adapter_engine):
         shared_engine(device="cpu", kv_budget=budget // 2)
     with pytest.raises(ValueError, match="kv_budget"):
         LazyLlamaLLM(device="cpu", kv_budget=budget // 2).complete("hi")
+
+
+# -- issue 29: the doors checked before any work ---------------------------------------------------
+
+@pytest.mark.parametrize("kwargs", [dict(context_window=-5), dict(context_window=0), dict(temperature=float("inf")),
+                                    dict(temperature=float("nan")), dict(temperature=1e-320), dict(top_p=1e-300),
+                                    dict(top_p=1.5), dict(seed=2**70), dict(seed=-1), dict(kv_budget=0), dict(max_new_tokens=0)])
+def test_constructor_numbers_are_checked(kwargs):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        LazyLlamaLLM(**kwargs)
+    LazyLlamaLLM(temperature=1e-5, top_p=1e-6, seed=2**63 - 1, context_window=1)  # the edges are accepted
+
+
+def test_non_string_prompts_are_refused_not_answered(llm):
+    for prompt in (None, b"abc", 5, ["a"]):
+        for call in (llm.complete, llm.stream_complete):
+            with pytest.raises(TypeError, match="takes the prompt as a str"):
+                call(prompt)
+        for acall in (llm.acomplete, llm.astream_complete):
+            with pytest.raises(TypeError, match="takes the prompt as a str"):
+                asyncio.run(acall(prompt))
+    assert llm.last_stats is None  # nothing reached the engine
+
+
+def test_retriever_top_k_is_checked_and_clamped(tiny_store):
+    for k in (0, -1, 2**31, True, 2.0):
+        with pytest.raises(ValueError, match="similarity_top_k"):
+            LazyRAGRetriever(str(tiny_store), similarity_top_k=k)
+    assert len(LazyRAGRetriever(str(tiny_store), similarity_top_k=64).retrieve(QUESTION)) == 5  # all the store has

@@ -144,3 +144,92 @@ def test_second_writer_waits_for_the_first_and_finds_the_work_done(default_engin
     assert not errors, errors
     assert reports["first"].chunks_encoded == 5 and reports["second"].chunks_encoded == 0  # not done twice
     assert CorpusStore.open(out).verify() == []
+
+
+# -- issue 29: half-built folders, stale temp files, a full disk, the umask (tiny model: fast) --------------
+
+def _tiny_build(engine, corpus, out, embedder, **kw):
+    return precache(engine, PrecacheConfig([str(corpus)], str(out), chunks_per_shard=2, progress=False, **kw), embedder)
+
+
+def _temp_file(folder, name):
+    """A temp file named as atomic_write_bytes names them (what a write killed before its rename leaves)."""
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
+    os.write(fd, b'{"model_fingerprint": "3f')  # half a manifest
+    os.close(fd)
+    return Path(tmp)
+
+
+def test_a_build_killed_in_its_first_manifest_write_resumes(tiny_engine, tiny_corpus, embedder, tmp_path):
+    out = tmp_path / "store"
+    out.mkdir()
+    (out / LOCK).touch()  # what `lazyrag precache` killed inside its first write_manifest leaves behind
+    (out / "kv").mkdir()
+    temp = _temp_file(out, MANIFEST)
+    report = _tiny_build(tiny_engine, tiny_corpus, out, embedder)
+    assert report.chunks_encoded == 5 and not temp.exists()
+    assert len(CorpusStore.open(out)) == 5
+
+
+@pytest.mark.parametrize("user_file", ["notes.txt", "kv/notes.txt", ".manifest.json.tmp"])
+def test_a_folder_of_someone_else_is_refused_and_left_alone(tiny_engine, tiny_corpus, embedder, tmp_path, user_file):
+    from lazyrag.store import StoreError
+
+    out = tmp_path / "mine"
+    (out / "kv").mkdir(parents=True)
+    temp = _temp_file(out, MANIFEST)
+    (out / user_file).write_text("keep me")
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    for overwrite in (False, True):
+        with pytest.raises(StoreError, match="exists and is not a lazyrag store"):
+            _tiny_build(tiny_engine, tiny_corpus, out, embedder, overwrite=overwrite)
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before and temp.exists()
+
+
+def test_stale_temp_files_are_removed_when_a_writer_opens_the_store(tiny_engine, tiny_corpus, embedder, tmp_path):
+    out = tmp_path / "store"
+    _tiny_build(tiny_engine, tiny_corpus, out, embedder)
+    stale = [_temp_file(out, "index.faiss"), _temp_file(out, MANIFEST), _temp_file(out / "kv", "shard-000001.safetensors")]
+    mine = out / "kv" / "my.tmp"
+    mine.write_text("not ours")
+    assert _tiny_build(tiny_engine, tiny_corpus, out, embedder).chunks_encoded == 0
+    assert not any(p.exists() for p in stale) and mine.exists()
+    assert CorpusStore.open(out).verify() == []
+
+
+def test_a_full_disk_during_precache_is_a_one_line_error(tiny_engine, tiny_corpus, embedder, tmp_path, monkeypatch, capsys):
+    import errno
+
+    import lazyrag.store.build as build
+    import lazyrag.store.corpus as corpus
+    from lazyrag.cli import main
+    from lazyrag.engine import LazyEngine
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(LazyEngine, "from_pretrained", classmethod(lambda cls, *a, **kw: tiny_engine))
+    monkeypatch.setattr(build, "load_embedder", lambda name: embedder)
+    monkeypatch.setattr(corpus, "atomic_write_bytes", full)
+    rc = main(["precache", str(tiny_corpus), "--out", str(tmp_path / "store"), "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    first, *rest = err.strip().splitlines()
+    assert first.startswith("error: cannot write") and "disk is full" in first and "rerun" in first, err
+    assert all("--debug" in line for line in rest)
+
+
+def test_store_files_respect_the_umask(tiny_engine, tiny_corpus, embedder, tmp_path):
+    from lazyrag.kv.tiers import atomic_write_bytes
+
+    old = os.umask(0o027)
+    try:
+        out = tmp_path / "store"
+        _tiny_build(tiny_engine, tiny_corpus, out, embedder)
+        atomic_write_bytes(tmp_path / "one", b"x")
+    finally:
+        os.umask(old)
+    modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in [tmp_path / "one", *out.rglob("*")] if p.is_file()}
+    assert modes and set(modes.values()) == {"0o640"}, modes  # as other tools create files; mkstemp alone gives 0600

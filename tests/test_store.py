@@ -233,3 +233,142 @@ def test_damaged_index_is_rewritten_by_precache_verify(default_engine, store_pat
     assert report.corrupt == [] and report.chunks_encoded == 0
     hits = Retriever(path, embedder).retrieve("How deep is the Mariana Trench?", k=1)
     assert hits[0].doc_id == "trench.txt"
+
+
+# -- issue 29: retrieval covered by the digests, k, kv/ confined, one generation per reader -----------------
+# (stores of the tiny random model: what is checked does not depend on the model)
+
+@pytest.fixture(scope="module")
+def tiny_store_path(tiny_engine, tiny_corpus, embedder, tmp_path_factory):
+    out = tmp_path_factory.mktemp("stores") / "tiny-random"
+    precache(tiny_engine, PrecacheConfig([str(tiny_corpus)], str(out), chunks_per_shard=2, progress=False), embedder)
+    return out
+
+
+def _repair(engine, path, embedder):
+    sources = json.loads((path / MANIFEST).read_text())["sources"]
+    return precache(engine, PrecacheConfig(sources, str(path), chunks_per_shard=2, progress=False, verify=True), embedder)
+
+
+def test_an_index_with_shifted_ids_is_refused_and_rewritten_by_verify(tiny_engine, tiny_store_path, embedder, tmp_path):
+    import faiss
+    import numpy as np
+
+    from lazyrag.store.corpus import build_index
+
+    path = _copy(tiny_store_path, tmp_path)
+    q = "Which prizes did Marie Curie win?"
+    assert Retriever(path, embedder).retrieve(q, k=1)[0].doc_id == "curie.md"
+    ids, vecs = CorpusStore.open(path).embeddings()
+    faiss.write_index(build_index(vecs, np.roll(ids, 1)), str(path / INDEX))  # a valid index, every id off by one
+    with pytest.raises(StoreError, match=rf"(?s){INDEX}.*sha256.*--verify"):
+        Retriever(path, embedder)
+    report = _repair(tiny_engine, path, embedder)
+    assert report.corrupt == [] and report.chunks_encoded == 0
+    assert Retriever(path, embedder).retrieve(q, k=1)[0].doc_id == "curie.md"
+
+
+@pytest.mark.parametrize("column,value", [("text", "Marie Curie was a pirate who won nothing."), ("doc_id", "forged.md"),
+                                          ("meta", json.dumps({"title": "Forged", "source": "elsewhere"}))])
+def test_an_edited_row_is_never_served_and_verify_rebuilds_it(tiny_engine, tiny_store_path, embedder, tmp_path, column, value):
+    path = _copy(tiny_store_path, tmp_path)
+    q = "Which prizes did Marie Curie win?"
+    victim = Retriever(path, embedder).retrieve(q, k=1)[0]
+    _tamper(path, (f"UPDATE chunks SET {column} = ? WHERE id = ?", (value, victim.id)))
+    retriever = Retriever(path, embedder)
+    with pytest.raises(StoreError, match=rf"(?s)chunk\(s\) {victim.id} .*row digest.*--verify"):
+        retriever.retrieve(q, k=2)
+    assert CorpusStore.open(path).verify() == [victim.id]
+    report = _repair(tiny_engine, path, embedder)
+    assert victim.id in report.corrupt
+    hit = Retriever(path, embedder).retrieve(q, k=1)[0]
+    assert (hit.text, hit.doc_id, hit.metadata) == (victim.text, victim.doc_id, victim.metadata)
+
+
+def test_retrieve_clamps_k_to_the_store_and_refuses_what_is_not_a_count(tiny_store_path, embedder):
+    retriever = Retriever(tiny_store_path, embedder)
+    for k in (5, 6, 10**8, 2**31, 2**63):  # FAISS allocated k results up front: 2**31 aborted the process
+        hits = retriever.retrieve("Where was Paganini born?", k)
+        assert len(hits) == 5 and len({h.id for h in hits}) == 5
+    assert [len(h) for h in retriever.retrieve_batch(["canal", "lava"], 2**31)] == [5, 5]
+    for k in (0, -1, 2.5, True, "3", None):
+        with pytest.raises(ValueError, match="positive integer"):
+            retriever.retrieve("Where was Paganini born?", k)
+    for query in (None, b"canal", 5):
+        with pytest.raises(ValueError, match="string"):
+            retriever.retrieve(query, 2)
+
+
+def test_a_kv_folder_linked_outside_the_store_is_refused(tiny_engine, tiny_store_path, embedder, tmp_path):
+    path = _copy(tiny_store_path, tmp_path)
+    shutil.move(path / "kv", tmp_path / "elsewhere")
+    (path / "kv").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    with pytest.raises(StoreError, match="outside the store"):
+        CorpusStore.open(path)
+    with pytest.raises(StoreError, match="outside the store"):
+        _repair(tiny_engine, path, embedder)  # refused whole: no row is dropped for it
+    linked = tmp_path / "linked-store"  # the store folder itself may be a link
+    linked.symlink_to(tiny_store_path, target_is_directory=True)
+    assert len(CorpusStore.open(linked)) == 5
+
+
+def test_readers_see_one_generation_while_precache_extends_the_store(tiny_engine, tiny_corpus, embedder, tmp_path, monkeypatch):
+    """`lazyrag ask --store S` during `lazyrag precache --out S` with more input: every reader serves the
+    old generation or the new one whole (its rows, its index, its shards), never a mix, and never fails."""
+    import threading
+    import time
+
+    import lazyrag.store.corpus as corpus
+
+    more = tmp_path / "more"
+    more.mkdir()
+    topics = ["glaciers", "tea", "volcanoes", "comets", "bridges", "owls"]
+    for i, topic in enumerate(topics):
+        (more / f"extra{i}.md").write_text(f"Extra document number {i} explains {topic} in a few plain sentences.")
+    out = tmp_path / "store"
+    precache(tiny_engine, PrecacheConfig([str(tiny_corpus)], str(out), chunks_per_shard=2, progress=False), embedder)
+    early = CorpusStore.open(out)  # opened before the extension, used throughout it
+    early_retriever, early_texts = Retriever(early, embedder), {r.id: r.text for r in early.rows()}
+
+    add_shard, write_index = CorpusStore.add_shard, corpus.write_index
+
+    def slow_add_shard(self, *args):  # the writer pauses at every step, so readers open at each of them
+        time.sleep(0.05)
+        add_shard(self, *args)
+        time.sleep(0.05)
+
+    def slow_write_index(*args):
+        digest = write_index(*args)
+        time.sleep(0.3)  # the new index is in place, the manifest still publishes the old one
+        return digest
+
+    monkeypatch.setattr(CorpusStore, "add_shard", slow_add_shard)
+    monkeypatch.setattr(corpus, "write_index", slow_write_index)
+    reports, errors = [], []
+
+    def extend():
+        try:
+            config = PrecacheConfig([str(tiny_corpus), str(more)], str(out), chunks_per_shard=2, progress=False)
+            reports.append(precache(tiny_engine, config, embedder))
+        except Exception as e:  # surfaced below
+            errors.append(e)
+
+    writer = threading.Thread(target=extend)
+    writer.start()
+    seen = []
+    while writer.is_alive() or (not errors and (not seen or seen[-1] != 11)):
+        store = CorpusStore.open(out)
+        n = store.manifest.num_chunks
+        assert n in (5, 11) and len(store) == n == store.index.ntotal
+        hits = Retriever(store, embedder).retrieve("Extra document about comets", k=50)
+        assert sorted(h.id for h in hits) == list(range(n))  # every chunk of its generation, nothing else
+        for h in hits[:2]:
+            assert store.load_kv(h.id)[2].text == h.text
+        old = early_retriever.retrieve("Extra document about comets", k=50)
+        assert {h.id: h.text for h in old} == early_texts
+        seen.append(n)
+        assert len(seen) < 10_000
+    writer.join()
+    assert not errors, errors
+    assert 5 in seen and reports[0].chunks_encoded == 6
+    assert CorpusStore.open(out).verify() == [] and early.verify() == []

@@ -297,7 +297,7 @@ class LazyEngine:
             store = CorpusStore.open(folder)
         store.check_compatible(self.kv_identity())
         self.cache.add_tier(store)
-        self.register_chunks(row.text for row in store.rows() if row.text)
+        self.register_chunks(store.chunk_texts())  # rows that fail their check are logged, their KV recomputed
         return store
 
     # -- requests: every generation goes through the continuous-batching scheduler --------

@@ -2,6 +2,7 @@
 and the plan that says where each part of its prompt's KV comes from (the scheduler-to-planner interface)."""
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import numbers
@@ -11,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from lazyrag.defaults import MIN_TEMPERATURE, MIN_TOP_P, SEED_LIMIT
 from lazyrag.engine.runner import Placement, SeqState
 from lazyrag.engine.sampling import Detokenizer
 from lazyrag.kv.cache import Segment
@@ -18,35 +20,39 @@ from lazyrag.prompt import PromptLayout
 from lazyrag.strategy_names import check_strategy
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
+    """Immutable once checked (a request in flight keeps what was validated): derive others with
+    ``dataclasses.replace(params, temperature=...)``, which checks them again."""
+
     max_new_tokens: int = 128
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 = greedy, else at least MIN_TEMPERATURE
     top_p: float = 1.0
-    stop: list[str] = field(default_factory=list)
+    stop: tuple[str, ...] = ()  # a string or a list of strings is accepted and kept as a tuple
     seed: int | None = None
     ignore_eos: bool = False  # keep generating past end-of-turn tokens (benchmarks with fixed output lengths)
     strategy: str = "lazy"  # how the prompt's KV is obtained: engine/reuse.py, names in lazyrag/strategy_names.py
 
     def __post_init__(self):
         # Checked here, before admission: a bad value would otherwise fail inside a batch of other requests.
-        if self.stop is None:
-            self.stop = []
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
+        put = functools.partial(object.__setattr__, self)  # frozen: the checked values are set once, here
+        stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
             raise ValueError(f"stop must be a string or a list of strings; got {self.stop!r}")
-        self.stop = [s for s in self.stop if s]
+        put("stop", tuple(s for s in stop if s))
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, numbers.Integral) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an integer of at least 1; got {self.max_new_tokens!r}")
-        self.max_new_tokens = int(self.max_new_tokens)
-        if not _finite_number(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 means greedy); got {self.temperature!r}")
-        if not _finite_number(self.top_p) or not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be a number in (0, 1]; got {self.top_p!r}")
-        self.temperature, self.top_p = float(self.temperature), float(self.top_p)
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)):
-            raise ValueError(f"seed must be an integer or None; got {self.seed!r}")
+        put("max_new_tokens", int(self.max_new_tokens))
+        if not _finite_number(self.temperature) or not (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE):
+            raise ValueError(f"temperature must be 0 (greedy) or a finite number of at least {MIN_TEMPERATURE:g} (smaller "
+                             f"ones sample greedily anyway, and fail in float32); got {self.temperature!r}")
+        if not _finite_number(self.top_p) or not MIN_TOP_P <= self.top_p <= 1:
+            raise ValueError(f"top_p must be a number in [{MIN_TOP_P:g}, 1]; got {self.top_p!r}")
+        put("temperature", float(self.temperature))
+        put("top_p", float(self.top_p))
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)
+                                      or not 0 <= self.seed < SEED_LIMIT):
+            raise ValueError(f"seed must be None or an integer in [0, 2**63); got {self.seed!r}")
         check_strategy(self.strategy)
 
 

@@ -230,8 +230,16 @@ def _build(engine, config: PrecacheConfig, store: CorpusStore, chunks: list[Chun
         store.add_shard("prefix.safetensors", [row], kv, None)
 
     per = config.chunks_per_shard
-    shards = [(f"shard-{s // per:06d}.safetensors", range(s, min(s + per, len(chunks)))) for s in range(0, len(chunks), per)]
-    todo = [(name, ids) for name, ids in shards if name not in done]
+    stored = set(store.keys_by_id())
+    todo = []
+    for s in range(0, len(chunks), per):
+        ids = range(s, min(s + per, len(chunks)))
+        missing = [i for i in ids if i not in stored]
+        if len(missing) == len(ids):
+            todo.append((f"shard-{s // per:06d}.safetensors", ids))
+        elif missing:  # the last shard of a store now extended by more input: the new chunks in a file of their own,
+            # so the rows and file readers of the published generation use are never rewritten
+            todo.append((f"shard-{s // per:06d}-{missing[0]:06d}.safetensors", missing))
     n_done = len(chunks) - sum(len(ids) for _, ids in todo)
     encoded = tokens = 0
     bar = tqdm(total=len(chunks), initial=n_done, unit="chunk", desc="precache", disable=not config.progress, dynamic_ncols=True)

@@ -1,13 +1,15 @@
 """A corpus store on disk: chunks, their embeddings and FAISS index, and their position-free KV.
 
-Layout of a store folder (``LAYOUT_VERSION`` 2)::
+Layout of a store folder (``LAYOUT_VERSION`` 3)::
 
     manifest.json        what the KV is valid for (model fingerprint, dtype, block size,
                          encoding prefix and system prompt), the embedder, the chunking
-                         parameters, and ``status``: "building" until the index is written
+                         parameters, ``status`` ("building" until the first index is written),
+                         and the published generation: ``num_chunks`` and the index's sha256
     chunks.sqlite        one row per chunk: id, content key, source document, text, token
-                         count, start position, KV shard, row digest, embedding; plus one row
-                         (id -1, kind "prefix") for the shared encoding prefix
+                         count, start position, KV shard, row digest, embedding, metadata and
+                         ``row_check`` (a sha256 over all of them); plus one row (id -1, kind
+                         "prefix") for the shared encoding prefix
     index.faiss          inner-product index over the normalised embeddings; FAISS ids = chunk ids
     kv/shard-NNNNNN.safetensors
                          tensors "<id>.k" and "<id>.v": ``[layers, tokens, H_kv, D]`` in the
@@ -17,7 +19,16 @@ Layout of a store folder (``LAYOUT_VERSION`` 2)::
 A row's digest is a sha256 over the model fingerprint, the row's id, key, kind, start,
 token count, document and text, the K/V shapes and dtypes, and the K/V bytes
 (``row_digest``): KV is only ever served under the key, at the start position and for the
-model it was computed for. Shard names are confined to ``kv/``.
+model it was computed for. A row's ``row_check`` covers every field (the digest included), so a
+reader checks what it shows (text, doc_id, metadata) without reading KV; the manifest's
+``index_sha256`` ties the index to the store. Shard names are confined to ``kv/``, and ``kv/``
+to the store.
+
+Generations: a reader serves the chunks the manifest it read counts (ids below ``num_chunks``)
+with the index whose sha256 it names. A ``precache`` extending a finished store adds rows and
+shards (new files, never rewriting published ones), writes the index, and publishes the new
+generation by replacing the manifest last; a reader opening meanwhile sees the old generation
+or the new one, never a mix.
 
 Every file is written to a temp name and renamed; a shard's rows are inserted in one
 sqlite transaction after its file is in place, so an interrupted build leaves only whole
@@ -32,9 +43,11 @@ named outside the store, is refused at ``open`` with a StoreError that says how 
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
+import re
 import sqlite3
 import threading
 import time
@@ -50,7 +63,7 @@ from lazyrag.kv.tiers import CorruptKV, Tier, TierEntry, atomic_write_bytes, kv_
 
 log = logging.getLogger(__name__)
 
-LAYOUT_VERSION = 2  # 2: rows carry a digest over key, start, text and KV (1: a sha256 of the KV bytes only)
+LAYOUT_VERSION = 3  # 3: rows also carry a check over every field, the manifest the index's sha256 (2: KV digests only)
 MANIFEST, TABLE, INDEX, KV_DIR, LOCK = "manifest.json", "chunks.sqlite", "index.faiss", "kv", ".precache.lock"
 PREFIX_ID = -1
 
@@ -66,9 +79,15 @@ CREATE TABLE IF NOT EXISTS chunks (
     shard TEXT NOT NULL,
     digest TEXT NOT NULL,
     embedding BLOB,
-    meta TEXT NOT NULL
+    meta TEXT NOT NULL,
+    row_check TEXT NOT NULL DEFAULT ''
 )
 """
+
+# atomic_write_bytes' temp files (".<name>.<8 random chars>.tmp"), left behind when a writer is killed mid-write
+_TEMP = re.compile(r"^\.(?P<name>.+)\.[a-z0-9_]{8}\.tmp$")
+_STORE_FILES = (MANIFEST, TABLE, INDEX)
+_SHARD_FILE = re.compile(r"^(prefix|shard-\d{6}(-\d{6})?)\.safetensors$")
 
 
 class StoreError(RuntimeError):
@@ -77,6 +96,10 @@ class StoreError(RuntimeError):
 
 class StoreMismatch(StoreError):
     """The store was made for another model, dtype, block size, prefix or layout."""
+
+
+class _IndexOfAnotherGeneration(StoreError):
+    """index.faiss does not match the manifest's checksum (damaged, replaced, or a writer is publishing a new one)."""
 
 
 @dataclass
@@ -93,6 +116,7 @@ class StoreManifest(KVIdentity):
     status: str = "building"
     num_chunks: int = 0
     num_tokens: int = 0
+    index_sha256: str = ""  # of index.faiss, checked whenever it is read
     sources: list[str] = field(default_factory=list)
     created: float = field(default_factory=time.time)
 
@@ -147,6 +171,17 @@ def row_digest(model_fingerprint: str, row: ChunkRow, k: torch.Tensor, v: torch.
     return hashlib.sha256(f"{head}\n{kv_checksum(k, v)}".encode()).hexdigest()
 
 
+def row_check(row: ChunkRow, meta_json: str, embedding: bytes | None) -> str:
+    """sha256 over every field of a stored row as it is in the table (the KV digest included): what a
+    reader shows (text, doc_id, metadata, title) and what it uses (key, start, shard, embedding) is
+    served only as it was stored. Cheap: no KV bytes are read."""
+    head = json.dumps({"id": row.id, "key": row.key, "kind": row.kind, "doc_id": row.doc_id, "text": row.text,
+                       "num_tokens": row.num_tokens, "start": row.start, "shard": row.shard, "digest": row.digest,
+                       "meta": meta_json, "embedding": None if embedding is None else hashlib.sha256(embedding).hexdigest()},
+                      sort_keys=True)
+    return hashlib.sha256(head.encode()).hexdigest()
+
+
 def rebuild_command(path: Path, manifest: StoreManifest | None, flag: str) -> str:
     """The precache command line that repairs (``--verify``) or rebuilds (``--overwrite``) the store at ``path``."""
     sources = " ".join(manifest.sources) if manifest is not None and manifest.sources else "CORPUS"
@@ -159,15 +194,21 @@ class CorpusStore(Tier):
     name = "store"
     writable = False  # the cache never demotes into a store: its chunks are already here
 
-    def __init__(self, path: str | Path, manifest: StoreManifest):
+    def __init__(self, path: str | Path, manifest: StoreManifest, limit: int | None = None):
+        """``limit``: serve only chunk ids below it (``open`` passes the manifest's ``num_chunks``: rows a
+        concurrent ``precache`` is adding belong to the next generation, which its next manifest publishes)."""
         self.path = Path(path)
         self.manifest = manifest
+        self._limit = None if limit is None else int(limit)
         self._local = threading.local()  # sqlite connections are per thread
         self._index = None
         with self._table_errors(), self._db() as db:
             db.execute(_SCHEMA)
-        self._keys = dict(self._sql("SELECT key, id FROM chunks"))
+        self._keys = dict(self._sql(f"SELECT key, id FROM chunks WHERE 1{self._visible()}"))
         self.bad: set[int] = set()  # chunk ids whose KV failed its digest this session
+
+    def _visible(self) -> str:
+        return "" if self._limit is None else f" AND id < {self._limit}"
 
     # -- opening ----------------------------------------------------------------------------
 
@@ -179,6 +220,22 @@ class CorpusStore(Tier):
         point outside the store raise StoreError here, not at the first request.
         """
         path = Path(path)
+        deadline = time.monotonic() + 60
+        while True:
+            manifest = cls._published_manifest(path)
+            store = cls(path, manifest, limit=manifest.num_chunks)  # rows a writer adds now are not served
+            try:
+                store.check_files()
+                return store
+            except _IndexOfAnotherGeneration:
+                # the manifest and index.faiss of two generations: a precache publishing a new one writes the
+                # index, then the manifest. Read both again once it has; a damaged index stays refused.
+                if time.monotonic() > deadline or (read_manifest(path) == manifest and not build_in_progress(path)):
+                    raise
+                time.sleep(0.02)
+
+    @classmethod
+    def _published_manifest(cls, path: Path) -> StoreManifest:
         if not (path / MANIFEST).is_file():
             raise StoreError(f"{path} is not a lazyrag store (no {MANIFEST}); build one with: lazyrag precache CORPUS --out {path}")
         manifest = read_manifest(path)
@@ -192,9 +249,7 @@ class CorpusStore(Tier):
         if not (path / TABLE).is_file():
             raise StoreError(f"{path} has no chunk table ({TABLE}); rebuild the store with "
                              f"`{rebuild_command(path, manifest, '--overwrite')}` or into a new --out folder.")
-        store = cls(path, manifest)
-        store.check_files()
-        return store
+        return manifest
 
     @classmethod
     def create_or_resume(cls, path: str | Path, manifest: StoreManifest) -> "CorpusStore":
@@ -202,6 +257,7 @@ class CorpusStore(Tier):
 
         Call it holding ``writer_lock(path)``: two builds of one store would both do the full work."""
         path = Path(path)
+        publish = True
         if (path / MANIFEST).is_file():
             old = read_manifest(path)
             diff = old.differences(manifest, StoreManifest.BUILD_FIELDS)
@@ -211,11 +267,22 @@ class CorpusStore(Tier):
                     + "\nUse a new --out folder, or pass --overwrite to rebuild this one."
                 )
             manifest.created, manifest.sources = old.created, old.sources
+            # a finished store stays readable while this run extends it: its manifest (the generation readers
+            # serve) is replaced only by ``finish``, after the new rows and index are in place
+            publish = old.status != "complete"
         else:
             check_new_store_folder(path)
-        (path / KV_DIR).mkdir(parents=True, exist_ok=True)
+        remove_stale_temp_files(path)
+        if (path / KV_DIR).is_symlink():
+            raise StoreError(f"{path}/{KV_DIR} is a link; a store keeps its KV shards in a folder of its own. "
+                             "Remove the link, or build into a new --out folder.")
+        try:
+            (path / KV_DIR).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StoreError(_write_failed(path / KV_DIR, e)) from e
         manifest.status = "building"
-        write_manifest(path, manifest)
+        if publish:
+            write_manifest(path, manifest)
         return cls(path, manifest)
 
     def check_files(self) -> None:
@@ -224,7 +291,7 @@ class CorpusStore(Tier):
             problems = [p for (p,) in self._db().execute("PRAGMA quick_check").fetchall()]
         if problems != ["ok"]:
             self._table_damaged(problems[0])
-        for (shard,) in self._sql("SELECT DISTINCT shard FROM chunks"):
+        for (shard,) in self._sql(f"SELECT DISTINCT shard FROM chunks WHERE 1{self._visible()}"):
             if not self.shard_path(shard).is_file():
                 raise StoreError(f"{self.path}: the KV shard {KV_DIR}/{shard} is missing; rebuild its chunks with "
                                  f"`{rebuild_command(self.path, self.manifest, '--verify')}`.")
@@ -259,7 +326,7 @@ class CorpusStore(Tier):
 
     def shard_path(self, shard: str) -> Path:
         """The file of a KV shard named in the chunk table; StoreError if the name leads out of ``kv/``."""
-        folder = (self.path / KV_DIR).resolve()
+        folder = self._kv_folder()
         path = (folder / shard).resolve()
         if not shard or path.parent != folder:
             raise StoreError(f"{self.path}: the chunk table names the KV shard {shard!r}, which is not a file in {folder}; "
@@ -267,19 +334,36 @@ class CorpusStore(Tier):
                              f"`{rebuild_command(self.path, self.manifest, '--verify')}` or build into a new --out folder.")
         return path
 
+    def _kv_folder(self) -> Path:
+        """``kv/``, resolved; StoreError if it is a link leading out of the store (shards are confined to the store)."""
+        folder = (self.path / KV_DIR).resolve()
+        if folder != self.path.resolve() / KV_DIR:
+            raise StoreError(f"{self.path}: {KV_DIR}/ leads to {folder}, outside the store, so the store is refused "
+                             f"(its KV shards must be files of its own {KV_DIR} folder). Move them back into it, or rebuild "
+                             f"with `{rebuild_command(self.path, self.manifest, '--overwrite')}` or into a new --out folder.")
+        return folder
+
     @property
     def index(self):
-        """The FAISS index (ids = chunk ids), read once; StoreError if the file is damaged."""
+        """The FAISS index (ids = chunk ids), read once and checked against the manifest's sha256 (a
+        full hash of the bytes just read: a few ms per 10 MB, well under faiss's own deserialization);
+        StoreError if the file is damaged or is not the index the manifest published."""
         if self._index is None:
             try:
-                self._index = read_index(self.path / INDEX)
-            except (OSError, RuntimeError, ValueError) as e:  # faiss reports a damaged file as RuntimeError
+                data = np.fromfile(self.path / INDEX, dtype=np.uint8)
+            except OSError as e:
+                self._index_damaged(f"{type(e).__name__}: {e}")
+            if hashlib.sha256(data).hexdigest() != self.manifest.index_sha256:
+                self._index_damaged("its sha256 is not the one the manifest recorded: it was changed or replaced", _IndexOfAnotherGeneration)
+            try:
+                self._index = deserialize_index(data)
+            except (RuntimeError, ValueError) as e:  # faiss reports a damaged file as RuntimeError
                 self._index_damaged(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         return self._index
 
-    def _index_damaged(self, why: str):
-        raise StoreError(f"{self.path}: the FAISS index {INDEX} is missing or damaged ({why}). Rerun "
-                         f"`{rebuild_command(self.path, self.manifest, '--verify')}`: it checks the stored KV and rewrites the index.")
+    def _index_damaged(self, why: str, error: type = StoreError):
+        raise error(f"{self.path}: the FAISS index {INDEX} is missing or damaged ({why}). Rerun "
+                    f"`{rebuild_command(self.path, self.manifest, '--verify')}`: it checks the stored KV and rewrites the index.")
 
     # -- the chunk table ----------------------------------------------------------------------
 
@@ -294,6 +378,10 @@ class CorpusStore(Tier):
         """sqlite's errors on a damaged table file, as a StoreError that says how to rebuild."""
         try:
             yield
+        except sqlite3.OperationalError as e:
+            if "full" in str(e) or "disk I/O" in str(e) or "readonly" in str(e):  # the disk, not the table
+                raise StoreError(_write_failed(self.path / TABLE, e)) from e
+            self._table_damaged(f"{type(e).__name__}: {e}", e)
         except sqlite3.DatabaseError as e:
             self._table_damaged(f"{type(e).__name__}: {e}", e)
 
@@ -306,34 +394,66 @@ class CorpusStore(Tier):
             return self._db().execute(query, params).fetchall()
 
     def __len__(self) -> int:
-        return self._sql("SELECT COUNT(*) FROM chunks WHERE kind = 'chunk'")[0][0]
+        return self._sql(f"SELECT COUNT(*) FROM chunks WHERE kind = 'chunk'{self._visible()}")[0][0]
 
     def done_shards(self) -> set[str]:
-        return {s for (s,) in self._sql("SELECT DISTINCT shard FROM chunks")}
+        return {s for (s,) in self._sql(f"SELECT DISTINCT shard FROM chunks WHERE 1{self._visible()}")}
 
     def keys_by_id(self) -> dict[int, str]:
-        return dict(self._sql("SELECT id, key FROM chunks"))
+        return dict(self._sql(f"SELECT id, key FROM chunks WHERE 1{self._visible()}"))
 
     def rows(self, ids: list[int] | None = None) -> list[ChunkRow]:
-        """Chunk rows by id (in the order asked; missing ids are skipped), or every chunk in id order."""
-        if ids is None:
-            found = self._sql(f"SELECT {_COLUMNS} FROM chunks WHERE kind = 'chunk' ORDER BY id")
-        else:
-            found = self._sql(f"SELECT {_COLUMNS} FROM chunks WHERE id IN ({','.join('?' * len(ids))})", [int(i) for i in ids])
-        try:
-            out = [ChunkRow(*r[:9], meta=json.loads(r[9])) for r in found]
-        except (TypeError, ValueError) as e:
-            self._table_damaged(f"a row's metadata is not JSON: {e}", e)
-        if ids is not None:
-            by_id = {r.id: r for r in out}
-            out = [by_id[int(i)] for i in ids if int(i) in by_id]
+        """Chunk rows by id (in the order asked; missing ids are skipped), or every chunk in id order.
+        StoreError (with what to do) if a row does not match its check: it is never served changed."""
+        out, bad = self._read_rows(ids)
+        if bad:
+            raise StoreError(self._changed_rows(bad))
         return out
+
+    def _read_rows(self, ids: list[int] | None, with_embeddings: bool = False) -> tuple[list, list[int]]:
+        """The rows (or ``(row, embedding)`` pairs), and the ids of those that fail their ``row_check``."""
+        columns = f"SELECT {_COLUMNS}, embedding, row_check FROM chunks"
+        if ids is None:
+            found = self._sql(f"{columns} WHERE kind = 'chunk'{self._visible()} ORDER BY id")
+        else:
+            found = self._sql(f"{columns} WHERE id IN ({','.join('?' * len(ids))}){self._visible()}", [int(i) for i in ids])
+        out, bad = [], []
+        for r in found:
+            try:
+                row = ChunkRow(*r[:9], meta=json.loads(r[9]))
+                ok = row_check(row, r[9], r[10]) == r[11]
+            except (TypeError, ValueError) as e:
+                self._table_damaged(f"a row's metadata is not JSON: {e}", e)
+            if not ok:
+                bad.append(row.id)
+            out.append((row, r[10]) if with_embeddings else row)
+        if ids is not None:
+            by_id = {(r[0] if with_embeddings else r).id: r for r in out}
+            out = [by_id[int(i)] for i in ids if int(i) in by_id]
+        return out, bad
+
+    def chunk_texts(self) -> list[str]:
+        """The text of every chunk whose row checks out (the others are logged: their KV is recomputed, never
+        served, until ``precache --verify`` rebuilds them), for an engine to find them in free-form prompts."""
+        rows, bad = self._read_rows(None)
+        if bad:
+            log.warning("%s", self._changed_rows(bad))
+        skip = set(bad)
+        return [r.text for r in rows if r.text and r.id not in skip]
+
+    def _changed_rows(self, bad: list[int]) -> str:
+        return (f"{self.path}: chunk(s) {', '.join(map(str, bad[:10]))}{' ...' if len(bad) > 10 else ''} of {TABLE} do not match "
+                f"their row digest (text, doc_id, metadata, key, start, shard or embedding changed after they were stored), "
+                f"so they are not served. Repair the store with `{rebuild_command(self.path, self.manifest, '--verify')}`.")
 
     def embeddings(self) -> tuple[np.ndarray, np.ndarray]:
         """(ids, embeddings [N, dim] float32) of every chunk, in id order."""
         ids, vecs = [], []
-        for i, blob in self._sql("SELECT id, embedding FROM chunks WHERE kind = 'chunk' ORDER BY id"):
-            ids.append(i)
+        found, bad = self._read_rows(None, with_embeddings=True)
+        if bad:
+            raise StoreError(self._changed_rows(bad))
+        for row, blob in found:
+            ids.append(row.id)
             vecs.append(np.frombuffer(blob, dtype=np.float32))
         dim = self.manifest.embed_dim
         return np.asarray(ids, dtype=np.int64), (np.stack(vecs) if vecs else np.zeros((0, dim), np.float32))
@@ -349,22 +469,24 @@ class CorpusStore(Tier):
             r.shard, r.num_tokens = shard, k.shape[1]
             r.digest = row_digest(self.manifest.model_fingerprint, r, k, v)
             tensors[f"{r.id}.k"], tensors[f"{r.id}.v"] = k.contiguous(), v.contiguous()
-        atomic_write_bytes(self.shard_path(shard), save(tensors))
+        _write(self.shard_path(shard), save(tensors))
+        values = []
+        for j, r in enumerate(rows):
+            blob = None if embeddings is None or r.kind != "chunk" else np.asarray(embeddings[j], np.float32).tobytes()
+            meta = json.dumps(r.meta)
+            values.append((r.id, r.key, r.kind, r.doc_id, r.text, r.num_tokens, r.start, r.shard, r.digest, blob, meta,
+                           row_check(r, meta, blob)))
         with self._table_errors(), self._db() as db:  # one transaction: all rows of the shard or none
-            db.executemany(
-                "INSERT OR REPLACE INTO chunks VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                [(r.id, r.key, r.kind, r.doc_id, r.text, r.num_tokens, r.start, r.shard, r.digest,
-                  None if embeddings is None or r.kind != "chunk" else np.asarray(embeddings[j], np.float32).tobytes(),
-                  json.dumps(r.meta)) for j, r in enumerate(rows)],
-            )
+            db.executemany("INSERT OR REPLACE INTO chunks VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", values)
         self._keys.update({r.key: r.id for r in rows})
 
     def finish(self, index_kind: str, sources: list[str]) -> None:
-        """Build and write the FAISS index, then mark the store complete."""
+        """Build and write the FAISS index, then mark the store complete: the manifest, written last,
+        publishes the new generation (its rows, its index's sha256) to readers."""
         ids, vecs = self.embeddings()
         self._index = build_index(vecs, ids, index_kind)
-        write_index(self.path / INDEX, self._index)
         m = self.manifest
+        m.index_sha256 = write_index(self.path / INDEX, self._index)
         m.num_chunks = len(ids)
         m.num_tokens = self._sql("SELECT COALESCE(SUM(num_tokens), 0) FROM chunks WHERE kind = 'chunk'")[0][0]
         m.index_kind, m.sources, m.status = index_kind, sorted(set(m.sources) | set(sources)), "complete"
@@ -401,11 +523,14 @@ class CorpusStore(Tier):
         """K, V of one chunk from its shard; raises CorruptKV if they or their row do not match the row's digest."""
         from safetensors import safe_open
 
-        rows = self.rows([chunk_id])
+        rows, bad = self._read_rows([chunk_id])
         if not rows:
             raise KeyError(f"chunk {chunk_id} is not in the store")
         row = rows[0]
-        with safe_open(str(self.shard_path(row.shard)), framework="pt") as f:
+        shard = self.shard_path(row.shard)  # StoreError for a shard outside the store, before anything is read
+        if bad:
+            raise CorruptKV(f"chunk {chunk_id}'s row does not match its row digest (a field of it changed after it was stored)")
+        with safe_open(str(shard), framework="pt") as f:
             k, v = f.get_tensor(f"{row.id}.k"), f.get_tensor(f"{row.id}.v")
         if row_digest(self.manifest.model_fingerprint, row, k, v) != row.digest:
             raise CorruptKV(f"chunk {chunk_id} in {row.shard} does not match its row digest "
@@ -415,8 +540,9 @@ class CorpusStore(Tier):
     def verify(self, repair: bool = False) -> list[int]:
         """Check every chunk's KV and row against its digest; ids of the bad ones. ``repair`` drops their
         rows, so the next ``lazyrag precache`` run with the same arguments recomputes them."""
+        self._kv_folder()  # a kv/ leading outside the store fails the whole store, not each of its rows
         bad = []
-        for (cid,) in self._sql("SELECT id FROM chunks ORDER BY id"):
+        for (cid,) in self._sql(f"SELECT id FROM chunks WHERE 1{self._visible()} ORDER BY id"):
             try:
                 self.load_kv(cid)
             except Exception as e:
@@ -444,15 +570,72 @@ def read_manifest(path: Path) -> StoreManifest:
 
 
 def write_manifest(path: Path, manifest: StoreManifest) -> None:
-    atomic_write_bytes(Path(path) / MANIFEST, json.dumps(asdict(manifest), indent=1).encode())
+    _write(Path(path) / MANIFEST, json.dumps(asdict(manifest), indent=1).encode())
+
+
+def _write(path: Path, data: bytes) -> None:
+    """atomic_write_bytes, with a full disk (or any other failed write) as a StoreError that says what to do."""
+    try:
+        atomic_write_bytes(path, data)
+    except OSError as e:
+        raise StoreError(_write_failed(path, e)) from e
+
+
+def _write_failed(path: Path, e: Exception) -> str:
+    full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "full" in str(e)
+    why = "the disk is full" if full else (getattr(e, "strerror", None) or str(e))
+    return (f"cannot write {path}: {why}. {'Free some space' if full else 'Fix that'} (or pick another --out), then rerun "
+            "the same lazyrag precache command: it resumes from the last whole shard.")
 
 
 # -- one writer at a time -------------------------------------------------------------------
 
 def check_new_store_folder(path: Path) -> None:
-    """Refuse to build a store into a folder that holds other things (the lock file aside)."""
-    if path.exists() and not (path / MANIFEST).is_file() and any(p.name != LOCK for p in path.iterdir()):
+    """Refuse to build a store into a folder that holds other things than what a build killed before
+    its first manifest was written leaves (the lock file, an empty ``kv/``, our temp files)."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise StoreError(f"{path} is a file, not a folder; pick an empty or new --out folder.")
+    if path.exists() and not (path / MANIFEST).is_file() and not half_built_store(path):
         raise StoreError(f"{path} exists and is not a lazyrag store; pick an empty or new --out folder.")
+
+
+def _our_temp_file(p: Path, in_kv: bool) -> bool:
+    """Whether ``p`` is a temp file of one of a store writer's atomic writes."""
+    m = _TEMP.match(p.name)
+    if m is None or p.is_symlink() or not p.is_file():
+        return False
+    return bool(_SHARD_FILE.match(m["name"])) if in_kv else m["name"] in _STORE_FILES
+
+
+def half_built_store(path: Path) -> bool:
+    """Whether a folder without a manifest holds only what a ``precache`` killed before its first
+    manifest write leaves: its lock file, our temp files and a ``kv/`` folder with nothing else in it."""
+    path = Path(path)
+    if (path / MANIFEST).exists():
+        return False
+    for p in path.iterdir():
+        if p.name == LOCK and p.is_file() and not p.is_symlink():
+            continue
+        if p.name == KV_DIR and p.is_dir() and not p.is_symlink() and all(_our_temp_file(q, True) for q in p.iterdir()):
+            continue
+        if not _our_temp_file(p, False):
+            return False
+    return True
+
+
+def remove_stale_temp_files(path: Path) -> list[Path]:
+    """Delete the temp files killed writes left (call it holding the writer lock: a live writer's are its own)."""
+    path = Path(path)
+    found = [p for p in path.iterdir() if _our_temp_file(p, False)] if path.is_dir() else []
+    kv = path / KV_DIR
+    if kv.is_dir() and not kv.is_symlink():
+        found += [p for p in kv.iterdir() if _our_temp_file(p, True)]
+    for p in found:
+        p.unlink(missing_ok=True)
+    if found:
+        log.info("%s: removed %d temp file(s) of interrupted writes", path, len(found))
+    return found
 
 
 @contextmanager
@@ -502,6 +685,9 @@ def clear_store(path: Path) -> None:
     if not path.exists():
         return
     if not (path / MANIFEST).is_file():
+        if half_built_store(path):  # killed before its first manifest: only our own files to delete
+            remove_stale_temp_files(path)
+            return
         raise StoreError(f"{path} is not a lazyrag store (no {MANIFEST}); not deleting it. Pick an empty or new --out folder.")
     for p in path.iterdir():
         if p.name == LOCK:
@@ -536,13 +722,20 @@ def build_index(vecs: np.ndarray, ids: np.ndarray, kind: str = "flat"):
     return index
 
 
-def write_index(path: Path, index) -> None:
+def write_index(path: Path, index) -> str:
+    """Write the index (atomically); its sha256, which the manifest records."""
     import faiss
 
-    atomic_write_bytes(path, faiss.serialize_index(index).tobytes())
+    data = faiss.serialize_index(index).tobytes()
+    _write(path, data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def deserialize_index(data: np.ndarray):
+    import faiss
+
+    return faiss.deserialize_index(data)
 
 
 def read_index(path: Path):
-    import faiss
-
-    return faiss.deserialize_index(np.fromfile(path, dtype=np.uint8))
+    return deserialize_index(np.fromfile(path, dtype=np.uint8))

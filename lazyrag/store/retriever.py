@@ -5,6 +5,7 @@ engine (with the store attached) hits the cache instead of recomputing.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,9 +60,16 @@ class Retriever:
         self.embedder = embedder or load_embedder(self.store.manifest.embedder)
 
     def retrieve(self, query: str, k: int = 5) -> list[RetrievedChunk]:
+        if not isinstance(query, str):
+            raise ValueError(f"the query must be a string; got {type(query).__name__}.")
         return self.retrieve_batch([query], k)[0]
 
     def retrieve_batch(self, queries: list[str], k: int = 5) -> list[list[RetrievedChunk]]:
+        """``k``: a positive integer; more than the store holds returns every chunk."""
+        queries = check_queries(queries)
+        k = min(check_k(k), self.index.ntotal)  # FAISS allocates k results per query up front: never more than there are
+        if not queries or k == 0:
+            return [[] for _ in queries]
         scores, ids = self.index.search(embed(self.embedder, queries), k)
         out = []
         for row_scores, row_ids in zip(scores, ids):
@@ -70,3 +78,23 @@ class Retriever:
             out.append([RetrievedChunk(i, s, rows[i].text, rows[i].doc_id, rows[i].num_tokens, rows[i].meta)
                         for i, s in hits if i in rows])
         return out
+
+
+def check_k(k) -> int:
+    """``k`` as an int, or a ValueError that names the problem (checked before FAISS sees it)."""
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
+        raise ValueError(f"k (chunks to retrieve) must be a positive integer; got {k!r}.")
+    return int(k)
+
+
+def check_queries(queries) -> list[str]:
+    if isinstance(queries, (str, bytes)):
+        raise ValueError("retrieve_batch takes a list of query strings; for one query use retrieve(query, k).")
+    try:
+        queries = list(queries)
+    except TypeError:
+        raise ValueError(f"queries must be a list of strings; got {type(queries).__name__}.") from None
+    for i, q in enumerate(queries):
+        if not isinstance(q, str):
+            raise ValueError(f"query {i} must be a string; got {type(q).__name__}.")
+    return queries
