@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from lazyrag.defaults import DEFAULT_EMBEDDER
+from lazyrag.defaults import DEFAULT_EMBEDDER, MAX_K
 from lazyrag.strategy_names import check_strategy
 
 DESCRIPTION = """\
@@ -61,14 +61,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lazyrag", description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    demo = sub.add_parser("demo", help="offline demo: cache a bundled corpus, answer 3 questions, compare TTFT full vs lazy",
-                          description="Caches a small bundled corpus once, then answers three questions with the cached chunks "
-                                      "stitched in shuffled orders, streaming the answers, and prints time to first token of a "
-                                      "full prefill versus lazy stitching side by side.")
+    demo = sub.add_parser("demo", help="offline demo: cached chunks, answers of full / lazy / recovery marked right or wrong, TTFT",
+                          description="Caches a small bundled corpus once, then answers its 8 questions over the cached "
+                                      "chunks in shuffled orders with a full prefill (the quality reference), plain lazy "
+                                      "stitching and the demo's recovery, streaming each answer, marking it right or wrong "
+                                      "against the expected answer and printing its time to first token. Ends with a table "
+                                      "per strategy and says where the embedded 135M model fails even with full prefill.")
     _model_args(demo)
-    demo.add_argument("--max-new-tokens", type=int, default=48)
-    demo.add_argument("--repeats", type=int, default=3, help="shuffled orders timed per question (median reported)")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--max-new-tokens", type=int, default=32, help="tokens per answer (default: %(default)s)")
+    demo.add_argument("--orders", type=int, default=1, help="shuffled chunk orders per question (default: %(default)s)")
+    demo.add_argument("--strategies", default=None,
+                      help="comma-separated strategies to compare (default: full,lazy,lazy+recover; see `lazyrag ask --help`)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the chunk shuffles (default: %(default)s)")
+    demo.add_argument("--json", default=None, metavar="PATH", help="also write every answer and the summary to PATH")
 
     ask = sub.add_parser("ask", help="answer one question over chunks you give", formatter_class=argparse.RawDescriptionHelpFormatter,
                          description="Answer one question over the given chunks and stream the answer.\n"
@@ -93,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--k", type=int, default=5, help="chunks to retrieve from --store")
     add_precache_parser(sub)
     add_eval_parser(sub)
+    add_serve_parser(sub)
     for p in sub.choices.values():
         p.add_argument("-v", "--verbose", action="store_true", help="show model-loading progress bars and library logs")
         p.add_argument("--debug", action="store_true", help="on an error, show the full traceback too")
@@ -120,6 +126,58 @@ def add_precache_parser(subparsers) -> argparse.ArgumentParser:
                                                           "first; corrupt shards are rebuilt, and the index rewritten")
     p.add_argument("--overwrite", action="store_true", help="delete an existing store at --out and build from scratch")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+SERVE_HELP = """\
+Serve the model over HTTP with the OpenAI API, the way vLLM and SGLang are run: any OpenAI client
+(the openai package, LangChain's ChatOpenAI, LlamaIndex's OpenAILike) points its base URL at
+http://HOST:PORT/v1 and works unchanged; every chunk's KV is cached once and reused at any position.
+
+Endpoints: POST /v1/chat/completions and /v1/completions (stream=true for server-sent events),
+GET /v1/models, /health, /metrics (Prometheus: requests, TTFT and inter-token histograms, chunk
+hits and misses, cache bytes per tier).
+
+Chunks reach a request three ways: an extra "documents" field (a list of texts), chunks already
+known to the engine found inside the message text, or, with --store, the top --k chunks retrieved
+for the last user message. Extra request fields: "documents", "strategy", "k", "retrieve".
+usage.prompt_tokens_details.cached_tokens counts the prompt tokens whose KV was reused.
+"""
+
+SERVE_EPILOG = """\
+examples:
+  lazyrag serve                                           # embedded model on http://127.0.0.1:8000/v1
+  lazyrag serve --store stores/nq --k 5                   # answer questions from a pre-cached corpus
+  lazyrag serve --model ~/models/Llama-3.1-8B-Instruct --device cuda --host 0.0.0.0 --api-key "$KEY"
+
+  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' -d '{
+    "messages": [{"role": "user", "content": "Who discovered penicillin?"}],
+    "documents": ["Alexander Fleming discovered penicillin in 1928."], "stream": true}'
+
+  python -c "from openai import OpenAI; c = OpenAI(base_url='http://127.0.0.1:8000/v1', api_key='-');
+  print(c.chat.completions.create(model='SmolLM2-135M-Instruct', messages=[{'role': 'user', 'content': 'Hi'}]))"
+"""
+
+
+def add_serve_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, streaming, metrics)",
+                       description=SERVE_HELP, epilog=SERVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s; 0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients send and /v1/models lists (default: the model's name)")
+    p.add_argument("--store", type=Path, default=None, help="a corpus store from `lazyrag precache`: its chunk KV is "
+                   "loaded from disk, and chat requests that bring no chunks get the top --k retrieved from it")
+    p.add_argument("--k", type=int, default=5, help=f"chunks retrieved per chat request from --store (default: %(default)s, at most {MAX_K})")
+    p.add_argument("--strategy", default="lazy+recover", help="the strategy of requests that name none (default: %(default)s; "
+                   "lazy is fastest, full is the quality reference; see `lazyrag ask --help`)")
+    p.add_argument("--max-tokens", type=int, default=256, help="max_tokens of requests that give none (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, help="temperature of requests that give none (default: %(default)s, greedy)")
+    p.add_argument("--kv-budget", type=int, default=None, help="bytes of the paged KV pool (default: 1 GiB on CPU, 8 GiB on CUDA)")
+    p.add_argument("--max-pending", type=int, default=256, help="generations in flight before new requests get HTTP 503 (default: %(default)s)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ requests (default: no key)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"], help="uvicorn's log level")
     return p
 
 
@@ -192,8 +250,14 @@ def _check_ask(args) -> None:
                          "(separated by blank lines) are the chunks.")
     if args.max_new_tokens <= 0 or args.k <= 0:
         raise UsageError("--max-new-tokens and --k must be positive.")
+    _check_k(args.k)
     if args.store is not None:
         args.store = _check_store(args.store)  # opened once: the command attaches and searches this one
+
+
+def _check_k(k: int) -> None:
+    if not 1 <= k <= MAX_K:
+        raise UsageError(f"--k {k} must be from 1 to {MAX_K} (chunks retrieved per question).")
 
 
 def _check_precache(args) -> None:
@@ -216,6 +280,7 @@ def _check_eval(args) -> None:
     _check_model(args.model)
     if args.n <= 0 or args.batch <= 0 or args.workers <= 0 or args.max_new_tokens <= 0:
         raise UsageError("--n, --batch, --workers and --max-new-tokens must be positive.")
+    _check_k(args.k)
     for name in args.strategies.split(","):
         check_strategy(name)
     if args.store is not None:
@@ -253,7 +318,34 @@ def _finished_store(args) -> str | None:
             "nothing to do. Pass --verify to check its checksums or --overwrite to rebuild it.")
 
 
-CHECKS = {"ask": _check_ask, "precache": _check_precache, "eval": _check_eval}
+def _check_serve(args) -> None:
+    check_strategy(args.strategy)
+    _check_model(args.model)
+    if not 0 < args.port < 65536:
+        raise UsageError(f"--port {args.port} must be in 1-65535.")
+    if not 0 < args.k <= MAX_K or args.max_tokens <= 0 or args.max_pending <= 0:
+        raise UsageError(f"--k must be in 1-{MAX_K}; --max-tokens and --max-pending must be positive.")
+    if not 0 <= args.temperature <= 100:
+        raise UsageError("--temperature must be in [0, 100] (0 = greedy).")
+    try:
+        import fastapi, prometheus_client, uvicorn  # noqa: F401, E401
+    except ImportError as e:
+        raise UsageError(f"lazyrag serve needs its extra: pip install 'lazyrag[serve]' ({e.name} is missing).") from None
+    if args.store is not None:
+        args.store = _check_store(args.store)
+
+
+def _check_demo(args) -> None:
+    _check_model(args.model)
+    if args.max_new_tokens <= 0 or args.orders <= 0:
+        raise UsageError("--max-new-tokens and --orders must be positive.")
+    for name in (args.strategies or "full").split(","):
+        check_strategy(name)
+    if args.strategies and "full" not in args.strategies.split(","):
+        raise UsageError("--strategies must include full: it is the reference every answer is compared with.")
+
+
+CHECKS = {"demo": _check_demo, "ask": _check_ask, "precache": _check_precache, "eval": _check_eval, "serve": _check_serve}
 
 
 def _ask(args) -> int:
@@ -297,11 +389,32 @@ def _precache(args) -> int:
     return 0
 
 
+def _serve(args) -> int:
+    from lazyrag.engine import LazyEngine
+    from lazyrag.server import ServerConfig, run_server
+
+    kw = {"kv_budget": args.kv_budget} if args.kv_budget else {}
+    engine = LazyEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, **kw)
+    retriever = None
+    if args.store is not None:
+        from lazyrag.store.retriever import Retriever
+
+        retriever = Retriever(engine.attach_store(args.store))
+    config = ServerConfig(model_name=args.served_model_name or engine.model_name, max_tokens=args.max_tokens,
+                          temperature=args.temperature, strategy=args.strategy, k=args.k, max_pending=args.max_pending,
+                          api_key=args.api_key)
+    print(f"lazyrag serve: {config.model_name} on {engine.device} at http://{args.host}:{args.port}/v1 "
+          f"(default strategy {config.strategy}{', store ' + str(args.store.path) if args.store is not None else ''})",
+          file=sys.stderr)
+    run_server(engine, config, args.host, args.port, retriever, args.log_level)
+    return 0
+
+
 def _quiet_loading(command: str) -> None:
     """No model-loading progress bars or library warnings on every start (``-v`` shows them)."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # also turns off transformers' bars
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    if command == "ask":
+    if command in ("ask", "serve"):
         # the GGUF reader's bar is a bare tqdm: only tqdm's own switch stops it (demo, precache and eval keep
         # theirs, which report the run's progress; --quiet there)
         os.environ.setdefault("TQDM_DISABLE", "1")
@@ -310,7 +423,7 @@ def _quiet_loading(command: str) -> None:
 def _usage_errors() -> tuple[type, ...]:
     """The errors whose message says what to do: bad input, a broken or mismatched store, a model that
     cannot load. (Read from the modules already imported: importing torch just to report is slow.)"""
-    found = [ValueError]
+    found = [ValueError, OSError]  # OSError: a full disk, a folder not writable, a file gone (its message names it)
     for module, name in (("lazyrag.store", "StoreError"), ("lazyrag.model.loader", "ModelLoadError")):
         if module in sys.modules:
             found.append(getattr(sys.modules[module], name))
@@ -321,7 +434,8 @@ def _run(args) -> int:
     if args.command == "demo":
         from lazyrag.demo import run_demo
 
-        run_demo(args.model, args.device, args.max_new_tokens, args.repeats, args.seed)
+        kw = {"strategies": tuple(args.strategies.split(","))} if args.strategies else {}
+        run_demo(args.model, args.device, args.max_new_tokens, args.orders, args.seed, json_out=args.json, **kw)
         return 0
     if args.command == "eval":
         from lazyrag.eval import run_eval
@@ -333,6 +447,8 @@ def _run(args) -> int:
             print(done)
             return 0
         return _precache(args)
+    if args.command == "serve":
+        return _serve(args)
     return _ask(args)
 
 

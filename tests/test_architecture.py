@@ -12,8 +12,8 @@ LAYERS = [
     ("lazyrag.kernels", "lazyrag.kv", "lazyrag.prompt", "lazyrag.strategy_names", "lazyrag.defaults"),  # kernels, KV bookkeeping, prompts, names
     ("lazyrag.model", "lazyrag.store.corpus"),  # the Llama model and its attention; a store as a KV tier
     ("lazyrag.engine",),  # the request path
-    ("lazyrag.store", "lazyrag.integrations", "lazyrag.eval", "lazyrag.demo"),  # built on the engine
-    ("lazyrag.cli", "lazyrag.__init__"),  # the package's front door re-exports the public API
+    ("lazyrag.store", "lazyrag.integrations", "lazyrag.eval", "lazyrag.demo", "lazyrag.server"),  # built on the engine
+    ("lazyrag.cli", "lazyrag.__init__", "lazyrag.__main__"),  # the package's front door re-exports the public API
 ]
 
 

@@ -35,11 +35,32 @@ def test_help_imports_no_torch():
         assert r.stdout.strip().endswith("False"), (args, r.stdout[-300:], r.stderr[-300:])
 
 
-def test_demo_runs_offline_and_compares_ttft():
-    r = run("demo", "--max-new-tokens", "6", "--repeats", "1")
+def test_demo_marks_each_strategys_answer_and_compares_ttft():
+    r = run("demo", "--max-new-tokens", "12")
     assert r.returncode == 0, r.stderr[-2000:]
-    assert "Time to first token" in r.stdout
-    assert r.stdout.count("Q1") >= 2 and "Q3" in r.stdout
+    out = r.stdout
+    assert "Right answers and time to first token" in out and "TTFT" in out
+    answers = [line for line in out.splitlines() if line.rstrip().endswith(" ms") and ("right" in line or "wrong" in line)]
+    assert len(answers) == 8 * 3  # 8 questions x (full, lazy, the recovery)
+    for strategy in ("full", "lazy", "lazy+recover"):
+        assert sum(line.split()[0] == strategy for line in answers) == 8
+    assert "right" in out and "Q8" in out
+
+
+def test_python_dash_m_lazyrag_is_the_command():
+    r = subprocess.run([sys.executable, "-m", "lazyrag", "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "lazyrag demo" in r.stdout and "serve" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "lazyrag", "demo", "--strategies", "lazy"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "must include full" in r.stderr
+
+
+def test_serve_checks_its_arguments_before_loading_the_model():
+    r = probe("serve", "--port", "0")
+    assert r.returncode == 2 and "--port" in r.stderr and "no torch" in r.stdout
+    r = probe("serve", "--strategy", "nope")
+    assert r.returncode == 2 and "no torch" in r.stdout
+    r = run("serve", "--help")
+    assert r.returncode == 0 and "/v1/chat/completions" in r.stdout and "documents" in r.stdout
 
 
 def test_ask_reports_reuse_and_errors_clearly(tmp_path):
@@ -111,3 +132,9 @@ def test_strategy_names_checked_without_torch_are_the_engine_s():
     from lazyrag.strategy_names import STRATEGY_NAMES
 
     assert tuple(STRATEGIES) == STRATEGY_NAMES
+
+
+def test_k_is_capped_before_anything_loads():
+    for args in (["ask", "q", "--k", "2147483648"], ["ask", "q", "--k", "0"], ["eval", "--k", "100000"]):
+        r = probe(*args)
+        assert r.returncode == 2 and "--k" in r.stderr and "no torch" in r.stdout, (args, r.stdout[-300:], r.stderr[-500:])

@@ -1,0 +1,372 @@
+"""The OpenAI-compatible HTTP app of ``lazyrag serve`` (FastAPI): a thin layer that turns requests into
+engine prompts and engine results into OpenAI responses. The engine does the work: its scheduler
+batches every request in flight, and each chunk's KV is reused at whatever position it lands.
+
+Where a request's chunks come from, in order:
+1. ``documents`` (a lazyrag field): the texts are the chunks, placed before the last user message;
+2. chunks the engine already knows (cached, given before, or in the attached store) found inside the
+   message text, e.g. a LangChain or LlamaIndex prompt that stuffs retrieved passages;
+3. chat only, with ``--store``: the top ``k`` chunks retrieved for the last user message
+   (``retrieve: false`` turns it off, ``retrieve: true`` forces it).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from lazyrag.prompt import CONTEXT_HEADER
+from lazyrag.server.metrics import ServerMetrics
+from lazyrag.server.protocol import (ChatCompletionRequest, CompletionRequest, _Common, error_body, new_id, now,
+                                     usage)
+
+if TYPE_CHECKING:
+    from lazyrag.engine import GenerationResult, LazyEngine, RequestStream
+    from lazyrag.store.retriever import Retriever
+
+
+@dataclass
+class ServerConfig:
+    model_name: str  # the id clients pass as ``model`` (``/v1/models`` lists it)
+    max_tokens: int = 256  # a request's default max_tokens
+    temperature: float = 0.0  # the default when a request has none: greedy
+    strategy: str = "lazy+recover"  # the default strategy (a request's ``strategy`` field overrides it)
+    k: int = 5  # chunks retrieved per chat request when a store is attached
+    max_pending: int = 256  # generations in flight before new requests get 503
+    api_key: str | None = None  # when set, requests need ``Authorization: Bearer <key>``
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param = status, message, type_, param
+
+
+def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever | None" = None) -> FastAPI:
+    """The app for one engine. ``retriever`` (over the store attached to ``engine``) serves chat requests
+    that bring no chunks."""
+    app = FastAPI(title="lazyrag", description="OpenAI-compatible server with reusable, position-free chunk KV")
+    metrics = ServerMetrics(engine)
+    pending = [0]  # generations admitted and not finished (one event loop: no lock needed)
+    app.state.engine, app.state.metrics, app.state.config = engine, metrics, config
+
+    # -- errors: OpenAI's JSON shape, never a traceback ------------------------------------------
+
+    def _error(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
+        return JSONResponse(error_body(message, type_, status, param), status_code=status)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return _error(e.status, e.message, e.type, e.param)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'] if p != 'body') or 'body'}: {err['msg']}"
+                             for err in e.errors()[:5])
+        param = next((str(err["loc"][-1]) for err in e.errors() if err.get("loc")), None)
+        return _error(422, f"Invalid request: {problems}", "invalid_request_error", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        return _error(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error")
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception):
+        return _error(500, f"Internal error ({type(e).__name__}): {e}", "server_error")
+
+    @app.middleware("http")
+    async def _count_and_authorize(request: Request, call_next):
+        if config.api_key and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization", "") != f"Bearer {config.api_key}":
+                metrics.requests.labels(request.url.path, "401").inc()
+                return _error(401, "Missing or wrong API key: send the header 'Authorization: Bearer <key>' "
+                                   "(lazyrag serve --api-key).", "authentication_error")
+        response = await call_next(request)
+        metrics.requests.labels(request.url.path, str(response.status_code)).inc()
+        return response
+
+    # -- plain endpoints ------------------------------------------------------------------------
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": config.model_name, "requests_in_flight": pending[0]}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        metrics.in_flight.set(pending[0])
+        return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        card = {"object": "model", "created": now(), "owned_by": "lazyrag", "max_model_len": engine.max_context}
+        return {"object": "list", "data": [{"id": name, **card} for name in (config.model_name,)]}
+
+    # -- requests into the engine ----------------------------------------------------------------
+
+    def _check(body: _Common) -> None:
+        if body.model is not None and body.model not in (config.model_name,):
+            raise APIError(404, f"The model {body.model!r} does not exist here; this server serves "
+                                f"{config.model_name!r} (GET /v1/models).", "invalid_request_error", "model")
+        bad = body.unsupported()
+        if bad:
+            raise APIError(400, f"Not supported by lazyrag serve: {', '.join(bad)}. Leave them out.", "invalid_request_error",
+                           bad[0].split()[0])
+        if pending[0] + body.n > config.max_pending:
+            raise APIError(503, f"The server has {pending[0]} generations in flight (--max-pending {config.max_pending}); "
+                                "retry shortly.", "server_overloaded")
+
+    def _params(body: _Common, max_tokens: int | None, num_prompt_tokens: int, choice: int):
+        from lazyrag.engine import SamplingParams
+
+        room = engine.max_context - num_prompt_tokens
+        if room < 1:
+            raise APIError(400, f"The prompt has {num_prompt_tokens} tokens, the model's context is "
+                                f"{engine.max_context}: send fewer or shorter documents.", param="messages")
+        asked = max_tokens or config.max_tokens
+        if max_tokens is not None and max_tokens > room:
+            raise APIError(400, f"max_tokens {max_tokens} plus the prompt's {num_prompt_tokens} tokens is over the "
+                                f"model's {engine.max_context}-token context; ask for at most {room}.", param="max_tokens")
+        seed = None if body.seed is None else (body.seed + choice) % 2**63
+        try:
+            return SamplingParams(max_new_tokens=min(asked, room),
+                                  temperature=config.temperature if body.temperature is None else body.temperature,
+                                  top_p=1.0 if body.top_p is None else body.top_p, stop=body.stop or [], seed=seed,
+                                  strategy=body.strategy or config.strategy)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+
+    async def _retrieved(question: str, k: int) -> list[str]:
+        if retriever is None:
+            raise APIError(400, "retrieve: true needs a corpus store: start the server with --store STORE.", param="retrieve")
+        k = min(k, max(len(retriever.store), 1))
+        hits = await asyncio.to_thread(retriever.retrieve, question, k)
+        return [h.text for h in hits]
+
+    def _with_documents(content: str, documents: list[str]) -> str:
+        """The user's content with the documents before it, laid out as the engine's own RAG prompt
+        (engine.build_prompt), so a request through the server reuses the same chunk KV as one from Python."""
+        chunks = engine.prompts.chunk_text
+        return CONTEXT_HEADER + "".join(chunks(d) for d in documents) + f"Question: {content.strip()}"
+
+    async def _chat_layout(body: ChatCompletionRequest):
+        try:
+            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+        if not users:
+            raise APIError(400, "messages hold no user message: nothing to answer.", param="messages")
+        last = users[-1]
+        documents = body.document_texts()
+        if documents is None and retriever is not None and body.retrieve is not False:
+            plain = engine.render_chat(messages)
+            if body.retrieve or not engine.chunk_finder.find(plain):
+                documents = await _retrieved(messages[last]["content"], body.k or config.k)
+        elif documents is None and body.retrieve:
+            documents = await _retrieved(messages[last]["content"], body.k or config.k)
+        if documents:
+            engine.register_chunks(documents)
+            messages[last] = {"role": "user", "content": _with_documents(messages[last]["content"], documents)}
+        return engine.layout_from_text(engine.render_chat(messages))
+
+    async def _completion_layout(prompt: str, body: CompletionRequest):
+        documents = body.document_texts()
+        if documents is None and body.retrieve:
+            documents = await _retrieved(prompt, body.k or config.k)
+        if documents:  # the prompt is the question of the engine's RAG prompt, as engine.generate(prompt, documents)
+            engine.register_chunks(documents)
+            return engine.layout_from_text(engine.render_chat([{"role": "user", "content": _with_documents(prompt, documents)}]))
+        return engine.layout_from_text(prompt)  # raw text: known chunks inside it are still reused
+
+    async def _submit(layouts: list, body: _Common, max_tokens: int | None) -> list["RequestStream"]:
+        """One engine request per choice (a prompt's ``n`` choices, or one per prompt of a completion batch)."""
+        streams = []
+        try:
+            for i, layout in enumerate(layouts):
+                streams.append(engine.submit(layout, _params(body, max_tokens, layout.num_tokens, i)))
+        except ValueError as e:
+            for s in streams:
+                s.close(wait=False)
+            raise APIError(400, str(e)) from None
+        except BaseException:
+            for s in streams:
+                s.close(wait=False)
+            raise
+        pending[0] += len(streams)
+        return streams
+
+    def _done(streams: list["RequestStream"]) -> None:
+        for s in streams:
+            if not s.request.done:
+                metrics.aborted.inc()
+                s.close(wait=False)  # the client went away: the driver frees its blocks at its next step
+        pending[0] -= len(streams)
+
+    async def _results(streams: list["RequestStream"], http: Request) -> list["GenerationResult"]:
+        """Every stream's result; the client hanging up aborts them all (their blocks are freed)."""
+        tasks = [asyncio.ensure_future(s.aresult()) for s in streams]
+        try:
+            while True:
+                done, _ = await asyncio.wait(tasks, timeout=0.5)
+                if len(done) == len(tasks):
+                    break
+                if await http.is_disconnected():
+                    raise asyncio.CancelledError("client disconnected")
+            results = [t.result() for t in tasks]  # a request's own error is raised here
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        except RuntimeError as e:
+            raise APIError(500, f"The request failed inside the engine: {e}", "server_error") from None
+        finally:
+            for t in tasks:
+                t.cancel()
+            _done(streams)
+        for r in results:
+            metrics.finished(r)
+        return results
+
+    async def _merged(streams: list["RequestStream"]) -> AsyncIterator[tuple[int, str | None]]:
+        """(choice index, text delta) as any choice produces it; (index, None) when that choice ends."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, stream):
+            try:
+                async for delta in stream:
+                    await queue.put((i, delta))
+            finally:
+                await queue.put((i, None))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            ended = 0
+            while ended < len(streams):
+                item = await queue.get()
+                ended += item[1] is None
+                yield item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def _finish_reason(result: "GenerationResult") -> str:
+        return "stop" if result.finish_reason == "stop" else "length"
+
+    def _usage(results: list["GenerationResult"]) -> dict:
+        s = [r.stats for r in results]
+        return usage(sum(x.prompt_tokens for x in s), sum(x.new_tokens for x in s), sum(x.tokens_reused for x in s))
+
+    def _lazyrag_info(results: list["GenerationResult"]) -> dict:
+        """What lazyrag adds to a response: per choice, the reuse stats and time to first token."""
+        return {"choices": [{"ttft_s": r.ttft_s, "total_s": r.total_s, **r.stats.as_dict()} for r in results]}
+
+    def _sse(payload: dict | str) -> str:
+        return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+    def _streaming(streams, chunk_of, final_of, include_usage: bool) -> StreamingResponse:
+        async def events():
+            try:
+                first = chunk_of(0, None, None)
+                if first is not None:
+                    for i in range(len(streams)):
+                        yield _sse(chunk_of(i, None, None))
+                async for i, delta in _merged(streams):
+                    if delta is not None:
+                        yield _sse(chunk_of(i, delta, None))
+                        continue
+                    try:
+                        result = streams[i].request.result()
+                    except Exception as e:  # the request's own fault: reported in the stream, others go on
+                        yield _sse(error_body(f"The request failed inside the engine: {e}", "server_error", 500))
+                        continue
+                    metrics.finished(result)
+                    yield _sse(chunk_of(i, "", _finish_reason(result)))
+                if include_usage:
+                    yield _sse(final_of([s.request.result() for s in streams if s.request.error is None]))
+                yield _sse("[DONE]")
+            finally:
+                _done(streams)  # also on a client that hung up: Starlette cancels this generator
+
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, http: Request):
+        _check(body)
+        try:
+            layout = await _chat_layout(body)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        streams = await _submit([layout] * body.n, body, body.max_completion_tokens or body.max_tokens)
+        rid, created = new_id("chatcmpl"), now()
+        head = {"id": rid, "created": created, "model": config.model_name}
+        if body.stream:
+            def chunk_of(i, delta, reason):
+                d = {"role": "assistant", "content": ""} if delta is None else ({"content": delta} if delta else {})
+                return {**head, "object": "chat.completion.chunk",
+                        "choices": [{"index": i, "delta": d, "finish_reason": reason}]}
+
+            def final_of(results):
+                return {**head, "object": "chat.completion.chunk", "choices": [], "usage": _usage(results)}
+
+            return _streaming(streams, chunk_of, final_of, body.include_usage())
+        results = await _results(streams, http)
+        return {**head, "object": "chat.completion",
+                "choices": [{"index": i, "message": {"role": "assistant", "content": r.text},
+                             "finish_reason": _finish_reason(r), "logprobs": None} for i, r in enumerate(results)],
+                "usage": _usage(results), "lazyrag": _lazyrag_info(results)}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, http: Request):
+        prompts = body.prompts()
+        if not prompts:
+            raise APIError(400, "prompt is an empty list: send a string or a list of strings.", param="prompt")
+        _check(body)
+        try:
+            layouts = [await _completion_layout(p, body) for p in prompts]
+        except ValueError as e:
+            raise APIError(400, str(e), param="prompt") from None
+        streams = await _submit([lay for lay in layouts for _ in range(body.n)], body, body.max_tokens)
+        rid, created = new_id("cmpl"), now()
+        head = {"id": rid, "created": created, "model": config.model_name}
+        if body.stream:
+            def chunk_of(i, delta, reason):
+                if delta is None:
+                    return None  # completions streams have no role chunk
+                return {**head, "object": "text_completion",
+                        "choices": [{"index": i, "text": delta, "finish_reason": reason, "logprobs": None}]}
+
+            def final_of(results):
+                return {**head, "object": "text_completion", "choices": [], "usage": _usage(results)}
+
+            return _streaming(streams, chunk_of, final_of, body.include_usage())
+        results = await _results(streams, http)
+        return {**head, "object": "text_completion",
+                "choices": [{"index": i, "text": r.text, "finish_reason": _finish_reason(r), "logprobs": None}
+                            for i, r in enumerate(results)],
+                "usage": _usage(results), "lazyrag": _lazyrag_info(results)}
+
+    return app
+
+
+def wait_until_ready(url: str, timeout_s: float = 60.0) -> None:
+    """Block until ``url``/health answers (a server started in another thread or process)."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{url} did not answer /health within {timeout_s:.0f} s") from None
+            time.sleep(0.1)
+

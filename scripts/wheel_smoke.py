@@ -1,0 +1,49 @@
+"""Run by scripts/check_wheel.sh inside a fresh venv holding only the built wheel: the package is the
+installed one, it has every module of the source tree, each imports, and the embedded model answers."""
+import importlib
+import pkgutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+SOURCE = Path(sys.argv[1])  # the source tree, read as a list of files only: never put on sys.path
+MOUNTED = {"lazyrag": "lazyrag", "lazyrag.kernels": "kernels", "lazyrag.integrations": "integrations"}
+
+
+def source_modules() -> set[str]:
+    found = set()
+    for package, folder in MOUNTED.items():
+        for path in (SOURCE / folder).rglob("*.py"):
+            parts = [p for p in path.relative_to(SOURCE / folder).with_suffix("").parts if p != "__init__"]
+            found.add(".".join([package, *parts]))
+    return found
+
+
+import lazyrag  # noqa: E402
+
+site = Path(sysconfig.get_paths()["purelib"]).resolve()
+assert Path(lazyrag.__file__).resolve().is_relative_to(site), f"lazyrag imported from {lazyrag.__file__}, not {site}"
+for generic in ("kernels", "integrations"):
+    assert not (site / generic).exists(), f"the wheel installed a generic top-level package {generic!r}"
+
+installed = {"lazyrag"} | {m.name for m in pkgutil.walk_packages(lazyrag.__path__, "lazyrag.")}
+missing = source_modules() - installed
+assert not missing, f"modules in the source tree but not in the wheel: {sorted(missing)}"
+for name in sorted(installed - {"lazyrag.__main__"}):
+    importlib.import_module(name)
+print(f"imported {len(installed) - 1} modules from {site}")
+assert (Path(lazyrag.__file__).parent / "data" / "demo_corpus.json").is_file(), "package data missing"
+
+from lazyrag import LazyEngine  # noqa: E402
+
+engine = LazyEngine.from_pretrained()
+chunks = ["Alexander Fleming discovered penicillin in 1928 at St Mary's Hospital in London.",
+          "Tea became popular in Britain after 1662."]
+engine.precache(chunks)
+r = engine.generate("Who discovered penicillin?", chunks[::-1], max_new_tokens=16)
+print(f"answer: {r.text!r} (chunks hit {r.stats.chunks_hit})")
+assert "fleming" in r.text.lower() and r.stats.chunks_hit == 2, r
+
+out = subprocess.run([sys.executable, "-m", "lazyrag", "--help"], capture_output=True, text=True, check=True).stdout
+assert "lazyrag demo" in out and "serve" in out, out

@@ -1,0 +1,18 @@
+"""Package discovery (pyproject.toml holds everything else).
+
+One import namespace: ``lazyrag/`` and every package under it, plus the design card's top-level
+``kernels/`` and ``integrations/`` folders installed as ``lazyrag.kernels`` and
+``lazyrag.integrations`` (never as generic top-level names). Packages are found, not listed,
+so a new subpackage cannot be left out of the wheel.
+"""
+from setuptools import find_packages, setup
+
+MOUNTED = {"lazyrag.kernels": "kernels", "lazyrag.integrations": "integrations"}
+
+packages = find_packages(include=["lazyrag", "lazyrag.*"])
+package_dir = {"lazyrag": "lazyrag"}
+for name, folder in MOUNTED.items():
+    packages += [name] + [f"{name}.{sub}" for sub in find_packages(folder)]
+    package_dir[name] = folder
+
+setup(packages=packages, package_dir=package_dir)

@@ -1,0 +1,252 @@
+"""`lazyrag serve` as its users drive it: a real uvicorn server on loopback, the real default model, and
+the stock clients (openai, LangChain's ChatOpenAI, LlamaIndex's OpenAILike) pointed at it."""
+import json
+import socket
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import TINY_DOCS
+from tests.integration_fixtures import adapter_engine, tiny_store  # noqa: F401 (fixtures)
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-test"
+NOTES = [  # chunks no store holds: the first request encodes them, later ones reuse them
+    "Alexander Fleming discovered penicillin in 1928 at St Mary's Hospital in London, from a mould.",
+    "Tea became popular in Britain after Catherine of Braganza brought the habit to the court in 1662.",
+    "The Danube rises in the Black Forest and empties into the Black Sea through a wide delta.",
+]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Running:
+    """A uvicorn server in a thread, on a free loopback port."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        from lazyrag.server import wait_until_ready
+
+        self.url = f"http://127.0.0.1:{_free_port()}"
+        host, port = self.url.rsplit(":", 1)
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=int(port), log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        wait_until_ready(self.url, timeout_s=30)
+        self.app = app
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server(adapter_engine, tiny_store, embedder):  # noqa: F811
+    from lazyrag.server import ServerConfig, create_app
+    from lazyrag.store.retriever import Retriever
+
+    retriever = Retriever(adapter_engine.attach_store(tiny_store), embedder)
+    running = Running(create_app(adapter_engine, ServerConfig(MODEL, max_tokens=24, k=2), retriever))
+    running.retriever = retriever
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def _engine_answer(engine, user_text: str, max_tokens: int, chat: bool = True) -> str:
+    """What the engine answers from Python for the same prompt text (greedy, the server's default strategy)."""
+    from lazyrag.engine import SamplingParams
+
+    text = engine.render_chat([{"role": "user", "content": user_text}]) if chat else user_text
+    return engine.submit(engine.layout_from_text(text), SamplingParams(max_tokens, strategy="lazy+recover")).result().text
+
+
+def _settled(engine, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while engine.has_unfinished_requests() or engine.cache.num_pinned:
+        assert time.monotonic() < deadline, "requests still in flight"
+        time.sleep(0.05)
+
+
+def test_chat_with_documents_reuses_chunk_kv_from_the_second_question(client, adapter_engine):
+    first = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Who discovered penicillin?"}],
+                                           extra_body={"documents": NOTES})
+    info = first.model_extra["lazyrag"]["choices"][0]
+    assert info["chunks_missed"] == 3 and info["chunks_hit"] == 0
+    second = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Into which sea does the Danube flow?"}],
+                                            extra_body={"documents": NOTES[::-1]})
+    info = second.model_extra["lazyrag"]["choices"][0]
+    assert info["chunks_hit"] == 3 and info["chunks_missed"] == 0  # another order: the same cached KV
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= sum(len(adapter_engine.prompts.encode_chunk(n)) for n in NOTES)
+    assert second.usage.prompt_tokens > cached and second.usage.completion_tokens >= 1
+    assert second.choices[0].finish_reason in ("stop", "length")
+    # the server lays the prompt out as the engine does from Python: the same prompt, the same greedy answer
+    same = adapter_engine.generate("Into which sea does the Danube flow?", NOTES[::-1], max_new_tokens=24, strategy="lazy+recover")
+    assert second.choices[0].message.content == same.text and second.usage.prompt_tokens == same.stats.prompt_tokens
+
+
+def test_streaming_chat_and_completions(client):
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "When did tea become popular in Britain?"}],
+        extra_body={"documents": NOTES}, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text and [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+
+    plain = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5)
+    assert plain.choices[0].text and plain.usage.prompt_tokens > 0
+    streamed = list(client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == plain.choices[0].text  # greedy: the same text
+    two = client.completions.create(model=MODEL, prompt=["One, two,", "A, B,"], max_tokens=3)
+    assert [c.index for c in two.choices] == [0, 1]
+
+
+def test_chat_without_chunks_retrieves_from_the_store(server, client, adapter_engine):
+    question = "How deep is the Mariana Trench?"
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}])
+    info = r.model_extra["lazyrag"]["choices"][0]
+    assert info["chunks_hit"] == 2 and info["chunks_missed"] == 0  # --k 2, their KV read from the store
+    top = [h.text for h in server.retriever.retrieve(question, 2)]
+    assert any("Mariana" in t for t in top)
+    same = adapter_engine.generate(question, top, max_new_tokens=24, strategy="lazy+recover")
+    assert r.choices[0].message.content == same.text  # answered over exactly the retrieved chunks
+    off = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hello."}],
+                                         extra_body={"retrieve": False})
+    assert off.model_extra["lazyrag"]["choices"][0]["chunks_hit"] == 0
+
+
+def test_models_health_and_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Who discovered penicillin?"}],
+                                   extra_body={"documents": NOTES}, max_tokens=4)
+    text = httpx.get(f"{server.url}/metrics").text
+    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and not line.startswith("#")}
+    assert values["lazyrag_time_to_first_token_seconds_count"] >= 1
+    assert values["lazyrag_chunk_hits_total"] >= 3 and values["lazyrag_cached_prompt_tokens_total"] > 0
+    assert 'lazyrag_requests_total{endpoint="/v1/chat/completions",status="200"}' in values
+    assert values['lazyrag_cache_bytes{tier="device"}'] > 0
+    assert "lazyrag_time_per_output_token_seconds_bucket" in text
+
+
+def test_bad_requests_get_openai_errors(server, client):
+    user = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(openai.NotFoundError, match="does not exist here"):
+        client.chat.completions.create(model="gpt-4o", messages=user)
+    with pytest.raises(openai.UnprocessableEntityError, match="temperature"):
+        client.chat.completions.create(model=MODEL, messages=user, temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        client.chat.completions.create(model=MODEL, messages=user, logprobs=True)
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        client.chat.completions.create(model=MODEL, messages=user, tools=[{"type": "function", "function": {"name": "f"}}])
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        client.chat.completions.create(model=MODEL, messages=user, max_tokens=10**6)
+    with pytest.raises(openai.BadRequestError, match="no user message"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "Be brief."}])
+    with pytest.raises(openai.UnprocessableEntityError):
+        client.chat.completions.create(model=MODEL, messages=user, extra_body={"strategy": "nonsense"})
+    with pytest.raises(openai.UnprocessableEntityError):
+        client.chat.completions.create(model=MODEL, messages=user, extra_body={"k": 10**9})
+    for body in (b"{not json", b"[]", json.dumps({"messages": "hi"}).encode(), json.dumps({"messages": [{"role": "x"}]}).encode()):
+        r = httpx.post(f"{server.url}/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 422 and set(r.json()["error"]) >= {"message", "type"}, r.text
+    r = httpx.post(f"{server.url}/v1/completions", content=b'{"prompt": "\\ud800 lone"}', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"]
+
+
+def test_overload_and_api_key_answer_503_and_401(adapter_engine):
+    from lazyrag.server import ServerConfig, create_app
+
+    running = Running(create_app(adapter_engine, ServerConfig(MODEL, max_pending=1, api_key="sesame")))
+    try:
+        denied = openai.OpenAI(base_url=f"{running.url}/v1", api_key="wrong", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            denied.models.list()
+        ok = openai.OpenAI(base_url=f"{running.url}/v1", api_key="sesame", max_retries=0)
+        with pytest.raises(openai.InternalServerError) as e:  # 503: n=2 is more than --max-pending 1
+            ok.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=2)
+        assert e.value.status_code == 503
+        assert ok.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2).choices
+    finally:
+        running.stop()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_disconnects_frees_its_blocks(server, adapter_engine, stream):
+    engine = adapter_engine
+    engine.precache(NOTES)
+    _settled(engine)
+    free_before = engine.cache.pool.num_free
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me everything about penicillin."}],
+            "documents": NOTES, "max_tokens": 400, "stream": stream}
+    if stream:
+        with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            assert engine.has_unfinished_requests()
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=1.5)
+    _settled(engine)
+    assert engine.cache.pool.num_free == free_before  # the request's own blocks went back; chunk KV stays cached
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert "lazyrag_requests_aborted_total 0.0" not in metrics
+
+
+def test_langchain_chat_openai_chain_reuses_the_store_chunks(server, adapter_engine):
+    from langchain_core.output_parsers import StrOutputParser
+    from langchain_core.prompts import ChatPromptTemplate
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(base_url=f"{server.url}/v1", api_key="unused", model=MODEL, temperature=0, max_tokens=16,
+                     max_retries=0)
+    prompt = ChatPromptTemplate.from_messages([("user", "Documents:\n\n{context}\n\nQuestion: {question}")])
+    context = "\n\n".join(TINY_DOCS.values())  # the store's chunks, as a stuffing chain pastes them
+    for i, question in enumerate(["Where was Paganini born?", "When did Marie Curie win the Nobel Prize in Physics?"]):
+        hits = adapter_engine.cache.stats.hits
+        message = (prompt | llm).invoke({"context": context, "question": question})
+        assert adapter_engine.cache.stats.hits - hits >= len(TINY_DOCS)  # each chunk found in the text and reused
+        assert message.usage_metadata["input_token_details"]["cache_read"] > 0
+    user_text = prompt.invoke({"context": context, "question": question}).messages[0].content
+    assert message.content == _engine_answer(adapter_engine, user_text, 16)
+    assert (prompt | llm | StrOutputParser()).invoke({"context": context, "question": "Where was Paganini born?"})
+    streamed = "".join(c.content for c in llm.stream("Count: one, two,"))
+    assert streamed
+
+
+def test_llama_index_openai_like_reuses_chunks_found_in_the_prompt(server, adapter_engine):
+    from llama_index.core.llms import ChatMessage
+    from llama_index.llms.openai_like import OpenAILike
+
+    common = dict(model=MODEL, api_base=f"{server.url}/v1", api_key="unused", context_window=8192, max_tokens=16,
+                  max_retries=0, timeout=120)
+    context = "\n\n".join(TINY_DOCS.values())
+    llm = OpenAILike(is_chat_model=False, **common)
+    for question in ["Which city does the Grand Canal link with Hangzhou?", "Where was Paganini born?"]:
+        hits = adapter_engine.cache.stats.hits
+        text = f"Context:\n{context}\n\nQuestion: {question}\nAnswer:"
+        r = llm.complete(text)  # /v1/completions: the raw prompt, chunks found inside it
+        assert adapter_engine.cache.stats.hits - hits >= len(TINY_DOCS)
+        assert r.raw.usage.prompt_tokens_details.cached_tokens > 0
+    assert r.text == _engine_answer(adapter_engine, text, 16, chat=False)
+    chat = OpenAILike(is_chat_model=True, **common)
+    user_text = f"Documents:\n\n{context}\n\nQuestion: Where was Paganini born?"
+    reply = chat.chat([ChatMessage(role="user", content=user_text)])
+    assert reply.message.content == _engine_answer(adapter_engine, user_text, 16)
+    assert "".join(d.delta for d in chat.stream_chat([ChatMessage(role="user", content="Say hi.")]))
