@@ -250,3 +250,31 @@ def test_llama_index_openai_like_reuses_chunks_found_in_the_prompt(server, adapt
     reply = chat.chat([ChatMessage(role="user", content=user_text)])
     assert reply.message.content == _engine_answer(adapter_engine, user_text, 16)
     assert "".join(d.delta for d in chat.stream_chat([ChatMessage(role="user", content="Say hi.")]))
+
+
+def test_fuzzed_requests_get_an_answer_or_a_json_error_never_a_crash(server, adapter_engine):
+    """Seeded random bodies through both endpoints: every reply is a success or an OpenAI-style error
+    with a 4xx/503 status (no 500, no traceback), and nothing stays in flight afterwards."""
+    import random
+
+    rng = random.Random(29)
+    values = [None, 0, -1, 1, 2**70, 1e-320, float("nan"), "x", "", [], {}, [1], {"a": 1}, True, "\ud800"[:0], 10**9]
+    fields = ["model", "messages", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream",
+              "documents", "strategy", "k", "retrieve", "logprobs", "presence_penalty", "stream_options"]
+    statuses = []
+    for i in range(60):
+        endpoint = rng.choice(["chat/completions", "completions"])
+        body = {"messages": [{"role": "user", "content": "Hi"}]} if endpoint == "chat/completions" else {"prompt": "Hi"}
+        body["max_tokens"] = 2
+        for name in rng.sample(fields, rng.randint(1, 4)):
+            body[name] = rng.choice(values)
+        payload = json.dumps(body, allow_nan=True).encode()
+        r = httpx.post(f"{server.url}/v1/{endpoint}", content=payload, headers={"content-type": "application/json"}, timeout=120)
+        statuses.append(r.status_code)
+        assert r.status_code in (200, 400, 404, 422, 503), (body, r.status_code, r.text[:300])
+        if r.status_code != 200:
+            assert set(r.json()["error"]) >= {"message", "type", "code"}, r.text[:300]
+        elif body.get("stream") is True:
+            assert r.text.rstrip().endswith("data: [DONE]"), r.text[-300:]
+    assert 200 in statuses and {400, 422} & set(statuses)
+    _settled(adapter_engine)
