@@ -16,7 +16,7 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
-from lazyrag.defaults import MAX_K, MIN_TEMPERATURE, MIN_TOP_P, SEED_LIMIT
+from lazyrag.defaults import MAX_K, MAX_LOGPROBS, MIN_TEMPERATURE, MIN_TOP_P, SEED_LIMIT
 from lazyrag.strategy_names import check_strategy
 
 if TYPE_CHECKING:  # torch is imported only when an engine is really needed
@@ -169,9 +169,9 @@ _NOT_HERE = {
     "tokenizer": "the tokenizer is read from the model folder or .gguf file.",
     "model_kwargs": "pass dtype= (float32, bfloat16, float16) and device=; there are no other load options.",
     "tokenizer_kwargs": "the tokenizer is read from the model folder or .gguf file.",
-    "pipeline_kwargs": "pass max_tokens/max_new_tokens, temperature, top_p, seed and stop directly.",
+    "pipeline_kwargs": "pass max_tokens/max_new_tokens, temperature, top_p, top_k, repetition_penalty, seed and stop directly.",
 }
-_GENERATE_KEYS = ("temperature", "top_p", "seed", "max_new_tokens", "do_sample", "stop")
+_GENERATE_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "seed", "max_new_tokens", "do_sample", "stop")
 
 
 def adapter_validators(renames: dict[str, str]) -> tuple:
@@ -203,7 +203,36 @@ SAMPLING_LIMITS = {
     "seed": dict(ge=0, lt=SEED_LIMIT),
     "top_k": dict(gt=0, le=MAX_K),
     "positive": dict(gt=0),
+    "sampling_top_k": dict(ge=-1),
+    "repetition_penalty": dict(gt=0.0, allow_inf_nan=False),
+    "penalty": dict(ge=-2.0, le=2.0, allow_inf_nan=False),
+    "top_logprobs": dict(ge=0, le=MAX_LOGPROBS),
 }
+
+# the adapters' fields that go into SamplingParams as they are (besides max tokens, temperature, top_p, stop, seed, strategy)
+KNOBS = ("top_k", "repetition_penalty", "presence_penalty", "frequency_penalty")
+
+
+def knob_params(adapter, kwargs: dict) -> dict:
+    """SamplingParams keywords for the knobs (a call's keyword wins over the adapter's field) and logprobs:
+    ``logprobs=True`` (ChatOpenAI's name) asks for the chosen token's logprob and ``top_logprobs`` best ones."""
+    out = {k: kwargs.get(k, getattr(adapter, k)) for k in KNOBS}
+    logprobs = kwargs.get("logprobs", adapter.logprobs)
+    out["logprobs"] = int(kwargs.get("top_logprobs", adapter.top_logprobs) or 0) if logprobs else None
+    return out
+
+
+def openai_logprobs(engine: "LazyEngine", logprobs) -> dict | None:
+    """A result's logprobs (list of TokenLogprob, or None) in OpenAI's chat format, as ChatOpenAI reports them:
+    ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}``."""
+    if logprobs is None:
+        return None
+
+    def one(token_id: int, logprob: float) -> dict:
+        text = engine.tokenizer.decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**one(lp.token_id, lp.logprob), "top_logprobs": [one(t, v) for t, v in lp.top]} for lp in logprobs]}
 
 
 def check_top_k(k, name: str = "similarity_top_k") -> int:

@@ -14,13 +14,15 @@ retriever: ``LazyRAGCallbackHandler``, installed for every run on import) reuse 
 standard ``retriever | format_docs | prompt | ChatLazyLlama()`` chain over a stock vector store
 hits from the second question on. ``LazyRAG`` hands the documents' texts straight to the engine
 (no string search). Both report the reuse stats in ``response_metadata["lazyrag"]`` and token
-counts in ``usage_metadata`` (``cache_read``: prompt tokens whose KV was already cached), and
-fire the LLM callbacks. ``with_structured_output`` validates and retries JSON; no tool calling.
+counts in ``usage_metadata`` (``cache_read``: prompt tokens whose KV was already cached, the shared
+prefix's included: ``response_metadata["lazyrag"]`` splits it into ``prefix_tokens_reused`` and
+``chunk_tokens_reused``), and fire the LLM callbacks. ``logprobs=True`` (``top_logprobs=n``) puts
+ChatOpenAI-style logprobs in ``response_metadata["logprobs"]``. ``with_structured_output`` validates and retries JSON; no tool calling.
 """
 from __future__ import annotations
 
 from contextvars import ContextVar
-from typing import Any, AsyncIterator, Iterator, Optional, Sequence, Union
+from typing import Any, AsyncIterator, ClassVar, Iterator, Optional, Sequence, Union
 from uuid import UUID
 
 from langchain_core.callbacks import (
@@ -110,6 +112,25 @@ def _to_chat_dicts(messages: list[BaseMessage]) -> list[dict]:
     return out
 
 
+_NO_TOOLS = ("ChatLazyLlama has no tool calling: the small local models it runs do not emit tool calls reliably, and "
+             "it has no tool-call parser. For JSON answers use llm.with_structured_output(PydanticModel or JSON schema) "
+             "(validated and retried); for agents, use a text (ReAct-style) prompt.")
+
+
+class _NoToolCalling:
+    """``ChatLazyLlama.bind_tools``: on the class, BaseChatModel.bind_tools itself (nothing overridden: no tool
+    calling, as capability checks read it); on an instance, a method that says why there is none."""
+
+    def __get__(self, instance, owner=None):
+        if instance is None:
+            return BaseChatModel.bind_tools
+
+        def bind_tools(tools: Sequence, *, tool_choice: Optional[str] = None, **kwargs: Any) -> Runnable:
+            raise NotImplementedError(_NO_TOOLS)
+
+        return bind_tools
+
+
 # names users bring from other local-model adapters, and ours
 _RENAMES = {"model_id": "model", "model_name": "model", "max_new_tokens": "max_tokens", "stop_sequences": "stop"}
 
@@ -131,6 +152,12 @@ class ChatLazyLlama(BaseChatModel):
     top_p: float = Field(default=1.0, **_common.SAMPLING_LIMITS["top_p"])
     seed: Optional[int] = Field(default=None, description="Sampling seed, in [0, 2**63).", **_common.SAMPLING_LIMITS["seed"])
     stop: Optional[list[str]] = None
+    top_k: int = Field(default=-1, description="Sample from the k most likely tokens; -1 or 0 = all.", **_common.SAMPLING_LIMITS["sampling_top_k"])
+    repetition_penalty: float = Field(default=1.0, description="HF / vLLM repetition penalty over prompt and answer tokens; 1 = off.", **_common.SAMPLING_LIMITS["repetition_penalty"])
+    presence_penalty: float = Field(default=0.0, description="OpenAI's presence penalty, in [-2, 2].", **_common.SAMPLING_LIMITS["penalty"])
+    frequency_penalty: float = Field(default=0.0, description="OpenAI's frequency penalty, in [-2, 2].", **_common.SAMPLING_LIMITS["penalty"])
+    logprobs: Optional[bool] = Field(default=None, description="Report each generated token's logprob in response_metadata['logprobs'] (ChatOpenAI's format).")
+    top_logprobs: Optional[int] = Field(default=None, description="With logprobs: also the n most likely tokens per position (0-20).", **_common.SAMPLING_LIMITS["top_logprobs"])
     strategy: str = Field(default="lazy", description="full, prefix, position_aware, lazy, lazy+recover (lazy with quality recovery, ~15% of chunk tokens recomputed), lazy:first=K or lazy:blend=R[:select=attn_dev].")
     store: Optional[str] = Field(default=None, description="A corpus store folder (lazyrag precache) to serve chunk KV from.")
     kv_budget: Optional[int] = Field(default=None, description="Bytes of KV pool, when this model loads the shared engine.", **_common.SAMPLING_LIMITS["positive"])
@@ -211,6 +238,7 @@ class ChatLazyLlama(BaseChatModel):
             stop=list(stop if stop is not None else (self.stop or [])),
             seed=kwargs.get("seed", self.seed),
             strategy=kwargs.get("strategy", self.strategy),
+            **_common.knob_params(self, kwargs),
         )
 
     # -- generation --
@@ -247,11 +275,15 @@ class ChatLazyLlama(BaseChatModel):
     def last_chunk(self, result) -> ChatGenerationChunk:
         """The stream's last chunk: empty text, the token usage and the reuse stats of ``result``."""
         s = result.stats
+        # cache_read: prompt tokens whose KV came from the cache, the shared prefix's included
+        # (response_metadata["lazyrag"] splits it: prefix_tokens_reused + chunk_tokens_reused)
         usage = UsageMetadata(input_tokens=s.prompt_tokens, output_tokens=s.new_tokens, total_tokens=s.prompt_tokens + s.new_tokens,
                               input_token_details={"cache_read": s.tokens_reused})
         info = _common.result_info(result)
         meta = {"model_name": self.model_name, "model_provider": "lazyrag", "finish_reason": info["finish_reason"],
                 "ttft_s": info["ttft_s"], "lazyrag": info["stats"]}
+        if result.logprobs is not None:
+            meta["logprobs"] = _common.openai_logprobs(self.engine, result.logprobs)
         return ChatGenerationChunk(message=AIMessageChunk(content="", usage_metadata=usage, response_metadata=meta, chunk_position="last"))
 
     async def _astream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
@@ -269,19 +301,17 @@ class ChatLazyLlama(BaseChatModel):
 
     # -- structured output --
 
-    def bind_tools(self, tools: Sequence, *, tool_choice: Optional[str] = None, **kwargs: Any) -> Runnable:
-        raise NotImplementedError(
-            "ChatLazyLlama has no tool calling: the small local models it runs do not emit tool calls reliably, and "
-            "it has no tool-call parser. For JSON answers use llm.with_structured_output(PydanticModel or JSON schema) "
-            "(validated and retried); for agents, use a text (ReAct-style) prompt."
-        )
+    # No tool calling. ``bind_tools`` is BaseChatModel's own when read from the class, so capability checks
+    # (langchain-tests' has_tool_calling: "is bind_tools overridden?") say no, and raises a clear error when called.
+    bind_tools: ClassVar[_NoToolCalling] = _NoToolCalling()
 
     def with_structured_output(self, schema: Any, *, include_raw: bool = False, max_attempts: int = 3,
                                **kwargs: Any) -> Runnable:
         """Answers as ``schema`` (a Pydantic model, a TypedDict or a JSON schema dict): the schema is put in
         the prompt, the first JSON object of the answer is parsed and validated (Pydantic), and a failed
         attempt is retried with the error shown to the model, up to ``max_attempts`` times; then
-        OutputParserException. ``method`` (json_schema, json_mode, function_calling) is accepted and
+        OutputParserException. An answer with no JSON object at all (the model ignores the format, as small
+        models do) fails at once, not retried, with a message that says so. ``method`` (json_schema, json_mode, function_calling) is accepted and
         means the same here. ``include_raw=True`` returns ``{"raw", "parsed", "parsing_error"}``."""
         from lazyrag.integrations.structured import StructuredOutput
 

@@ -6,7 +6,7 @@ lazyrag store, a fast-path query engine, an offline embedding, and pre-caching o
     llm = LazyLlamaLLM()
     precache_index(llm, index)               # optional: the first question already hits
     answer = index.as_query_engine(llm=llm, response_mode="compact").query("...")
-    llm.last_stats                           # chunks_hit, tokens_prefilled, tokens_reused, ...
+    llm.last_stats                           # chunks_hit, tokens_prefilled, tokens_reused (= prefix_ + chunk_tokens_reused), ...
 
 The LLM sees only a formatted prompt string. It finds the chunks it knows inside it (engine
 ``layout_from_text``: linear in the prompt's length) and reuses their KV. It knows a chunk once
@@ -100,6 +100,13 @@ def _install_retrieval_hook() -> None:
 
 # -- the LLM -------------------------------------------------------------------------------------
 
+def _chat_response(completion: CompletionResponse) -> ChatResponse:
+    """LlamaIndex's conversion, keeping the logprobs (it drops them)."""
+    response = completion_response_to_chat_response(completion)
+    response.logprobs = completion.logprobs
+    return response
+
+
 # names users bring from other local-model adapters, and ours
 _RENAMES = {"model_name": "model", "model_id": "model", "max_tokens": "max_new_tokens", "stop_sequences": "stop"}
 
@@ -122,6 +129,12 @@ class LazyLlamaLLM(CustomLLM):
     top_p: float = Field(default=1.0, **_common.SAMPLING_LIMITS["top_p"])
     seed: Optional[int] = Field(default=None, description="Sampling seed (temperature > 0), in [0, 2**63).", **_common.SAMPLING_LIMITS["seed"])
     stop: list[str] = Field(default_factory=list, description="Stop strings.")
+    top_k: int = Field(default=-1, description="Sample from the k most likely tokens; -1 or 0 = all.", **_common.SAMPLING_LIMITS["sampling_top_k"])
+    repetition_penalty: float = Field(default=1.0, description="HF / vLLM repetition penalty over prompt and answer tokens; 1 = off.", **_common.SAMPLING_LIMITS["repetition_penalty"])
+    presence_penalty: float = Field(default=0.0, description="OpenAI's presence penalty, in [-2, 2].", **_common.SAMPLING_LIMITS["penalty"])
+    frequency_penalty: float = Field(default=0.0, description="OpenAI's frequency penalty, in [-2, 2].", **_common.SAMPLING_LIMITS["penalty"])
+    logprobs: Optional[bool] = Field(default=None, description="Report each generated token's logprob (CompletionResponse.logprobs).")
+    top_logprobs: Optional[int] = Field(default=None, description="With logprobs: also the n most likely tokens per position (0-20).", **_common.SAMPLING_LIMITS["top_logprobs"])
     strategy: str = Field(default="lazy", description="full, prefix, position_aware, lazy, lazy+recover (lazy with quality recovery, ~15% of chunk tokens recomputed), lazy:first=K or lazy:blend=R[:select=attn_dev] (see the README).")
     store: Optional[str] = Field(default=None, description="A corpus store folder (lazyrag precache) to serve chunk KV from.")
     kv_budget: Optional[int] = Field(default=None, description="Bytes of KV pool, when this LLM loads the shared engine.", **_common.SAMPLING_LIMITS["positive"])
@@ -177,7 +190,9 @@ class LazyLlamaLLM(CustomLLM):
 
     @property
     def last_stats(self) -> Optional[dict]:
-        """Reuse stats of the latest call (chunks_hit, chunks_missed, tokens_prefilled, tokens_reused, ...)."""
+        """Reuse stats of the latest call (chunks_hit, chunks_missed, tokens_prefilled, tokens_reused, ...).
+        ``tokens_reused`` (usage's ``cached_tokens``) = ``prefix_tokens_reused`` (the shared prompt prefix)
+        + ``chunk_tokens_reused`` (cached chunks)."""
         return self._stats[-1] if self._stats else None
 
     @property
@@ -206,6 +221,7 @@ class LazyLlamaLLM(CustomLLM):
             stop=list(kwargs.get("stop", self.stop)),
             seed=kwargs.get("seed", self.seed),
             strategy=kwargs.get("strategy", self.strategy),
+            **_common.knob_params(self, kwargs),
         )
 
     def _record(self, result) -> dict:
@@ -232,7 +248,7 @@ class LazyLlamaLLM(CustomLLM):
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return completion_response_to_chat_response(self._complete(self.messages_to_prompt(messages), True, kwargs))
+        return _chat_response(self._complete(self.messages_to_prompt(messages), True, kwargs))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
@@ -240,7 +256,7 @@ class LazyLlamaLLM(CustomLLM):
 
     def _complete(self, prompt: str, formatted: bool, kwargs: dict) -> CompletionResponse:
         *_, last = self._stream(prompt, formatted, kwargs)
-        return CompletionResponse(text=last.text, raw=last.raw, additional_kwargs=last.additional_kwargs)
+        return CompletionResponse(text=last.text, raw=last.raw, additional_kwargs=last.additional_kwargs, logprobs=last.logprobs)
 
     def _stream(self, prompt: str, formatted: bool, kwargs: dict) -> CompletionResponseGen:
         """Deltas as they come, then one last response (empty delta) carrying the request's stats."""
@@ -257,9 +273,23 @@ class LazyLlamaLLM(CustomLLM):
         LlamaIndex's TokenCountingHandler reads instead of re-tokenizing with another tokenizer)."""
         info = self._record(result)
         s = result.stats
+        # cached_tokens: prompt tokens whose KV came from the cache, the shared prefix's included
+        # (stats split it: prefix_tokens_reused + chunk_tokens_reused)
         raw = {**info, "usage": {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.new_tokens,
                                  "total_tokens": s.prompt_tokens + s.new_tokens, "cached_tokens": s.tokens_reused}}
-        return CompletionResponse(text=result.text, delta="", raw=raw, additional_kwargs=info)
+        return CompletionResponse(text=result.text, delta="", raw=raw, additional_kwargs=info, logprobs=self._logprobs(result))
+
+    def _logprobs(self, result) -> Optional[list]:
+        """LlamaIndex's logprobs: per generated token, the chosen token's LogProb first, then the top_logprobs best."""
+        if result.logprobs is None:
+            return None
+        from llama_index.core.base.llms.types import LogProb
+
+        def one(token_id: int, logprob: float) -> LogProb:
+            text = self.engine.tokenizer.decode([token_id])
+            return LogProb(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
+
+        return [[one(lp.token_id, lp.logprob), *(one(t, v) for t, v in lp.top)] for lp in result.logprobs]
 
     # -- async: the engine's scheduler batches concurrent calls; no thread per request --
 
@@ -274,7 +304,7 @@ class LazyLlamaLLM(CustomLLM):
         last = None
         async for last in self._astream(prompt, formatted, kwargs):
             pass
-        return CompletionResponse(text=last.text, raw=last.raw, additional_kwargs=last.additional_kwargs)
+        return CompletionResponse(text=last.text, raw=last.raw, additional_kwargs=last.additional_kwargs, logprobs=last.logprobs)
 
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
         return await self._astream_checked(_common.check_prompt(prompt, "LazyLlamaLLM.astream_complete"), formatted, **kwargs)
@@ -297,7 +327,7 @@ class LazyLlamaLLM(CustomLLM):
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         await _common.aload_engine(self)  # messages_to_prompt renders with the model's chat template
-        return completion_response_to_chat_response(await self._acomplete(self.messages_to_prompt(messages), True, kwargs))
+        return _chat_response(await self._acomplete(self.messages_to_prompt(messages), True, kwargs))
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:

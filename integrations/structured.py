@@ -1,6 +1,7 @@
 """Structured output for a chat model without constrained decoding: the JSON schema goes into the
 prompt, the first JSON object of the answer is parsed and validated with Pydantic, and a failed
-attempt is retried with the error shown to the model."""
+attempt is retried with the error shown to the model. An answer with no JSON object at all (not even
+a ``{``) means the model does not follow the instructions: that fails at once, with no retry."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,10 @@ from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
 from langchain_core.runnables import Runnable, RunnableConfig, RunnableLambda
 from langchain_core.utils.function_calling import convert_to_json_schema
 from pydantic import TypeAdapter, ValidationError
+
+
+class NoJSONObject(ValueError):
+    """The answer holds no JSON object."""
 
 
 def first_json_object(text: str) -> Any:
@@ -26,7 +31,7 @@ def first_json_object(text: str) -> Any:
         except json.JSONDecodeError:
             pass
         start = text.find("{", start + 1)
-    raise ValueError("the answer holds no JSON object")
+    raise NoJSONObject("the answer holds no JSON object")
 
 
 class StructuredOutput:
@@ -87,11 +92,23 @@ class StructuredOutput:
             "Try a larger model, a simpler schema, a higher max_tokens, or more max_attempts.",
             llm_output=answer.text)
 
+    def _not_following(self, answer: AIMessage, attempt: int) -> OutputParserException:
+        snippet = answer.text.strip().replace("\n", " ")
+        snippet = snippet[:120] + ("..." if len(snippet) > 120 else "")
+        return OutputParserException(
+            f"ChatLazyLlama's answer holds no JSON object at all ({snippet!r}), so the model is not following the "
+            f"schema instructions; not retried (attempt {attempt + 1} of {self.max_attempts}). Small models such as the "
+            "embedded 135M one often cannot: use a larger instruction-tuned model (model=...), a simpler schema, or "
+            "plain text output.", llm_output=answer.text)
+
     def _check(self, answer: AIMessage, messages: list[BaseMessage], attempt: int) -> tuple[Optional[tuple], list]:
-        """``((outcome,), messages)`` when done, else ``(None, messages for the retry)``."""
+        """``((outcome,), messages)`` when done, else ``(None, messages for the retry)``. Fails fast, without
+        retries, on an answer with no ``{`` at all: a model that ignores the format would only do so again."""
         try:
             return (self._outcome(answer, self.validate(answer.text), None),), messages
         except (ValueError, ValidationError) as e:
+            if isinstance(e, NoJSONObject) and "{" not in answer.text:
+                return (self._outcome(answer, None, self._not_following(answer, attempt)),), messages
             if attempt + 1 < self.max_attempts:
                 return None, self._retry(messages, answer, e)
             return (self._outcome(answer, None, self._failure(answer, e)),), messages

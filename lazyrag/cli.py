@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from lazyrag.defaults import DEFAULT_EMBEDDER, MAX_K
+from lazyrag.defaults import DEFAULT_EMBEDDER, MAX_K, QUIET_GGUF_ENV
 from lazyrag.strategy_names import check_strategy
 
 DESCRIPTION = """\
@@ -51,6 +51,20 @@ examples:
 """
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written, and every option's default in its help: ``(default: X)`` is appended unless the
+    help already says what the default is (argparse's ArgumentDefaultsHelpFormatter, minus noise such as
+    ``(default: None)`` after a help that explains it, and ``False`` after an on/off flag)."""
+
+    def _get_help_string(self, action):
+        help = action.help or ""
+        if "%(default)" in help or "default" in help or action.default is argparse.SUPPRESS or not action.option_strings:
+            return help
+        if action.default is None or action.default is False or action.default == []:
+            return help
+        return help + " (default: %(default)s)"
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="local Llama folder (config.json + safetensors) or .gguf file; default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -58,10 +72,11 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lazyrag", description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="lazyrag", description=DESCRIPTION, epilog=EPILOG, formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     demo = sub.add_parser("demo", help="offline demo: cached chunks, answers of full / lazy / recovery marked right or wrong, TTFT",
+                          formatter_class=HelpFormatter,
                           description="Caches a small bundled corpus once, then answers its 8 questions over the cached "
                                       "chunks in shuffled orders with a full prefill (the quality reference), plain lazy "
                                       "stitching and the demo's recovery, streaming each answer, marking it right or wrong "
@@ -75,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0, help="seed of the chunk shuffles (default: %(default)s)")
     demo.add_argument("--json", default=None, metavar="PATH", help="also write every answer and the summary to PATH")
 
-    ask = sub.add_parser("ask", help="answer one question over chunks you give", formatter_class=argparse.RawDescriptionHelpFormatter,
+    ask = sub.add_parser("ask", help="answer one question over chunks you give", formatter_class=HelpFormatter,
                          description="Answer one question over the given chunks and stream the answer.\n"
                                      "Chunks come from --chunk (repeatable) and/or --chunks-file (paragraphs separated by blank lines).")
     _model_args(ask)
@@ -87,9 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "the question's attention: closer to full prefill's answers, see the README's quality table), "
                      "position_aware, prefix, full, or the recovery spelled out: lazy:first=K (each chunk's first K "
                      "tokens recomputed), lazy:blend=R[:select=attn|attn_dev|chunk|gradual] (the fraction R of chunk tokens)")
-    ask.add_argument("--max-new-tokens", type=int, default=128)
+    ask.add_argument("--max-new-tokens", type=int, default=128, help="most tokens in the answer")
     ask.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    ask.add_argument("--top-p", type=float, default=1.0)
+    ask.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens with this much probability")
     ask.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     ask.add_argument("--system", default=None, help="system prompt (part of the cached shared prefix)")
     ask.add_argument("--store", type=Path, default=None,
@@ -97,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "and load their KV from disk instead of recomputing it")
     ask.add_argument("--k", type=int, default=5, help="chunks to retrieve from --store")
     add_precache_parser(sub)
+    add_cache_parser(sub)
     add_eval_parser(sub)
     add_serve_parser(sub)
     for p in sub.choices.values():
@@ -107,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_precache_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("precache", help="build a corpus store (chunks, FAISS index, chunk KV) for later reuse",
-                              description=PRECACHE_HELP, epilog=PRECACHE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+                              description=PRECACHE_HELP, epilog=PRECACHE_EPILOG, formatter_class=HelpFormatter)
     p.add_argument("inputs", nargs="+", help="folders of .txt/.md files, .txt/.md files, or .jsonl(.gz) files")
     p.add_argument("--out", required=True, help="store folder (created, or resumed if it holds an unfinished build)")
     p.add_argument("--model", default=None, help="local Llama folder or .gguf file; default: the embedded SmolLM2-135M-Instruct")
@@ -129,6 +145,25 @@ def add_precache_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+CACHE_HELP = """\
+Show what a corpus store from `lazyrag precache` holds, without loading a model: its status, the model and
+dtype its KV is for (an engine with another model or dtype refuses it), entries (chunks) and tokens, bytes
+on disk (KV shards and the whole folder) and per token, and how it was built.
+
+The live cache of a running engine is `engine.cache_report()` in Python (per tier: entries, bytes, hits,
+misses, hit rate, evictions; prefix vs chunk reuse) and `GET /metrics` of `lazyrag serve`.
+"""
+
+
+def add_cache_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("cache", help="show a corpus store's entries, bytes on disk, dtype and model (no model load)",
+                       description=CACHE_HELP, formatter_class=HelpFormatter,
+                       epilog="examples:\n  lazyrag cache --store stores/nq\n  lazyrag cache --store stores/nq --json")
+    p.add_argument("--store", type=Path, required=True, help="a corpus store folder (lazyrag precache --out)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON instead of a table")
+    return p
+
+
 SERVE_HELP = """\
 Serve the model over HTTP with the OpenAI API, the way vLLM and SGLang are run: any OpenAI client
 (the openai package, LangChain's ChatOpenAI, LlamaIndex's OpenAILike) points its base URL at
@@ -140,8 +175,11 @@ hits and misses, cache bytes per tier).
 
 Chunks reach a request three ways: an extra "documents" field (a list of texts), chunks already
 known to the engine found inside the message text, or, with --store, the top --k chunks retrieved
-for the last user message. Extra request fields: "documents", "strategy", "k", "retrieve".
-usage.prompt_tokens_details.cached_tokens counts the prompt tokens whose KV was reused.
+for the last user message. Extra request fields: "documents", "strategy", "k", "retrieve", and vLLM's
+"top_k" and "repetition_penalty"; logprobs (chat: logprobs/top_logprobs, completions: logprobs) and
+presence/frequency penalties as in OpenAI's API.
+usage.prompt_tokens_details.cached_tokens counts the prompt tokens whose KV was reused (the shared
+prefix's included; the response's "lazyrag" stats split it into prefix_tokens_reused and chunk_tokens_reused).
 """
 
 SERVE_EPILOG = """\
@@ -161,7 +199,7 @@ examples:
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, streaming, metrics)",
-                       description=SERVE_HELP, epilog=SERVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=SERVE_HELP, epilog=SERVE_EPILOG, formatter_class=HelpFormatter)
     _model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s; 0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
@@ -185,8 +223,8 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
     from lazyrag import eval as quality  # no torch: its description is the module's docstring
 
     p = sub.add_parser("eval", help="answer quality of the strategies side by side on NQ or HotpotQA",
-                       description=quality.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dataset", choices=["nq", "hotpotqa"], default="nq")
+                       description=quality.__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--dataset", choices=["nq", "hotpotqa"], default="nq", help="which benchmark")
     p.add_argument("--data", type=Path, default=None, help="the dataset file (default: ../shared/data/...)")
     p.add_argument("--n", type=int, default=100, help="questions")
     p.add_argument("--distractors", type=int, default=4, help="nq: random passages besides the gold one")
@@ -201,14 +239,14 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
                         "most; add :select=S to choose otherwise: chunk = R of each chunk, attn = by the question's attention, "
                         "attn_dev = deviation x attention, gradual = CacheBlend's 2-stage filter), or both, "
                         "e.g. lazy:first=4:blend=0.12:select=attn_dev")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--max-new-tokens", type=int, default=32, help="tokens per answer")
     p.add_argument("--batch", type=int, default=4, help="questions whose requests (all strategies) run as one batch "
                    "(on a GPU, 32-64)")
     p.add_argument("--workers", type=int, default=1,
                    help="processes, each with its own engine and KV budget (8 GiB each on cuda), spread over the visible "
                         "GPUs. On one H200, 6 workers ran about 1.4x faster than 1 and 12 ran out of memory; on a laptop keep 1")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", default=None)
+    p.add_argument("--seed", type=int, default=0, help="seed of the question sample and the distractors")
+    p.add_argument("--model", default=None, help="local Llama folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                    help="start no new batch after this long; score and report the questions done so far")
@@ -220,7 +258,9 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
                         "steps run about 8%% slower (the better trade for runs of a few minutes)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="model and KV dtype (default: bfloat16 on cuda, float32 on cpu)")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/quality.json"))
+    p.add_argument("--out", type=Path, default=Path("lazyrag-eval/quality.json"),
+                   help="the report (JSON; a .png plot and the .partial.jsonl checkpoint beside it), relative to the "
+                        "current folder; missing folders are created")
     return p
 
 
@@ -345,7 +385,70 @@ def _check_demo(args) -> None:
         raise UsageError("--strategies must include full: it is the reference every answer is compared with.")
 
 
-CHECKS = {"demo": _check_demo, "ask": _check_ask, "precache": _check_precache, "eval": _check_eval, "serve": _check_serve}
+def _check_cache(args) -> None:
+    from lazyrag.store.corpus import MANIFEST, StoreError
+
+    if not (args.store / MANIFEST).is_file():
+        raise StoreError(f"{args.store} is not a corpus store (no {MANIFEST}); build one with: "
+                         f"lazyrag precache CORPUS --out {args.store}")
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.is_dir() else 0
+
+
+def store_report(path: Path) -> dict:
+    """What ``lazyrag cache --store`` shows: read from the manifest and the folder, no model, no index load."""
+    import time
+
+    from lazyrag.store.corpus import KV_DIR, read_manifest
+
+    m = read_manifest(path)
+    kv_bytes = _folder_bytes(path / KV_DIR)
+    return {"store": str(path), "status": m.status, "model": m.model_name, "model_fingerprint": m.model_fingerprint,
+            "dtype": m.dtype, "kv_shape": f"{m.num_layers} layers x {m.num_kv_heads} KV heads x {m.head_dim}",
+            "block_size": m.block_size, "entries": m.num_chunks, "tokens": m.num_tokens,
+            "prefix_tokens": len(m.prefix_ids), "kv_bytes": kv_bytes, "bytes_on_disk": _folder_bytes(path),
+            # the KV files hold every chunk's tokens and, once, the shared prefix's
+            "bytes_per_token": kv_bytes // (m.num_tokens + len(m.prefix_ids)) if m.num_tokens else None,
+            "chunk_tokens": m.chunk_tokens, "overlap": m.overlap, "index": m.index_kind, "embedder": m.embedder,
+            "layout_version": m.layout_version, "sources": len(m.sources),
+            "created": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(m.created))}
+
+
+def _size(n) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def _cache(args) -> int:
+    import json
+
+    report = store_report(args.store)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"corpus store {report['store']}", show_header=True, header_style="bold")
+    table.add_column("field")
+    table.add_column("value", overflow="fold")
+    shown = {**report, "kv_bytes": f"{_size(report['kv_bytes'])} ({report['kv_bytes']} B)",
+             "bytes_on_disk": f"{_size(report['bytes_on_disk'])} ({report['bytes_on_disk']} B)",
+             "bytes_per_token": _size(report["bytes_per_token"])}
+    for key, value in shown.items():
+        if key != "store":
+            table.add_row(key.replace("_", " "), str(value))
+    Console().print(table)
+    return 0
+
+
+CHECKS = {"cache": _check_cache, "demo": _check_demo, "ask": _check_ask, "precache": _check_precache, "eval": _check_eval, "serve": _check_serve}
 
 
 def _ask(args) -> int:
@@ -415,9 +518,12 @@ def _quiet_loading(command: str) -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # also turns off transformers' bars
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if command in ("ask", "serve"):
-        # the GGUF reader's bar is a bare tqdm: only tqdm's own switch stops it (demo, precache and eval keep
-        # theirs, which report the run's progress; --quiet there)
+        # the GGUF reader's bar is a bare tqdm: only tqdm's own switch stops it
         os.environ.setdefault("TQDM_DISABLE", "1")
+    elif command in ("precache", "eval"):
+        # their own bars report the run's progress (--quiet there) and stay; the loader silences only the GGUF
+        # reader's (model/loader.py; the variable reaches eval's worker processes too)
+        os.environ.setdefault(QUIET_GGUF_ENV, "1")
 
 
 def _usage_errors() -> tuple[type, ...]:
@@ -440,6 +546,7 @@ def _run(args) -> int:
     if args.command == "eval":
         from lazyrag.eval import run_eval
 
+        args.out.parent.mkdir(parents=True, exist_ok=True)  # the checkpoint is written there from the first batch
         return run_eval(args)
     if args.command == "precache":
         done = _finished_store(args)
@@ -449,6 +556,8 @@ def _run(args) -> int:
         return _precache(args)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "cache":
+        return _cache(args)
     return _ask(args)
 
 

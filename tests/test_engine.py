@@ -220,3 +220,88 @@ def test_the_chunk_finder_is_bounded_least_recently_used_first(tiny_engine):
     for i in range(1000):
         finder.add(f"Another passage, number {i}, longer than the anchor.")
     assert len(finder) == 3 and sum(map(len, finder._by_anchor.values())) == 3
+
+
+# -- sampling knobs (issue 34): top_k, penalties, logprobs --------------------------------------
+
+KNOB_CHUNKS = ["Alexander Fleming discovered penicillin in 1928.", "Tea reached Britain in 1662."]
+REPEATING = "List the numbers from one to ten, separated by commas."
+
+
+def test_sampling_knobs_are_checked_when_made():
+    from lazyrag.engine import SamplingParams
+
+    ok = SamplingParams(top_k=0, repetition_penalty=1.3, presence_penalty=-2, frequency_penalty=2, logprobs=20)
+    assert (ok.top_k, ok.presence_penalty, ok.logprobs) == (0, -2.0, 20) and not ok.plain_greedy
+    assert SamplingParams().plain_greedy and SamplingParams(top_k=5).plain_greedy  # top_k alone leaves argmax alone
+    for bad in (dict(top_k=-2), dict(top_k=1.5), dict(repetition_penalty=0), dict(repetition_penalty=float("nan")),
+                dict(presence_penalty=2.5), dict(frequency_penalty=-3), dict(logprobs=21), dict(logprobs=-1),
+                dict(logprobs=True)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
+
+
+def test_penalties_follow_vllm_semantics():
+    from lazyrag.engine import SamplingParams
+    from lazyrag.engine.sampling import apply_penalties, sample
+
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0])
+    rep = apply_penalties(logits, SamplingParams(repetition_penalty=2.0), torch.tensor([1]), [0])
+    assert rep.tolist() == [1.0, -2.0, 0.5, 3.0]  # seen in prompt or answer: positive / p, negative * p
+    freq = apply_penalties(logits, SamplingParams(frequency_penalty=0.5, presence_penalty=1.0), torch.tensor([2]), [3, 3, 0])
+    assert freq.tolist() == [2.0 - 0.5 - 1.0, -1.0, 0.5, 3.0 - 1.0 - 1.0]  # answer tokens only, counted
+    assert sample(logits, SamplingParams(frequency_penalty=2.0), None, None, [3]) == 0  # greedy picks up the penalty
+    g = torch.Generator().manual_seed(0)
+    assert {sample(logits, SamplingParams(temperature=5.0, top_k=2), g) for _ in range(50)} == {0, 3}
+
+
+def test_a_strong_repetition_penalty_stops_repeats(default_engine):
+    greedy = default_engine.generate(REPEATING, KNOB_CHUNKS, max_new_tokens=24)
+    assert len(set(greedy.token_ids)) < len(greedy.token_ids), "the greedy answer repeats a token (commas)"
+    penalized = default_engine.generate(REPEATING, KNOB_CHUNKS, max_new_tokens=24, repetition_penalty=50.0)
+    assert penalized.token_ids and len(set(penalized.token_ids)) == len(penalized.token_ids)
+    freq = default_engine.generate(REPEATING, KNOB_CHUNKS, max_new_tokens=24, frequency_penalty=2.0, presence_penalty=2.0)
+    repeats = lambda ids: len(ids) - len(set(ids))  # noqa: E731
+    assert repeats(freq.token_ids) < repeats(greedy.token_ids)
+
+
+def test_top_k_1_is_greedy_at_any_temperature(default_engine):
+    greedy = default_engine.generate(QUESTION, CHUNKS[:2], max_new_tokens=12)
+    for seed in (0, 1):
+        assert default_engine.generate(QUESTION, CHUNKS[:2], max_new_tokens=12, temperature=1.0, top_k=1,
+                                       seed=seed).token_ids == greedy.token_ids
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_logprobs_of_each_generated_token(default_engine, temperature):
+    r = default_engine.generate(QUESTION, CHUNKS[:2], max_new_tokens=8, temperature=temperature, seed=4, logprobs=5)
+    assert r.logprobs is not None and [lp.token_id for lp in r.logprobs] == r.token_ids
+    for lp in r.logprobs:
+        values = [v for _, v in lp.top]
+        assert len(lp.top) == 5 and values == sorted(values, reverse=True) and values[0] <= 0
+        assert torch.logsumexp(torch.tensor(values), 0) <= 1e-5  # part of one distribution
+        assert lp.logprob <= values[0] + 1e-6 and (lp.token_id not in dict(lp.top) or dict(lp.top)[lp.token_id] == lp.logprob)
+        if temperature == 0:
+            assert lp.top[0][0] == lp.token_id
+    first = torch.log_softmax(default_engine.next_token_logits(QUESTION, CHUNKS[:2]), -1)
+    assert abs(r.logprobs[0].logprob - float(first[r.token_ids[0]])) < 1e-4
+    assert default_engine.generate(QUESTION, CHUNKS[:2], max_new_tokens=2).logprobs is None  # only when asked
+    assert [lp.top for lp in default_engine.generate(QUESTION, CHUNKS[:2], max_new_tokens=2, logprobs=0).logprobs] == [[], []]
+
+
+def test_reuse_stats_split_prefix_and_chunk_tokens(tiny_hf, default_hf):
+    """tokens_reused = prefix_tokens_reused + chunk_tokens_reused: over new chunks, only the cached prefix is reused."""
+    from lazyrag.engine import LazyEngine
+
+    engine = LazyEngine.from_hf(tiny_hf, default_hf[1], device="cpu", kv_budget=16 << 20)
+    prefix = len(engine.build_prompt(QUESTION, CHUNKS[:2]).prefix_ids)
+    first = engine.generate(QUESTION, CHUNKS[:2], max_new_tokens=1).stats
+    cold = engine.generate(QUESTION, CHUNKS[2:4], max_new_tokens=1).stats  # the prefix is cached now, these chunks are not
+    warm = engine.generate(QUESTION, CHUNKS[2:4][::-1], max_new_tokens=1).stats
+    assert first.tokens_reused == first.prefix_tokens_reused == first.chunk_tokens_reused == 0
+    assert cold.chunks_hit == 0 and cold.tokens_reused == cold.prefix_tokens_reused == prefix and cold.chunk_tokens_reused == 0
+    assert warm.chunks_hit == 2 and warm.prefix_tokens_reused == prefix
+    assert warm.chunk_tokens_reused == warm.tokens_reused - prefix == warm.tokens_context - prefix > 0
+    pre = engine.generate(QUESTION, CHUNKS[2:4][::-1], max_new_tokens=1, strategy="prefix").stats  # APC: blocks of the prompt
+    again = engine.generate(QUESTION, CHUNKS[2:4][::-1], max_new_tokens=1, strategy="prefix").stats
+    assert pre.tokens_reused == 0 and again.tokens_reused == again.prefix_tokens_reused + again.chunk_tokens_reused > prefix

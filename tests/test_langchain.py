@@ -48,13 +48,8 @@ class TestChatLazyLlamaUnit(ChatModelUnitTests):
     def supports_model_override(self):
         return False  # one loaded model per instance
 
-    @property
-    def has_tool_calling(self):
-        return False  # bind_tools only explains that there is none
-
-    @property
-    def has_structured_output(self):
-        return True  # with_structured_output: schema in the prompt, validated and retried
+    # has_tool_calling (False: bind_tools is not overridden, see ChatLazyLlama.bind_tools) and
+    # has_structured_output (True: with_structured_output is) are langchain-tests' own detection
 
 
 class TestChatLazyLlamaIntegration(ChatModelIntegrationTests):
@@ -71,12 +66,8 @@ class TestChatLazyLlamaIntegration(ChatModelIntegrationTests):
         return False
 
     @property
-    def has_tool_calling(self):
-        return False  # bind_tools only explains that there is none
-
-    @property
     def has_structured_output(self):
-        # with_structured_output works (tests below), but the suite's schemas (a joke with setup and punchline,
+        # has_tool_calling is detected False (bind_tools is not overridden). with_structured_output works (tests below), but the suite's schemas (a joke with setup and punchline,
         # nested tool-style schemas) are beyond the 135M default model within MAX_TOKENS
         return False
 
@@ -263,7 +254,7 @@ def test_any_retriever_pipes_into_lazy_rag_with_llm_callbacks(adapter_engine, st
 
 def test_unknown_arguments_are_refused_and_hugging_face_names_accepted():
     for bad, hint in [({"device_map": "auto"}, "device="), ({"temprature": 0.2}, "did you mean temperature"),
-                      ({"generate_kwargs": {"top_k": 5}}, "cannot honour"), ({"strategy": "lazzy"}, "Unknown strategy"),
+                      ({"generate_kwargs": {"num_beams": 4}}, "cannot honour"), ({"strategy": "lazzy"}, "Unknown strategy"),
                       ({"strategy": "lazy:first=x"}, "lazy:first=K")]:
         with pytest.raises(ValueError, match=hint):
             ChatLazyLlama(**bad)
@@ -305,9 +296,15 @@ def test_structured_output_parses_validates_and_retries():
     assert len(prompt) == 1 and prompt[0].content.startswith("Who discovered") and '"year": <integer>' in prompt[0].content
     assert out.invoke("Who discovered penicillin, and when?") == Discovery(name="Fleming", year=1928)
 
-    never = StructuredOutput(_scripted("no idea", "still no idea"), Discovery, max_attempts=2)
+    never = StructuredOutput(_scripted('{"name": 1', '{"name": "F"}'), Discovery, max_attempts=2)
     with pytest.raises(OutputParserException, match="in 2 attempt"):
         never.invoke("Who?")
+    # an answer with no JSON at all: the model does not follow the schema, so it fails at once (one call)
+    answers = iter([AIMessage("no idea"), AIMessage('{"name": "Fleming", "year": 1928}')])
+    ignoring = StructuredOutput(GenericFakeChatModel(messages=answers), Discovery, max_attempts=3)
+    with pytest.raises(OutputParserException, match="not following the schema instructions; not retried"):
+        ignoring.invoke("Who?")
+    assert next(answers).content.startswith('{"name": "Fleming"')  # the second answer was never asked for
     raw = StructuredOutput(_scripted("{}"), {"title": "d", "type": "object", "required": ["name"],
                                              "properties": {"name": {"type": "string"}}}, include_raw=True, max_attempts=1)
     result = raw.invoke("Who?")
@@ -317,6 +314,29 @@ def test_structured_output_parses_validates_and_retries():
 def test_bind_tools_says_what_to_do_instead():
     with pytest.raises(NotImplementedError, match="with_structured_output"):
         ChatLazyLlama().bind_tools([Discovery])
+    # capability checks that look for an overridden bind_tools (langchain-tests' has_tool_calling) see none
+    assert not TestChatLazyLlamaUnit().has_tool_calling and not TestChatLazyLlamaIntegration().has_tool_calling
+    assert TestChatLazyLlamaUnit().has_structured_output  # with_structured_output is ours
+
+
+def test_sampling_knobs_and_logprobs_reach_the_engine(adapter_engine):
+    llm = ChatLazyLlama(device="cpu", max_tokens=6, logprobs=True, top_logprobs=2, repetition_penalty=1.2, top_k=40,
+                        presence_penalty=0.5, frequency_penalty=0.5)
+    params = llm.sampling_params()
+    assert (params.top_k, params.repetition_penalty, params.presence_penalty, params.frequency_penalty, params.logprobs) == \
+        (40, 1.2, 0.5, 0.5, 2)
+    assert ChatLazyLlama(device="cpu").sampling_params(logprobs=True).logprobs == 0
+    assert ChatLazyLlama(generate_kwargs={"top_k": 5, "repetition_penalty": 1.1}).sampling_params().top_k == 5
+    for bad in (dict(top_k=-2), dict(repetition_penalty=0), dict(presence_penalty=3), dict(top_logprobs=21)):
+        with pytest.raises(ValueError):
+            ChatLazyLlama(**bad)
+    answer = llm.invoke("Say hello.")
+    content = answer.response_metadata["logprobs"]["content"]
+    assert len(content) == answer.usage_metadata["output_tokens"] and all(len(t["top_logprobs"]) == 2 for t in content)
+    assert all(t["logprob"] <= 0 and t["bytes"] == list(t["token"].encode()) for t in content)
+    streamed = list(llm.stream("Say hello."))
+    assert streamed[-1].response_metadata["logprobs"]["content"] == content  # greedy: the same tokens
+    assert "logprobs" not in ChatLazyLlama(device="cpu", max_tokens=2).invoke("Hi").response_metadata
 
 
 def test_structured_output_with_the_default_model(adapter_engine):

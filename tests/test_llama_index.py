@@ -241,3 +241,27 @@ def test_retriever_top_k_is_checked_and_clamped(tiny_store):
         with pytest.raises(ValueError, match="similarity_top_k"):
             LazyRAGRetriever(str(tiny_store), similarity_top_k=k)
     assert len(LazyRAGRetriever(str(tiny_store), similarity_top_k=64).retrieve(QUESTION)) == 5  # all the store has
+
+
+def test_sampling_knobs_and_logprobs(adapter_engine):
+    """top_k, penalties and logprobs reach SamplingParams; logprobs come back per token, the chosen one first."""
+    llm = LazyLlamaLLM(device="cpu", max_new_tokens=5, logprobs=True, top_logprobs=2, top_k=40, repetition_penalty=1.1,
+                       presence_penalty=0.5, frequency_penalty=-0.5, generate_kwargs={"top_k": 7})
+    params = llm._params({})
+    assert (params.top_k, params.repetition_penalty, params.presence_penalty, params.frequency_penalty, params.logprobs) == \
+        (40, 1.1, 0.5, -0.5, 2)  # the explicit argument wins over generate_kwargs
+    assert llm._params({"logprobs": False}).logprobs is None and llm._params({"top_k": 3}).top_k == 3
+    for bad in (dict(top_k=-5), dict(repetition_penalty=-1.0), dict(frequency_penalty=2.5), dict(top_logprobs=50)):
+        with pytest.raises(ValueError):
+            LazyLlamaLLM(**bad)
+    r = llm.complete("Say hello.")
+    assert len(r.logprobs) == llm.last_stats["new_tokens"] and all(len(per) == 3 for per in r.logprobs)
+    for chosen, *top in r.logprobs:
+        assert chosen.logprob <= 0 and top[0].logprob >= top[1].logprob and chosen.token == top[0].token  # greedy
+    chat = llm.chat([ChatMessage(role="user", content="Say hello.")])
+    assert [[p.token for p in per] for per in chat.logprobs] == [[p.token for p in per] for per in r.logprobs]
+    *_, last = llm.stream_complete("Say hello.")
+    assert last.logprobs is not None and len(last.logprobs) == len(r.logprobs)
+    assert LazyLlamaLLM(device="cpu", max_new_tokens=2).complete("Hi").logprobs is None
+    stats = llm.last_stats
+    assert stats["tokens_reused"] == stats["prefix_tokens_reused"] + stats["chunk_tokens_reused"]

@@ -142,6 +142,13 @@ def test_models_health_and_metrics(server, client):
     assert values["lazyrag_chunk_hits_total"] >= 3 and values["lazyrag_cached_prompt_tokens_total"] > 0
     assert 'lazyrag_requests_total{endpoint="/v1/chat/completions",status="200"}' in values
     assert values['lazyrag_cache_bytes{tier="device"}'] > 0
+    # the same numbers as engine.cache_report(): per tier (the attached store included), and the reuse split
+    report = server.app.state.engine.cache_report()
+    store = next(r for r in report["tiers"] if r["label"].startswith("store "))
+    assert store["entries"] == len(server.retriever.store) > 0 and store["bytes"] > 0
+    assert values[f'lazyrag_cache_tier_hits_total{{tier="{store["tier"]}"}}'] == store["hits"]
+    assert values['lazyrag_cache_tier_hits_total{tier="device"}'] >= 1
+    assert values['lazyrag_cache_reused_tokens_total{kind="chunk"}'] > 0 and 'lazyrag_cache_reused_tokens_total{kind="prefix"}' in values
     assert "lazyrag_time_per_output_token_seconds_bucket" in text
 
 
@@ -151,8 +158,14 @@ def test_bad_requests_get_openai_errors(server, client):
         client.chat.completions.create(model="gpt-4o", messages=user)
     with pytest.raises(openai.UnprocessableEntityError, match="temperature"):
         client.chat.completions.create(model=MODEL, messages=user, temperature=-1)
-    with pytest.raises(openai.BadRequestError, match="logprobs"):
-        client.chat.completions.create(model=MODEL, messages=user, logprobs=True)
+    with pytest.raises(openai.BadRequestError, match="logit_bias"):
+        client.chat.completions.create(model=MODEL, messages=user, logit_bias={"1": 5})
+    with pytest.raises(openai.UnprocessableEntityError, match="top_logprobs"):
+        client.chat.completions.create(model=MODEL, messages=user, top_logprobs=3)
+    with pytest.raises(openai.UnprocessableEntityError, match="presence_penalty"):
+        client.chat.completions.create(model=MODEL, messages=user, presence_penalty=3)
+    with pytest.raises(openai.UnprocessableEntityError, match="repetition_penalty"):
+        client.chat.completions.create(model=MODEL, messages=user, extra_body={"repetition_penalty": 0})
     with pytest.raises(openai.BadRequestError, match="tools"):
         client.chat.completions.create(model=MODEL, messages=user, tools=[{"type": "function", "function": {"name": "f"}}])
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
@@ -260,7 +273,8 @@ def test_fuzzed_requests_get_an_answer_or_a_json_error_never_a_crash(server, ada
     rng = random.Random(29)
     values = [None, 0, -1, 1, 2**70, 1e-320, float("nan"), "x", "", [], {}, [1], {"a": 1}, True, "\ud800"[:0], 10**9]
     fields = ["model", "messages", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream",
-              "documents", "strategy", "k", "retrieve", "logprobs", "presence_penalty", "stream_options"]
+              "documents", "strategy", "k", "retrieve", "logprobs", "presence_penalty", "stream_options", "top_k",
+              "repetition_penalty", "top_logprobs", "frequency_penalty"]
     statuses = []
     for i in range(60):
         endpoint = rng.choice(["chat/completions", "completions"])
@@ -278,3 +292,54 @@ def test_fuzzed_requests_get_an_answer_or_a_json_error_never_a_crash(server, ada
             assert r.text.rstrip().endswith("data: [DONE]"), r.text[-300:]
     assert 200 in statuses and {400, 422} & set(statuses)
     _settled(adapter_engine)
+
+
+def test_logprobs_and_penalties_in_openai_format(client, adapter_engine):
+    """Chat logprobs (content[].token/logprob/bytes/top_logprobs) and completions logprobs (tokens, token_logprobs,
+    top_logprobs, text_offset), whole and streamed, equal the engine's; penalties and top_k reach the sampler."""
+    from lazyrag.engine import SamplingParams
+
+    question = [{"role": "user", "content": "Who discovered penicillin?"}]
+    r = client.chat.completions.create(model=MODEL, messages=question, max_tokens=6, logprobs=True, top_logprobs=3,
+                                       extra_body={"documents": NOTES})
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens and "".join(t.token for t in content).startswith(r.choices[0].message.content[:3])
+    for t in content:
+        assert len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob >= t.top_logprobs[-1].logprob
+        assert t.top_logprobs[0].token == t.token and t.top_logprobs[0].logprob == t.logprob  # greedy: the best one
+        assert t.bytes == list(t.token.encode())
+    streamed = list(client.chat.completions.create(model=MODEL, messages=question, max_tokens=6, logprobs=True,
+                                                   top_logprobs=3, stream=True, extra_body={"documents": NOTES}))
+    tokens = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    assert [(t.token, t.logprob) for t in tokens] == [(t.token, t.logprob) for t in content]
+    plain = client.chat.completions.create(model=MODEL, messages=question, max_tokens=4, extra_body={"documents": NOTES})
+    assert plain.choices[0].logprobs is None
+
+    prompt = "The capital of France is"
+    c = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, logprobs=2)
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == c.usage.completion_tokens
+    assert "".join(lp.tokens).startswith(c.choices[0].text) and lp.text_offset[0] == 0
+    assert all(len(top) <= 2 and max(top.values()) >= v - 1e-6 for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+    mine = adapter_engine.submit(adapter_engine.layout_from_text(prompt),
+                                 SamplingParams(5, strategy="lazy+recover", logprobs=2)).result()
+    assert lp.token_logprobs == pytest.approx([x.logprob for x in mine.logprobs], abs=1e-5)
+    streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, logprobs=2, stream=True))
+    parts = [ch.choices[0].logprobs for ch in streamed if ch.choices[0].logprobs]
+    assert [t for p in parts for t in p.tokens] == lp.tokens and [o for p in parts for o in p.text_offset] == lp.text_offset
+
+    repeat = [{"role": "user", "content": "List the numbers from one to ten, separated by commas."}]
+    off = {"retrieve": False}
+    greedy = client.chat.completions.create(model=MODEL, messages=repeat, max_tokens=16, logprobs=True, extra_body=off)
+    ids = [t.token for t in greedy.choices[0].logprobs.content]
+    assert len(set(ids)) < len(ids)
+    penalized = client.chat.completions.create(model=MODEL, messages=repeat, max_tokens=16, logprobs=True,
+                                               extra_body={"repetition_penalty": 50.0, **off})
+    ids = [t.token for t in penalized.choices[0].logprobs.content]
+    assert len(set(ids)) == len(ids)
+    top1 = client.chat.completions.create(model=MODEL, messages=repeat, max_tokens=16, temperature=1.0, seed=5,
+                                          extra_body={"top_k": 1, **off})
+    assert top1.choices[0].message.content == greedy.choices[0].message.content
+    freq = client.chat.completions.create(model=MODEL, messages=repeat, max_tokens=16, frequency_penalty=2.0,
+                                          presence_penalty=1.0, extra_body=off)
+    assert freq.choices[0].message.content != greedy.choices[0].message.content

@@ -300,6 +300,12 @@ class LazyEngine:
         self.register_chunks(store.chunk_texts())  # rows that fail their check are logged, their KV recomputed
         return store
 
+    def cache_report(self) -> dict:
+        """The chunk cache made visible: per tier (``"device"`` pool, then host, disk and attached corpus stores,
+        in lookup order) its entries, bytes, hits, misses, hit rate and evictions; the overall hit rate; and
+        ``reuse``: hits and tokens served for prefix segments vs chunks (``CacheManager.report``)."""
+        return self.cache.report()
+
     # -- requests: every generation goes through the continuous-batching scheduler --------
 
     def add_request(self, layout: PromptLayout, params: SamplingParams, *, arrival: float | None = None,

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from lazyrag.defaults import MIN_TEMPERATURE, MIN_TOP_P, SEED_LIMIT
+from lazyrag.defaults import MAX_LOGPROBS, MIN_TEMPERATURE, MIN_TOP_P, SEED_LIMIT
 from lazyrag.engine.runner import Placement, SeqState
 from lazyrag.engine.sampling import Detokenizer
 from lazyrag.kv.cache import Segment
@@ -32,6 +32,12 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False  # keep generating past end-of-turn tokens (benchmarks with fixed output lengths)
     strategy: str = "lazy"  # how the prompt's KV is obtained: engine/reuse.py, names in lazyrag/strategy_names.py
+    # vLLM's knobs (OpenAI's semantics); at their defaults a request takes the plain greedy / nucleus path
+    top_k: int = -1  # keep the k most likely tokens; -1 or 0 = all
+    repetition_penalty: float = 1.0  # HF / vLLM: tokens of the prompt and the answer so far, logit / p if > 0 else * p
+    presence_penalty: float = 0.0  # OpenAI: minus this from every token generated at least once, in [-2, 2]
+    frequency_penalty: float = 0.0  # OpenAI: minus this times the token's count in the answer so far, in [-2, 2]
+    logprobs: int | None = None  # None = none; n = the chosen token's logprob and the n most likely (0..20) per token
 
     def __post_init__(self):
         # Checked here, before admission: a bad value would otherwise fail inside a batch of other requests.
@@ -54,6 +60,31 @@ class SamplingParams:
                                       or not 0 <= self.seed < SEED_LIMIT):
             raise ValueError(f"seed must be None or an integer in [0, 2**63); got {self.seed!r}")
         check_strategy(self.strategy)
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (off) or an integer of at least 1; got {self.top_k!r}")
+        put("top_k", int(self.top_k))
+        if not _finite_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number above 0 (1 = off); got {self.repetition_penalty!r}")
+        put("repetition_penalty", float(self.repetition_penalty))
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _finite_number(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2] (0 = off); got {value!r}")
+            put(name, float(value))
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, numbers.Integral)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer from 0 to {MAX_LOGPROBS} (top logprobs per token); "
+                             f"got {self.logprobs!r}")
+        put("logprobs", None if self.logprobs is None else int(self.logprobs))
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with no knob that needs the logits row on the host: the device's argmax is the token."""
+        return self.temperature == 0 and not self.has_penalties and self.logprobs is None
 
 
 def _finite_number(x) -> bool:
@@ -77,6 +108,7 @@ class Plan:
     owned_blocks: list[int] = field(default_factory=list)  # the request's recomputed tokens: freed with it
     tokens_recomputed: int = 0  # chunk tokens computed again in context (quality recovery)
     recompute_cost: float = 0.0  # its compute, in tokens through the whole model (blend: selection included)
+    prefix_tokens_reused: int = 0  # the request's prefix tokens whose KV was found cached (not encoded now)
 
 
 @dataclass
@@ -87,8 +119,11 @@ class RequestStats:
     chunks_missed: int = 0
     tokens_prefilled: int = 0  # tokens run through the model for this request, chunk encoding included
     tokens_context: int = 0  # prompt tokens read as placed context, not computed in context (cached, or encoded alone now)
-    tokens_reused: int = 0  # of those, the tokens whose KV was already in the cache (0 on a cold cache): usage's cache_read
+    tokens_reused: int = 0  # of those, the tokens whose KV was already in the cache (0 on a cold cache): usage's cache_read;
+    # = prefix_tokens_reused + chunk_tokens_reused (a cold request over new chunks still reuses the cached prefix)
     new_tokens: int = 0
+    prefix_tokens_reused: int = 0  # of tokens_reused, the shared prompt prefix's (system prompt, chat template head)
+    chunk_tokens_reused: int = 0  # of tokens_reused, the chunks' (and, for prefix caching, other prompt blocks'): the sum is tokens_reused
     tokens_recomputed: int = 0  # chunk tokens computed again in context (quality recovery), part of tokens_prefilled
     recompute_cost: float = 0.0  # that recovery's compute in tokens through the whole model (blend's selection included)
     plan_s: float = 0.0  # host time to look up, encode or copy the prompt's segments (TTFT minus prefill and sampling)
@@ -106,6 +141,17 @@ class GenerationResult:
     total_s: float
     finish_reason: str  # "stop" (end of turn or stop string), "length", or "abort"
     stats: RequestStats = field(default_factory=lambda: RequestStats("lazy"))
+    logprobs: list[TokenLogprob] | None = None  # with SamplingParams.logprobs: one per token of token_ids
+
+
+@dataclass
+class TokenLogprob:
+    """A generated token's log-probability (log_softmax of the model's raw logits, before penalties,
+    temperature or top-k/top-p, as vLLM reports them) and the ``logprobs`` most likely tokens', best first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 _ids = itertools.count()
@@ -137,11 +183,15 @@ class Request:
     last_token: int = -1
     detok: Detokenizer | None = None
     generator: torch.Generator | None = None
+    logprobs: list[TokenLogprob] | None = None  # with params.logprobs, one per generated token
+    penalty_ids: torch.Tensor | None = None  # with a repetition penalty: the prompt's distinct token ids
 
     def __post_init__(self):
         self.stats = RequestStats(self.params.strategy, prompt_tokens=self.layout.num_tokens)
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
+        if self.params.logprobs is not None:
+            self.logprobs = []
 
     def result(self) -> GenerationResult:
         if self.error is not None:
@@ -150,4 +200,4 @@ class Request:
         text = self.detok.text if self.detok else ""
         ttft = (self.first_token_at if self.first_token_at is not None else self.finished_at) - self.arrival
         return GenerationResult(text, list(self.seq.generated) if self.seq else [], ttft, self.finished_at - self.arrival,
-                                self.finish_reason, self.stats)
+                                self.finish_reason, self.stats, None if self.logprobs is None else list(self.logprobs))

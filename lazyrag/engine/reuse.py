@@ -165,13 +165,17 @@ class Strategy:
             flush()
         return segments
 
-    def prefix_segment(self, ids: list[int], plan: Plan) -> Segment:
-        """A context-free segment at position 0 (a prompt's prefix): looked up, else computed; pinned."""
+    def prefix_segment(self, ids: list[int], plan: Plan, own: bool = True) -> Segment:
+        """A context-free segment at position 0 (a prompt's prefix): looked up, else computed; pinned.
+        ``own``: it is the request's prefix (not only the one its chunks were encoded after), so a hit
+        counts in ``plan.prefix_tokens_reused``."""
         key = self.prefix_key(ids)
         seg = self.cache.get(key)
         if seg is None:
             return self.encode([EncodeJob(key, ids, 0, [], kind=SegmentKind.PREFIX)], plan)[0]
         plan.pinned.append(seg)
+        if own:
+            plan.prefix_tokens_reused = len(ids)
         return seg
 
     def base_segments(self, layout: PromptLayout, plan: Plan, keep: bool = True, only: set[str] | None = None,
@@ -184,8 +188,9 @@ class Strategy:
         alone, neither looked up nor cached. ``keys``: the chunks' keys, if the caller has them.
         """
         enc_ids = layout.encoding_prefix
-        encoding = self.prefix_segment(enc_ids, plan)
-        prefix = encoding if enc_ids == layout.prefix_ids else self.prefix_segment(layout.prefix_ids, plan)
+        shared = enc_ids == layout.prefix_ids
+        encoding = self.prefix_segment(enc_ids, plan, own=shared)
+        prefix = encoding if shared else self.prefix_segment(layout.prefix_ids, plan)
         keys = keys if keys is not None else [self.chunk_key(enc_ids, c) for c in layout.chunk_ids]
         found: dict[str, Segment] = {}
         jobs = []
@@ -361,6 +366,7 @@ class PrefixCaching(Strategy):
         self.cache.record(keys[len(plan.context) + 1 :])  # asked for too, though the walk stopped at the first miss
         cached = len(plan.context) * bs
         plan.new_ids, plan.new_start, plan.tokens_context = ids[cached:], cached, cached
+        plan.prefix_tokens_reused = min(cached, len(layout.prefix_ids))  # the rest of the reused blocks: chunks
         # A chunk counts as hit when all of it lies in the reused prefix.
         ends = [s + len(c) for s, c in zip(layout.chunk_starts(), layout.chunk_ids)]
         plan.chunks_hit = sum(e <= cached for e in ends)

@@ -4,12 +4,20 @@ from __future__ import annotations
 import torch
 
 
-def sample(logits: torch.Tensor, params, generator: torch.Generator | None) -> int:
-    """logits: [V] -> one token id (greedy at temperature 0, else temperature + nucleus sampling);
-    ``params``: a SamplingParams (its temperature and top_p)."""
+def sample(logits: torch.Tensor, params, generator: torch.Generator | None,
+           prompt_ids: torch.Tensor | None = None, output_ids: list[int] | None = None) -> int:
+    """logits: [V] -> one token id (greedy at temperature 0, else temperature, top-k and nucleus sampling);
+    ``params``: a SamplingParams. Penalties (vLLM's order: before temperature and the filters) need
+    ``output_ids`` (the tokens generated so far) and, for the repetition penalty, ``prompt_ids`` (the
+    prompt's distinct token ids)."""
+    if params.has_penalties:
+        logits = apply_penalties(logits, params, prompt_ids, output_ids or [])
     if params.temperature == 0:
-        return int(logits.argmax())
+        return int(logits.argmax())  # top-k and top-p never drop the most likely token
     logits = logits.float()
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
     # shifted so a tiny temperature gives -inf, never inf - inf = nan
     probs = torch.softmax((logits - logits.max()) / params.temperature, dim=-1)
     if params.top_p < 1.0:
@@ -18,6 +26,34 @@ def sample(logits: torch.Tensor, params, generator: torch.Generator | None) -> i
         sorted_probs = sorted_probs * keep
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+def apply_penalties(logits: torch.Tensor, params, prompt_ids: torch.Tensor | None, output_ids: list[int]) -> torch.Tensor:
+    """A penalized copy of ``logits`` [V] (fp32), as vLLM: the repetition penalty (HF's: a seen token's logit
+    divided by it when positive, multiplied when not) over the prompt's and the answer's tokens, then OpenAI's
+    frequency (times the token's count in the answer) and presence (once per token in the answer) penalties."""
+    logits = logits.float().clone()
+    out = torch.tensor(output_ids, dtype=torch.long, device=logits.device)
+    if params.repetition_penalty != 1.0:
+        seen = out if prompt_ids is None else torch.cat([prompt_ids.to(logits.device), out])
+        if seen.numel():
+            seen = seen.unique()
+            x = logits[seen]
+            logits[seen] = torch.where(x > 0, x / params.repetition_penalty, x * params.repetition_penalty)
+    if (params.frequency_penalty or params.presence_penalty) and out.numel():
+        counts = torch.bincount(out, minlength=logits.shape[-1])[: logits.shape[-1]].to(logits.dtype)
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def token_logprobs(logits: torch.Tensor, token: int, n: int):
+    """(the token's logprob, the ``n`` most likely (id, logprob), best first) from the raw logits [V]."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top = []
+    if n:
+        values, ids = torch.topk(lp, min(n, lp.shape[-1]))
+        top = list(zip(ids.tolist(), values.tolist()))
+    return float(lp[token]), top
 
 
 class Detokenizer:

@@ -36,10 +36,10 @@ from typing import Callable
 import torch
 
 from lazyrag.engine.config import SchedulerConfig
-from lazyrag.engine.request import Request
+from lazyrag.engine.request import Request, TokenLogprob
 from lazyrag.engine.reuse import Planner
 from lazyrag.engine.runner import ModelRunner, SeqState
-from lazyrag.engine.sampling import Detokenizer, sample
+from lazyrag.engine.sampling import Detokenizer, sample, token_logprobs
 from lazyrag.kv.block_pool import OutOfBlocks
 from lazyrag.kv.cache import CacheManager
 
@@ -212,6 +212,8 @@ class Scheduler:
         stats.tokens_recomputed, stats.recompute_cost = plan.tokens_recomputed, plan.recompute_cost
         encoded = stats.tokens_prefilled - len(plan.new_ids) - plan.tokens_recomputed  # chunks (and prefix) missed and encoded now
         stats.tokens_reused = max(0, plan.tokens_context - encoded)
+        stats.prefix_tokens_reused = min(plan.prefix_tokens_reused, stats.tokens_reused)
+        stats.chunk_tokens_reused = stats.tokens_reused - stats.prefix_tokens_reused
         if self.tokenizer is not None:
             req.detok = Detokenizer(self.tokenizer, req.params.stop)
 
@@ -247,7 +249,7 @@ class Scheduler:
         whatever ``previous`` gives it, so it can be launched on ``previous``'s device tokens before they are read."""
         return (self.async_scheduling and not self.waiting and len(previous.batch) == len(self.running)
                 and all(r is q for r, q in zip(previous.batch, self.running))
-                and all(r.params.temperature == 0 and not r.aborted and len(r.seq.generated) + 1 < r.params.max_new_tokens
+                and all(r.params.plain_greedy and not r.aborted and len(r.seq.generated) + 1 < r.params.max_new_tokens
                         for r in previous.batch))
 
     def _chain_decode(self, previous: Launched) -> Launched | None:
@@ -302,12 +304,22 @@ class Scheduler:
                 self._fail(r, e)
 
     def _accept_one(self, r: Request, row: torch.Tensor, best: int, now: float) -> None:
-        token = best if r.params.temperature == 0 else sample(row, r.params, r.generator)
+        params = r.params
+        if params.plain_greedy:  # the default path: the device's argmax, nothing else to do
+            token = best
+        else:  # penalties, top-k, top-p, temperature or logprobs: only these requests pay for them
+            if params.repetition_penalty != 1.0 and r.penalty_ids is None:
+                r.penalty_ids = torch.tensor(sorted(set(r.layout.full_ids())), dtype=torch.long)
+            token = best if params.temperature == 0 and not params.has_penalties else \
+                sample(row, params, r.generator, r.penalty_ids, r.seq.generated)
         if r.first_token_at is None:
             r.first_token_at = now
-        if token in self.end_tokens and not r.params.ignore_eos:
+        if token in self.end_tokens and not params.ignore_eos:
             self._finish(r, "stop")
             return
+        if r.logprobs is not None:
+            logprob, top = token_logprobs(row, token, params.logprobs)
+            r.logprobs.append(TokenLogprob(token, logprob, top))
         r.seq.generated.append(token)
         r.last_token = token
         r.outputs.append((r.detok.push(token) if r.detok else "", token))

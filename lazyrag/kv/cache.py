@@ -121,10 +121,28 @@ class CacheStats:
     demotions: int = 0
     promotions: int = 0  # tier hits plus prefetches
     hit_tokens: int = 0
+    tier_hits_by: dict = field(default_factory=dict)  # tier index -> lookups it served
+    tier_misses_by: dict = field(default_factory=dict)  # tier index -> lookups that reached it and it could not serve
+    reuse: dict = field(default_factory=dict)  # "prefix" | "chunk" -> [hits, tokens] served (any tier)
+
+    def reused(self, seg: "Segment") -> None:
+        group = "prefix" if seg.kind in (SegmentKind.PREFIX, SegmentKind.PREFIX_BLOCK) else "chunk"
+        counts = self.reuse.setdefault(group, [0, 0])
+        counts[0] += 1
+        counts[1] += seg.num_tokens
 
     @property
     def lookups(self) -> int:
         return self.hits + self.misses + self.tier_hits
+
+
+def _rate(hits: int, lookups: int) -> float | None:
+    return hits / lookups if lookups else None
+
+
+def _tier_row(tier: str, label: str, entries, nbytes, hits: int, misses: int, evictions: int) -> dict:
+    return {"tier": tier, "label": label, "entries": entries, "bytes": nbytes, "hits": hits, "misses": misses,
+            "hit_rate": _rate(hits, hits + misses), "evictions": evictions}
 
 
 class CacheManager:
@@ -201,6 +219,7 @@ class CacheManager:
                 self.policy.touch(key)
                 self.stats.hits += 1
                 self.stats.hit_tokens += seg.num_tokens
+                self.stats.reused(seg)
                 seg.hits += 1
                 seg.pins += int(pin)
                 return seg
@@ -219,6 +238,7 @@ class CacheManager:
                 seg = self._install(entry, pin=pin)
             self.stats.tier_hits += 1
             self.stats.hit_tokens += seg.num_tokens
+            self.stats.reused(seg)
             return seg
 
     # -- insertion and pinning ----------------------------------------------------------------
@@ -366,12 +386,37 @@ class CacheManager:
         self.stats.demotions += 1
 
     def _load(self, key: str) -> TierEntry | None:
-        for tier in self.tiers:
+        for i, tier in enumerate(self.tiers):
             if key in tier:
                 entry = tier.get(key)  # None if it was corrupt: then it is recomputed upstream
                 if entry is not None:
+                    self.stats.tier_hits_by[i] = self.stats.tier_hits_by.get(i, 0) + 1
                     return entry
+            self.stats.tier_misses_by[i] = self.stats.tier_misses_by.get(i, 0) + 1
         return None
+
+    def report(self) -> dict:
+        """What the cache holds and how it served lookups, per tier (the device pool first, then host, disk and
+        attached corpus stores, in lookup order): entries, bytes, hits, misses, hit rate, evictions; and the
+        reuse split, prefix segments (a prompt's shared prefix, prefix-caching blocks) vs chunks, in hits and tokens.
+        A tier's misses are the lookups that reached it and it could not serve (a device miss goes on to the tiers)."""
+        st = self.stats
+        with self._lock:
+            device_misses = st.misses + st.tier_hits
+            rows = [_tier_row("device", "device pool", len(self._segments), self.cached_bytes, st.hits, device_misses,
+                              st.evictions)]
+            rows[0]["budget_bytes"] = self.budget_bytes
+            for i, tier in enumerate(self.tiers):
+                nbytes = getattr(tier, "nbytes", None)
+                if not isinstance(nbytes, int) and hasattr(tier, "size_bytes"):
+                    nbytes = tier.size_bytes()  # a corpus store: its folder on disk
+                name = getattr(tier, "name", "tier")
+                label = f"store {tier.path}" if name == "store" and hasattr(tier, "path") else name
+                rows.append(_tier_row(f"{i}:{type(tier).__name__}", label, len(tier) if hasattr(tier, "__len__") else None,
+                                      nbytes, st.tier_hits_by.get(i, 0), st.tier_misses_by.get(i, 0), tier.evictions))
+        reuse = {g: {"hits": st.reuse.get(g, [0, 0])[0], "tokens": st.reuse.get(g, [0, 0])[1]} for g in ("prefix", "chunk")}
+        return {"tiers": rows, "lookups": st.lookups, "misses": st.misses, "hit_rate": _rate(st.lookups - st.misses, st.lookups),
+                "reuse": reuse}
 
     def _install(self, entry: TierEntry, pin: bool) -> Segment:
         bs = self.pool.shape.block_size

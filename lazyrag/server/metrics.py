@@ -63,6 +63,7 @@ class _CacheCollector:
     def collect(self):
         cache = self.engine.cache
         stats = cache.stats
+        report = self.engine.cache_report()
         lookups = CounterMetricFamily("lazyrag_cache_lookups", "cache lookups of prompt segments, by outcome",
                                       labels=["outcome"])
         lookups.add_metric(["device_hit"], stats.hits)
@@ -72,16 +73,24 @@ class _CacheCollector:
         yield CounterMetricFamily("lazyrag_cache_evictions", "segments evicted from the device pool", value=stats.evictions)
         entries = GaugeMetricFamily("lazyrag_cache_entries", "cached segments per tier", labels=["tier"])
         nbytes = GaugeMetricFamily("lazyrag_cache_bytes", "bytes of cached KV per tier", labels=["tier"])
-        entries.add_metric(["device"], len(cache))
-        nbytes.add_metric(["device"], cache.cached_bytes)
-        for i, tier in enumerate(cache.tiers):
-            name = f"{i}:{type(tier).__name__}"
-            if hasattr(tier, "__len__"):
-                entries.add_metric([name], len(tier))
-            if isinstance(getattr(tier, "nbytes", None), int):
-                nbytes.add_metric([name], tier.nbytes)
-        yield entries
-        yield nbytes
+        tier_hits = CounterMetricFamily("lazyrag_cache_tier_hits", "lookups each tier served", labels=["tier"])
+        tier_misses = CounterMetricFamily("lazyrag_cache_tier_misses", "lookups that reached a tier and it could not serve",
+                                          labels=["tier"])
+        tier_evictions = CounterMetricFamily("lazyrag_cache_tier_evictions", "entries each tier pushed out", labels=["tier"])
+        for row in report["tiers"]:
+            if row["entries"] is not None:
+                entries.add_metric([row["tier"]], row["entries"])
+            if isinstance(row["bytes"], int):
+                nbytes.add_metric([row["tier"]], row["bytes"])
+            tier_hits.add_metric([row["tier"]], row["hits"])
+            tier_misses.add_metric([row["tier"]], row["misses"])
+            tier_evictions.add_metric([row["tier"]], row["evictions"])
+        yield from (entries, nbytes, tier_hits, tier_misses, tier_evictions)
+        reused = CounterMetricFamily("lazyrag_cache_reused_tokens", "prompt tokens served from the cache, by segment kind",
+                                     labels=["kind"])
+        for kind, r in report["reuse"].items():
+            reused.add_metric([kind], r["tokens"])
+        yield reused
         pool = cache.pool
         yield GaugeMetricFamily("lazyrag_kv_pool_free_blocks", "free blocks of the paged KV pool", value=pool.num_free)
         yield GaugeMetricFamily("lazyrag_kv_pool_blocks", "blocks of the paged KV pool", value=pool.num_blocks)

@@ -6,9 +6,9 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from lazyrag.defaults import MAX_K
+from lazyrag.defaults import MAX_K, MAX_LOGPROBS
 from lazyrag.strategy_names import check_strategy
 
 
@@ -34,11 +34,14 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: dict | None = None
     user: str | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2, allow_inf_nan=False)
+    # vLLM's extra sampling fields
+    top_k: int | None = Field(default=None, ge=-1, description="keep the k most likely tokens; -1 or 0 = all")
+    repetition_penalty: float | None = Field(default=None, gt=0, le=100, allow_inf_nan=False,
+                                             description="HF / vLLM repetition penalty over prompt and answer tokens; 1 = off")
     # no-op unless set: refused with a clear message otherwise
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
     logit_bias: dict | None = None
-    logprobs: Any = None
     # lazyrag's own
     documents: list[str | Document] | None = Field(
         default=None, description="chunks of context whose KV is cached and reused at any position")
@@ -59,13 +62,13 @@ class _Common(BaseModel):
     def unsupported(self) -> list[str]:
         """The fields set to something lazyrag does not do (yet): refused, never silently dropped."""
         bad = []
-        if self.presence_penalty or self.frequency_penalty:
-            bad.append("presence_penalty / frequency_penalty")
         if self.logit_bias:
             bad.append("logit_bias")
-        if self.logprobs not in (None, False, 0):
-            bad.append("logprobs")
         return bad
+
+    def engine_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: None, or how many top logprobs per token (the chosen token's always)."""
+        return None
 
     def include_usage(self) -> bool:
         return bool((self.stream_options or {}).get("include_usage"))
@@ -96,6 +99,17 @@ class ChatCompletionRequest(_Common):
     tools: list | None = None
     tool_choice: Any = None
     response_format: dict | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def engine_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def unsupported(self) -> list[str]:
         bad = super().unsupported()
@@ -113,6 +127,10 @@ class CompletionRequest(_Common):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, description="top logprobs per token (0: the chosen token's only)")
+
+    def engine_logprobs(self) -> int | None:
+        return self.logprobs
 
     def prompts(self) -> list[str]:
         return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
@@ -142,6 +160,25 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def chat_logprobs(entries: list[tuple[str, float, list[tuple[str, float]]]]) -> dict:
+    """OpenAI's chat ``choices[i].logprobs`` from (token text, logprob, [(top text, logprob)])."""
+    def one(text: str, logprob: float) -> dict:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**one(t, lp), "top_logprobs": [one(tt, tlp) for tt, tlp in top]} for t, lp, top in entries],
+            "refusal": None}
+
+
+def completion_logprobs(entries: list[tuple[str, float, list[tuple[str, float]]]], offset: int = 0) -> dict:
+    """OpenAI's completions ``choices[i].logprobs``; ``offset``: the text offset of the first token."""
+    offsets = []
+    for t, _, _ in entries:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": [t for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [dict(top) for _, _, top in entries], "text_offset": offsets}
 
 
 def error_body(message: str, type_: str = "invalid_request_error", code: int | str | None = None,
