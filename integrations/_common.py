@@ -227,12 +227,9 @@ def openai_logprobs(engine: "LazyEngine", logprobs) -> dict | None:
     ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}``."""
     if logprobs is None:
         return None
+    from lazyrag.engine.sampling import logprob_entries, openai_chat_logprobs
 
-    def one(token_id: int, logprob: float) -> dict:
-        text = engine.tokenizer.decode([token_id])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-    return {"content": [{**one(lp.token_id, lp.logprob), "top_logprobs": [one(t, v) for t, v in lp.top]} for lp in logprobs]}
+    return openai_chat_logprobs(logprob_entries(engine.tokenizer, logprobs))
 
 
 def check_top_k(k, name: str = "similarity_top_k") -> int:

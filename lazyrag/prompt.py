@@ -146,9 +146,17 @@ class PromptBuilder:
         head, _ = self.template_parts(system or self.system_prompt)
         return self._with_bos(self.encode(head + CONTEXT_HEADER))
 
+    def question_text(self, question: str) -> str:
+        return f"Question: {question.strip()}"
+
     def question_ids(self, question: str, system: str | None = None) -> list[int]:
         _, tail = self.template_parts(system or self.system_prompt)
-        return self.encode(f"Question: {question.strip()}{tail}")
+        return self.encode(self.question_text(question) + tail)
+
+    def user_content(self, question: str, chunks: list[str]) -> str:
+        """The user turn's text of ``build(question, chunks)`` (prefix tail, chunks, question), for a caller
+        that renders whole chat messages (the server): ``layout_from_text`` then finds the same segments."""
+        return CONTEXT_HEADER + "".join(self.chunk_text(c) for c in chunks) + self.question_text(question)
 
     def render(self, messages: list[dict]) -> str:
         """Chat messages as prompt text (with the generation prompt); a default system turn is added."""

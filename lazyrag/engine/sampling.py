@@ -56,6 +56,34 @@ def token_logprobs(logits: torch.Tensor, token: int, n: int):
     return float(lp[token]), top
 
 
+# -- logprobs as OpenAI reports them (the server's responses, and ChatOpenAI's format in the LangChain adapter) --
+
+def logprob_entries(tokenizer, logprobs) -> list[tuple[str, float, list[tuple[str, float]]]]:
+    """(token text, logprob, [(top token text, logprob)]) per generated token (a result's TokenLogprobs)."""
+    def text(token_id: int) -> str:
+        return tokenizer.decode([token_id])
+
+    return [(text(lp.token_id), lp.logprob, [(text(t), v) for t, v in lp.top]) for lp in logprobs]
+
+
+def openai_chat_logprobs(entries: list[tuple[str, float, list[tuple[str, float]]]]) -> dict:
+    """OpenAI's chat ``choices[i].logprobs["content"]`` from ``logprob_entries``."""
+    def one(text: str, logprob: float) -> dict:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**one(t, lp), "top_logprobs": [one(tt, tlp) for tt, tlp in top]} for t, lp, top in entries]}
+
+
+def openai_completion_logprobs(entries: list[tuple[str, float, list[tuple[str, float]]]], offset: int = 0) -> dict:
+    """OpenAI's completions ``choices[i].logprobs``; ``offset``: the text offset of the first token."""
+    offsets = []
+    for t, _, _ in entries:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": [t for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [dict(top) for _, _, top in entries], "text_offset": offsets}
+
+
 class Detokenizer:
     """Turns a growing list of token ids into text deltas, honouring stop strings.
 

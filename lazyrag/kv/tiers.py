@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import tempfile
 import threading
 from collections import OrderedDict
@@ -55,6 +56,10 @@ def kv_checksum(k: torch.Tensor, v: torch.Tensor, *context: str) -> str:
 def _entry_context(key: str, meta: dict) -> tuple[str, ...]:
     """What a disk file's checksum ties its KV to: the key it is filed under and where the KV was computed."""
     return key, meta.get("start", ""), meta.get("kind", "")
+
+
+# the temp files atomic_write_bytes makes (".<name>.<mkstemp's 8 characters>.tmp"), left behind when a writer is killed
+ATOMIC_TEMP_FILE = re.compile(r"^\.(?P<name>.+)\.[a-z0-9_]{8}\.tmp$")
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

@@ -23,10 +23,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lazyrag.prompt import CONTEXT_HEADER
+from lazyrag.engine.sampling import logprob_entries, openai_chat_logprobs, openai_completion_logprobs
 from lazyrag.server.metrics import ServerMetrics
-from lazyrag.server.protocol import (ChatCompletionRequest, CompletionRequest, _Common, chat_logprobs,
-                                     completion_logprobs, error_body, new_id, now, usage)
+from lazyrag.server.protocol import ChatCompletionRequest, CompletionRequest, _Common, error_body, new_id, now, usage
 
 if TYPE_CHECKING:
     from lazyrag.engine import GenerationResult, LazyEngine, RequestStream
@@ -150,15 +149,14 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
     async def _retrieved(question: str, k: int) -> list[str]:
         if retriever is None:
             raise APIError(400, "retrieve: true needs a corpus store: start the server with --store STORE.", param="retrieve")
-        k = min(k, max(len(retriever.store), 1))
-        hits = await asyncio.to_thread(retriever.retrieve, question, k)
+        hits = await asyncio.to_thread(retriever.retrieve, question, k)  # k is clamped to the store's size there
         return [h.text for h in hits]
 
     def _with_documents(content: str, documents: list[str]) -> str:
-        """The user's content with the documents before it, laid out as the engine's own RAG prompt
-        (engine.build_prompt), so a request through the server reuses the same chunk KV as one from Python."""
-        chunks = engine.prompts.chunk_text
-        return CONTEXT_HEADER + "".join(chunks(d) for d in documents) + f"Question: {content.strip()}"
+        """The user's content with the documents before it, laid out as ``engine.build_prompt`` lays them
+        out, so a request through the server reuses the same chunk KV as one from Python."""
+        engine.register_chunks(documents)
+        return engine.prompts.user_content(content, documents)
 
     async def _chat_layout(body: ChatCompletionRequest):
         try:
@@ -170,23 +168,21 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
             raise APIError(400, "messages hold no user message: nothing to answer.", param="messages")
         last = users[-1]
         documents = body.document_texts()
-        if documents is None and retriever is not None and body.retrieve is not False:
-            plain = engine.render_chat(messages)
-            if body.retrieve or not engine.chunk_finder.find(plain):
-                documents = await _retrieved(messages[last]["content"], body.k or config.k)
-        elif documents is None and body.retrieve:
+        text = engine.render_chat(messages)
+        # retrieve when asked to, or by default when a store is attached and the text holds no known chunk
+        if documents is None and (body.retrieve or (body.retrieve is None and retriever is not None
+                                                    and not engine.chunk_finder.find(text))):
             documents = await _retrieved(messages[last]["content"], body.k or config.k)
         if documents:
-            engine.register_chunks(documents)
             messages[last] = {"role": "user", "content": _with_documents(messages[last]["content"], documents)}
-        return engine.layout_from_text(engine.render_chat(messages))
+            text = engine.render_chat(messages)
+        return engine.layout_from_text(text)
 
     async def _completion_layout(prompt: str, body: CompletionRequest):
         documents = body.document_texts()
         if documents is None and body.retrieve:
             documents = await _retrieved(prompt, body.k or config.k)
         if documents:  # the prompt is the question of the engine's RAG prompt, as engine.generate(prompt, documents)
-            engine.register_chunks(documents)
             return engine.layout_from_text(engine.render_chat([{"role": "user", "content": _with_documents(prompt, documents)}]))
         return engine.layout_from_text(prompt)  # raw text: known chunks inside it are still reused
 
@@ -196,13 +192,11 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
         try:
             for i, layout in enumerate(layouts):
                 streams.append(engine.submit(layout, _params(body, max_tokens, layout.num_tokens, i)))
-        except ValueError as e:
-            for s in streams:
+        except BaseException as e:
+            for s in streams:  # the choices already queued do not run without the others
                 s.close(wait=False)
-            raise APIError(400, str(e)) from None
-        except BaseException:
-            for s in streams:
-                s.close(wait=False)
+            if isinstance(e, ValueError):
+                raise APIError(400, str(e)) from None
             raise
         pending[0] += len(streams)
         return streams
@@ -270,12 +264,11 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
         """What lazyrag adds to a response: per choice, the reuse stats and time to first token."""
         return {"choices": [{"ttft_s": r.ttft_s, "total_s": r.total_s, **r.stats.as_dict()} for r in results]}
 
-    def _token_text(token_id: int) -> str:
-        return engine.tokenizer.decode([token_id])
+    def _chat_logprobs(logprobs) -> dict:
+        return {**openai_chat_logprobs(logprob_entries(engine.tokenizer, logprobs)), "refusal": None}
 
-    def _logprob_entries(logprobs) -> list:
-        """(token text, logprob, [(top token text, logprob)]) per generated token."""
-        return [(_token_text(lp.token_id), lp.logprob, [(_token_text(t), v) for t, v in lp.top]) for lp in logprobs]
+    def _completion_logprobs(logprobs, offset: int = 0) -> dict:
+        return openai_completion_logprobs(logprob_entries(engine.tokenizer, logprobs), offset)
 
     class _LogprobsSent:
         """A streamed choice's logprobs: each chunk carries those of the tokens generated since the last one."""
@@ -286,26 +279,27 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
         def next(self):
             if self.request.logprobs is None:
                 return None
-            new = _logprob_entries(self.request.logprobs[self.sent:])
+            new = self.request.logprobs[self.sent:]
             self.sent += len(new)
             if self.chat:
-                return chat_logprobs(new)
-            out = completion_logprobs(new, self.offset)
-            self.offset += sum(len(t) for t, _, _ in new)
+                return _chat_logprobs(new)
+            out = _completion_logprobs(new, self.offset)
+            self.offset += sum(map(len, out["tokens"]))
             return out
 
     def _sse(payload: dict | str) -> str:
         return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
-    def _streaming(streams, chunk_of, final_of, include_usage: bool, chat: bool) -> StreamingResponse:
+    def _streaming(streams, chunk_of, head: dict, include_usage: bool, chat: bool) -> StreamingResponse:
+        """``chunk_of(i, delta, finish_reason, logprobs)``: choice i's event (delta None: its opening one, or None)."""
         sent = [_LogprobsSent(s, chat) for s in streams]
 
         async def events():
             try:
-                first = chunk_of(0, None, None)
-                if first is not None:
-                    for i in range(len(streams)):
-                        yield _sse(chunk_of(i, None, None))
+                for i in range(len(streams)):
+                    opening = chunk_of(i, None, None)
+                    if opening is not None:
+                        yield _sse(opening)
                 async for i, delta in _merged(streams):
                     if delta is not None:
                         yield _sse(chunk_of(i, delta, None, sent[i].next()))
@@ -318,7 +312,8 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
                     metrics.finished(result)
                     yield _sse(chunk_of(i, "", _finish_reason(result), sent[i].next()))
                 if include_usage:
-                    yield _sse(final_of([s.request.result() for s in streams if s.request.error is None]))
+                    results = [s.request.result() for s in streams if s.request.error is None]
+                    yield _sse({**head, "choices": [], "usage": _usage(results)})
                 yield _sse("[DONE]")
             finally:
                 _done(streams)  # also on a client that hung up: Starlette cancels this generator
@@ -342,15 +337,12 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
                 return {**head, "object": "chat.completion.chunk",
                         "choices": [{"index": i, "delta": d, "finish_reason": reason, "logprobs": logprobs}]}
 
-            def final_of(results):
-                return {**head, "object": "chat.completion.chunk", "choices": [], "usage": _usage(results)}
-
-            return _streaming(streams, chunk_of, final_of, body.include_usage(), chat=True)
+            return _streaming(streams, chunk_of, {**head, "object": "chat.completion.chunk"}, body.include_usage(), chat=True)
         results = await _results(streams, http)
         return {**head, "object": "chat.completion",
                 "choices": [{"index": i, "message": {"role": "assistant", "content": r.text},
                              "finish_reason": _finish_reason(r),
-                             "logprobs": None if r.logprobs is None else chat_logprobs(_logprob_entries(r.logprobs))}
+                             "logprobs": None if r.logprobs is None else _chat_logprobs(r.logprobs)}
                             for i, r in enumerate(results)],
                 "usage": _usage(results), "lazyrag": _lazyrag_info(results)}
 
@@ -374,14 +366,11 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
                 return {**head, "object": "text_completion",
                         "choices": [{"index": i, "text": delta, "finish_reason": reason, "logprobs": logprobs}]}
 
-            def final_of(results):
-                return {**head, "object": "text_completion", "choices": [], "usage": _usage(results)}
-
-            return _streaming(streams, chunk_of, final_of, body.include_usage(), chat=False)
+            return _streaming(streams, chunk_of, {**head, "object": "text_completion"}, body.include_usage(), chat=False)
         results = await _results(streams, http)
         return {**head, "object": "text_completion",
                 "choices": [{"index": i, "text": r.text, "finish_reason": _finish_reason(r),
-                             "logprobs": None if r.logprobs is None else completion_logprobs(_logprob_entries(r.logprobs))}
+                             "logprobs": None if r.logprobs is None else _completion_logprobs(r.logprobs)}
                             for i, r in enumerate(results)],
                 "usage": _usage(results), "lazyrag": _lazyrag_info(results)}
 

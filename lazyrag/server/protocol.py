@@ -162,25 +162,6 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def chat_logprobs(entries: list[tuple[str, float, list[tuple[str, float]]]]) -> dict:
-    """OpenAI's chat ``choices[i].logprobs`` from (token text, logprob, [(top text, logprob)])."""
-    def one(text: str, logprob: float) -> dict:
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-    return {"content": [{**one(t, lp), "top_logprobs": [one(tt, tlp) for tt, tlp in top]} for t, lp, top in entries],
-            "refusal": None}
-
-
-def completion_logprobs(entries: list[tuple[str, float, list[tuple[str, float]]]], offset: int = 0) -> dict:
-    """OpenAI's completions ``choices[i].logprobs``; ``offset``: the text offset of the first token."""
-    offsets = []
-    for t, _, _ in entries:
-        offsets.append(offset)
-        offset += len(t)
-    return {"tokens": [t for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
-            "top_logprobs": [dict(top) for _, _, top in entries], "text_offset": offsets}
-
-
 def error_body(message: str, type_: str = "invalid_request_error", code: int | str | None = None,
                param: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}

@@ -59,7 +59,7 @@ import numpy as np
 import torch
 
 from lazyrag.kv.identity import KVIdentity
-from lazyrag.kv.tiers import CorruptKV, Tier, TierEntry, atomic_write_bytes, kv_checksum
+from lazyrag.kv.tiers import ATOMIC_TEMP_FILE, CorruptKV, Tier, TierEntry, atomic_write_bytes, kv_checksum
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +84,6 @@ CREATE TABLE IF NOT EXISTS chunks (
 )
 """
 
-# atomic_write_bytes' temp files (".<name>.<8 random chars>.tmp"), left behind when a writer is killed mid-write
-_TEMP = re.compile(r"^\.(?P<name>.+)\.[a-z0-9_]{8}\.tmp$")
 _STORE_FILES = (MANIFEST, TABLE, INDEX)
 _SHARD_FILE = re.compile(r"^(prefix|shard-\d{6}(-\d{6})?)\.safetensors$")
 
@@ -602,7 +600,7 @@ def check_new_store_folder(path: Path) -> None:
 
 def _our_temp_file(p: Path, in_kv: bool) -> bool:
     """Whether ``p`` is a temp file of one of a store writer's atomic writes."""
-    m = _TEMP.match(p.name)
+    m = ATOMIC_TEMP_FILE.match(p.name)
     if m is None or p.is_symlink() or not p.is_file():
         return False
     return bool(_SHARD_FILE.match(m["name"])) if in_kv else m["name"] in _STORE_FILES
