@@ -344,7 +344,7 @@ class CorpusStore(Tier):
     @property
     def index(self):
         """The FAISS index (ids = chunk ids), read once and checked against the manifest's sha256 (a
-        full hash of the bytes just read: a few ms per 10 MB, well under faiss's own deserialization);
+        full hash of the bytes just read: 0.7x to 2.4x of faiss's own deserialization, benchmarks/index_hash.py);
         StoreError if the file is damaged or is not the index the manifest published."""
         if self._index is None:
             try:
