@@ -9,7 +9,7 @@ import torch
 
 from lazyrag.engine import SamplingParams
 from tests.test_engine import CHUNKS, QUESTION
-from tests.test_scheduler import QUESTIONS, _assert_nothing_held, _layouts, _run_to_completion, run_in_threads
+from tests.test_scheduler import QUESTIONS, _assert_nothing_held, _layouts, stepped_by_hand, run_in_threads
 
 
 @pytest.fixture
@@ -70,9 +70,9 @@ def test_a_request_that_fails_while_sampling_fails_alone(fresh_engine):
     alone = [engine.submit(lay, good).result().token_ids for lay in layouts][:3]  # and every chunk cached
     free_before = engine.cache.pool.num_free
 
-    reqs = [engine.add_request(lay, good) for lay in layouts[:3]]
-    bad = engine.add_request(layouts[3], _poisoned_params())
-    _run_to_completion(engine)
+    with stepped_by_hand(engine):
+        reqs = [engine.add_request(lay, good) for lay in layouts[:3]]
+        bad = engine.add_request(layouts[3], _poisoned_params())
 
     assert [r.result().token_ids for r in reqs] == alone
     with pytest.raises(RuntimeError):
@@ -89,8 +89,6 @@ def test_a_failing_forward_pass_fails_only_the_request_at_fault(fresh_engine, mo
     params = SamplingParams(max_new_tokens=5, ignore_eos=True)
     alone = [engine.submit(lay, params).result().token_ids for lay in layouts][:2]
     free_before = engine.cache.pool.num_free
-    reqs = [engine.add_request(lay, params) for lay in layouts]
-    poisoned = reqs[2]
     runner = engine.runner
     real_prefill, real_decode = runner.prefill, runner.decode
 
@@ -100,7 +98,9 @@ def test_a_failing_forward_pass_fails_only_the_request_at_fault(fresh_engine, mo
 
     monkeypatch.setattr(runner, "prefill", lambda seqs, ids, logits=True: (guard(seqs), real_prefill(seqs, ids, logits))[1])
     monkeypatch.setattr(runner, "decode", lambda seqs, toks: (guard(seqs), real_decode(seqs, toks))[1])
-    _run_to_completion(engine)
+    with stepped_by_hand(engine):
+        reqs = [engine.add_request(lay, params) for lay in layouts]
+        poisoned = reqs[2]
 
     assert [r.result().token_ids for r in reqs[:2]] == alone
     with pytest.raises(RuntimeError, match="poisoned"):
@@ -118,9 +118,9 @@ def test_a_notify_callback_that_raises_aborts_only_its_request(fresh_engine):
     def closed_loop():
         raise RuntimeError("Event loop is closed")
 
-    ok = engine.add_request(layouts[0], params)
-    gone = engine.add_request(layouts[1], params, notify=closed_loop)
-    _run_to_completion(engine)
+    with stepped_by_hand(engine):
+        ok = engine.add_request(layouts[0], params)
+        gone = engine.add_request(layouts[1], params, notify=closed_loop)
 
     assert ok.result().token_ids == expected
     assert gone.finish_reason == "abort"

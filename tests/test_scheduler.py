@@ -1,6 +1,7 @@
 """Continuous batching: concurrent requests are batched, give the same answers as one at a time,
 and give back every block and pin when they end, fail or are abandoned."""
 import asyncio
+from contextlib import contextmanager
 import random
 from dataclasses import replace
 import threading
@@ -21,8 +22,13 @@ def _layouts(engine, n: int, seed: int = 0):
     return [engine.build_prompt(QUESTIONS[i % len(QUESTIONS)], rng.sample(CHUNKS, k=rng.randint(2, 4))) for i in range(n)]
 
 
-def _run_to_completion(engine):
+@contextmanager
+def stepped_by_hand(engine):
+    """Queue requests inside the block; they are stepped to completion by this thread when it ends. The stepping
+    lock is held throughout, so a driver thread left running by an earlier asyncio test on a shared engine
+    cannot step some of them first (which made batch shapes and abort timing depend on thread scheduling)."""
     with engine._lock:
+        yield
         while engine.scheduler.has_work():
             engine.scheduler.step()
 
@@ -43,8 +49,8 @@ def test_batched_requests_match_one_at_a_time(tiny_engine):
     free_before = engine.cache.pool.num_free
     steps = dict(engine.scheduler.steps)
 
-    reqs = [engine.add_request(lay, p) for lay, p in zip(layouts, params)]
-    _run_to_completion(engine)
+    with stepped_by_hand(engine):
+        reqs = [engine.add_request(lay, p) for lay, p in zip(layouts, params)]
 
     for req, ref in zip(reqs, alone):
         assert req.result().token_ids == ref.token_ids
@@ -144,10 +150,10 @@ def test_a_full_pool_queues_requests_and_an_impossible_one_fails_alone(tiny_hf, 
     layouts = _layouts(engine, 2, seed=6)
     long = SamplingParams(max_new_tokens=400, ignore_eos=True)
     before = engine.runner.tokens_forwarded
-    first = engine.add_request(layouts[0], long)
-    second = engine.add_request(layouts[1], replace(long, strategy="position_aware"))
-    impossible = engine.add_request(layouts[0], SamplingParams(max_new_tokens=1000, ignore_eos=True))
-    _run_to_completion(engine)
+    with stepped_by_hand(engine):
+        first = engine.add_request(layouts[0], long)
+        second = engine.add_request(layouts[1], replace(long, strategy="position_aware"))
+        impossible = engine.add_request(layouts[0], SamplingParams(max_new_tokens=1000, ignore_eos=True))
     assert len(first.result().token_ids) == len(second.result().token_ids) == 400
     assert second.first_token_at >= first.finished_at  # it waited for the first one's blocks
     # and while it waited, none of its chunks was encoded only to be thrown away
@@ -164,9 +170,9 @@ def test_max_running_caps_the_batch(tiny_hf, default_hf):
 
     engine = LazyEngine.from_hf(tiny_hf, default_hf[1], device="cpu", kv_budget=16 << 20,
                                 scheduler=SchedulerConfig(max_running=2))
-    reqs = [engine.add_request(lay, SamplingParams(max_new_tokens=5, ignore_eos=True)) for lay in _layouts(engine, 5, seed=7)]
     widest = 0
     with engine._lock:
+        reqs = [engine.add_request(lay, SamplingParams(max_new_tokens=5, ignore_eos=True)) for lay in _layouts(engine, 5, seed=7)]
         while engine.scheduler.has_work():
             engine.scheduler.step()
             widest = max(widest, len(engine.scheduler.running))
@@ -201,10 +207,10 @@ def test_async_scheduling_gives_the_same_answers_and_everything_back(tiny_engine
         return decode(seqs, tokens)
 
     monkeypatch.setattr(engine.runner, "decode", spy)
-    reqs = [engine.add_request(lay, p) for lay, p in zip(layouts, greedy)]
-    reqs.append(engine.add_request(layouts[0], sampled))
-    aborted = engine.add_request(layouts[5], endless)
-    with engine._lock:
+    with engine._lock:  # held from the first request queued: see stepped_by_hand
+        reqs = [engine.add_request(lay, p) for lay, p in zip(layouts, greedy)]
+        reqs.append(engine.add_request(layouts[0], sampled))
+        aborted = engine.add_request(layouts[5], endless)
         while sched.has_work():
             sched.step()
             if len(aborted.outputs) >= 3:
