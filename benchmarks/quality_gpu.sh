@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
-# Answer quality of the embedded model at full n on the GPU machine (the device tool: no internet, no gguf
-# package). The 98 MB GGUF cannot travel in one call (64 MiB), so it goes in two parts, two calls in a row
-# while the machine is warm:
+# Answer quality of the embedded model on the GPU machine (the device tool: no internet, no gguf package).
+# The 98 MB GGUF cannot travel in one call (64 MiB), so it goes in two parts, two calls in a row while the
+# machine is warm:
 #   call 1 (carry .model/a):                      mkdir -p /tmp/m && cp .model/a/part1 /tmp/m/
-#   call 2 (carry .model/b .whl .data):           bash benchmarks/quality_gpu.sh SECONDS "STRATEGIES" [DATASETS]
+#   call 2 (carry .model/b .whl .data):           bash benchmarks/quality_gpu.sh SECONDS "STRATEGIES" [SETS]
 #   more calls, same command, while still warm:   the evals resume (--resume) where the last call stopped
+# SETS, space-separated: "nq" and "hotpotqa" are the whole sets as issue 14 ran them (NQ_WORKERS, HP_WORKERS);
+# NAME:SPLIT:N[:WORKERS] is N questions of one split (tune or report) of any set lazyrag eval knows, e.g.
+# "nq:tune:240:4 squad:tune:240:3" (nq and hotpotqa read .data, the others benchmarks/data; HotpotQA shuffled).
 # Here, beforehand: .model/a/part1 = the GGUF's first 58,000,000 bytes, .model/b/part2 the rest and
 # .model/b/sha its sha256; .whl/ the gguf wheel (device README); .data/ a copy of ../shared/data, and in
 # .data/partial/ the *.partial.jsonl of an earlier machine, if the runs are to go on from there.
-# Each dataset runs in its own workers, spread over every visible GPU; every finished batch is saved, so a
-# call that runs out of time loses only the batches in flight. Results and partial files land in $OUT.
+# Each set runs in its own workers, spread over every visible GPU; every finished batch is saved, so a call
+# that runs out of time loses only the batches in flight. Reports, partial files and logs are kept in /tmp/q
+# (it survives between calls on a warm machine) and come back as $OUT/quality_gpu.tgz (the device returns at
+# most 8 files). KV_GIB: each worker's KV pool in GiB (default 8; 12 workers of 8 GiB ran out of memory).
 set -euo pipefail
-budget=${1:?seconds}; strategies=${2:?strategies}; datasets=${3:-"nq hotpotqa"}
+budget=${1:?seconds}; strategies=${2:?strategies}; sets=${3:-"nq hotpotqa"}
 start=$(date +%s)
 M=/tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ ! -f "$M" ]; then
@@ -23,22 +28,35 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1  # the worker p
 export LAZYRAG_KERNEL_AUTOTUNE=0  # each worker would autotune the kernels again: the default configs
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
 nvidia-smi --query-gpu=index,name,memory.used --format=csv
-Q=/tmp/q  # survives between calls on a warm machine
+Q=/tmp/q
 mkdir -p "$Q"
 cp -n .data/partial/*.partial.jsonl "$Q"/ 2>/dev/null || true
-trap 'cp "$Q"/* "$OUT"/ 2>/dev/null || true' EXIT
+trap 'tar czf "$OUT/quality_gpu.tgz" -C "$Q" . 2>/dev/null || true' EXIT
 left=$(( budget - ($(date +%s) - start) ))
-run() {  # dataset n workers batch [extra]: one dataset's eval, resumed, stopped in time to write its report
-  timeout "$left" python3 -m lazyrag.cli eval --resume --time-limit $(( left - 40 )) --dataset "$1" --n "$2" \
-    --strategies "$strategies" --out "$Q/quality_$1_gpu.json" --device cuda --dtype float32 --workers "$3" \
-    --batch "$4" --eager --max-new-tokens "${NEW_TOKENS:-16}" --model "$M" "${@:5}" > "$Q/log_$1.txt" 2>&1 \
-    || echo "eval $1 exited $?" >> "$Q/log_$1.txt"
+run() {  # tag workers batch [eval options]: one eval, resumed, stopped in time to write its report
+  local tag=$1 workers=$2 batch=$3; shift 3
+  timeout "$left" python3 -m lazyrag.cli eval --resume --time-limit $(( left - 40 )) --strategies "$strategies" \
+    --out "$Q/quality_${tag}_gpu.json" --device cuda --dtype float32 --workers "$workers" --batch "$batch" --eager \
+    --max-new-tokens "${NEW_TOKENS:-16}" --model "$M" ${KV_GIB:+--kv-budget "$KV_GIB"} "$@" > "$Q/log_$tag.txt" 2>&1 \
+    || echo "eval $tag exited $?" >> "$Q/log_$tag.txt"
 }
-for d in $datasets; do
+data_of() {  # the options that say where a set's file is
+  case $1 in
+    nq) echo "--data .data/nq_open_oracle_2655.jsonl.gz" ;;
+    hotpotqa) echo "--data .data/hotpotqa_dev_500.jsonl --shuffle" ;;
+  esac
+}
+tags=()
+for d in $sets; do
   case $d in
-    nq) run nq 2655 "${NQ_WORKERS:-4}" 32 --data .data/nq_open_oracle_2655.jsonl.gz & ;;
-    hotpotqa) run hotpotqa 500 "${HP_WORKERS:-2}" 16 --shuffle --data .data/hotpotqa_dev_500.jsonl & ;;
+    nq) run nq "${NQ_WORKERS:-4}" 32 --dataset nq --n 2655 $(data_of nq) & tags+=(nq) ;;
+    hotpotqa) run hotpotqa "${HP_WORKERS:-2}" 16 --dataset hotpotqa --n 500 $(data_of hotpotqa) & tags+=(hotpotqa) ;;
+    *:*:*)
+      IFS=: read -r name split n workers <<< "$d"
+      run "${name}_${split}" "${workers:-2}" "${SPLIT_BATCH:-12}" --dataset "$name" --split "$split" --n "$n" $(data_of "$name") &
+      tags+=("${name}_${split}") ;;
+    *) echo "unknown set $d" >&2; exit 2 ;;
   esac
 done
 wait
-for d in $datasets; do tail -n 12 "$Q/log_$d.txt"; done
+for t in "${tags[@]}"; do tail -n 14 "$Q/log_$t.txt"; done

@@ -10,24 +10,26 @@ JSON, by position in the item list that --dataset/--n/--seed rebuild. Writes OUT
 """
 import argparse
 import json
-import statistics
 from pathlib import Path
 
-from lazyrag.eval import DATA, accuracy, f1, load_hotpotqa, load_nq
+from quality_sets import paired  # noqa: E402  (benchmarks/ is on the path when run as a script)
+
+from lazyrag.eval import DATASETS, SPLITS, accuracy, default_data, f1, load_dataset
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", type=Path)
-    ap.add_argument("--dataset", choices=["nq", "hotpotqa"], default="nq")
+    ap.add_argument("--dataset", choices=DATASETS, default="nq")
+    ap.add_argument("--split", choices=SPLITS, default="all")
     ap.add_argument("--n", type=int, default=500)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--shuffle", action="store_true", help="hotpotqa: the runs shuffled the paragraphs")
+    ap.add_argument("--shuffle", action="store_true", help="the runs shuffled the paragraphs")
     ap.add_argument("--reference", default="full")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    items = (load_nq(DATA / "nq_open_oracle_2655.jsonl.gz", args.n, 4, args.seed) if args.dataset == "nq"
-             else load_hotpotqa(DATA / "hotpotqa_dev_500.jsonl", args.n, args.shuffle, args.seed))
+    items = load_dataset(args.dataset, default_data(args.dataset), args.n, split=args.split, seed=args.seed,
+                         shuffle=args.shuffle)
     golds = {it["question"]: it["answers"] for it in items}
     answers: dict[str, dict[str, str]] = {}  # strategy -> question -> answer
     recomputed: dict[str, float] = {}
@@ -37,18 +39,12 @@ def main() -> None:
         for s, texts in run["answers"].items():
             answers[s] = dict(zip(questions, texts))
             recomputed[s] = run["summary"][s]["recomputed_pct_of_chunk_tokens"]
-    ref = answers[args.reference]
-    rows = {}
-    for s, by_q in answers.items():
-        common = [q for q in by_q if q in ref and q in golds]
-        row = {"n": len(common), "recomputed_pct_of_chunk_tokens": recomputed[s]}
-        for name, fn in (("accuracy", accuracy), ("f1", f1)):
-            mine = [100 * fn(by_q[q], golds[q]) for q in common]
-            diff = [m - 100 * fn(ref[q], golds[q]) for q, m in zip(common, mine)]
-            row[name] = statistics.fmean(mine)
-            row[f"{name}_minus_{args.reference}"] = statistics.fmean(diff)
-            row[f"{name}_minus_{args.reference}_se"] = statistics.stdev(diff) / len(diff) ** 0.5 if len(diff) > 1 else 0.0
-        rows[s] = row
+    common = [q for q in answers[args.reference] if q in golds and all(q in by_q for by_q in answers.values())]
+    scores = {s: {"acc": [accuracy(by_q[q], golds[q]) for q in common], "f1": [f1(by_q[q], golds[q]) for q in common]}
+              for s, by_q in answers.items()}
+    rows = paired(scores, args.reference)
+    for s, row in rows.items():
+        row["recomputed_pct_of_chunk_tokens"] = recomputed[s]
     width = max(len(s) for s in rows) + 2
     print(f"{'strategy':<{width}}{'n':>5}{'acc':>7}{'F1':>7}{'acc - ' + args.reference:>18}{'F1 - ' + args.reference:>18}{'recomp%':>9}")
     for s, r in rows.items():
@@ -56,7 +52,7 @@ def main() -> None:
               f"{r[f'accuracy_minus_{args.reference}']:>+11.2f} ± {r[f'accuracy_minus_{args.reference}_se']:.2f}"
               f"{r[f'f1_minus_{args.reference}']:>+11.2f} ± {r[f'f1_minus_{args.reference}_se']:.2f}"
               f"{r['recomputed_pct_of_chunk_tokens']:>9.1f}")
-    args.out.write_text(json.dumps({"dataset": args.dataset, "n": args.n, "seed": args.seed, "reference": args.reference,
+    args.out.write_text(json.dumps({"dataset": args.dataset, "split": args.split, "n": args.n, "seed": args.seed, "reference": args.reference,
                                     "runs": [str(p) for p in args.runs], "paired": rows}, indent=2))
     import matplotlib
 

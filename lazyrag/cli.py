@@ -222,13 +222,16 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
 def add_eval_parser(sub) -> argparse.ArgumentParser:
     from lazyrag import eval as quality  # no torch: its description is the module's docstring
 
-    p = sub.add_parser("eval", help="answer quality of the strategies side by side on NQ or HotpotQA",
+    p = sub.add_parser("eval", help="answer quality of the strategies side by side on NQ, HotpotQA, SQuAD, 2WikiMultihopQA or MuSiQue",
                        description=quality.__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--dataset", choices=["nq", "hotpotqa"], default="nq", help="which benchmark")
-    p.add_argument("--data", type=Path, default=None, help="the dataset file (default: ../shared/data/...)")
+    p.add_argument("--dataset", choices=quality.DATASETS, default="nq", help="which benchmark")
+    p.add_argument("--data", type=Path, default=None,
+                   help="the dataset file (default: ../shared/data/... for nq and hotpotqa, benchmarks/data/NAME/ for the others)")
+    p.add_argument("--split", choices=quality.SPLITS, default="all",
+                   help="tune: the 30%% of each set that methods are chosen on; report: the other 70%%, which results quote")
     p.add_argument("--n", type=int, default=100, help="questions")
     p.add_argument("--distractors", type=int, default=4, help="nq: random passages besides the gold one")
-    p.add_argument("--shuffle", action="store_true", help="hotpotqa: shuffle the paragraphs")
+    p.add_argument("--shuffle", action="store_true", help="hotpotqa, squad, 2wiki, musique: shuffle the paragraphs")
     p.add_argument("--store", type=Path, default=None,
                    help="nq retrieval mode: chunks are the top --k of this corpus store (lazyrag precache), not gold + distractors")
     p.add_argument("--k", type=int, default=5, help="retrieval mode: chunks per question")
@@ -245,6 +248,8 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=1,
                    help="processes, each with its own engine and KV budget (8 GiB each on cuda), spread over the visible "
                         "GPUs. On one H200, 6 workers ran about 1.4x faster than 1 and 12 ran out of memory; on a laptop keep 1")
+    p.add_argument("--kv-budget", type=float, default=None, metavar="GIB",
+                   help="each worker's paged KV pool, GiB (default: 8 on cuda, 1 on cpu); lower it to run more workers")
     p.add_argument("--seed", type=int, default=0, help="seed of the question sample and the distractors")
     p.add_argument("--model", default=None, help="local Llama folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -318,8 +323,8 @@ def _check_precache(args) -> None:
 
 def _check_eval(args) -> None:
     _check_model(args.model)
-    if args.n <= 0 or args.batch <= 0 or args.workers <= 0 or args.max_new_tokens <= 0:
-        raise UsageError("--n, --batch, --workers and --max-new-tokens must be positive.")
+    if args.n <= 0 or args.batch <= 0 or args.workers <= 0 or args.max_new_tokens <= 0 or (args.kv_budget or 1) <= 0:
+        raise UsageError("--n, --batch, --workers, --max-new-tokens and --kv-budget must be positive.")
     _check_k(args.k)
     for name in args.strategies.split(","):
         check_strategy(name)

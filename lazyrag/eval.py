@@ -1,10 +1,19 @@
 """Answer quality of each strategy, side by side, on real QA data (``lazyrag eval``).
 
-Datasets (from ``../shared/data``):
+Datasets (``nq`` and ``hotpotqa`` from ``../shared/data``, the others from the repository's
+``benchmarks/data``; ``--data`` points elsewhere):
 * ``nq``: Natural Questions (open) with the gold passage among ``--distractors`` random other
   passages of the same file, shuffled (DESIGN §3's setting), or, with ``--store``, the top
   ``--k`` chunks retrieved from a corpus store built by ``lazyrag precache``;
-* ``hotpotqa``: HotpotQA dev, its 10 paragraphs as chunks, in the given order or ``--shuffle``d.
+* ``hotpotqa``: HotpotQA dev, its 10 paragraphs as chunks, in the given order or ``--shuffle``d;
+* ``squad``: SQuAD v1.1 dev, single-hop reading: the gold paragraph among 4 paragraphs of other articles;
+* ``2wiki``: 2WikiMultihopQA dev (500), multi-hop: its 10 paragraphs (supporting and distractors);
+* ``musique``: MuSiQue-Ans dev (200), 2-4 hops: its 20 paragraphs.
+Their chunks are "title" + newline + paragraph (2Wiki's paragraphs often name their subject only in the title).
+
+``--split``: every question belongs to the ``tune`` part (30%) or the ``report`` part (70%) of its
+set, fixed by a hash of the question: recovery methods and their knobs are chosen on ``tune`` and
+reported on ``report`` (benchmarks/README.md); ``all`` (the default) takes both.
 
 Scores follow SQuAD normalisation: exact match, token F1, and accuracy (a normalised gold
 answer is contained in the normalised prediction: small instruct models answer in sentences).
@@ -14,6 +23,7 @@ identical to ``position_aware`` (the lazy kernel must give the same answers).
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import random
 import re
@@ -57,13 +67,72 @@ def accuracy(pred: str, golds: list[str]) -> float:
     return float(any(normalize(g) and normalize(g) in p for g in golds))
 
 
-def load_nq(path: Path, n: int, distractors: int, seed: int) -> list[dict]:
+# the evaluation sets that ship with the repository (benchmarks/data/<name>/, each with its SOURCE.md)
+BENCH_DATA = next((p for p in (Path.cwd() / "benchmarks" / "data", Path(__file__).resolve().parents[1] / "benchmarks" / "data")
+                   if p.is_dir()), Path("benchmarks/data"))
+DATASETS = ("nq", "hotpotqa", "squad", "2wiki", "musique")
+SPLITS = ("all", "tune", "report")
+TUNE_SHARE = 0.3
+
+
+def split_of(question: str) -> str:
+    """``tune`` or ``report``: fixed by the question's text alone, so every run, ``--n`` and seed agree."""
+    h = int.from_bytes(hashlib.sha256(question.encode()).digest()[:8], "big")
+    return "tune" if h % 1000 < TUNE_SHARE * 1000 else "report"
+
+
+def _in_split(question: str, split: str) -> bool:
+    assert split in SPLITS, split
+    return split == "all" or split_of(question) == split
+
+
+def default_data(dataset: str) -> Path:
+    """Where ``dataset``'s file is looked for when ``--data`` is not given."""
+    if dataset == "nq":
+        return DATA / "nq_open_oracle_2655.jsonl.gz"
+    if dataset == "hotpotqa":
+        return DATA / "hotpotqa_dev_500.jsonl"
+    found = sorted((BENCH_DATA / dataset).glob(f"{dataset}_*.jsonl.gz"))
+    return found[0] if found else BENCH_DATA / dataset / f"{dataset}_dev.jsonl.gz"
+
+
+def load_dataset(dataset: str, path: Path, n: int, *, split: str = "all", seed: int = 0, shuffle: bool = False,
+                 distractors: int = 4) -> list[dict]:
+    """Up to ``n`` items ``{"question", "answers", "chunks"}`` of ``dataset`` from ``path``, from ``split``."""
+    if dataset == "nq":
+        return load_nq(path, n, distractors, seed, split)
+    if dataset == "hotpotqa":
+        return load_hotpotqa(path, n, shuffle, seed, split)
+    return load_chunked(path, n, shuffle, seed, split)
+
+
+def load_chunked(path: Path, n: int, shuffle: bool, seed: int, split: str = "all") -> list[dict]:
+    """benchmarks/data's format, one item a line: ``{"id", "question", "answers", "chunks": [{"title", "text",
+    "gold"}]}``, chunks (title, newline, text) in the order they are read (make_qa_sets.py fixed it), or ``shuffle``d."""
+    rng = random.Random(seed)
+    items = []
+    with gzip.open(path, "rt") as f:
+        for line in f:
+            row = json.loads(line)
+            if not _in_split(row["question"], split):
+                continue
+            chunks = [f"{c['title'].replace('_', ' ')}\n{c['text']}" if c.get("title") else c["text"] for c in row["chunks"]]
+            if shuffle:
+                rng.shuffle(chunks)
+            items.append({"question": row["question"], "answers": row["answers"], "chunks": chunks})
+            if len(items) == n:
+                break
+    return items
+
+
+def load_nq(path: Path, n: int, distractors: int, seed: int, split: str = "all") -> list[dict]:
     with gzip.open(path, "rt") as f:
         rows = [json.loads(line) for line in f]
     rng = random.Random(seed)
     passages = [r["ctxs"][0]["text"] for r in rows]
+    asked = [i for i, r in enumerate(rows) if _in_split(r["question"], split)]  # distractors come from every row
     items = []
-    for i in rng.sample(range(len(rows)), min(n, len(rows))):
+    for i in rng.sample(asked, min(n, len(asked))):
         others = rng.sample([j for j in range(len(rows)) if j != i], distractors)
         chunks = [passages[i]] + [passages[j] for j in others]
         rng.shuffle(chunks)
@@ -71,12 +140,14 @@ def load_nq(path: Path, n: int, distractors: int, seed: int) -> list[dict]:
     return items
 
 
-def load_hotpotqa(path: Path, n: int, shuffle: bool, seed: int) -> list[dict]:
+def load_hotpotqa(path: Path, n: int, shuffle: bool, seed: int, split: str = "all") -> list[dict]:
     rng = random.Random(seed)
     items = []
     with open(path) as f:
         for line in f:
             row = json.loads(line)
+            if not _in_split(row["question_text"], split):
+                continue
             chunks = [c["paragraph_text"] for c in row["contexts"]]
             if shuffle:
                 rng.shuffle(chunks)
@@ -222,6 +293,8 @@ def summarize(per: dict[str, list[dict]]) -> dict:
     first = next(iter(per.values()), [])
     return {"summary": summary, "questions": [r["question"] for r in first],  # which items (a time-limited run: a subset)
             "answers": {s: [r["answer"] for r in rows] for s, rows in per.items()},
+            # per question, for paired differences between strategies (benchmarks/quality_sets.py)
+            "scores": {s: {"acc": [r["acc"] for r in rows], "f1": [r["f1"] for r in rows]} for s, rows in per.items()},
             "errors": {s: e for s, e in errors.items() if e}}
 
 
@@ -320,17 +393,19 @@ def run_eval(args) -> int:
     from lazyrag.engine import EngineConfig, LazyEngine, SchedulerConfig
     from lazyrag.model.loader import resolve_model_source
 
-    default = {"nq": DATA / "nq_open_oracle_2655.jsonl.gz", "hotpotqa": DATA / "hotpotqa_dev_500.jsonl"}[args.dataset]
-    path = args.data or default
+    path = args.data or default_data(args.dataset)
     if not path.is_file():
-        print(f"error: {path} not found; pass --data (the evaluation data lives in ../shared/data)", file=sys.stderr)
+        where = "../shared/data" if args.dataset in ("nq", "hotpotqa") else f"benchmarks/data/{args.dataset} of the repository"
+        print(f"error: {path} not found; pass --data (this dataset lives in {where})", file=sys.stderr)
         return 2
-    items = (load_nq(path, args.n, args.distractors, args.seed) if args.dataset == "nq"
-             else load_hotpotqa(path, args.n, args.shuffle, args.seed))
+    items = load_dataset(args.dataset, path, args.n, split=args.split, seed=args.seed, shuffle=args.shuffle,
+                         distractors=args.distractors)
     strategies = args.strategies.split(",")
     # every request of a batch (questions x strategies) runs as one continuous batch
     engine_kwargs = dict(model=args.model, device=args.device, dtype=args.dtype,
                          scheduler=SchedulerConfig(max_running=max(64, args.batch * len(strategies))))
+    if args.kv_budget is not None:
+        engine_kwargs["kv_budget"] = int(args.kv_budget * (1 << 30))
     if args.eager:
         engine_kwargs.update(cuda_graphs=False, compile_elementwise=False, triton_elementwise=False)
     if args.store is not None:  # retrieval mode: each question's top-k chunks of the corpus, their KV from the store
@@ -341,7 +416,7 @@ def run_eval(args) -> int:
             item["chunks"] = [h.text for h in hits]
     config = EngineConfig(**engine_kwargs)  # the device and dtype the engines resolve to
     model_name = resolve_model_source(args.model).name
-    run = {"dataset": args.dataset, "data": path.name, "n": args.n, "seed": args.seed, "strategies": strategies,
+    run = {"dataset": args.dataset, "data": path.name, "n": args.n, "split": args.split, "seed": args.seed, "strategies": strategies,
            "max_new_tokens": args.max_new_tokens, "model": model_name, "device": config.device.type,
            "dtype": str(config.dtype).replace("torch.", ""),
            **({"distractors": args.distractors} if args.dataset == "nq" else {"shuffle": args.shuffle}),
@@ -384,12 +459,12 @@ def run_eval(args) -> int:
         if not done:
             return 1
     result = summarize(per)
-    result.update({"dataset": args.dataset, "n": done, "n_asked": len(items), "model": model_name, "device": _device_name(config.device),
+    result.update({"dataset": args.dataset, "split": args.split, "n": done, "n_asked": len(items), "model": model_name, "device": _device_name(config.device),
                    "dtype": str(config.dtype).replace("torch.", ""),
                    "workers": args.workers, "resumed": len(items) - len(todo),
                    "command": "lazyrag " + " ".join(sys.argv[1:]), "seconds": time.time() - t,
                    "mode": "retrieval" if args.store is not None else "oracle"})
-    print(f"\n{args.dataset}, n={done}, {model_name} on {result['device']}, {result['dtype']}, "
+    print(f"\n{args.dataset} ({args.split}), n={done}, {model_name} on {result['device']}, {result['dtype']}, "
           f"{result['seconds']:.0f} s")
     width = max(18, *(len(s) + 2 for s in strategies))
     print(f"{'strategy':<{width}}{'acc':>7}{'F1':>7}{'EM':>7}{'recomp%':>9}{'tokens%':>9}{'prefill%':>9}{'same as PA':>11}"
@@ -405,7 +480,7 @@ def run_eval(args) -> int:
             print(f"warning: {m['failed']} {s} requests failed and scored 0 (their errors are in {args.out})", file=sys.stderr)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    plot(result["summary"], args.out.with_suffix(".png"), f"{args.dataset} n={done}, {model_name}")
+    plot(result["summary"], args.out.with_suffix(".png"), f"{args.dataset} ({args.split}) n={done}, {model_name}")
     print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
     if done == len(items):
         checkpoint.path.unlink()  # everything is in --out now

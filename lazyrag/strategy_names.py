@@ -10,15 +10,19 @@ RECOVER = "lazy+recover"
 RECOVER_AS = "lazy:blend=0.15:select=attn_dev"
 # how lazy:blend=R chooses its tokens (engine/blend.py SELECTIONS; it asserts the two agree)
 BLEND_SELECTIONS = ("global", "chunk", "attn", "attn_dev", "gradual")
+# where lazy:blend=R's share is counted: over all chunk tokens of the prompt, or R of each chunk
+BLEND_BUDGETS = ("global", "chunk")
 
 
 def lazy_options(name: str) -> dict:
     """LazyStitching's keyword arguments from a strategy name: ``lazy:first=16``, ``lazy:blend=0.15``,
-    ``lazy:blend=0.15:select=chunk``, ``lazy:first=16:blend=0.1``."""
+    ``lazy:blend=0.15:select=chunk``, ``lazy:first=16:blend=0.1``, ``lazy:blend=0.15:select=attn:budget=chunk``,
+    ``lazy:blend=0.15:select=attn_dev:attn_from=0.5``."""
     usage = (f"Bad strategy {name!r}: write lazy:first=K (K a positive number of tokens), lazy:blend=R (R the fraction "
              "of chunk tokens to recompute, in (0, 1]; add :select=S to choose them otherwise: chunk (R of each chunk), "
-             "attn (by the question's attention), attn_dev, gradual), or both, "
-             "e.g. lazy:first=16:blend=0.1.")
+             "attn (by the question's attention), attn_dev, gradual; :budget=chunk to take R of each chunk rather "
+             "than of all chunk tokens; with attn or attn_dev, :attn_from=F to count the question's attention from "
+             "the layer at depth F in [0, 1) on), or both, e.g. lazy:first=16:blend=0.1.")
     if name == RECOVER:
         name = RECOVER_AS
     opts = {}
@@ -31,11 +35,17 @@ def lazy_options(name: str) -> dict:
                 opts["blend"] = float(value)
             elif key == "select" and "blend_select" not in opts and value in BLEND_SELECTIONS:
                 opts["blend_select"] = value
+            elif key == "budget" and "blend_budget" not in opts and value in BLEND_BUDGETS:
+                opts["blend_budget"] = value
+            elif key == "attn_from" and "attn_from" not in opts and 0 <= float(value) < 1:
+                opts["attn_from"] = float(value)
             else:
                 raise ValueError(usage)
         except ValueError:
             raise ValueError(usage) from None
-    if not opts or ("blend_select" in opts and "blend" not in opts):
+    if not opts or (opts.keys() & {"blend_select", "blend_budget", "attn_from"} and "blend" not in opts):
+        raise ValueError(usage)
+    if "attn_from" in opts and opts.get("blend_select") not in ("attn", "attn_dev"):
         raise ValueError(usage)
     return opts
 

@@ -85,12 +85,16 @@ def test_strategy_names():
     assert lazy_options("lazy:first=16:blend=0.1:select=chunk") == {"recompute_first": 16, "blend": 0.1, "blend_select": "chunk"}
     assert lazy_options("lazy:first=4:blend=0.12:select=attn_dev") == {"recompute_first": 4, "blend": 0.12, "blend_select": "attn_dev"}
     assert lazy_options("lazy:blend=0.15:select=gradual") == {"blend": 0.15, "blend_select": "gradual"}
-    for bad in ("lazy:blend=0.1:select=attention", "lazy:blend=1.5", "lazy:blend=x", "lazy:select=chunk", "lazy:first=0", "lazy:blend=0.1:blend=0.2", "lazy:foo=1"):
+    assert lazy_options("lazy:blend=0.15:select=attn:budget=chunk:attn_from=0.5") == {
+        "blend": 0.15, "blend_select": "attn", "blend_budget": "chunk", "attn_from": 0.5}
+    for bad in ("lazy:blend=0.1:select=attention", "lazy:blend=1.5", "lazy:blend=x", "lazy:select=chunk", "lazy:first=0",
+                "lazy:blend=0.1:blend=0.2", "lazy:foo=1", "lazy:budget=chunk", "lazy:blend=0.1:budget=each",
+                "lazy:blend=0.1:attn_from=0.5", "lazy:blend=0.1:select=attn:attn_from=1", "lazy:blend=0.1:select=attn:attn_from=-0.1"):
         with pytest.raises(ValueError, match="lazy:blend=R"):
             lazy_options(bad)
 
 
-@pytest.mark.parametrize("selection", ["attn", "attn_dev", "gradual", "chunk"])
+@pytest.mark.parametrize("selection", ["attn", "attn_dev", "gradual", "chunk", "attn_dev:budget=chunk:attn_from=0.5"])
 def test_every_selection_blending_every_token_is_full_prefill(engine, selection):
     """R=1 under any selection recomputes every chunk token in context: full prefill's logits."""
     layout = engine.build_prompt(QUESTION, CHUNKS[:4])
@@ -146,6 +150,8 @@ def test_attention_selection_takes_what_the_question_reads(default_engine):
         ctx = PlacedContext(engine.runner, plan2.context)
         assert len(ctx) == n_prefix + C
         score, ran = question_attention(engine.runner, ctx, list(layout.question_ids), layout.question_start)
+        L = len(engine.model.layers)
+        late, _ = question_attention(engine.runner, ctx, list(layout.question_ids), layout.question_start, (L // 2, L))
     finally:
         engine.scheduler.planner["lazy"].release(plan2)
     assert ran == len(engine.model.layers)
@@ -156,6 +162,19 @@ def test_attention_selection_takes_what_the_question_reads(default_engine):
     assert picks.argmax() == 1  # the quoted chunk, densest in picks
     # cost: the question through every layer, then only the selected tokens (no layer-0 pass over all chunks)
     assert b.cost == pytest.approx(len(layout.question_ids) + len(b.selected))
+
+    # attn_from=0.5: the top R by the attention of the second half of the layers alone
+    _, b_late = _blend(engine, layout, 0.1, selection="attn", attn_from=0.5)
+    assert torch.equal(b_late.selected, late[n_prefix:].topk(len(b.selected)).indices.sort().values)
+    assert not torch.equal(b_late.selected, b.selected)  # the early layers' attention did count before
+    # budget=chunk: R of each chunk, each chunk's own top by the same scores
+    _, b_each = _blend(engine, layout, 0.1, selection="attn", per_chunk=True)
+    start = 0
+    for i, size in enumerate(sizes):
+        mine = b_each.selected[(b_each.selected >= start) & (b_each.selected < start + size)]
+        assert len(mine) == round(0.1 * size)
+        assert torch.equal(mine, start + score[n_prefix + start : n_prefix + start + size].topk(len(mine)).indices.sort().values)
+        start += size
 
 
 def test_gradual_filtering_keeps_a_subset_of_the_first_pick(default_engine):

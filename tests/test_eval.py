@@ -93,3 +93,56 @@ def test_an_interrupted_eval_resumes_where_it_stopped(tmp_path, monkeypatch, cap
     assert result["n"] == 2 and result["resumed"] == 1 and len(seen) == 2  # only the second item ran
     assert result["questions"] == seen and len(result["answers"]["lazy"]) == 2
     assert not partial.exists()  # complete: everything is in --out
+
+
+@pytest.mark.parametrize("dataset", ["nq", "hotpotqa", "squad", "2wiki", "musique"])
+def test_every_set_splits_into_fixed_disjoint_tune_and_report_parts(dataset):
+    """Methods are chosen on ``tune`` and reported on ``report``: the parts never share a question, together they
+    are the whole set, about 30/70, the same whatever --n or seed asks for; every item has its answers and
+    several chunks."""
+    from lazyrag.eval import default_data, load_dataset, split_of
+
+    path = default_data(dataset)
+    if not path.is_file():
+        pytest.skip(f"{path} is not here (nq and hotpotqa live in ../shared/data)")
+    every = load_dataset(dataset, path, 10**6, seed=3)
+    tune = load_dataset(dataset, path, 10**6, split="tune", seed=3)
+    report = load_dataset(dataset, path, 10**6, split="report", seed=3)
+    questions = lambda items: {it["question"] for it in items}  # noqa: E731
+    assert not questions(tune) & questions(report)
+    assert questions(tune) | questions(report) == questions(every)
+    assert 0.25 < len(tune) / len(every) < 0.35
+    assert all(split_of(it["question"]) == "tune" for it in tune)
+    first = load_dataset(dataset, path, 20, split="report", seed=3)
+    assert questions(first) <= questions(report) and len(first) == 20
+    assert all(it["answers"] and all(isinstance(a, str) and a for a in it["answers"]) for it in every)
+    assert all(len(it["chunks"]) >= 2 and all(c.strip() for c in it["chunks"]) for it in every)
+
+
+def test_the_recovery_is_chosen_by_its_mean_paired_gain_over_the_sets():
+    """benchmarks/quality_sets.py: paired differences per set, and the rule that picks the recovery on the tune
+    splits (the best mean accuracy difference over the sets, at most 15% recomputed on every set)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("quality_sets", Path(__file__).parents[1] / "benchmarks" / "quality_sets.py")
+    qs = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(qs)
+    scores = {"full": {"acc": [1, 0, 1, 1], "f1": [0.5, 0.0, 0.4, 0.6]},
+              "a": {"acc": [1, 0, 0, 1], "f1": [0.5, 0.1, 0.2, 0.6]}}
+    rows = qs.paired(scores)
+    assert rows["a"]["accuracy_minus_full"] == pytest.approx(-25.0)
+    assert rows["a"]["accuracy_minus_full_se"] == pytest.approx(25.0)  # one question of four lost: sd 50, n 4
+    assert rows["a"]["f1_minus_full"] == pytest.approx(-2.5)
+
+    def row(acc, f1, recomputed):
+        return {"accuracy_minus_full": acc, "f1_minus_full": f1, "recomputed_pct_of_chunk_tokens": recomputed}
+
+    table = {"nq": {"full": row(0, 0, 0), "lazy": row(-7, -3, 0), "x": row(-1, -0.5, 14), "y": row(-3, -1, 14), "z": row(0, 0, 20)},
+             "squad": {"full": row(0, 0, 0), "lazy": row(-6, -2, 0), "x": row(-3, -0.2, 14), "y": row(0.2, 0.1, 15), "z": row(0, 0, 20)}}
+    winner, means = qs.choose(table, 15.0)
+    assert set(means) == {"x", "y"}  # z recomputes too much, full and lazy are no candidates
+    assert means["x"]["accuracy"] == pytest.approx(-2.0) and means["y"]["worst_accuracy"] == pytest.approx(-3.0)
+    assert winner == "y"  # mean -1.4 against x's -2.0, though y is worse on nq
+    table["nq"]["x"] = row(0.1, 0.5, 14)  # x's mean -1.45: within 0.1 of y's, and its F1 is higher
+    assert qs.choose(table, 15.0)[0] == "x"

@@ -110,13 +110,16 @@ def select(deviation: torch.Tensor, chunk: torch.Tensor, ratio: float, forced: t
 # How tokens are chosen (``lazy:blend=R:select=...``):
 # * "global" / "chunk": the top R by layer-1 K/V deviation, of all chunk tokens or of each chunk (CacheBlend);
 # * "attn": the top R by the attention the question pays them over the cached (lazy) context, summed over
-#   heads, question tokens and ATTN_LAYERS; the question is first run over the context (its K/V dropped);
+#   heads, question tokens and the layers from ``attn_from`` (a fraction of the depth) on; the question is
+#   first run over the context (its K/V dropped);
 # * "attn_dev": the top R by deviation times that attention (the error a token's stale K/V puts into the
 #   question's attention is about the weight it gets times how far its K/V are off);
 # * "gradual": CacheBlend's gradual filtering: GRADUAL_FACTOR x R tokens by layer-1 deviation run layer 1,
 #   the top R of those by layer-2 deviation go on through the other layers.
+# ``per_chunk`` (``:budget=chunk``) takes R of each chunk's tokens instead of R of all of them (the "chunk"
+# selection is deviation with per_chunk).
 SELECTIONS = BLEND_SELECTIONS  # named once, in lazyrag/strategy_names.py (the CLI checks them without torch)
-ATTN_LAYERS: tuple[int, int] | None = None  # [lo, hi) layers whose attention counts; None: all of them
+ATTN_LAYERS: tuple[int, int] | None = None  # experiments only (benchmarks/recovery_kl.py): [lo, hi) overrides attn_from
 GRADUAL_FACTOR = 2.0
 
 
@@ -161,12 +164,15 @@ def selective_recompute(
     selection: str = "global",
     question: list[int] | None = None,
     question_start: int = 0,
+    per_chunk: bool = False,
+    attn_from: float = 0.0,
 ) -> Blend:
     """Blend the placements whose token ``ids`` are given (``None``: read as cached, e.g. the prefix).
 
     ``first`` tokens of each chunk are always recomputed (EPIC's heads), on top of ``ratio``.
     ``selection``: one of SELECTIONS; "attn" and "attn_dev" need the
-    ``question`` (token ids) and where it starts.
+    ``question`` (token ids) and where it starts; their attention counts from layer ``attn_from * L`` on.
+    ``per_chunk``: ``ratio`` of each chunk's tokens, not of all chunk tokens.
     ``allocate(n)`` gives n fresh blocks for the private copies; the caller owns and frees them.
     """
     assert selection in SELECTIONS, selection
@@ -187,7 +193,7 @@ def selective_recompute(
     attn = None
     if selection in ("attn", "attn_dev"):
         assert question, "selection by the question's attention needs the question"
-        score, ran = question_attention(runner, ctx, question, question_start, ATTN_LAYERS)
+        score, ran = question_attention(runner, ctx, question, question_start, ATTN_LAYERS or (int(attn_from * L), L))
         attn, cost = score[chunk_pos.to(dev)].cpu(), len(question) * ran / L
     sel_layer = min(SELECTION_LAYER, L - 1)
     # (layer, tokens kept there, score from the deviation there or None: the attention, before the layer runs)
@@ -206,7 +212,7 @@ def selective_recompute(
         """The tokens of ``cur`` to keep: rows of the current tensors (sorted), by ``score`` [C]."""
         full = torch.full((C,), float("-inf"))
         full[cur] = score[cur]
-        return torch.searchsorted(cur, select(full, chunk_of, r, forced, selection == "chunk"))
+        return torch.searchsorted(cur, select(full, chunk_of, r, forced, per_chunk or selection == "chunk"))
 
     def running(cur: torch.Tensor):
         """The running tokens' places in the context, rotations and causal mask [S, N] (by position)."""

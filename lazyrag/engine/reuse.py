@@ -24,7 +24,7 @@ from lazyrag.engine.runner import ModelRunner, Placement, SeqState
 from lazyrag.kv.block_pool import blocks_for
 from lazyrag.kv.cache import CacheManager, Segment, SegmentKind, content_key
 from lazyrag.prompt import PromptLayout
-from lazyrag.strategy_names import BLEND_SELECTIONS, STRATEGY_NAMES, check_strategy, lazy_options
+from lazyrag.strategy_names import BLEND_BUDGETS, BLEND_SELECTIONS, STRATEGY_NAMES, check_strategy, lazy_options
 
 ENCODE_BATCH_TOKENS = 8192
 
@@ -226,18 +226,26 @@ class LazyStitching(Strategy):
     * ``blend``: that fraction of chunk tokens, those whose cached KV deviates most in context,
       is computed again (CacheBlend, engine/blend.py); ``blend_select`` says how the tokens are chosen
       (engine/blend.py SELECTIONS: by deviation over all chunks or per chunk, by the question's
-      attention, ...). With both, the heads are recomputed on top of the fraction.
+      attention, ...), ``blend_budget`` whether the fraction is of all chunk tokens or of each chunk, and
+      ``attn_from`` from which depth (a fraction of the layers) the question's attention is counted.
+      With both, the heads are recomputed on top of the fraction.
     """
 
     name = "lazy"
 
-    def __init__(self, cache, runner, fingerprint, recompute_first: int = 0, blend: float = 0.0, blend_select: str = "global"):
+    def __init__(self, cache, runner, fingerprint, recompute_first: int = 0, blend: float = 0.0, blend_select: str = "global",
+                 blend_budget: str = "global", attn_from: float = 0.0):
         super().__init__(cache, runner, fingerprint)
         self.recompute_first, self.blend, self.blend_select = recompute_first, blend, blend_select
-        assert blend_select in BLEND_SELECTIONS, blend_select
+        self.blend_budget, self.attn_from = blend_budget, attn_from
+        assert blend_select in BLEND_SELECTIONS and blend_budget in BLEND_BUDGETS and 0 <= attn_from < 1
         options = [f"first={recompute_first}"] * bool(recompute_first) + [f"blend={blend:g}"] * bool(blend)
         if blend and self.blend_select != "global":
             options.append(f"select={self.blend_select}")
+        if blend and self.blend_budget != "global":
+            options.append(f"budget={self.blend_budget}")
+        if blend and self.attn_from:
+            options.append(f"attn_from={self.attn_from:g}")
         if options:
             self.name = "lazy:" + ":".join(options)
 
@@ -267,6 +275,7 @@ class LazyStitching(Strategy):
 
         b = selective_recompute(self.runner, placed, [None, *layout.chunk_ids], self.blend, allocate,
                                 first=self.recompute_first, selection=self.blend_select,
+                                per_chunk=self.blend_budget == "chunk", attn_from=self.attn_from,
                                 question=list(layout.question_ids), question_start=layout.question_start)
         plan.tokens_recomputed, plan.recompute_cost = len(b.selected), b.cost
         return b.context

@@ -1,0 +1,128 @@
+"""Answer quality across evaluation sets, paired with full prefill, and the choice of the recovery.
+
+Reads ``lazyrag eval`` reports (one per set and split; every strategy of a report answered the same
+questions) and prints, per set, each strategy's accuracy and F1 minus full prefill's on the same
+questions with the standard error of that mean difference, the share of chunk tokens recomputed,
+and the mean over the sets. Writes OUT.json and OUT.png (one group of bars per strategy, one bar
+per set).
+
+    python benchmarks/quality_sets.py RUN.json [RUN.json ...] --out OUT.json [--select FILE]
+
+``--select FILE``: the selection rule, fixed before any report split was run (issue 30): among the
+strategies other than full and lazy whose recomputed share is at most ``--max-recompute`` (15%) on
+every set, the one with the highest mean over the sets of its paired accuracy difference; a tie
+(within 0.1 point) goes to the higher mean F1 difference. Its name is written to FILE. Use it on the
+tune splits only: the report splits are what the README quotes.
+"""
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+
+def paired(scores: dict[str, dict[str, list[float]]], reference: str = "full") -> dict[str, dict]:
+    """Per strategy: mean accuracy and F1 (points) and their paired difference from ``reference``, with its
+    standard error, over the questions both answered (``scores``: strategy -> metric -> one value a question,
+    the questions in the same order for every strategy)."""
+    ref = scores[reference]
+    out = {}
+    for s, mine in scores.items():
+        row = {"n": len(mine["acc"])}
+        for key, name in (("acc", "accuracy"), ("f1", "f1")):
+            a = [100 * x for x in mine[key]]
+            diff = [x - 100 * y for x, y in zip(a, ref[key])]
+            row[name] = statistics.fmean(a)
+            row[f"{name}_minus_{reference}"] = statistics.fmean(diff)
+            row[f"{name}_minus_{reference}_se"] = statistics.stdev(diff) / len(diff) ** 0.5 if len(diff) > 1 else 0.0
+        out[s] = row
+    return out
+
+
+def choose(table: dict[str, dict[str, dict]], max_recompute: float, reference: str = "full") -> tuple[str | None, dict]:
+    """The selection rule of the module docstring over ``table`` (set -> strategy -> paired row with
+    ``recomputed_pct_of_chunk_tokens``); returns the winner (None if no strategy qualifies) and each
+    candidate's mean differences."""
+    sets = list(table)
+    common = set.intersection(*(set(rows) for rows in table.values())) - {reference, "lazy"}
+    means = {}
+    for s in sorted(common):
+        if all(table[d][s]["recomputed_pct_of_chunk_tokens"] <= max_recompute for d in sets):
+            means[s] = {"accuracy": statistics.fmean(table[d][s][f"accuracy_minus_{reference}"] for d in sets),
+                        "f1": statistics.fmean(table[d][s][f"f1_minus_{reference}"] for d in sets),
+                        "worst_accuracy": min(table[d][s][f"accuracy_minus_{reference}"] for d in sets)}
+    if not means:
+        return None, means
+    best = max(m["accuracy"] for m in means.values())
+    tied = [s for s, m in means.items() if m["accuracy"] >= best - 0.1]
+    return max(tied, key=lambda s: means[s]["f1"]), means
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", type=Path, help="lazyrag eval reports (JSON with per-question scores)")
+    ap.add_argument("--reference", default="full")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--select", type=Path, default=None, help="write the chosen recovery's name here")
+    ap.add_argument("--max-recompute", type=float, default=15.0, help="percent of chunk tokens, on every set")
+    args = ap.parse_args()
+
+    table, meta = {}, {}
+    for path in args.runs:
+        run = json.loads(path.read_text())
+        if "scores" not in run:
+            raise SystemExit(f"{path} has no per-question scores (written by an older lazyrag eval)")
+        name = f"{run['dataset']} ({run.get('split', 'all')})"
+        rows = paired(run["scores"], args.reference)
+        for s, row in rows.items():
+            row["recomputed_pct_of_chunk_tokens"] = run["summary"][s]["recomputed_pct_of_chunk_tokens"]
+        table[name] = rows
+        meta[name] = {"file": str(path), "n": run["n"], "device": run.get("device"), "command": run.get("command")}
+
+    strategies = list(dict.fromkeys(s for rows in table.values() for s in rows))
+    width = max(len(s) for s in strategies) + 2
+    for name, rows in table.items():
+        print(f"\n{name}, n={meta[name]['n']}")
+        print(f"{'strategy':<{width}}{'acc':>7}{'F1':>7}{'acc - ' + args.reference:>18}{'F1 - ' + args.reference:>18}{'recomp%':>9}")
+        for s, r in rows.items():
+            print(f"{s:<{width}}{r['accuracy']:>7.1f}{r['f1']:>7.2f}"
+                  f"{r[f'accuracy_minus_{args.reference}']:>+11.2f} ± {r[f'accuracy_minus_{args.reference}_se']:.2f}"
+                  f"{r[f'f1_minus_{args.reference}']:>+11.2f} ± {r[f'f1_minus_{args.reference}_se']:.2f}"
+                  f"{r['recomputed_pct_of_chunk_tokens']:>9.1f}")
+    winner, means = choose(table, args.max_recompute, args.reference)
+    print(f"\nmean over {len(table)} sets (strategies at <= {args.max_recompute:g}% recomputed on every set):")
+    for s, m in sorted(means.items(), key=lambda kv: -kv[1]["accuracy"]):
+        print(f"  {s:<{width}} acc {m['accuracy']:+.2f}  F1 {m['f1']:+.2f}  worst set acc {m['worst_accuracy']:+.2f}")
+    print(f"chosen: {winner}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"reference": args.reference, "sets": meta, "paired": table, "means": means,
+                                    "max_recompute_pct": args.max_recompute, "chosen": winner}, indent=2))
+    if args.select is not None and winner is not None:
+        args.select.write_text(winner + "\n")
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [s for s in strategies if s != args.reference]
+    sets = list(table)
+    w = 0.8 / len(sets)
+    fig, axes = plt.subplots(1, 2, figsize=(2.2 * len(names) + 3, 4), sharey=False)
+    for ax, key in zip(axes, ("accuracy", "f1")):
+        for j, d in enumerate(sets):
+            xs = [i + (j - (len(sets) - 1) / 2) * w for i in range(len(names))]
+            rows = table[d]
+            ax.bar(xs, [rows[s][f"{key}_minus_{args.reference}"] if s in rows else 0 for s in names], width=w,
+                   yerr=[rows[s][f"{key}_minus_{args.reference}_se"] if s in rows else 0 for s in names], capsize=2, label=d)
+        ax.axhline(-1 if key == "accuracy" else -0.5, color="grey", linestyle="--", linewidth=0.8, label="target")
+        ax.axhline(0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(names)), [s.replace(":", ":\n", 2) for s in names], fontsize=6)
+        ax.set_title(f"{key} - {args.reference} (paired, +- 1 se)", fontsize=9)
+    axes[0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(args.out.with_suffix(".png"), dpi=120)
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
