@@ -8,8 +8,9 @@
 # SETS, space-separated: "nq" and "hotpotqa" are the whole sets as issue 14 ran them (NQ_WORKERS, HP_WORKERS);
 # NAME:SPLIT:N[:WORKERS] is N questions of one split (tune or report) of any set lazyrag eval knows, e.g.
 # "nq:tune:240:4 squad:tune:240:3" (nq and hotpotqa read .data, the others benchmarks/data; HotpotQA shuffled).
-# Here, beforehand: .model/a/part1 = the GGUF's first 58,000,000 bytes, .model/b/part2 the rest and
-# .model/b/sha its sha256; .whl/ the gguf wheel (device README); .data/ a copy of ../shared/data, and in
+# Here, beforehand: .model/a/part1 = the GGUF's first 52,000,000 bytes, .model/b/part2 the rest and
+# .model/b/sha its sha256 (each call carries at most 64 MiB with the working tree); .whl/ the gguf wheel
+# (device README); .data/ a copy of ../shared/data (hotpotqa_dev_500.jsonl may travel gzip'd), and in
 # .data/partial/ the *.partial.jsonl of an earlier machine, if the runs are to go on from there.
 # Each set runs in its own workers, spread over every visible GPU; every finished batch is saved, so a call
 # that runs out of time loses only the batches in flight. Reports, partial files and logs are kept in /tmp/q
@@ -23,6 +24,7 @@ if [ ! -f "$M" ]; then
   cat /tmp/m/part1 .model/b/part2 > "$M"
 fi
 echo "$(cat .model/b/sha)  $M" | sha256sum -c
+[ -f .data/hotpotqa_dev_500.jsonl ] || gunzip -k .data/hotpotqa_dev_500.jsonl.gz
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1  # the worker processes share the cores
 export LAZYRAG_KERNEL_AUTOTUNE=0  # each worker would autotune the kernels again: the default configs
