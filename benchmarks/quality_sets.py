@@ -17,6 +17,7 @@ tune splits only: the report splits are what the README quotes.
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
 
@@ -72,11 +73,18 @@ def main() -> None:
         if "scores" not in run:
             raise SystemExit(f"{path} has no per-question scores (written by an older lazyrag eval)")
         name = f"{run['dataset']} ({run.get('split', 'all')})"
-        rows = paired(run["scores"], args.reference)
+        # a question any strategy failed on (scored 0, e.g. out of memory) is left out of every strategy's pairs
+        failed = {int(i) for errors in run.get("errors", {}).values() for i in errors}
+        if failed:
+            print(f"warning: {path}: {len(failed)} of {run['n']} questions had a failed request; left out", file=sys.stderr)
+        keep = [i for i in range(run["n"]) if i not in failed]
+        scores = {s: {k: [v[i] for i in keep] for k, v in m.items()} for s, m in run["scores"].items()}
+        rows = paired(scores, args.reference)
         for s, row in rows.items():
             row["recomputed_pct_of_chunk_tokens"] = run["summary"][s]["recomputed_pct_of_chunk_tokens"]
         table[name] = rows
-        meta[name] = {"file": str(path), "n": run["n"], "device": run.get("device"), "command": run.get("command")}
+        meta[name] = {"file": str(path), "n": len(keep), "failed_left_out": len(failed), "device": run.get("device"),
+                      "command": run.get("command")}
 
     strategies = list(dict.fromkeys(s for rows in table.values() for s in rows))
     width = max(len(s) for s in strategies) + 2
@@ -89,6 +97,10 @@ def main() -> None:
                   f"{r[f'f1_minus_{args.reference}']:>+11.2f} ± {r[f'f1_minus_{args.reference}_se']:.2f}"
                   f"{r['recomputed_pct_of_chunk_tokens']:>9.1f}")
     winner, means = choose(table, args.max_recompute, args.reference)
+    spoiled = [name for name, m in meta.items() if m["failed_left_out"] > 0.05 * (m["n"] + m["failed_left_out"])]
+    if spoiled and args.select is not None:
+        print(f"no choice written: over 5% of the questions failed in {', '.join(spoiled)}", file=sys.stderr)
+        args.select = None
     print(f"\nmean over {len(table)} sets (strategies at <= {args.max_recompute:g}% recomputed on every set):")
     for s, m in sorted(means.items(), key=lambda kv: -kv[1]["accuracy"]):
         print(f"  {s:<{width}} acc {m['accuracy']:+.2f}  F1 {m['f1']:+.2f}  worst set acc {m['worst_accuracy']:+.2f}")
