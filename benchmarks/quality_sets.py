@@ -8,6 +8,9 @@ per set).
 
     python benchmarks/quality_sets.py RUN.json [RUN.json ...] --out OUT.json [--select FILE]
 
+Several reports of one set and split (e.g. a later run with the chosen strategy added) are merged by
+question; a strategy is paired with full on the questions both answered (a failed request is none).
+
 ``--select FILE``: the selection rule, fixed before any report split was run (issue 30): among the
 strategies other than full and lazy whose recomputed share is at most ``--max-recompute`` (15%) on
 every set, the one with the highest mean over the sets of its paired accuracy difference; a tie
@@ -67,37 +70,60 @@ def main() -> None:
     ap.add_argument("--max-recompute", type=float, default=15.0, help="percent of chunk tokens, on every set")
     args = ap.parse_args()
 
-    table, meta = {}, {}
+    # per set: strategy -> question -> (acc, f1), from every run of that set (runs of one set and split share
+    # their question order, so a later run of more strategies or more questions adds to an earlier one); a
+    # request that failed (scored 0, e.g. out of memory) is no answer: that question leaves that strategy's pairs
+    answers, recomputed, failed, meta = {}, {}, {}, {}
     for path in args.runs:
         run = json.loads(path.read_text())
         if "scores" not in run:
             raise SystemExit(f"{path} has no per-question scores (written by an older lazyrag eval)")
         name = f"{run['dataset']} ({run.get('split', 'all')})"
-        # a question any strategy failed on (scored 0, e.g. out of memory) is left out of every strategy's pairs
-        failed = {int(i) for errors in run.get("errors", {}).values() for i in errors}
-        if failed:
-            print(f"warning: {path}: {len(failed)} of {run['n']} questions had a failed request; left out", file=sys.stderr)
-        keep = [i for i in range(run["n"]) if i not in failed]
-        scores = {s: {k: [v[i] for i in keep] for k, v in m.items()} for s, m in run["scores"].items()}
-        rows = paired(scores, args.reference)
-        for s, row in rows.items():
-            row["recomputed_pct_of_chunk_tokens"] = run["summary"][s]["recomputed_pct_of_chunk_tokens"]
+        by_s, lost = answers.setdefault(name, {}), failed.setdefault(name, {})
+        for s, m in run["scores"].items():
+            errors = {int(i) for i in run.get("errors", {}).get(s, {})}
+            mine = by_s.setdefault(s, {})
+            for i, q in enumerate(run["questions"]):
+                if i in errors:
+                    lost.setdefault(s, set()).add(q)
+                elif q not in mine:
+                    mine[q] = (m["acc"][i], m["f1"][i])
+            recomputed.setdefault(name, {}).setdefault(s, run["summary"][s]["recomputed_pct_of_chunk_tokens"])
+        meta.setdefault(name, {"files": [], "commands": []})
+        meta[name]["files"].append(str(path))
+        meta[name]["commands"].append(run.get("command"))
+        meta[name]["device"] = run.get("device")
+    table = {}
+    for name, by_s in answers.items():
+        ref = by_s[args.reference]
+        rows = {}
+        for s, mine in by_s.items():
+            common = [q for q in mine if q in ref]
+            rows[s] = paired({s: {"acc": [mine[q][0] for q in common], "f1": [mine[q][1] for q in common]},
+                              args.reference: {"acc": [ref[q][0] for q in common], "f1": [ref[q][1] for q in common]}},
+                             args.reference)[s]
+            rows[s]["recomputed_pct_of_chunk_tokens"] = recomputed[name][s]
         table[name] = rows
-        meta[name] = {"file": str(path), "n": len(keep), "failed_left_out": len(failed), "device": run.get("device"),
-                      "command": run.get("command")}
+        unanswered = {q for s, qs in failed[name].items() for q in qs if q not in by_s[s]}  # failed in every run
+        asked = set().union(*by_s.values()) | unanswered
+        meta[name].update(n=len(set.intersection(*(set(m) for m in by_s.values()))), asked=len(asked),
+                          failed_left_out=len(unanswered))
+        if unanswered:
+            print(f"warning: {name}: {len(unanswered)} of {len(asked)} questions had a failed request; each strategy "
+                  "is paired with full on the questions both answered", file=sys.stderr)
 
     strategies = list(dict.fromkeys(s for rows in table.values() for s in rows))
     width = max(len(s) for s in strategies) + 2
     for name, rows in table.items():
-        print(f"\n{name}, n={meta[name]['n']}")
-        print(f"{'strategy':<{width}}{'acc':>7}{'F1':>7}{'acc - ' + args.reference:>18}{'F1 - ' + args.reference:>18}{'recomp%':>9}")
+        print(f"\n{name}, {meta[name]['n']} questions answered by every strategy")
+        print(f"{'strategy':<{width}}{'n':>5}{'acc':>7}{'F1':>7}{'acc - ' + args.reference:>18}{'F1 - ' + args.reference:>18}{'recomp%':>9}")
         for s, r in rows.items():
-            print(f"{s:<{width}}{r['accuracy']:>7.1f}{r['f1']:>7.2f}"
+            print(f"{s:<{width}}{r['n']:>5}{r['accuracy']:>7.1f}{r['f1']:>7.2f}"
                   f"{r[f'accuracy_minus_{args.reference}']:>+11.2f} ± {r[f'accuracy_minus_{args.reference}_se']:.2f}"
                   f"{r[f'f1_minus_{args.reference}']:>+11.2f} ± {r[f'f1_minus_{args.reference}_se']:.2f}"
                   f"{r['recomputed_pct_of_chunk_tokens']:>9.1f}")
     winner, means = choose(table, args.max_recompute, args.reference)
-    spoiled = [name for name, m in meta.items() if m["failed_left_out"] > 0.05 * (m["n"] + m["failed_left_out"])]
+    spoiled = [name for name, m in meta.items() if m["failed_left_out"] > 0.05 * m["asked"]]
     if spoiled and args.select is not None:
         print(f"no choice written: over 5% of the questions failed in {', '.join(spoiled)}", file=sys.stderr)
         args.select = None

@@ -12,7 +12,7 @@ budget=${1:?seconds}; start=$(date +%s)
 Q=/tmp/q
 TUNE=${TUNE:-"full,lazy,lazy:blend=0.15,lazy+recover,lazy:blend=0.15:select=attn,lazy:first=4:blend=0.12:select=attn,lazy:blend=0.15:select=attn:attn_from=0.5,lazy:blend=0.15:select=attn_dev:budget=chunk"}
 TUNE_SETS=${TUNE_SETS:-"nq:tune:100:3 hotpotqa:tune:60:2 squad:tune:120:2 2wiki:tune:90:2 musique:tune:36:2"}
-REPORT_SETS=${REPORT_SETS:-"nq:report:800:4 hotpotqa:report:350:3 squad:report:600:3 2wiki:report:350:3 musique:report:140:2"}
+REPORT_SETS=${REPORT_SETS:-"nq:report:800:3 hotpotqa:report:350:2 squad:report:600:2 2wiki:report:350:2 musique:report:140:2"}
 export KV_GIB=${KV_GIB:-4} SPLIT_BATCH=${SPLIT_BATCH:-8}  # 15 workers of 5 GiB, 12 questions x 8 strategies a batch: out of GPU memory
 finished() {  # split: every set's report of that split is written and none is partial
   for d in $1; do

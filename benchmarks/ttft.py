@@ -91,7 +91,7 @@ def main() -> int:
         "command": "python " + " ".join(sys.argv),
         "date": time.strftime("%Y-%m-%d"),
         "device": f"{engine.device} / {platform.processor() or platform.machine()} / {torch.get_num_threads()} threads",
-        "model": engine.model_name, "dtype": str(engine.dtype), "attention": engine.attention.name,
+        "model": engine.model_name, "dtype": str(engine.dtype), "attention": engine.attention_backend,
         "items": len(items), "repeats": args.repeats, "summary": summary, "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
