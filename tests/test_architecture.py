@@ -99,3 +99,20 @@ def test_no_import_cycles():
     for n in g:
         if n not in state:
             visit(n)
+
+
+def test_the_source_trees_kernels_folder_never_shadows_a_top_level_kernels():
+    """From a clone's root (cwd on sys.path) the folder kernels/ is importable as ``kernels``, the name of Hugging
+    Face's package that transformers >= 5.25 imports. It hands that import over (or fails as if absent) and serves
+    only as ``lazyrag.kernels``."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    probe = ("import sys, lazyrag.kernels as ours\n"
+             "try:\n    import kernels\nexcept ImportError:\n    print('absent')\n"
+             "else:\n    print('shadowed' if kernels is ours or kernels.__file__ == ours.__file__ else 'theirs')\n")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() in ("absent", "theirs")
