@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from quality_sets import paired  # noqa: E402  (benchmarks/ is on the path when run as a script)
+from quality_sets import paired, print_paired  # noqa: E402  (benchmarks/ is on the path when run as a script)
 
 from lazyrag.eval import DATASETS, SPLITS, accuracy, default_data, f1, load_dataset
 
@@ -45,13 +45,7 @@ def main() -> None:
     rows = paired(scores, args.reference)
     for s, row in rows.items():
         row["recomputed_pct_of_chunk_tokens"] = recomputed[s]
-    width = max(len(s) for s in rows) + 2
-    print(f"{'strategy':<{width}}{'n':>5}{'acc':>7}{'F1':>7}{'acc - ' + args.reference:>18}{'F1 - ' + args.reference:>18}{'recomp%':>9}")
-    for s, r in rows.items():
-        print(f"{s:<{width}}{r['n']:>5}{r['accuracy']:>7.1f}{r['f1']:>7.2f}"
-              f"{r[f'accuracy_minus_{args.reference}']:>+11.2f} ± {r[f'accuracy_minus_{args.reference}_se']:.2f}"
-              f"{r[f'f1_minus_{args.reference}']:>+11.2f} ± {r[f'f1_minus_{args.reference}_se']:.2f}"
-              f"{r['recomputed_pct_of_chunk_tokens']:>9.1f}")
+    print_paired(rows, args.reference)
     args.out.write_text(json.dumps({"dataset": args.dataset, "split": args.split, "n": args.n, "seed": args.seed, "reference": args.reference,
                                     "runs": [str(p) for p in args.runs], "paired": rows}, indent=2))
     import matplotlib

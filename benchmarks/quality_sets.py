@@ -42,6 +42,17 @@ def paired(scores: dict[str, dict[str, list[float]]], reference: str = "full") -
     return out
 
 
+def print_paired(rows: dict[str, dict], reference: str = "full", width: int | None = None) -> None:
+    """One table: each strategy's n, accuracy, F1, paired differences to ``reference`` (+- se) and recompute share."""
+    width = width or max(len(s) for s in rows) + 2
+    print(f"{'strategy':<{width}}{'n':>5}{'acc':>7}{'F1':>7}{'acc - ' + reference:>18}{'F1 - ' + reference:>18}{'recomp%':>9}")
+    for s, r in rows.items():
+        print(f"{s:<{width}}{r['n']:>5}{r['accuracy']:>7.1f}{r['f1']:>7.2f}"
+              f"{r[f'accuracy_minus_{reference}']:>+11.2f} ± {r[f'accuracy_minus_{reference}_se']:.2f}"
+              f"{r[f'f1_minus_{reference}']:>+11.2f} ± {r[f'f1_minus_{reference}_se']:.2f}"
+              f"{r['recomputed_pct_of_chunk_tokens']:>9.1f}")
+
+
 def choose(table: dict[str, dict[str, dict]], max_recompute: float, reference: str = "full") -> tuple[str | None, dict]:
     """The selection rule of the module docstring over ``table`` (set -> strategy -> paired row with
     ``recomputed_pct_of_chunk_tokens``); returns the winner (None if no strategy qualifies) and each
@@ -113,15 +124,10 @@ def main() -> None:
                   "is paired with full on the questions both answered", file=sys.stderr)
 
     strategies = list(dict.fromkeys(s for rows in table.values() for s in rows))
-    width = max(len(s) for s in strategies) + 2
+    width = max(len(s) for s in strategies) + 2  # one width for every set's table
     for name, rows in table.items():
         print(f"\n{name}, {meta[name]['n']} questions answered by every strategy")
-        print(f"{'strategy':<{width}}{'n':>5}{'acc':>7}{'F1':>7}{'acc - ' + args.reference:>18}{'F1 - ' + args.reference:>18}{'recomp%':>9}")
-        for s, r in rows.items():
-            print(f"{s:<{width}}{r['n']:>5}{r['accuracy']:>7.1f}{r['f1']:>7.2f}"
-                  f"{r[f'accuracy_minus_{args.reference}']:>+11.2f} ± {r[f'accuracy_minus_{args.reference}_se']:.2f}"
-                  f"{r[f'f1_minus_{args.reference}']:>+11.2f} ± {r[f'f1_minus_{args.reference}_se']:.2f}"
-                  f"{r['recomputed_pct_of_chunk_tokens']:>9.1f}")
+        print_paired(rows, args.reference, width)
     winner, means = choose(table, args.max_recompute, args.reference)
     spoiled = [name for name, m in meta.items() if m["failed_left_out"] > 0.05 * m["asked"]]
     if spoiled and args.select is not None:

@@ -13,7 +13,7 @@ Their chunks are "title" + newline + paragraph (2Wiki's paragraphs often name th
 
 ``--split``: every question belongs to the ``tune`` part (30%) or the ``report`` part (70%) of its
 set, fixed by a hash of the question: recovery methods and their knobs are chosen on ``tune`` and
-reported on ``report`` (benchmarks/README.md); ``all`` (the default) takes both.
+reported on ``report`` (benchmarks/quality_sets.py); ``all`` (the default) takes both.
 
 Scores follow SQuAD normalisation: exact match, token F1, and accuracy (a normalised gold
 answer is contained in the normalised prediction: small instruct models answer in sentences).
