@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
 # Answer quality of the embedded model on the GPU machine (the device tool: no internet, no gguf package).
-# The 98 MB GGUF cannot travel in one call (64 MiB), so it goes in two parts, two calls in a row while the
-# machine is warm:
-#   call 1 (carry .model/a):                      mkdir -p /tmp/m && cp .model/a/part1 /tmp/m/
-#   call 2 (carry .model/b .whl .data):           bash benchmarks/quality_gpu.sh SECONDS "STRATEGIES" [SETS]
+# The 98 MB GGUF cannot travel in one call (64 MiB), so it goes in parts (benchmarks/device_model.sh), one call
+# each in a row while the machine is warm:
+#   calls 1..N-1 (carry .model/K):              bash benchmarks/device_model.sh stage
+#   call N (carry .model/N .whl .data):         bash benchmarks/device_model.sh stage && bash benchmarks/quality_gpu.sh SECONDS "STRATEGIES" [SETS]
 #   more calls, same command, while still warm:   the evals resume (--resume) where the last call stopped
 # SETS, space-separated: "nq" and "hotpotqa" are the whole sets as issue 14 ran them (NQ_WORKERS, HP_WORKERS);
 # NAME:SPLIT:N[:WORKERS] is N questions of one split (tune or report) of any set lazyrag eval knows, e.g.
 # "nq:tune:240:4 squad:tune:240:3" (nq and hotpotqa read .data, the others benchmarks/data; HotpotQA shuffled).
-# Here, beforehand: .model/a/part1 = the GGUF's first 52,000,000 bytes, .model/b/part2 the rest and
-# .model/b/sha its sha256 (each call carries at most 64 MiB with the working tree); .whl/ the gguf wheel
+# Here, beforehand: `bash benchmarks/device_model.sh cut 40` (.model/0..2); .whl/ the gguf wheel
 # (device README); .data/ a copy of ../shared/data (hotpotqa_dev_500.jsonl may travel gzip'd), and in
 # .data/partial/ the *.partial.jsonl of an earlier machine, if the runs are to go on from there.
 # Each set runs in its own workers, spread over every visible GPU; every finished batch is saved, so a call
@@ -19,11 +18,7 @@
 set -euo pipefail
 budget=${1:?seconds}; strategies=${2:?strategies}; sets=${3:-"nq hotpotqa"}
 start=$(date +%s)
-M=/tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf
-if [ ! -f "$M" ]; then
-  cat /tmp/m/part1 .model/b/part2 > "$M"
-fi
-echo "$(cat .model/b/sha)  $M" | sha256sum -c
+M=$(bash benchmarks/device_model.sh join)
 [ -f .data/hotpotqa_dev_500.jsonl ] || gunzip -k .data/hotpotqa_dev_500.jsonl.gz
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1  # the worker processes share the cores

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 30: choose the recovery on the tune splits of every set, then measure it on the report splits, on the
 # GPU machine. The same command goes into every call while the machine stays warm (after the call that brings
-# the model's first part, see quality_gpu.sh; carry .model/b .whl .data); each call goes on where the last
+# the model's first parts, see quality_gpu.sh; carry the last .model/N .whl .data); each call goes on where the last
 # one stopped: the tune evals, then the choice (benchmarks/quality_sets.py --select, its rule in its
 # docstring, fixed before any report split ran), then the report evals of full, lazy, the shipped
 # lazy+recover, CacheBlend's lazy:blend=0.15 and the choice.

@@ -21,6 +21,7 @@ from lazyrag.strategy_names import check_strategy
 
 if TYPE_CHECKING:  # torch is imported only when an engine is really needed
     from lazyrag.engine import GenerationResult, LazyEngine, RequestStream
+    from lazyrag.store.build import PrecacheReport
     from lazyrag.store.corpus import CorpusStore
     from lazyrag.store.retriever import Retriever
 
@@ -96,6 +97,42 @@ def open_store(store) -> "CorpusStore":
         with _lock:
             found = _stores.setdefault(path, found)
     return found
+
+
+def forget_store(store) -> None:
+    """Drop this process's opened copy of a store folder and its retrievers, so the next open reads the
+    generation a build just published (engines that attached the old copy keep it)."""
+    path = Path(store).expanduser().resolve()
+    with _lock:
+        _stores.pop(path, None)
+        for key in [k for k in _retrievers if k[0] == str(path)]:
+            del _retrievers[key]
+
+
+def precache_documents(documents: list, source: str, out, adapter_or_engine, options: dict, who: str) -> "PrecacheReport":
+    """The adapters' ``precache_store``: a framework's documents (``lazyrag.store.build.Document``, one per
+    node / LangChain Document, in a stable order) into the corpus store at ``out``, as ``lazyrag precache``
+    builds one; ``source`` names them in the manifest's ``sources``.
+
+    ``options`` are PrecacheConfig's fields (chunk_tokens, overlap, chunks_per_shard, index, embedder, limit,
+    system, progress, verify, overwrite, stored_kv_dtype); unknown ones raise TypeError. ``chunk_tokens``
+    defaults to None here: every document stays one chunk, so its stored text is the text prompts show
+    (``whole_document_chunk_tokens``). The KV is computed by ``adapter_or_engine`` (an adapter's engine, or
+    the shared engine of the default model when None); a given one then has the store attached."""
+    from lazyrag.store.build import PrecacheConfig, precache
+
+    allowed = [f for f in PrecacheConfig.__dataclass_fields__ if f not in ("inputs", "out")]
+    unknown = [k for k in options if k not in allowed]
+    if unknown:
+        hints = "".join(f"\n  {k}: {_did_you_mean(k, allowed, 'not a precache option.')}" for k in unknown)
+        raise TypeError(f"{who}() got unknown option(s) {', '.join(map(repr, unknown))}.{hints}\nIt takes: {', '.join(allowed)}.")
+    config = PrecacheConfig([source], str(out), **{"chunk_tokens": None, **options})
+    engine = shared_engine() if adapter_or_engine is None else getattr(adapter_or_engine, "engine", adapter_or_engine)
+    report = precache(engine, config, load_embedder(config.embedder), documents=documents)
+    forget_store(out)  # a copy opened before this build serves the previous generation
+    if adapter_or_engine is not None:
+        attach_store_once(engine, out)
+    return report
 
 
 def load_embedder(name: str | None = None):
@@ -247,9 +284,9 @@ def check_prompt(prompt, who: str) -> str:
     return prompt
 
 
-def _did_you_mean(name: str, known: list[str]) -> str:
+def _did_you_mean(name: str, known: list[str], otherwise: str = "not an argument of this model.") -> str:
     close = difflib.get_close_matches(name, known, n=1)
-    return f"did you mean {close[0]}?" if close else "not an argument of this model."
+    return f"did you mean {close[0]}?" if close else otherwise
 
 
 def init_kwargs(cls, data: Any, renames: dict[str, str]) -> Any:

@@ -18,11 +18,15 @@ counts in ``usage_metadata`` (``cache_read``: prompt tokens whose KV was already
 prefix's included: ``response_metadata["lazyrag"]`` splits it into ``prefix_tokens_reused`` and
 ``chunk_tokens_reused``), and fire the LLM callbacks. ``logprobs=True`` (``top_logprobs=n``) puts
 ChatOpenAI-style logprobs in ``response_metadata["logprobs"]``. ``with_structured_output`` validates and retries JSON; no tool calling.
+
+``precache_store(docs_or_vector_store, "stores/docs")`` writes the Documents' KV to a corpus store: a chain
+with ``ChatLazyLlama(store="stores/docs")`` in any later process hits them from its first question.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextvars import ContextVar
-from typing import Any, AsyncIterator, ClassVar, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, ClassVar, Iterator, Optional, Sequence, Union
 from uuid import UUID
 
 from langchain_core.callbacks import (
@@ -42,11 +46,16 @@ from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable, RunnableConfig, RunnablePassthrough, RunnableSerializable
 from langchain_core.runnables.config import get_async_callback_manager_for_config, get_callback_manager_for_config
 from langchain_core.tracers.context import register_configure_hook
+from langchain_core.vectorstores import VectorStore, VectorStoreRetriever
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from lazyrag.integrations import _common
 
-__all__ = ["ChatLazyLlama", "LazyRAGRetriever", "LazyRAG", "LazyRAGCallbackHandler", "LazyRAGEmbeddings", "rag_chain"]
+if TYPE_CHECKING:
+    from lazyrag.store.build import PrecacheReport
+
+__all__ = ["ChatLazyLlama", "LazyRAGRetriever", "LazyRAG", "LazyRAGCallbackHandler", "LazyRAGEmbeddings", "rag_chain",
+           "precache_store"]
 
 
 class LazyRAGCallbackHandler(BaseCallbackHandler):
@@ -519,3 +528,67 @@ def rag_chain(retriever: Runnable, rag: Optional[LazyRAG] = None) -> Runnable:
     """``{"documents": retriever, "question": RunnablePassthrough()} | rag``: works with any retriever
     (LazyRAGRetriever alone can also be piped straight into ``rag``)."""
     return {"documents": retriever, "question": RunnablePassthrough()} | (rag or LazyRAG())
+
+
+# -- corpus stores --------------------------------------------------------------------------------
+
+def precache_store(documents, out, chat_model_or_engine=None, **options) -> PrecacheReport:
+    """Build a corpus store at ``out`` (as ``lazyrag precache`` does: chunk KV in files, a FAISS index) from
+    LangChain Documents, so that the stock ``{"context": retriever | format_docs, ...} | prompt |
+    ChatLazyLlama(store=out)`` chain in any later process answers from stored KV from its first question.
+    Returns the PrecacheReport.
+
+    ``documents``: Documents (a loader's or a text splitter's output) or strings, an InMemoryVectorStore, a
+    vector store with a ``docstore`` and ``index_to_docstore_id`` (langchain_community's FAISS), or a
+    VectorStoreRetriever over one (``store.as_retriever()``). Each Document is one chunk: its text is its
+    ``page_content``, what ``format_docs`` (``"\\n\\n".join(d.page_content ...)``) pastes into the prompt, its
+    ``doc_id`` the Document's id (else ``langchain:documents:<position>``), its metadata the Document's (values
+    JSON cannot hold as their str()). The same Documents in the same order resume an interrupted build (or find
+    it done), Documents appended extend the store, changed ones raise StoreError (``overwrite=True`` rebuilds).
+    Another vector store: pass the Documents you added to it.
+
+    ``options``: PrecacheConfig's fields (``_common.precache_documents``); ``chunk_tokens`` defaults to None, which
+    no Document exceeds. A Document longer than a ``chunk_tokens`` you pass is split into token windows (with a
+    warning) and then only partly reused: see ``lazyrag.integrations.llama_index.precache_store``.
+
+    ``chat_model_or_engine``: the ChatLazyLlama or LazyEngine whose model computes the KV (default: the shared
+    engine of the default model); it has the store attached afterwards. Readers need the same model and dtype."""
+    from lazyrag.store.build import Document as StoreDocument
+
+    found, source = _documents_of(documents)
+    docs = [StoreDocument(d.id or f"{source}:{i}", d.page_content, dict(d.metadata)) for i, d in enumerate(found)]
+    return _common.precache_documents(docs, source, out, chat_model_or_engine, options, "precache_store")
+
+
+_WHAT_TO_PASS = ("precache_store takes LangChain Documents (a loader's or text splitter's output) or strings, an "
+                 "InMemoryVectorStore, a vector store with a docstore (FAISS), or a retriever over one; got {}. For "
+                 "another vector store, pass the Documents you added to it, in the same order.")
+
+
+def _documents_of(source) -> tuple[list[Document], str]:
+    """The Documents of what ``precache_store`` takes, and the name of where they came from (the store's sources)."""
+    if isinstance(source, VectorStoreRetriever):
+        source = source.vectorstore
+    if isinstance(source, VectorStore):
+        return _vector_store_documents(source), f"langchain:{type(source).__name__}"
+    if isinstance(source, (str, bytes, Document, Mapping)) or not hasattr(source, "__iter__"):
+        raise TypeError(_WHAT_TO_PASS.format(type(source).__name__))
+    found = [Document(page_content=d) if isinstance(d, str) else d for d in source]
+    bad = next((d for d in found if not isinstance(d, Document)), None)
+    if bad is not None:
+        raise TypeError(_WHAT_TO_PASS.format(f"a list holding {type(bad).__name__}"))
+    return found, "langchain:documents"
+
+
+def _vector_store_documents(store: VectorStore) -> list[Document]:
+    """Every Document of a vector store that can list them, in the order they were added."""
+    if isinstance(getattr(store, "store", None), dict):  # InMemoryVectorStore: id -> {"id", "vector", "text", "metadata"}
+        return store.get_by_ids(list(store.store))
+    docstore, order = getattr(store, "docstore", None), getattr(store, "index_to_docstore_id", None)
+    if hasattr(docstore, "search") and isinstance(order, dict):  # FAISS: index position -> docstore id
+        found = [docstore.search(order[i]) for i in sorted(order)]
+        missing = next((order[i] for i, d in zip(sorted(order), found) if not isinstance(d, Document)), None)
+        if missing is not None:
+            raise ValueError(f"{type(store).__name__}'s docstore has no Document {missing!r}, which its index lists.")
+        return found
+    raise TypeError(_WHAT_TO_PASS.format(f"a {type(store).__name__}, which does not list its Documents"))

@@ -1,12 +1,15 @@
 """LlamaIndex adapters: an LLM that reuses cached chunk KV inside any query engine, a retriever over a
-lazyrag store, a fast-path query engine, an offline embedding, and pre-caching of an index.
+lazyrag store, a fast-path query engine, an offline embedding, and pre-caching of an index (in memory,
+or into a corpus store on disk).
 
-    from lazyrag.integrations.llama_index import LazyLlamaLLM, LazyEmbedding, precache_index
+    from lazyrag.integrations.llama_index import LazyLlamaLLM, LazyEmbedding, precache_index, precache_store
     index = VectorStoreIndex.from_documents(docs, embed_model=LazyEmbedding())
     llm = LazyLlamaLLM()
     precache_index(llm, index)               # optional: the first question already hits
     answer = index.as_query_engine(llm=llm, response_mode="compact").query("...")
     llm.last_stats                           # chunks_hit, tokens_prefilled, tokens_reused (= prefix_ + chunk_tokens_reused), ...
+    precache_store(index, "stores/docs")     # the nodes' KV on disk: LazyLlamaLLM(store="stores/docs") in
+                                             # any later process hits from its first question
 
 The LLM sees only a formatted prompt string. It finds the chunks it knows inside it (engine
 ``layout_from_text``: linear in the prompt's length) and reuses their KV. It knows a chunk once
@@ -18,8 +21,11 @@ second question over the same chunks on.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections import deque
-from typing import Any, Optional, Sequence
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from llama_index.core.base.base_query_engine import BaseQueryEngine
 from llama_index.core.base.base_retriever import BaseRetriever
@@ -47,11 +53,16 @@ from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events.retrieval import RetrievalEndEvent
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
-from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle, TextNode
+from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, QueryBundle, TextNode
+from llama_index.core.storage.docstore.types import BaseDocumentStore
 
 from lazyrag.integrations import _common
 
-__all__ = ["LazyLlamaLLM", "LazyRAGRetriever", "LazyRAGQueryEngine", "LazyEmbedding", "precache_index", "node_chunk_text", "register_node"]
+if TYPE_CHECKING:
+    from lazyrag.store.build import PrecacheReport
+
+__all__ = ["LazyLlamaLLM", "LazyRAGRetriever", "LazyRAGQueryEngine", "LazyEmbedding", "precache_index", "precache_store",
+           "node_chunk_text", "register_node"]
 
 
 def node_chunk_text(node) -> str:
@@ -471,21 +482,105 @@ class LazyEmbedding(BaseEmbedding):
 # -- pre-caching -----------------------------------------------------------------------------------
 
 def precache_index(llm_or_engine, index_or_nodes) -> int:
-    """Encode the KV of every node of a LlamaIndex index (or a list of nodes) now, and register
-    their texts, so the first question over them already hits. Returns how many were new.
+    """Encode the KV of every node of a LlamaIndex index (or a docstore, StorageContext, persist folder or a
+    list of nodes: see ``precache_store``) now, in memory, and register their texts, so the first question
+    over them already hits. Returns how many were new.
 
     The text cached per node is the one response synthesizers format into prompts
     (``node.get_content(MetadataMode.LLM)``, metadata lines included)."""
     engine = getattr(llm_or_engine, "engine", llm_or_engine)
-    if hasattr(index_or_nodes, "docstore"):
-        nodes = list(index_or_nodes.docstore.docs.values())
-        if not nodes:
-            raise ValueError("The index's docstore holds no nodes (a vector store that keeps the text elsewhere?); "
-                             "pass the nodes instead: precache_index(llm, nodes).")
-    else:
-        nodes = list(index_or_nodes)
+    nodes, source = _nodes_of(index_or_nodes)
+    if not nodes and source == _DOCSTORE:
+        raise ValueError("The index's docstore holds no nodes (a vector store that keeps the text elsewhere?); "
+                         "pass the nodes instead: precache_index(llm, nodes).")
     new = 0
     for node in nodes:  # one chunk per call: a long index never exceeds the model's context in one layout
         new += engine.precache([node_chunk_text(node)])
         register_node(engine, node)
     return new
+
+
+def precache_store(nodes, out, llm_or_engine=None, **options) -> PrecacheReport:
+    """Build a corpus store at ``out`` (as ``lazyrag precache`` does: chunk KV in files, a FAISS index) from
+    LlamaIndex nodes, so that ``index.as_query_engine(llm=LazyLlamaLLM(store=out))`` in any later process
+    answers from stored KV from its first question. Returns the PrecacheReport.
+
+    ``nodes``: a VectorStoreIndex (its docstore's nodes; for a vector store that keeps the text itself,
+    its ``get_nodes()``), a docstore, a StorageContext, a folder ``storage_context.persist()`` wrote (as
+    ``lazyrag precache FOLDER --out STORE`` reads it), or nodes (BaseNode or NodeWithScore). Each node is one
+    chunk: its text is ``node_chunk_text(node)``, exactly what the response synthesizers put in prompts
+    (metadata lines included), its ``doc_id`` the node id, its metadata the node's. Nodes go in the docstore's
+    order: the same nodes again resume an interrupted build (or find it done), nodes added since extend the
+    store, and changed ones raise StoreError (``overwrite=True`` rebuilds).
+
+    ``options``: PrecacheConfig's fields (``_common.precache_documents``). ``chunk_tokens`` defaults to None,
+    which no node exceeds (256, or the longest node rounded up to whole KV blocks). A node longer than a
+    ``chunk_tokens`` you pass is split as long files are, into token windows sharing ``overlap`` tokens (each a
+    chunk, ``meta["part"]``), with a warning: a prompt holding the whole node then reuses the windows the
+    engine finds in it (all of them with ``overlap=0``, which tiles the node) and computes the rest.
+
+    ``llm_or_engine``: the LazyLlamaLLM or LazyEngine whose model computes the KV (default: the shared engine
+    of the default model); it has the store attached afterwards. Readers need the same model and dtype."""
+    found, source = _nodes_of(nodes)
+    return _common.precache_documents(node_documents(found), source, out, llm_or_engine, options, "precache_store")
+
+
+def node_documents(nodes) -> list:
+    """Store documents of LlamaIndex nodes (``lazyrag.store.build.Document``): the node id, the text prompts
+    show (``node_chunk_text``) and the node's metadata."""
+    from lazyrag.store.build import Document
+
+    return [Document(node.node_id, node_chunk_text(node), dict(node.metadata)) for node in nodes]
+
+
+def persisted_nodes(folder) -> list:
+    """The nodes of the docstore in a folder ``storage_context.persist(folder)`` wrote, in their order. Read
+    as StorageContext.from_defaults(persist_dir=folder) reads its docstore, which needs docstore.json only."""
+    from llama_index.core.storage.docstore import SimpleDocumentStore
+
+    from lazyrag.store.build import LLAMA_INDEX_DOCSTORE
+
+    path = Path(folder).expanduser()
+    if not (path / LLAMA_INDEX_DOCSTORE).is_file():
+        raise ValueError(f"{folder} is not a folder LlamaIndex persisted (no {LLAMA_INDEX_DOCSTORE}); pass the folder given to "
+                         "index.storage_context.persist(...), or the index itself.")
+    return list(SimpleDocumentStore.from_persist_dir(str(path)).docs.values())
+
+
+_DOCSTORE = "llama_index:docstore"
+
+
+def _nodes_of(source) -> tuple[list, str]:
+    """The nodes of what ``precache_store`` takes, and the name of where they came from (the store's sources)."""
+    if isinstance(source, (str, os.PathLike)):
+        return persisted_nodes(source), str(Path(source))
+    owner = None
+    if not isinstance(source, BaseDocumentStore) and isinstance(getattr(source, "docstore", None), BaseDocumentStore):
+        owner, source = source, source.docstore  # an index or a StorageContext
+    if isinstance(source, BaseDocumentStore):
+        found = list(source.docs.values())
+        return found or _vector_store_nodes(owner), _DOCSTORE
+    if isinstance(source, (BaseNode, NodeWithScore)):
+        source = [source]
+    elif isinstance(source, Mapping):  # docstore.docs: node id -> node
+        source = source.values()
+    try:
+        found = [getattr(n, "node", n) for n in source]  # NodeWithScore -> its node
+    except TypeError:
+        found = [source]
+    bad = next((n for n in found if not isinstance(n, BaseNode)), None)
+    if bad is not None:
+        raise TypeError(f"precache_store takes a VectorStoreIndex, a docstore, a StorageContext, a folder LlamaIndex "
+                        f"persisted, or a list of nodes; got {type(bad).__name__}.")
+    return found, "llama_index:nodes"
+
+
+def _vector_store_nodes(owner) -> list:
+    """The nodes of a vector store that keeps their text itself (its index's docstore is then empty), where it lists them."""
+    store = getattr(owner, "vector_store", None)
+    if store is None or not getattr(store, "stores_text", False):
+        return []
+    try:
+        return list(store.get_nodes())
+    except NotImplementedError:
+        return []

@@ -44,3 +44,23 @@ def decode_batches(adapter_engine, monkeypatch):
 # executor use at most 32 workers): adapters that ran the engine in a thread per call could not
 # batch them all.
 MANY = 34
+
+
+@pytest.fixture
+def detaches_stores(default_engine, tiny_engine, embedder, monkeypatch):
+    """precache_store attaches the store it builds to the engine it is given: detached again after the test,
+    since other tests count hits and misses on these session engines. The adapters use the session embedder."""
+    from lazyrag.integrations import _common
+    from lazyrag.store.retriever import DEFAULT_EMBEDDER
+
+    monkeypatch.setitem(_common._embedders, DEFAULT_EMBEDDER, embedder)
+    tiers = [(engine, list(engine.cache.tiers)) for engine in (default_engine, tiny_engine)]
+    yield
+    for engine, before in tiers:
+        engine.cache.tiers[:] = before
+
+
+@pytest.fixture
+def store_engine(tiny_engine, detaches_stores):
+    """A fast engine for precache_store's text and resume checks (random weights: its KV serves no real model)."""
+    return tiny_engine

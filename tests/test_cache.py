@@ -189,20 +189,67 @@ def test_budget_is_never_exceeded_by_random_traffic():
     assert cache.pool.num_free + cache._cached_blocks == cache.pool.num_blocks
 
 
+# stored dtype -> (bytes of the stored segment / float32's, worst error relative to the largest |value|)
+STORED_BOUNDS = {"float32": (1.0, 0.0), "auto": (0.5, 2**-11), "float16": (0.5, 2**-11), "bfloat16": (0.5, 2**-8),
+                 "int8": (0.25 + 0.125 / 2, 1 / 127)}  # int8: 1 byte a value, V's float32 scale per 8-dim head row
+
+
+@pytest.mark.parametrize("stored", list(STORED_BOUNDS))
 @pytest.mark.parametrize("tier", ["host", "disk"])
-def test_tier_round_trip_is_bit_exact(tier, tmp_path):
+def test_tier_round_trip_keeps_kv_within_its_stored_dtypes_rounding(tier, stored, tmp_path):
+    """float32 comes back bit-exact; 16 bits and int8 come back as the codec rounds them, at their share of the bytes."""
+    from lazyrag.kv import codec
+
     cfg = {"host_bytes": 1 << 20} if tier == "host" else {"disk_dir": str(tmp_path), "disk_bytes": 1 << 20}
-    cache = make(num_blocks=4, **cfg)
+    cache = make(num_blocks=4, stored_kv_dtype=stored, **cfg)
     k, v = rand_kv(7, seed=1)
+    k[1, :, 0, 3] *= 30  # an outlier channel, as real K has: per-channel scales keep the other channels fine
     add(cache, "a", tokens=7, fill=(k, v))
     add(cache, "b", tokens=8)
     add(cache, "c", tokens=8)  # evicts a: demoted to the tier
     assert "a" not in cache and cache.stats.demotions == 1
+    entry = cache.tiers[0].get("a")
+    share, bound = STORED_BOUNDS[stored]
+    assert entry.nbytes <= share * (k.nbytes + v.nbytes) + 2 * SHAPE.num_layers * SHAPE.num_kv_heads * SHAPE.head_dim * 4
     seg = cache.get("a")  # promoted back into fresh blocks
     assert seg is not None and cache.stats.tier_hits == 1 and seg.num_tokens == 7
     k2, v2 = cache.read_kv(seg)
-    assert torch.equal(k2, k) and torch.equal(v2, v)
+    assert k2.dtype == v2.dtype == torch.float32
+    want = codec.decode(codec.encode(k, v, codec.resolve_stored_dtype(stored, torch.float32)), torch.float32)
+    assert torch.equal(k2, want[0]) and torch.equal(v2, want[1])  # the tier adds nothing to the codec's rounding
+    if stored == "float32":
+        assert torch.equal(k2, k) and torch.equal(v2, v)
+    else:
+        for new, old, per in ((k2, k, 1), (v2, v, 3)):  # K's error bounded per channel (over tokens), V's per token
+            scale = old.abs().amax(dim=per, keepdim=True)
+            assert 0 < float(((new - old).abs() / scale).max()) <= bound
     cache.unpin(seg)
+
+
+def test_int8_keeps_small_channels_beside_an_outlier_channel():
+    """Per-channel K scales: a channel 100x larger than the rest does not swamp them (a per-tensor scale would)."""
+    from lazyrag.kv import codec
+
+    k, v = rand_kv(64, seed=4)
+    k[:, :, :, 0] *= 100
+    k2, _ = codec.decode(codec.encode(k, v, "int8"), torch.float32)
+    small = (k2 - k)[..., 1:].abs().max() / k[..., 1:].abs().max()
+    assert small <= 1 / 127 and float((k2 - k)[..., 0].abs().max()) > float((k2 - k)[..., 1:].abs().max())
+
+
+def test_float16_out_of_range_segment_is_kept_in_bfloat16_not_as_infinity():
+    from lazyrag.kv import codec
+
+    k, v = rand_kv(4, seed=5)
+    k[0, 0, 0, 0] = 1e6
+    stored = codec.encode(k, v, "float16")
+    assert stored["k"].dtype == torch.bfloat16
+    assert torch.isfinite(codec.decode(stored, torch.float32)[0]).all()
+
+
+def test_unknown_stored_dtype_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="auto, float32, bfloat16, float16, int8"):
+        make(num_blocks=4, host_bytes=1 << 20, stored_kv_dtype="fp8")
 
 
 def test_corrupt_disk_tier_file_is_a_miss_not_wrong_kv(tmp_path):
@@ -238,7 +285,7 @@ def test_disk_tier_file_moved_to_another_key_or_start_is_a_miss(tmp_path):
 
 
 def test_prefetch_promotes_in_the_background(tmp_path):
-    cache = make(num_blocks=8, disk_dir=str(tmp_path), disk_bytes=1 << 20)
+    cache = make(num_blocks=8, disk_dir=str(tmp_path), disk_bytes=1 << 20, stored_kv_dtype="float32")
     kvs = {key: rand_kv(8, seed=i) for i, key in enumerate("abc")}
     for key, kv in kvs.items():
         add(cache, key, fill=kv)

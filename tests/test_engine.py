@@ -305,3 +305,32 @@ def test_reuse_stats_split_prefix_and_chunk_tokens(tiny_hf, default_hf):
     pre = engine.generate(QUESTION, CHUNKS[2:4][::-1], max_new_tokens=1, strategy="prefix").stats  # APC: blocks of the prompt
     again = engine.generate(QUESTION, CHUNKS[2:4][::-1], max_new_tokens=1, strategy="prefix").stats
     assert pre.tokens_reused == 0 and again.tokens_reused == again.prefix_tokens_reused + again.chunk_tokens_reused > prefix
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_engine_config_resolves_every_default_in_one_place(device):
+    """No field is left None for the engine to interpret (a torch.device("cuda") needs no GPU to be made)."""
+    from lazyrag.engine.config import EngineConfig
+
+    cfg = EngineConfig(device=device)
+    on_cuda = device == "cuda"
+    assert cfg.attention == ("triton" if on_cuda else "torch") and cfg.dtype == (torch.bfloat16 if on_cuda else torch.float32)
+    assert (cfg.cuda_graphs, cfg.gemv, cfg.triton_elementwise, cfg.compile_elementwise) == (on_cuda,) * 4
+    assert cfg.fused_kv_store == on_cuda and cfg.skinny_gemm is False and cfg.scheduler.async_scheduling == on_cuda
+    assert cfg.short_prefill_blas == ("cublaslt" if on_cuda else None)
+    unresolved = [f for f in ("model",) if getattr(cfg, f) is None]  # the model is None until loaded: the embedded one
+    assert [f for f in cfg.__dataclass_fields__ if getattr(cfg, f) is None and f not in unresolved] == (
+        [] if on_cuda else ["short_prefill_blas"])  # torch's own BLAS choice on CPU
+    mine = EngineConfig(device=device, attention="torch", cuda_graphs=False, gemv=True, skinny_gemm=True)
+    assert (mine.attention, mine.cuda_graphs, mine.gemv, mine.skinny_gemm, mine.triton_elementwise) == ("torch", False, True, True, False)
+
+
+def test_engine_config_with_changes_resolves_its_defaults_again():
+    from lazyrag.engine.config import EngineConfig
+
+    cpu = EngineConfig(device="cpu", gemv=False)
+    cuda = cpu.with_changes(device="cuda")
+    assert (cuda.attention, cuda.dtype, cuda.cuda_graphs, cuda.scheduler.async_scheduling) == ("triton", torch.bfloat16, True, True)
+    assert cuda.gemv is False  # what was given stays
+    assert cpu.attention == "torch" and cpu.scheduler.async_scheduling is False  # the original is untouched
+    assert cuda.with_changes(device="cpu") == cpu

@@ -1,6 +1,7 @@
 """LangChain adapters on the real default model, real faiss and sentence-transformers: the
 langchain-tests standard suites, KV reuse through ``retriever | rag``, and clear errors."""
 import asyncio
+import datetime
 
 import pytest
 from langchain_core.callbacks import UsageMetadataCallbackHandler
@@ -11,15 +12,16 @@ from langchain_core.messages import AIMessage, HumanMessage
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import RunnablePassthrough
-from langchain_core.vectorstores import InMemoryVectorStore
+from langchain_core.vectorstores import InMemoryVectorStore, VectorStore
 from langchain_tests.integration_tests import ChatModelIntegrationTests, RetrieversIntegrationTests
 from langchain_tests.unit_tests import ChatModelUnitTests
 from pydantic import BaseModel
 
-from lazyrag.integrations.langchain import ChatLazyLlama, LazyRAG, LazyRAGEmbeddings, LazyRAGRetriever, rag_chain
+from lazyrag.integrations.langchain import ChatLazyLlama, LazyRAG, LazyRAGEmbeddings, LazyRAGRetriever, precache_store, rag_chain
 from lazyrag.integrations.structured import StructuredOutput
 from lazyrag.store import StoreError
-from tests.integration_fixtures import MANY, adapter_engine, decode_batches, tiny_store  # noqa: F401 (fixtures)
+from lazyrag.store.corpus import CorpusStore
+from tests.integration_fixtures import MANY, adapter_engine, decode_batches, detaches_stores, store_engine, tiny_store  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 16  # the standard suites call the model ~30 times: keep generations short on CPU
@@ -366,3 +368,59 @@ def test_retriever_k_is_checked_and_clamped(tiny_store):
     assert len(retriever.invoke(QUESTION)) == 5  # all the store has
     with pytest.raises(ValueError, match="k must be an integer"):
         retriever.invoke(QUESTION, k=2**31)
+
+
+# -- issue 34: corpus stores from Documents and vector stores (a new process hitting them: test_precache.py) --
+
+def _stored(out):
+    return [(row.doc_id, row.text) for row in CorpusStore.open(out).rows()]
+
+
+def test_precache_store_keeps_each_document_whole_as_format_docs_pastes_it(store_engine, tmp_path):
+    # a text splitter's output: no ids, metadata from the loader (a date JSON cannot hold)
+    splits = [Document(page_content=text, metadata={"source": "wonders.txt", "seen": datetime.date(2024, 5, 1)})
+              for text in FRESH_DOCS[:3]]
+    out = tmp_path / "store"
+    report = precache_store(splits, out, store_engine, progress=False)
+    assert (report.documents, report.chunks_encoded) == (3, 3)
+    assert _stored(out) == [(f"langchain:documents:{i}", d.page_content) for i, d in enumerate(splits)]
+    assert "\n\n".join(text for _, text in _stored(out)) == _format_docs(splits)  # what the prompt shows
+    assert CorpusStore.open(out).rows()[0].meta == {"source": "wonders.txt", "seen": "2024-05-01", "part": 0}
+    assert precache_store(splits, out, store_engine, progress=False).chunks_encoded == 0  # the same Documents: done
+    with pytest.raises(StoreError, match="built from other input"):
+        precache_store(splits[::-1], out, store_engine, progress=False)
+
+
+class _FaissLike(VectorStore):
+    """What precache_store reads of langchain_community's FAISS (not installed here): a docstore searched by
+    id, and ``index_to_docstore_id`` (index position -> id)."""
+
+    class _Docstore(dict):
+        def search(self, doc_id):
+            return self.get(doc_id, f"ID {doc_id} not found.")
+
+    def __init__(self, docs, listed=True):
+        self.docstore = self._Docstore({d.id: d for d in docs}) if listed else None
+        self.index_to_docstore_id = {i: d.id for i, d in reversed(list(enumerate(docs)))}
+
+    def similarity_search(self, query, k=4, **kwargs):
+        raise NotImplementedError
+
+    @classmethod
+    def from_texts(cls, texts, embedding, metadatas=None, **kwargs):
+        raise NotImplementedError
+
+
+def test_precache_store_reads_vector_stores_that_list_their_documents(store_engine, stock_store, tmp_path):
+    out = tmp_path / "store"
+    docs = stock_store.get_by_ids(list(stock_store.store))  # in the order they were added
+    precache_store(stock_store, out, store_engine, progress=False)
+    assert _stored(out) == [(d.id, d.page_content) for d in docs]
+    assert precache_store(stock_store.as_retriever(), out, store_engine, progress=False).chunks_encoded == 0
+    assert CorpusStore.open(out).manifest.sources == ["langchain:InMemoryVectorStore"]
+    precache_store(_FaissLike(docs), tmp_path / "faiss", store_engine, progress=False)
+    assert _stored(tmp_path / "faiss") == _stored(out)  # in index order
+    for wrong in (_FaissLike(docs, listed=False), object(), "a text", [docs[0], 3]):
+        with pytest.raises(TypeError, match="pass the Documents you added"):
+            precache_store(wrong, tmp_path / "never", store_engine)
+

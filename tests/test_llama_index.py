@@ -10,6 +10,7 @@ from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events.llm import LLMChatStartEvent
 from llama_index.core.llms import ChatMessage
+from llama_index.core.schema import TextNode
 
 from lazyrag.integrations.llama_index import (
     LazyEmbedding,
@@ -18,10 +19,12 @@ from lazyrag.integrations.llama_index import (
     LazyRAGRetriever,
     node_chunk_text,
     precache_index,
+    precache_store,
 )
 from lazyrag.store import StoreError
+from lazyrag.store.corpus import CorpusStore
 from tests.conftest import TINY_DOCS
-from tests.integration_fixtures import MANY, adapter_engine, decode_batches, tiny_store  # noqa: F401 (fixtures)
+from tests.integration_fixtures import MANY, adapter_engine, decode_batches, detaches_stores, store_engine, tiny_store  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.slow
 MAX_NEW = 12
@@ -265,3 +268,49 @@ def test_sampling_knobs_and_logprobs(adapter_engine):
     assert LazyLlamaLLM(device="cpu", max_new_tokens=2).complete("Hi").logprobs is None
     stats = llm.last_stats
     assert stats["tokens_reused"] == stats["prefix_tokens_reused"] + stats["chunk_tokens_reused"]
+
+
+# -- issue 34: corpus stores from an index (a new process hitting them: test_precache.py) ---------------
+
+def _stored(out):
+    return [(row.doc_id, row.text) for row in CorpusStore.open(out).rows()]
+
+
+def test_precache_store_keeps_each_node_whole_as_the_synthesizers_format_it(index, store_engine, tmp_path):
+    nodes = list(index.docstore.docs.values())
+    out = tmp_path / "store"
+    report = precache_store(index, out, store_engine, progress=False)
+    assert (report.documents, report.chunks, report.chunks_encoded) == (5, 5, 5)
+    assert _stored(out) == [(n.node_id, node_chunk_text(n)) for n in nodes]  # metadata lines included, node ids kept
+    assert CorpusStore.open(out).rows()[0].meta["file_name"] == nodes[0].metadata["file_name"]
+    # the same nodes in the same order, through every door: the build is done already
+    for same in (index.docstore, index.storage_context, nodes):
+        assert precache_store(same, out, store_engine, progress=False).chunks_encoded == 0
+    rhine = TextNode(text="The Rhine rises in the Swiss Alps and reaches the North Sea in the Netherlands.")
+    assert precache_store([*nodes, rhine], out, store_engine, progress=False).chunks_encoded == 1  # appended: the store grows
+    assert CorpusStore.open(out).manifest.sources == ["llama_index:docstore", "llama_index:nodes"]
+    with pytest.raises(StoreError, match="built from other input"):
+        precache_store(nodes[::-1], out, store_engine, progress=False)
+    with pytest.raises(StoreError, match="No documents found in llama_index:docstore"):
+        precache_store(VectorStoreIndex([], embed_model=LazyEmbedding()), tmp_path / "empty", store_engine)
+    with pytest.raises(TypeError, match="did you mean chunk_tokens"):
+        precache_store(index, out, store_engine, chunk_size=64)
+
+
+def test_a_node_longer_than_a_chunk_size_given_is_split_into_windows_a_prompt_still_finds(store_engine, tmp_path, caplog):
+    node = TextNode(id_="long", text=" ".join(f"Sentence number {i} talks about topic {i % 7}." for i in range(28)))
+    with caplog.at_level("WARNING", logger="lazyrag.store"):
+        report = precache_store([node], tmp_path / "split", store_engine, chunk_tokens=64, overlap=0, progress=False)
+    assert "1 document(s) are longer than chunk_tokens=64" in caplog.text
+    rows = CorpusStore.open(tmp_path / "split").rows()
+    assert len(rows) == report.chunks > 2 and {r.doc_id for r in rows} == {"long"}
+    assert [r.meta["part"] for r in rows] == list(range(len(rows)))
+    # without overlap the windows tile the node: a prompt holding it whole reuses every window (the store is attached)
+    layout = store_engine.layout_from_text(f"Context:\n{node_chunk_text(node)}\n\nQuestion: Which topic comes first?")
+    assert layout.chunk_texts == [r.text for r in rows]
+    # the default chunk size holds every node whole
+    assert precache_store([node], tmp_path / "whole", store_engine, progress=False).chunks == 1
+    whole = CorpusStore.open(tmp_path / "whole")
+    assert whole.manifest.chunk_tokens % 16 == 0 and whole.manifest.chunk_tokens >= len(store_engine.prompts.encode_chunk(node.text))
+    assert _stored(tmp_path / "whole") == [("long", node.text)]
+

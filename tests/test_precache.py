@@ -14,6 +14,7 @@ import pytest
 
 from lazyrag.store.build import PrecacheConfig, chunk_documents, precache, read_documents
 from lazyrag.store.corpus import LOCK, MANIFEST, TABLE, CorpusStore
+from tests.integration_fixtures import detaches_stores  # noqa: F401 (fixture)
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 ROOT = Path(__file__).resolve().parents[1]
@@ -233,3 +234,107 @@ def test_store_files_respect_the_umask(tiny_engine, tiny_corpus, embedder, tmp_p
         os.umask(old)
     modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in [tmp_path / "one", *out.rglob("*")] if p.is_file()}
     assert modes and set(modes.values()) == {"0o640"}, modes  # as other tools create files; mkstemp alone gives 0600
+
+
+# -- issue 34: stores from LlamaIndex and LangChain, answered from in a new process -----------------------
+
+INDEX_DOCS = {
+    "saturn.md": "Saturn's rings are made mostly of water ice, with smaller amounts of rock and dust.",
+    "tea.md": "Green and black tea both come from the leaves of the Camellia sinensis plant.",
+    "bach.md": "Johann Sebastian Bach spent his last twenty-seven years as cantor of St. Thomas Church in Leipzig.",
+    "sahara.md": "The Sahara covers most of North Africa and is the largest hot desert on Earth.",
+}
+SPLITS = [
+    "Honey bees communicate the direction of flowers to their hive mates with a waggle dance.",
+    "The Danube flows through ten countries, more than any other river in the world.",
+    "Mount Kilimanjaro in Tanzania is the highest mountain on the African continent.",
+    "The Rosetta Stone carries one decree in hieroglyphic, Demotic and ancient Greek scripts.",
+]
+
+NEW_PROCESS = """
+import json, sys
+from langchain_core.prompts import ChatPromptTemplate
+from langchain_core.runnables import RunnablePassthrough
+from langchain_core.vectorstores import InMemoryVectorStore
+from llama_index.core import StorageContext, load_index_from_storage
+from lazyrag.integrations.langchain import ChatLazyLlama, LazyRAGEmbeddings
+from lazyrag.integrations.llama_index import LazyEmbedding, LazyLlamaLLM, node_chunk_text
+
+folder, index_store, vectors, docs_store = sys.argv[1:]
+llm = LazyLlamaLLM(store=index_store, device="cpu", max_new_tokens=1)
+index = load_index_from_storage(StorageContext.from_defaults(persist_dir=folder), embed_model=LazyEmbedding())
+answer = index.as_query_engine(llm=llm, similarity_top_k=3).query("What are Saturn's rings made of?")
+engine = llm.engine
+chunk_tokens = lambda texts: sum(len(engine.prompts.encode_chunk(t)) for t in texts)
+out = {"llama_index": llm.stats_log, "nodes": chunk_tokens(node_chunk_text(n) for n in answer.source_nodes)}
+
+def format_docs(docs):
+    return "\\n\\n".join(d.page_content for d in docs)
+
+retriever = InMemoryVectorStore.load(vectors, LazyRAGEmbeddings()).as_retriever(search_kwargs={"k": 3})
+prompt = ChatPromptTemplate.from_template("Answer from the context.\\n\\n{context}\\n\\nQuestion: {question}")
+chain = {"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | ChatLazyLlama(store=docs_store, device="cpu", max_tokens=1)
+question = "Which river flows through the most countries?"
+out["langchain"] = chain.invoke(question).response_metadata["lazyrag"]
+out["documents"] = chunk_tokens(d.page_content for d in retriever.invoke(question))
+out["tier_hits"] = engine.cache.stats.tier_hits
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_a_new_process_answers_from_llama_index_and_langchain_stores_from_the_first_question(
+        default_engine, embedder, detaches_stores, tmp_path, monkeypatch, capsys):
+    from langchain_core.documents import Document as Split
+    from langchain_core.vectorstores import InMemoryVectorStore
+    from llama_index.core import Document as IndexDocument
+    from llama_index.core import VectorStoreIndex
+
+    import lazyrag.store.build as build
+    from lazyrag.cli import main
+    from lazyrag.engine import LazyEngine
+    from lazyrag.integrations import langchain
+    from lazyrag.integrations.llama_index import LazyEmbedding, node_chunk_text
+
+    # LlamaIndex: an index persisted as the docs show, its folder pre-cached by the CLI
+    index = VectorStoreIndex.from_documents([IndexDocument(text=t, metadata={"file_name": n}) for n, t in INDEX_DOCS.items()],
+                                            embed_model=LazyEmbedding())
+    folder, index_store = tmp_path / "index", tmp_path / "index-store"
+    index.storage_context.persist(str(folder))
+    monkeypatch.setattr(LazyEngine, "from_pretrained", classmethod(lambda cls, *a, **kw: default_engine))
+    monkeypatch.setattr(build, "load_embedder", lambda name: embedder)
+    assert main(["precache", str(folder), "--out", str(index_store), "--quiet"]) == 0
+    store = CorpusStore.open(index_store)
+    assert [(r.doc_id, r.text) for r in store.rows()] == [(n.node_id, node_chunk_text(n)) for n in index.docstore.docs.values()]
+    assert store.manifest.sources == [str(folder)] and store.manifest.chunk_tokens == 256
+    capsys.readouterr()
+    assert main(["precache", str(folder), "--out", str(index_store), "--quiet"]) == 0  # the same folder again: done
+    assert "encoded 0 chunks" in capsys.readouterr().out
+
+    # LangChain: an in-memory vector store, saved for the new process
+    vectors = InMemoryVectorStore(langchain.LazyRAGEmbeddings())
+    vectors.add_documents([Split(page_content=t, metadata={"source": "facts.txt"}) for t in SPLITS])
+    vectors.dump(str(tmp_path / "vectors.json"))
+    docs_store = tmp_path / "docs-store"
+    assert langchain.precache_store(vectors, docs_store, default_engine, progress=False).chunks == len(SPLITS)
+
+    proc = subprocess.run([sys.executable, "-c", NEW_PROCESS, str(folder), str(index_store), str(tmp_path / "vectors.json"),
+                           str(docs_store)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    # the first question of each framework: every retrieved chunk's KV read from its store, none computed
+    (li,) = seen["llama_index"]  # compact mode: one LLM call
+    lc = seen["langchain"]
+    for stats, tokens in ((li, seen["nodes"]), (lc, seen["documents"])):
+        assert stats["chunks_missed"] == 0 and stats["chunks_hit"] == 3, seen
+        assert stats["chunk_tokens_reused"] == tokens, seen  # the retrieved chunks, whole
+    assert seen["tier_hits"] == 7, seen  # the encoding prefix once and six chunks, loaded from disk
+
+
+def test_a_rebuild_command_naming_in_memory_documents_says_to_rerun_the_python_call(tmp_path, capsys):
+    from lazyrag.cli import main
+
+    # what rebuild_command prints for a store precache_store built from a docstore
+    assert main(["precache", "llama_index:docstore", "--out", str(tmp_path / "store"), "--verify"]) == 2
+    err = capsys.readouterr().err
+    assert "precache_store" in err and "verify=True" in err and "Traceback" not in err

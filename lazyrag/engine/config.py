@@ -1,7 +1,7 @@
 """One configuration for an engine: which model, where, how much KV memory, and how requests are batched."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -41,8 +41,12 @@ class EngineConfig:
     skinny_gemm: bool | None = None  # 2-64 token projections as Triton skinny GEMMs (kernels/gemm.py); None: off until measured
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    # the fields left None (resolved below): ``with_changes`` resolves them again
+    defaulted: tuple[str, ...] = field(default=(), repr=False, compare=False)
 
     def __post_init__(self):
+        self.defaulted = tuple(f for f in _RESOLVED if getattr(self, f) is None) + (
+            ("async_scheduling",) if self.scheduler.async_scheduling is None else ())
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if self.device is None else torch.device(self.device)
         if self.dtype is None:
             self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
@@ -55,3 +59,30 @@ class EngineConfig:
             self.kv_budget = DEFAULT_KV_BUDGET.get(self.device.type, 1 << 30)
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1; got {self.block_size}")
+        # every other None resolved here, once: the engine reads the settings as they are
+        on_cuda = self.device.type == "cuda"
+        if self.attention is None:
+            self.attention = "triton" if on_cuda else "torch"
+        triton_on_cuda = on_cuda and self.attention == "triton"
+        defaults = {"compile_elementwise": on_cuda, "triton_elementwise": triton_on_cuda, "gemv": triton_on_cuda,
+                    "cuda_graphs": triton_on_cuda, "skinny_gemm": False,
+                    # where the model's head_dim allows it (the engine checks: head_dim / 2 a power of two, >= 8)
+                    "fused_kv_store": self.attention == "triton"}
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        self.short_prefill_blas = (self.short_prefill_blas or "cublaslt") if on_cuda else None
+        if self.scheduler.async_scheduling is None:
+            self.scheduler = replace(self.scheduler, async_scheduling=on_cuda)
+
+    def with_changes(self, **fields) -> "EngineConfig":
+        """A copy with ``fields`` changed and the defaults it took resolved again (another device changes them)."""
+        again = {f: None for f in self.defaulted if f != "async_scheduling" and f not in fields}
+        if "async_scheduling" in self.defaulted and "scheduler" not in fields:
+            again["scheduler"] = replace(self.scheduler, async_scheduling=None)
+        return replace(self, **again, **fields)
+
+
+# EngineConfig's fields whose None means "the default for this device", resolved in __post_init__
+_RESOLVED = ("device", "dtype", "kv_budget", "attention", "compile_elementwise", "triton_elementwise", "gemv", "cuda_graphs",
+             "skinny_gemm", "fused_kv_store", "short_prefill_blas")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from dataclasses import replace
 from pathlib import Path
 from typing import AsyncIterator, Iterator
 
@@ -107,21 +106,19 @@ class LazyEngine:
         attention = make_attention_backend(config.attention, config.device)
         self.attention_backend = attention.name
         self.runner = ModelRunner(model, pool, attention, rope_cos, rope_sin, rope_scaling)
-        on_cuda = config.device.type == "cuda"
-        if config.compile_elementwise if config.compile_elementwise is not None else on_cuda:
+        if config.compile_elementwise:
             self.runner.compile_elementwise()
-        if config.triton_elementwise if config.triton_elementwise is not None else (on_cuda and attention.name == "triton"):
+        if config.triton_elementwise:
             self.runner.use_triton_elementwise()
         half = args.head_dim // 2
-        if (config.fused_kv_store if config.fused_kv_store is not None
-                else attention.name == "triton" and half >= 8 and half & (half - 1) == 0):
+        if config.fused_kv_store and half >= 8 and half & (half - 1) == 0:  # the fused kernel's head_dim
             self.runner.fuse_kv_store()
-        self.runner.short_prefill_blas = (config.short_prefill_blas or "cublaslt") if on_cuda else None
-        if config.gemv if config.gemv is not None else (on_cuda and attention.name == "triton"):
+        self.runner.short_prefill_blas = config.short_prefill_blas
+        if config.gemv:
             self.runner.use_gemv()
         if config.skinny_gemm:
             self.runner.use_skinny_gemm()
-        if config.cuda_graphs if config.cuda_graphs is not None else (on_cuda and attention.name == "triton"):
+        if config.cuda_graphs:
             # padding tokens of captured shapes write their K/V here; no sequence reads it
             self.runner.enable_cuda_graphs(scratch_block=pool.allocate(1)[0])
         self.prompts = PromptBuilder(tokenizer, config.system_prompt) if tokenizer is not None else None
@@ -148,7 +145,7 @@ class LazyEngine:
     @classmethod
     def from_hf(cls, hf_model, tokenizer, model_name: str = "model", config: EngineConfig | None = None, **fields) -> "LazyEngine":
         """Wrap an already-loaded transformers ``LlamaForCausalLM`` (its weights are copied)."""
-        cfg = replace(config, **fields) if config is not None else EngineConfig(**fields)
+        cfg = config.with_changes(**fields) if config is not None else EngineConfig(**fields)
         check_llama_config(hf_model.config)
         state = {k: v.detach().to(cfg.dtype) for k, v in hf_model.state_dict().items()}
         fp = fingerprint(hf_model.config, state, cfg.dtype)

@@ -82,8 +82,7 @@ class Scheduler:
         self.running: list[Request] = []
         self._prefilling: list[Request] = []
         self._launched: Launched | None = None  # async scheduling: the step in flight, not yet accepted
-        self.async_scheduling = self.config.async_scheduling if self.config.async_scheduling is not None \
-            else runner.device.type == "cuda"
+        self.async_scheduling = bool(self.config.async_scheduling)  # EngineConfig resolved None (on with cuda)
         self.steps = {"prefill": 0, "decode": 0}
 
     # -- any thread ---------------------------------------------------------------------------

@@ -30,6 +30,7 @@ import torch
 
 from lazyrag.kv.block_pool import BlockPool, OutOfBlocks, blocks_for
 from lazyrag.kv.policies import FrequencySketch, make_policy
+from lazyrag.kv import codec
 from lazyrag.kv.tiers import DiskTier, HostTier, Tier, TierEntry
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,8 @@ class CacheConfig:
     host_bytes: int = 0  # host-RAM tier (0 = none)
     disk_dir: str | None = None  # disk tier folder (None = none)
     disk_bytes: int = 0
+    # how host and disk tiers keep KV (kv/codec.py): auto (16 bits) | float32 (exact) | bfloat16 | float16 | int8
+    stored_kv_dtype: str = "auto"
     demote_kinds: tuple[SegmentKind, ...] = (SegmentKind.CHUNK, SegmentKind.PREFIX)  # copies and prefix blocks are cheap to redo
     sketch_window: int = 10_000
     cost_model: CostModel = field(default_factory=CostModel)
@@ -151,6 +154,7 @@ class CacheManager:
     def __init__(self, pool: BlockPool, config: CacheConfig | None = None, tiers: list[Tier] | None = None):
         self.pool = pool
         self._apply(config or CacheConfig())
+        self.stored_format = codec.resolve_stored_dtype(self.config.stored_kv_dtype, pool.shape.dtype)
         self._segments: dict[str, Segment] = {}
         self._cached_blocks = 0
         self._lock = threading.RLock()
@@ -347,25 +351,25 @@ class CacheManager:
 
     # -- tiers ------------------------------------------------------------------------------
 
-    def read_kv(self, seg: Segment) -> tuple[torch.Tensor, torch.Tensor]:
-        """A segment's K and V ``[layers, tokens, H_kv, D]`` copied to the CPU, unpadded."""
+    def read_kv(self, seg: Segment, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """A segment's K and V ``[layers, tokens, H_kv, D]`` copied to ``device`` (the CPU), unpadded."""
         idx = torch.tensor(seg.blocks, device=self.pool.device)
         L, bs = self.pool.shape.num_layers, self.pool.shape.block_size
         out = []
         for t in (self.pool.k, self.pool.v):
             x = t[:, idx].reshape(L, len(seg.blocks) * bs, *t.shape[3:])[:, : seg.num_tokens]
-            out.append(x.to("cpu", copy=True).contiguous())
+            out.append(x.to(device, copy=True).contiguous())
         return out[0], out[1]
 
     def write_kv(self, blocks: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Copy ``k, v [layers, tokens, H_kv, D]`` into ``blocks`` (the padding tail stays unused)."""
+        """Copy ``k, v [layers, tokens, H_kv, D]`` (on any device) into ``blocks`` (the padding tail stays unused)."""
         if k.dtype != self.pool.shape.dtype:
             raise TypeError(f"KV is {k.dtype} but the pool holds {self.pool.shape.dtype}; it was made for another engine dtype.")
         L, bs = self.pool.shape.num_layers, self.pool.shape.block_size
         n = k.shape[1]
         idx = torch.tensor(blocks, device=self.pool.device)
         for src, dst in ((k, self.pool.k), (v, self.pool.v)):
-            padded = torch.zeros(L, len(blocks) * bs, *src.shape[2:], dtype=src.dtype)
+            padded = torch.zeros(L, len(blocks) * bs, *src.shape[2:], dtype=src.dtype, device=src.device)
             padded[:, :n] = src
             dst[:, idx] = padded.view(L, len(blocks), bs, *src.shape[2:]).to(self.pool.device, non_blocking=True)
 
@@ -374,8 +378,8 @@ class CacheManager:
             return
         if any(seg.key in t for t in self.tiers):
             return  # a lower tier (e.g. a corpus store) already has it
-        k, v = self.read_kv(seg)
-        pending = [TierEntry(seg.key, k, v, seg.start, seg.kind, seg.cost)]
+        k, v = self.read_kv(seg, self.pool.device)  # encoded where it is: fewer bytes cross to the host
+        pending = [TierEntry.encoded(seg.key, k, v, self.stored_format, seg.start, seg.kind, seg.cost)]
         for tier in self.tiers:
             if not tier.writable or not pending:
                 continue
@@ -421,7 +425,7 @@ class CacheManager:
     def _install(self, entry: TierEntry, pin: bool) -> Segment:
         bs = self.pool.shape.block_size
         blocks = self.allocate(blocks_for(entry.num_tokens, bs))
-        self.write_kv(blocks, entry.k, entry.v)
+        self.write_kv(blocks, *entry.decode(self.pool.shape.dtype, self.pool.device))
         self.stats.promotions += 1
         return self.put(Segment(entry.key, blocks, entry.num_tokens, entry.start, SegmentKind(entry.kind), cost=entry.cost), pin=pin)
 

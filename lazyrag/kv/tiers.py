@@ -1,8 +1,9 @@
 """Slower homes for segment KV below the device pool: host RAM and a directory of safetensors.
 
-A tier stores a segment's KV unpadded, ``k, v: [layers, tokens, H_kv, D]`` in the pool's
-dtype, so a round trip (pool -> tier -> pool) is bit-exact. Tiers are passive: the cache
-manager demotes into them on eviction and promotes out of them on a hit.
+A tier stores a segment's KV unpadded, ``[layers, tokens, H_kv, D]``, encoded as the cache
+manager chose (kv/codec.py: 16 bits by default, int8, or the pool's float32 exactly: then a round
+trip pool -> tier -> pool is bit-exact). Tiers are passive: the cache manager demotes into them
+on eviction and promotes out of them on a hit.
 """
 from __future__ import annotations
 
@@ -18,38 +19,54 @@ from pathlib import Path
 
 import torch
 
+from lazyrag.kv import codec
+
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class TierEntry:
     key: str
-    k: torch.Tensor  # [L, T, H_kv, D] on CPU
-    v: torch.Tensor
+    tensors: dict[str, torch.Tensor]  # encoded KV on CPU (kv/codec.py): "k", "v" [L, T, H_kv, D], int8's scales
     start: int
     kind: str = "chunk"
     cost: float = 0.0
 
+    @classmethod
+    def encoded(cls, key: str, k: torch.Tensor, v: torch.Tensor, fmt: str, start: int, kind: str = "chunk",
+                cost: float = 0.0) -> "TierEntry":
+        """The segment ``k, v [L, T, H_kv, D]`` (any device) encoded as ``fmt`` (resolved, kv/codec.py), kept on CPU."""
+        return cls(key, {n: t.cpu() for n, t in codec.encode(k, v, fmt).items()}, start, str(kind), cost)
+
+    def decode(self, dtype: torch.dtype, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        return codec.decode(self.tensors, dtype, device)
+
     @property
     def num_tokens(self) -> int:
-        return self.k.shape[1]
+        return self.tensors["k"].shape[1]
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return sum(t.nbytes for t in self.tensors.values())
 
 
 class CorruptKV(RuntimeError):
     """Stored KV does not match its checksum; the caller recomputes it (never uses it)."""
 
 
-def kv_checksum(k: torch.Tensor, v: torch.Tensor, *context: str) -> str:
-    """sha256 over ``context`` (what the KV belongs to) and the raw bytes of K then V (a byte view, so bf16 works too)."""
+KV_TENSORS = ("k", "v", "k_scale", "v_scale")  # an encoded segment's tensors, in checksum order
+
+
+def kv_checksum(tensors: dict[str, torch.Tensor], *context: str) -> str:
+    """sha256 over ``context`` (what the KV belongs to) and the raw bytes of K, V and any scales (a byte view,
+    so every dtype works)."""
+    assert set(tensors) <= set(KV_TENSORS), f"unknown KV tensors {sorted(set(tensors) - set(KV_TENSORS))}"
     h = hashlib.sha256()
     for part in context:
         h.update(part.encode() + b"\0")
-    for t in (k, v):
-        h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    for name in KV_TENSORS:
+        if name in tensors:
+            h.update(tensors[name].detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -140,8 +157,9 @@ class HostTier(Tier):
     def put(self, entry):
         if entry.nbytes > self.budget_bytes:
             return [entry]
-        if self._pin and not entry.k.is_pinned():
-            entry = TierEntry(entry.key, entry.k.pin_memory(), entry.v.pin_memory(), entry.start, entry.kind, entry.cost)
+        if self._pin and not entry.tensors["k"].is_pinned():
+            entry = TierEntry(entry.key, {n: t.pin_memory() for n, t in entry.tensors.items()}, entry.start, entry.kind,
+                              entry.cost)
         out = []
         with self._lock:
             if entry.key in self._entries:
@@ -203,11 +221,11 @@ class DiskTier(Tier):
             log.warning("disk tier: unreadable %s (%s); dropping it", path.name, e)
             self._drop(key)
             return None
-        if kv_checksum(t["k"], t["v"], *_entry_context(key, meta)) != meta.get("sha256"):
+        if set(t) - set(KV_TENSORS) or kv_checksum(t, *_entry_context(key, meta)) != meta.get("sha256"):
             log.warning("disk tier: checksum mismatch in %s; dropping it, the segment will be recomputed", path.name)
             self._drop(key)
             return None
-        return TierEntry(key, t["k"], t["v"], int(meta["start"]), meta["kind"], float(meta["cost"]))
+        return TierEntry(key, t, int(meta["start"]), meta["kind"], float(meta["cost"]))
 
     def _drop(self, key: str) -> None:
         with self._lock:
@@ -218,8 +236,8 @@ class DiskTier(Tier):
         from safetensors.torch import save
 
         meta = {"start": str(entry.start), "kind": str(entry.kind), "cost": repr(entry.cost)}
-        meta["sha256"] = kv_checksum(entry.k, entry.v, *_entry_context(entry.key, meta))
-        data = save({"k": entry.k.contiguous(), "v": entry.v.contiguous()}, metadata=meta)
+        meta["sha256"] = kv_checksum(entry.tensors, *_entry_context(entry.key, meta))
+        data = save({n: t.contiguous() for n, t in entry.tensors.items()}, metadata=meta)
         if len(data) > self.budget_bytes:
             return [entry]
         with self._lock:

@@ -173,10 +173,8 @@ class TritonAttention:
         )
 
 
-def make_attention_backend(name: str | None, device: torch.device):
-    """``None`` picks Triton on CUDA and the PyTorch reference elsewhere."""
-    if name is None:
-        name = "triton" if device.type == "cuda" else "torch"
+def make_attention_backend(name: str, device: torch.device):
+    """"torch" (the PyTorch reference) or "triton" (EngineConfig picks: Triton on CUDA, torch elsewhere)."""
     if name == "torch":
         return TorchAttention()
     if name == "triton":

@@ -2,6 +2,11 @@
 
     from lazyrag.store.build import PrecacheConfig, precache
     report = precache(engine, PrecacheConfig(inputs=["docs/"], out="store"))
+    # documents already in memory: ``inputs`` then only names their source (the manifest's ``sources``)
+    report = precache(engine, PrecacheConfig(["my:documents"], "store", chunk_tokens=None), documents=[Document(id, text, meta)])
+
+(``lazyrag.integrations.llama_index.precache_store`` and ``lazyrag.integrations.langchain.precache_store``
+pass a framework's nodes or Documents this way.)
 
 The chunk KV comes from the engine's own ``lazy`` strategy (the same code that encodes a
 missed chunk at request time), so a stored chunk is what the engine would cache for it: read
@@ -16,7 +21,7 @@ import hashlib
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -27,6 +32,8 @@ from lazyrag.store.retriever import DEFAULT_EMBEDDER, embed, load_embedder
 log = logging.getLogger(__name__)
 
 TEXT_SUFFIXES = (".txt", ".md")
+LLAMA_INDEX_DOCSTORE = "docstore.json"  # a folder index.storage_context.persist() wrote
+DEFAULT_CHUNK_TOKENS = 256
 
 
 @dataclass
@@ -40,7 +47,9 @@ class Document:
 class PrecacheConfig:
     inputs: list[str]
     out: str
-    chunk_tokens: int = 256  # a multiple of the KV block size, separator included
+    # a multiple of the KV block size, separator included; None: each document one chunk, sized for the longest
+    # (inputs already split: LlamaIndex nodes, LangChain splits); see whole_document_chunk_tokens
+    chunk_tokens: int | None = 256
     overlap: int = 32  # tokens shared by consecutive chunks of one long document
     chunks_per_shard: int = 32  # chunks per KV file, and per resume step
     index: str = "flat"  # flat | ivf | hnsw
@@ -50,6 +59,8 @@ class PrecacheConfig:
     progress: bool = True
     verify: bool = False  # check every stored chunk against its digest first; rebuild the bad shards
     overwrite: bool = False  # delete the store at ``out`` and build from scratch
+    # how the shards keep KV (kv/codec.py): auto (16 bits) | float32 (the engine's KV exactly) | bfloat16 | float16 | int8
+    stored_kv_dtype: str = "auto"
 
 
 @dataclass
@@ -93,9 +104,15 @@ def _titled(title: str | None, text: str) -> str:
 
 def read_documents(inputs: list[str], limit: int | None = None) -> Iterator[Document]:
     """Documents from folders of .txt/.md files and .jsonl(.gz) files, in a stable order, non-empty only."""
-    n = 0
+    return _usable(_read_inputs(inputs), limit)
+
+
+def _read_inputs(inputs: list[str]) -> Iterator[Document]:
     for inp in inputs:
         path = Path(inp).expanduser()
+        if path.is_dir() and (path / LLAMA_INDEX_DOCSTORE).is_file():  # its nodes are read by the CLI, or the adapter
+            raise StoreError(f"{inp} is a folder LlamaIndex persisted ({LLAMA_INDEX_DOCSTORE}): pre-cache its nodes with "
+                             f"`lazyrag precache {inp} --out STORE` or lazyrag.integrations.llama_index.precache_store({inp!r}, STORE).")
         if path.is_dir():
             files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file())
             docs = (Document(str(p.relative_to(path)), p.read_text(errors="replace"), {"source": str(p)}) for p in files)
@@ -105,13 +122,28 @@ def read_documents(inputs: list[str], limit: int | None = None) -> Iterator[Docu
             docs = iter([Document(path.name, path.read_text(errors="replace"), {"source": str(path)})])
         else:
             raise StoreError(f"{inp}: expected a folder of .txt/.md files, a .txt/.md file, or a .jsonl / .jsonl.gz file.")
-        for doc in docs:
-            if not doc.text.strip():
-                continue
-            if limit is not None and n >= limit:
-                return
-            n += 1
-            yield doc
+        yield from docs
+
+
+def _usable(docs, limit: int | None) -> Iterator[Document]:
+    """The non-empty documents, at most ``limit`` of them."""
+    n = 0
+    for doc in docs:
+        if not doc.text.strip():
+            continue
+        if limit is not None and n >= limit:
+            return
+        n += 1
+        yield doc
+
+
+def _in_memory(documents) -> Iterator[Document]:
+    """``precache(documents=...)``'s items checked, their metadata made JSON (values it cannot hold become their str())."""
+    for i, doc in enumerate(documents):
+        if not isinstance(doc, Document) or not isinstance(doc.text, str):
+            what = f"a Document whose text is {type(doc.text).__name__}" if isinstance(doc, Document) else type(doc).__name__
+            raise TypeError(f"precache(documents=...) takes lazyrag.store.build.Document(id, text, meta) items; item {i} is {what}.")
+        yield Document(str(doc.id), doc.text, json.loads(json.dumps(doc.meta, default=str)))
 
 
 def _read_jsonl(path: Path) -> Iterator[Document]:
@@ -140,7 +172,7 @@ def chunk_documents(docs, prompts, chunk_tokens: int, overlap: int, block_size: 
     if chunk_tokens % block_size:
         raise ValueError(f"--chunk-tokens {chunk_tokens} is not a multiple of the KV block size {block_size}; "
                          f"use e.g. {max(block_size, chunk_tokens // block_size * block_size)}.")
-    sep = len(prompts.encode_chunk("x")) - len(prompts.encode("x"))  # tokens the chunk separator adds
+    sep = _separator_tokens(prompts)
     window = chunk_tokens - sep
     if not 0 <= overlap < window:
         raise ValueError(f"--overlap must be at least 0 and below the chunk size ({window} tokens of text); got {overlap}.")
@@ -168,6 +200,28 @@ def chunk_documents(docs, prompts, chunk_tokens: int, overlap: int, block_size: 
     return out
 
 
+def _separator_tokens(prompts) -> int:
+    """Tokens the chunk separator adds to a chunk's text."""
+    return len(prompts.encode_chunk("x")) - len(prompts.encode("x"))
+
+
+def whole_document_chunk_tokens(docs: list[Document], prompts, block_size: int, room: int, stored: int | None = None) -> int:
+    """``chunk_tokens=None``: a chunk size that keeps every document one chunk (as ``chunk_documents`` splits),
+    so a framework's node is stored exactly as it appears in prompts. ``stored``: the chunk size of the
+    store being resumed or extended, kept when every document fits it; otherwise the default 256 or the
+    smallest multiple of ``block_size`` above it that holds the longest. ValueError for a document longer
+    than ``room`` (the model's context after the encoding prefix)."""
+    sep = _separator_tokens(prompts)
+    need, doc_id = max((max(len(prompts.encode(d.text.strip())) + sep, len(prompts.encode_chunk(d.text))), d.id) for d in docs)
+    if need > room:
+        raise ValueError(f"Document {doc_id} has {need} tokens, more than the model's context holds after the encoding prefix "
+                         f"({room}): split it first (a smaller chunk size in LlamaIndex's node parser or LangChain's text "
+                         "splitter), or pass chunk_tokens to have precache split it into windows.")
+    if stored is not None and stored >= need:
+        return stored
+    return max(DEFAULT_CHUNK_TOKENS, -(-need // block_size) * block_size)
+
+
 # -- building -----------------------------------------------------------------------------------
 
 def _encode_kv(engine, prefix_ids: list[int], chunk_ids: list[list[int]]) -> dict:
@@ -175,23 +229,39 @@ def _encode_kv(engine, prefix_ids: list[int], chunk_ids: list[list[int]]) -> dic
     return engine.encode_chunks(chunk_ids, prefix_ids, read=True)[1]
 
 
-def precache(engine, config: PrecacheConfig, embedder=None) -> PrecacheReport:
+def precache(engine, config: PrecacheConfig, embedder=None, documents=None) -> PrecacheReport:
     """Build (or resume) the store at ``config.out``; returns what was done and how fast.
+
+    ``documents``: Documents already in memory (a framework's nodes, in a stable order), stored instead of
+    reading ``config.inputs``, which then only name where they came from (the manifest's ``sources``, e.g.
+    "llama_index:docstore"). The same documents in the same order resume a build; more appended extend it.
 
     Holds the store's writer lock throughout: a concurrent run on the same ``out`` waits,
     then resumes (and so encodes only what the first one left undone).
     """
     t0 = time.perf_counter()
     out = Path(config.out)
-    docs = list(read_documents(config.inputs, config.limit))
+    if documents is not None and not config.inputs:
+        config = replace(config, inputs=["documents"])
+    docs = list(read_documents(config.inputs, config.limit) if documents is None else _usable(_in_memory(documents), config.limit))
     if not docs:
         raise StoreError(f"No documents found in {', '.join(config.inputs)}.")
     identity = engine.kv_identity(config.system)  # raises for an engine without a tokenizer
+    if config.chunk_tokens is None:
+        stored = read_manifest(out).chunk_tokens if (out / MANIFEST).is_file() and not config.overwrite else None
+        config = replace(config, chunk_tokens=whole_document_chunk_tokens(
+            docs, engine.prompts, identity.block_size, engine.max_context - len(identity.prefix_ids), stored))
     chunks = chunk_documents(docs, engine.prompts, config.chunk_tokens, config.overlap, identity.block_size)
+    split = sorted({c.doc_id for c in chunks if c.meta["part"]}) if documents is not None else []
+    if split:
+        log.warning("%d document(s) are longer than chunk_tokens=%d and were split into windows (%s): a prompt holding one "
+                    "whole reuses only the windows found in it; chunk_tokens=None keeps every document whole",
+                    len(split), config.chunk_tokens, ", ".join(split[:5]) + (", ..." if len(split) > 5 else ""))
     embedder = embedder or load_embedder(config.embedder)
     manifest = engine_manifest(identity, embedder=config.embedder, embed_dim=_embed_dim(embedder),
                                chunk_tokens=config.chunk_tokens, overlap=config.overlap,
-                               chunks_per_shard=config.chunks_per_shard, index_kind=config.index)
+                               chunks_per_shard=config.chunks_per_shard, index_kind=config.index,
+                               stored_kv_dtype=config.stored_kv_dtype)
     check_new_store_folder(out)  # before a lock file goes into someone else's folder
     with writer_lock(out):
         if config.overwrite:

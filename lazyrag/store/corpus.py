@@ -12,12 +12,14 @@ Layout of a store folder (``LAYOUT_VERSION`` 3)::
                          "prefix") for the shared encoding prefix
     index.faiss          inner-product index over the normalised embeddings; FAISS ids = chunk ids
     kv/shard-NNNNNN.safetensors
-                         tensors "<id>.k" and "<id>.v": ``[layers, tokens, H_kv, D]`` in the
-                         engine's KV dtype, UNPADDED (block padding is a pool detail)
+                         tensors "<id>.k" and "<id>.v": ``[layers, tokens, H_kv, D]``, UNPADDED (block
+                         padding is a pool detail), encoded as the manifest's ``stored_kv_dtype``
+                         says (kv/codec.py: 16 bits by default; int8 adds "<id>.k_scale", "<id>.v_scale";
+                         float32 is the engine's KV exactly); read back in the engine's dtype
     .precache.lock       held by the ``precache`` run writing the store (one writer at a time)
 
 A row's digest is a sha256 over the model fingerprint, the row's id, key, kind, start,
-token count, document and text, the K/V shapes and dtypes, and the K/V bytes
+token count, document and text, the stored tensors' shapes and dtypes, and their bytes
 (``row_digest``): KV is only ever served under the key, at the start position and for the
 model it was computed for. A row's ``row_check`` covers every field (the digest included), so a
 reader checks what it shows (text, doc_id, metadata) without reading KV; the manifest's
@@ -35,7 +37,8 @@ sqlite transaction after its file is in place, so an interrupted build leaves on
 shards behind and resumes from the first missing one.
 
 The KV is what the engine's lazy strategy computes for the chunk (same prefix, same positions,
-same dtype; another batch composition may differ in the last bits): a store is refused by an
+same dtype; another batch composition may differ in the last bits), then rounded to the stored
+dtype: a store is refused by an
 engine with another fingerprint, dtype, block size or prefix, and a chunk whose row does not
 match its digest is never used (the engine recomputes it; ``verify(repair=True)`` drops it so
 the next ``precache`` run rebuilds it). A damaged manifest, chunk table or index, or a shard
@@ -58,8 +61,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lazyrag.kv import codec
 from lazyrag.kv.identity import KVIdentity
-from lazyrag.kv.tiers import ATOMIC_TEMP_FILE, CorruptKV, Tier, TierEntry, atomic_write_bytes, kv_checksum
+from lazyrag.kv.tiers import ATOMIC_TEMP_FILE, KV_TENSORS, CorruptKV, Tier, TierEntry, atomic_write_bytes, kv_checksum
 
 log = logging.getLogger(__name__)
 
@@ -115,12 +119,13 @@ class StoreManifest(KVIdentity):
     num_chunks: int = 0
     num_tokens: int = 0
     index_sha256: str = ""  # of index.faiss, checked whenever it is read
+    stored_kv_dtype: str = "float32"  # how the shards keep KV (kv/codec.py; a manifest without it: float32, as computed)
     sources: list[str] = field(default_factory=list)
     created: float = field(default_factory=time.time)
 
     # what must agree between a store and the engine reading it (and between runs of one build)
     KV_FIELDS = ("layout_version", "model_fingerprint", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "prefix_ids")
-    BUILD_FIELDS = KV_FIELDS + ("embedder", "chunk_tokens", "overlap", "chunks_per_shard", "system_prompt")
+    BUILD_FIELDS = KV_FIELDS + ("embedder", "chunk_tokens", "overlap", "chunks_per_shard", "system_prompt", "stored_kv_dtype")
 
     def differences(self, other: "StoreManifest", fields: tuple[str, ...]) -> list[str]:
         return [f"{f}: store has {_short(getattr(self, f))}, expected {_short(getattr(other, f))}"
@@ -133,11 +138,13 @@ def _short(x) -> str:
 
 
 def engine_manifest(identity: KVIdentity, *, embedder: str, embed_dim: int, chunk_tokens: int, overlap: int,
-                    chunks_per_shard: int, index_kind: str = "flat") -> StoreManifest:
-    """The manifest of a store whose KV an engine of this ``identity`` (``engine.kv_identity(system)``) computes."""
+                    chunks_per_shard: int, index_kind: str = "flat", stored_kv_dtype: str = "auto") -> StoreManifest:
+    """The manifest of a store whose KV an engine of this ``identity`` (``engine.kv_identity(system)``) computes,
+    kept as ``stored_kv_dtype`` (kv/codec.py; ``auto`` resolved against the engine's dtype)."""
     kv = {f: getattr(identity, f) for f in KVIdentity.__dataclass_fields__}
+    stored = codec.resolve_stored_dtype(stored_kv_dtype, getattr(torch, identity.dtype))
     return StoreManifest(**kv, embedder=embedder, embed_dim=embed_dim, chunk_tokens=chunk_tokens, overlap=overlap,
-                         chunks_per_shard=chunks_per_shard, index_kind=index_kind)
+                         chunks_per_shard=chunks_per_shard, index_kind=index_kind, stored_kv_dtype=stored)
 
 
 @dataclass
@@ -157,16 +164,17 @@ class ChunkRow:
 _COLUMNS = "id, key, doc_id, text, num_tokens, shard, digest, kind, start, meta"
 
 
-def row_digest(model_fingerprint: str, row: ChunkRow, k: torch.Tensor, v: torch.Tensor) -> str:
-    """sha256 binding a chunk's K/V bytes to the model and to everything its row says about them.
+def row_digest(model_fingerprint: str, row: ChunkRow, tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 binding a chunk's stored KV (``tensors``: "k", "v" and int8's scales) to the model and to
+    everything its row says about them.
 
     The KV alone is not enough: served under another key or at another start position,
     intact bytes give wrong logits, so those are hashed together with the bytes.
     """
     head = json.dumps({"model": model_fingerprint, "id": row.id, "key": row.key, "kind": row.kind, "start": row.start,
                        "num_tokens": row.num_tokens, "doc_id": row.doc_id, "text": row.text,
-                       "k": [list(k.shape), str(k.dtype)], "v": [list(v.shape), str(v.dtype)]}, sort_keys=True)
-    return hashlib.sha256(f"{head}\n{kv_checksum(k, v)}".encode()).hexdigest()
+                       **{n: [list(t.shape), str(t.dtype)] for n, t in tensors.items()}}, sort_keys=True)
+    return hashlib.sha256(f"{head}\n{kv_checksum(tensors)}".encode()).hexdigest()
 
 
 def row_check(row: ChunkRow, meta_json: str, embedding: bytes | None) -> str:
@@ -464,9 +472,10 @@ class CorpusStore(Tier):
         tensors = {}
         for r in rows:
             k, v = kv[r.key]
+            stored = codec.encode(k, v, self.manifest.stored_kv_dtype)
             r.shard, r.num_tokens = shard, k.shape[1]
-            r.digest = row_digest(self.manifest.model_fingerprint, r, k, v)
-            tensors[f"{r.id}.k"], tensors[f"{r.id}.v"] = k.contiguous(), v.contiguous()
+            r.digest = row_digest(self.manifest.model_fingerprint, r, stored)
+            tensors.update({f"{r.id}.{n}": t for n, t in stored.items()})
         _write(self.shard_path(shard), save(tensors))
         values = []
         for j, r in enumerate(rows):
@@ -507,7 +516,7 @@ class CorpusStore(Tier):
         if cid is None or cid in self.bad:
             return None
         try:
-            k, v, row = self.load_kv(cid)
+            stored, row = self.load_kv(cid)
             if row.key != key:  # the row was changed since the store was opened
                 raise CorruptKV(f"chunk {cid} is now stored under another key")
         except Exception as e:
@@ -515,10 +524,11 @@ class CorpusStore(Tier):
             log.warning("store %s: chunk %d is unreadable or corrupt (%s); recomputing it. "
                         "Repair the store with: %s", self.path, cid, e, rebuild_command(self.path, self.manifest, "--verify"))
             return None
-        return TierEntry(key, k, v, row.start, row.kind)
+        return TierEntry(key, stored, row.start, row.kind)
 
-    def load_kv(self, chunk_id: int) -> tuple[torch.Tensor, torch.Tensor, ChunkRow]:
-        """K, V of one chunk from its shard; raises CorruptKV if they or their row do not match the row's digest."""
+    def load_kv(self, chunk_id: int) -> tuple[dict[str, torch.Tensor], ChunkRow]:
+        """One chunk's stored KV tensors ("k", "v", int8's scales: ``TierEntry.decode`` or kv/codec.py widens them)
+        and its row; raises CorruptKV if they or their row do not match the row's digest."""
         from safetensors import safe_open
 
         rows, bad = self._read_rows([chunk_id])
@@ -529,11 +539,14 @@ class CorpusStore(Tier):
         if bad:
             raise CorruptKV(f"chunk {chunk_id}'s row does not match its row digest (a field of it changed after it was stored)")
         with safe_open(str(shard), framework="pt") as f:
-            k, v = f.get_tensor(f"{row.id}.k"), f.get_tensor(f"{row.id}.v")
-        if row_digest(self.manifest.model_fingerprint, row, k, v) != row.digest:
+            names = set(f.keys())
+            stored = {n: f.get_tensor(f"{row.id}.{n}") for n in KV_TENSORS if f"{row.id}.{n}" in names}
+        if "k" not in stored or "v" not in stored:
+            raise CorruptKV(f"chunk {chunk_id}'s K/V are not in {row.shard}")
+        if row_digest(self.manifest.model_fingerprint, row, stored) != row.digest:
             raise CorruptKV(f"chunk {chunk_id} in {row.shard} does not match its row digest "
                             "(its KV, key, start, token count or text changed after it was stored)")
-        return k, v, row
+        return stored, row
 
     def verify(self, repair: bool = False) -> list[int]:
         """Check every chunk's KV and row against its digest; ids of the bad ones. ``repair`` drops their
