@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from lazyrag.engine import LazyEngine, SamplingParams  # noqa: E402
 from lazyrag.eval import accuracy, default_data, f1, load_dataset  # noqa: E402
-from lazyrag.kv.codec import resolve_stored_dtype  # noqa: E402
+from lazyrag.kv.formats import resolve_stored_dtype  # noqa: E402
 from lazyrag.store.build import PrecacheConfig, precache, read_documents  # noqa: E402
 from lazyrag.store.retriever import load_embedder  # noqa: E402
 from quality_sets import paired  # noqa: E402

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from lazyrag.defaults import DEFAULT_EMBEDDER, MAX_K, QUIET_GGUF_ENV
+from lazyrag.kv.formats import STORED_KV_DTYPES, resolve_stored_dtype
 from lazyrag.strategy_names import check_strategy
 
 DESCRIPTION = """\
@@ -145,7 +146,7 @@ def add_precache_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="read only the first N documents (quick runs)")
     p.add_argument("--system", default=None, help="system prompt encoded before every chunk (must match the engine that reads the store)")
     p.add_argument("--kv-budget", type=int, default=None, help="bytes of the engine's KV pool while encoding (default: 1 GiB on CPU)")
-    p.add_argument("--stored-kv-dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "int8"],
+    p.add_argument("--stored-kv-dtype", default="auto", choices=STORED_KV_DTYPES,
                    help="how the store keeps KV: auto = 16 bits (float16 from a float32 engine, else the engine's dtype); "
                         "int8 = per-channel K / per-token V scales, half of that; float32 = exactly as computed "
                         "(default: %(default)s)")
@@ -398,6 +399,8 @@ def _finished_store(args) -> str | None:
         return None  # unfinished or other settings: the build resumes or explains the mismatch
     if args.dtype is not None and args.dtype != m.dtype:
         return None
+    if resolve_stored_dtype(args.stored_kv_dtype, m.dtype) != m.stored_kv_dtype:
+        return None  # the build refuses another stored dtype, saying what to do
     from lazyrag.model.loader import resolve_model_source  # no weights read: the name the engine would carry
 
     if resolve_model_source(args.model).name != m.model_name:

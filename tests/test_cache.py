@@ -198,6 +198,7 @@ STORED_BOUNDS = {"float32": (1.0, 0.0), "auto": (0.5, 2**-11), "float16": (0.5, 
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_tier_round_trip_keeps_kv_within_its_stored_dtypes_rounding(tier, stored, tmp_path):
     """float32 comes back bit-exact; 16 bits and int8 come back as the codec rounds them, at their share of the bytes."""
+    from lazyrag.kv.formats import resolve_stored_dtype
     from lazyrag.kv import codec
 
     cfg = {"host_bytes": 1 << 20} if tier == "host" else {"disk_dir": str(tmp_path), "disk_bytes": 1 << 20}
@@ -215,7 +216,7 @@ def test_tier_round_trip_keeps_kv_within_its_stored_dtypes_rounding(tier, stored
     assert seg is not None and cache.stats.tier_hits == 1 and seg.num_tokens == 7
     k2, v2 = cache.read_kv(seg)
     assert k2.dtype == v2.dtype == torch.float32
-    want = codec.decode(codec.encode(k, v, codec.resolve_stored_dtype(stored, torch.float32)), torch.float32)
+    want = codec.decode(codec.encode(k, v, resolve_stored_dtype(stored, torch.float32)), torch.float32)
     assert torch.equal(k2, want[0]) and torch.equal(v2, want[1])  # the tier adds nothing to the codec's rounding
     if stored == "float32":
         assert torch.equal(k2, k) and torch.equal(v2, v)

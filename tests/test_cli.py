@@ -125,6 +125,8 @@ def test_precache_on_a_finished_store_returns_without_loading_the_model(tiny_sto
     assert "already a finished store" in r.stdout and "engine imported" not in r.stdout
     other = probe("precache", str(tiny_corpus), "--out", str(store), "--chunk-tokens", "128")
     assert other.returncode == 2 and "other settings" in other.stderr  # not mistaken for done: the build explains
+    int8 = probe("precache", str(tiny_corpus), "--out", str(store), "--stored-kv-dtype", "int8")
+    assert int8.returncode == 2 and "stored_kv_dtype: store has 'float16', expected 'int8'" in int8.stderr
 
 
 def test_strategy_names_checked_without_torch_are_the_engine_s():

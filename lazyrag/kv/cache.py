@@ -30,7 +30,7 @@ import torch
 
 from lazyrag.kv.block_pool import BlockPool, OutOfBlocks, blocks_for
 from lazyrag.kv.policies import FrequencySketch, make_policy
-from lazyrag.kv import codec
+from lazyrag.kv.formats import resolve_stored_dtype
 from lazyrag.kv.tiers import DiskTier, HostTier, Tier, TierEntry
 
 log = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ class CacheManager:
     def __init__(self, pool: BlockPool, config: CacheConfig | None = None, tiers: list[Tier] | None = None):
         self.pool = pool
         self._apply(config or CacheConfig())
-        self.stored_format = codec.resolve_stored_dtype(self.config.stored_kv_dtype, pool.shape.dtype)
+        self.stored_format = resolve_stored_dtype(self.config.stored_kv_dtype, pool.shape.dtype)
         self._segments: dict[str, Segment] = {}
         self._cached_blocks = 0
         self._lock = threading.RLock()

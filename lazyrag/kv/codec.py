@@ -4,6 +4,8 @@ The pool holds KV in the compute dtype (float32 on CPU). Off the pool, 16 bits t
 float32's bytes at a logit error benchmarks/stored_kv.py measures, so that is the default (``auto``);
 ``int8`` halves them again at a measured accuracy cost; ``float32`` keeps the computed bytes exactly.
 
+The names and what ``auto`` resolves to are in kv/formats.py (the command line reads them without torch).
+
 ``int8`` is symmetric round-to-nearest with float32 scales, K per channel (one scale per layer,
 head and dimension, over the segment's tokens) and V per token (one per layer, token and head),
 as KIVI (Liu et al., ICML'24) found K's outliers sit in fixed channels and V's do not. Our K is
@@ -20,19 +22,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-STORED_KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 _FLOAT = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _FP16_MAX = torch.finfo(torch.float16).max
-
-
-def resolve_stored_dtype(name: str, compute_dtype: torch.dtype) -> str:
-    """The format ``name`` means for KV computed in ``compute_dtype``: ``auto`` is 16 bits (float16 from
-    float32, whose 10 mantissa bits keep more than bfloat16's 7; a 16-bit compute dtype as it is)."""
-    if name not in STORED_KV_DTYPES:
-        raise ValueError(f"stored KV dtype must be one of {', '.join(STORED_KV_DTYPES)}; got {name!r}")
-    if name != "auto":
-        return name
-    return "float16" if compute_dtype == torch.float32 else str(compute_dtype).removeprefix("torch.")
 
 
 def encode(k: torch.Tensor, v: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:

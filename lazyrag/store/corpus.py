@@ -61,6 +61,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lazyrag.kv.formats import resolve_stored_dtype
 from lazyrag.kv import codec
 from lazyrag.kv.identity import KVIdentity
 from lazyrag.kv.tiers import ATOMIC_TEMP_FILE, KV_TENSORS, CorruptKV, Tier, TierEntry, atomic_write_bytes, kv_checksum
@@ -142,7 +143,7 @@ def engine_manifest(identity: KVIdentity, *, embedder: str, embed_dim: int, chun
     """The manifest of a store whose KV an engine of this ``identity`` (``engine.kv_identity(system)``) computes,
     kept as ``stored_kv_dtype`` (kv/codec.py; ``auto`` resolved against the engine's dtype)."""
     kv = {f: getattr(identity, f) for f in KVIdentity.__dataclass_fields__}
-    stored = codec.resolve_stored_dtype(stored_kv_dtype, getattr(torch, identity.dtype))
+    stored = resolve_stored_dtype(stored_kv_dtype, identity.dtype)
     return StoreManifest(**kv, embedder=embedder, embed_dim=embed_dim, chunk_tokens=chunk_tokens, overlap=overlap,
                          chunks_per_shard=chunks_per_shard, index_kind=index_kind, stored_kv_dtype=stored)
 
