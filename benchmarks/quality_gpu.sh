@@ -10,7 +10,9 @@
 # "nq:tune:240:4 squad:tune:240:3" (nq and hotpotqa read .data, the others benchmarks/data; HotpotQA shuffled).
 # Here, beforehand: `bash benchmarks/device_model.sh cut 40` (.model/0..2); .whl/ the gguf wheel
 # (device README); .data/ a copy of ../shared/data (hotpotqa_dev_500.jsonl may travel gzip'd), and in
-# .data/partial/ the *.partial.jsonl of an earlier machine, if the runs are to go on from there.
+# .data/partial/ the *.partial.jsonl of an earlier machine, if the runs are to go on from there; or SKIP_FROM=DIR
+# (e.g. benchmarks/results/quality30): a split set scores only the questions DIR's quality_NAME_SPLIT_gpu_*.json
+# reports did not answer with every strategy (eval --skip-answered), for quality_sets.py to merge.
 # Each set runs in its own workers, spread over every visible GPU; every finished batch is saved, so a call
 # that runs out of time loses only the batches in flight. Reports, partial files and logs are kept in /tmp/q
 # (it survives between calls on a warm machine) and come back as $OUT/quality_gpu.tgz (the device returns at
@@ -43,6 +45,11 @@ data_of() {  # the options that say where a set's file is
     hotpotqa) echo "--data .data/hotpotqa_dev_500.jsonl --shuffle" ;;
   esac
 }
+skip_of() {  # SKIP_FROM=DIR: leave out the questions its earlier reports of this set and split answered (eval --skip-answered)
+  [ -n "${SKIP_FROM:-}" ] || return 0
+  local f=( "$SKIP_FROM"/quality_"$1"_"$2"_gpu_*.json )
+  [ -f "${f[0]}" ] && echo "--skip-answered ${f[*]}"
+}
 tags=()
 for d in $sets; do
   case $d in
@@ -50,7 +57,7 @@ for d in $sets; do
     hotpotqa) run hotpotqa "${HP_WORKERS:-2}" 16 --dataset hotpotqa --n 500 $(data_of hotpotqa) & tags+=(hotpotqa) ;;
     *:*:*)
       IFS=: read -r name split n workers <<< "$d"
-      run "${name}_${split}" "${workers:-2}" "${SPLIT_BATCH:-12}" --dataset "$name" --split "$split" --n "$n" $(data_of "$name") &
+      run "${name}_${split}" "${workers:-2}" "${SPLIT_BATCH:-12}" --dataset "$name" --split "$split" --n "$n" $(data_of "$name") $(skip_of "$name" "$split") &
       tags+=("${name}_${split}") ;;
     *) echo "unknown set $d" >&2; exit 2 ;;
   esac

@@ -271,6 +271,10 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="go on from OUT.partial.jsonl, where every run saves each batch as it finishes (a run stopped by "
                         "--time-limit or killed): only the questions left are scored, the report covers them all")
+    p.add_argument("--skip-answered", type=Path, nargs="+", default=None, metavar="REPORT",
+                   help="leave out the questions that earlier reports of this set (lazyrag eval JSON) answered with "
+                        "every strategy asked here, without a failed request: a later run scores only the rest, and "
+                        "benchmarks/quality_sets.py merges the reports by question")
     p.add_argument("--eager", action="store_true",
                    help="cuda: no CUDA graphs or compiled elementwise ops; each worker starts about 2 min sooner, "
                         "steps run about 8%% slower (the better trade for runs of a few minutes)")
@@ -311,6 +315,9 @@ def _check_ask(args) -> None:
     _check_k(args.k)
     if args.store is not None:
         args.store = _check_store(args.store)  # opened once: the command attaches and searches this one
+    for report in args.skip_answered or ():
+        if not report.is_file():
+            raise UsageError(f"--skip-answered: {report} does not exist; pass lazyrag eval reports (JSON).")
 
 
 def _check_k(k: int) -> None:

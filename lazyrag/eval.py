@@ -262,6 +262,20 @@ class Checkpoint:
         return {s: [self.rows[i][s] for i in sorted(self.rows)] for s in strategies}
 
 
+def answered_questions(reports: list[Path], strategies: list[str]) -> set[str]:
+    """The questions that every one of ``strategies`` answered, without a failed request, in some report
+    of ``reports`` (``lazyrag eval`` JSON; a strategy's answer may come from another report than another's)."""
+    have = {s: set() for s in strategies}
+    for path in reports:
+        run = json.loads(Path(path).read_text())
+        if "scores" not in run:
+            raise ValueError(f"{path} has no per-question scores (written by an older lazyrag eval)")
+        for s in have.keys() & run["scores"].keys():
+            failed = {int(i) for i in run.get("errors", {}).get(s, {})}
+            have[s].update(q for i, q in enumerate(run["questions"]) if i not in failed)
+    return set.intersection(*have.values())
+
+
 def _failed_row(item: dict, error: Exception) -> dict:
     print(f"warning: a request failed ({type(error).__name__}: {error}); it scores 0", file=sys.stderr)
     return {"question": item["question"], "answer": "", "error": f"{type(error).__name__}: {error}", "em": 0.0, "f1": 0.0,
@@ -401,6 +415,14 @@ def run_eval(args) -> int:
     items = load_dataset(args.dataset, path, args.n, split=args.split, seed=args.seed, shuffle=args.shuffle,
                          distractors=args.distractors)
     strategies = args.strategies.split(",")
+    if getattr(args, "skip_answered", None):
+        answered = answered_questions(args.skip_answered, strategies)
+        kept = [it for it in items if it["question"] not in answered]
+        print(f"--skip-answered: {len(items) - len(kept)} of {len(items)} questions already answered by every strategy")
+        items = kept
+        if not items:
+            print("nothing left to score: no report written")
+            return 0
     # every request of a batch (questions x strategies) runs as one continuous batch
     engine_kwargs = dict(model=args.model, device=args.device, dtype=args.dtype,
                          scheduler=SchedulerConfig(max_running=max(64, args.batch * len(strategies))))
@@ -420,7 +442,8 @@ def run_eval(args) -> int:
            "max_new_tokens": args.max_new_tokens, "model": model_name, "device": config.device.type,
            "dtype": str(config.dtype).replace("torch.", ""),
            **({"distractors": args.distractors} if args.dataset == "nq" else {"shuffle": args.shuffle}),
-           **({"store": str(args.store), "k": args.k} if args.store is not None else {})}
+           **({"store": str(args.store), "k": args.k} if args.store is not None else {}),
+           **({"skip_answered": sorted(p.name for p in args.skip_answered)} if getattr(args, "skip_answered", None) else {})}
     try:
         checkpoint = Checkpoint(args.out.with_suffix(".partial.jsonl"), run, args.resume)
     except ValueError as e:

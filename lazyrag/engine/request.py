@@ -109,6 +109,8 @@ class Plan:
     tokens_recomputed: int = 0  # chunk tokens computed again in context (quality recovery)
     recompute_cost: float = 0.0  # its compute, in tokens through the whole model (blend: selection included)
     prefix_tokens_reused: int = 0  # the request's prefix tokens whose KV was found cached (not encoded now)
+    # its missed chunks' tokens that the scheduler's step encoded ahead, batched with other requests' (its prefill)
+    tokens_encoded_ahead: int = 0
 
 
 @dataclass

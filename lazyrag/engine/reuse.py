@@ -89,8 +89,11 @@ class EncodeJob:
 class Strategy:
     name = "base"
 
-    def __init__(self, cache: CacheManager, runner: ModelRunner, fingerprint: str):
+    def __init__(self, cache: CacheManager, runner: ModelRunner, fingerprint: str, ahead: dict | None = None):
         self.cache, self.runner, self.fingerprint = cache, runner, fingerprint
+        # chunk key -> segment that the scheduler's step encoded ahead for the requests it admits
+        # (Planner.encode_ahead); the first plan that needs one takes it as its own miss
+        self.ahead: dict[str, Segment] = {} if ahead is None else ahead
 
     def plan(self, layout: PromptLayout) -> Plan:
         """The request's plan; if making it fails, what it pinned or allocated so far is given back."""
@@ -193,9 +196,16 @@ class Strategy:
         prefix = encoding if shared else self.prefix_segment(layout.prefix_ids, plan)
         keys = keys if keys is not None else [self.chunk_key(enc_ids, c) for c in layout.chunk_ids]
         found: dict[str, Segment] = {}
-        jobs = []
+        jobs, ahead_missed = [], set()
         for key, ids in zip(keys, layout.chunk_ids):
             if key in found or any(j.key == key for j in jobs) or (only is not None and key not in only):
+                continue
+            early = self.ahead.pop(key, None) if keep else None
+            if early is not None:  # this request's miss, encoded in the step's batch
+                plan.pinned.append(self.cache.pin(early))
+                plan.tokens_encoded_ahead += early.num_tokens
+                found[key] = early
+                ahead_missed.add(key)
                 continue
             seg = self.cache.get(key) if keep else None
             if seg is None:
@@ -205,7 +215,7 @@ class Strategy:
                 plan.pinned.append(seg)
         for seg in self.encode(jobs, plan, keep):
             found[seg.key] = seg
-        missed = {j.key for j in jobs}
+        missed = {j.key for j in jobs} | ahead_missed
         plan.chunks_missed = sum(key in missed for key in keys)
         plan.chunks_hit = len(keys) - plan.chunks_missed
         return prefix, {k: found[k] for k in keys if k in found}
@@ -233,9 +243,9 @@ class LazyStitching(Strategy):
 
     name = "lazy"
 
-    def __init__(self, cache, runner, fingerprint, recompute_first: int = 0, blend: float = 0.0, blend_select: str = "global",
+    def __init__(self, cache, runner, fingerprint, ahead: dict | None = None, recompute_first: int = 0, blend: float = 0.0, blend_select: str = "global",
                  blend_budget: str = "global", attn_from: float = 0.0):
-        super().__init__(cache, runner, fingerprint)
+        super().__init__(cache, runner, fingerprint, ahead)
         self.recompute_first, self.blend, self.blend_select = recompute_first, blend, blend_select
         self.blend_budget, self.attn_from = blend_budget, attn_from
         assert blend_select in BLEND_SELECTIONS and blend_budget in BLEND_BUDGETS and 0 <= attn_from < 1
@@ -415,9 +425,46 @@ class Planner:
 
     def __init__(self, cache: CacheManager, runner: ModelRunner, fingerprint: str):
         self.cache, self.runner, self.fingerprint = cache, runner, fingerprint
-        self._by_name: dict[str, Strategy] = {n: cls(cache, runner, fingerprint) for n, cls in STRATEGIES.items()}
+        self.ahead: dict[str, Segment] = {}  # shared by every strategy (Strategy.ahead)
+        self._by_name: dict[str, Strategy] = {n: cls(cache, runner, fingerprint, self.ahead) for n, cls in STRATEGIES.items()}
 
     def __getitem__(self, name: str) -> Strategy:
         if name not in self._by_name:
-            self._by_name[name] = LazyStitching(self.cache, self.runner, self.fingerprint, **lazy_options(check_strategy(name)))
+            self._by_name[name] = LazyStitching(self.cache, self.runner, self.fingerprint, self.ahead,
+                                                **lazy_options(check_strategy(name)))
         return self._by_name[name]
+
+    def encode_ahead(self, layouts: list[PromptLayout]) -> Plan:
+        """Encode the chunks of ``layouts`` that neither the pool nor a tier holds, all in one batched encode
+        (a forward per ENCODE_BATCH_TOKENS tokens) rather than a forward per request; each request's plan
+        then takes its chunks from ``ahead`` as its own misses, so its stats read as if it had encoded them.
+        A layout whose encoding prefix the pool lacks is left to its request. Returns the plan that holds
+        them until ``end_ahead``."""
+        lazy = self["lazy"]
+        holder = Plan(context=[], new_ids=[], new_start=0)
+        jobs, seen = [], set()
+        try:
+            for layout in layouts:
+                enc = layout.encoding_prefix
+                prefix = lazy.cache.pin_resident(lazy.prefix_key(enc))
+                if prefix is None:
+                    continue
+                holder.pinned.append(prefix)
+                for ids in layout.chunk_ids:
+                    key = lazy.chunk_key(enc, ids)
+                    if key in seen or self.cache.held_anywhere(key):
+                        continue
+                    seen.add(key)
+                    self.cache.get(key)  # the miss the request's own lookup would count (None: held nowhere)
+                    jobs.append(EncodeJob(key, ids, len(enc), [Placement(prefix, 0)]))
+            if jobs:
+                self.ahead.update((seg.key, seg) for seg in lazy.encode(jobs, holder))
+        except BaseException:
+            self.end_ahead(holder)
+            raise
+        return holder
+
+    def end_ahead(self, holder: Plan) -> None:
+        """Give back what ``encode_ahead`` held; chunks no plan took stay cached (or go, if transient)."""
+        self.ahead.clear()
+        self["lazy"].release(holder)

@@ -27,6 +27,7 @@ again one request at a time to find them. ``step`` itself never raises for a req
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
@@ -37,7 +38,7 @@ import torch
 
 from lazyrag.engine.config import SchedulerConfig
 from lazyrag.engine.request import Request, TokenLogprob
-from lazyrag.engine.reuse import Planner
+from lazyrag.engine.reuse import LazyStitching, Planner
 from lazyrag.engine.runner import ModelRunner, SeqState
 from lazyrag.engine.sampling import Detokenizer, sample, token_logprobs
 from lazyrag.kv.block_pool import OutOfBlocks
@@ -153,6 +154,31 @@ class Scheduler:
 
     def _admit(self) -> list[Request]:
         """Plan waiting requests in arrival order while the batch, the token budget and the pool allow."""
+        holder = self._encode_ahead()
+        try:
+            return self._admit_planned()
+        finally:
+            if holder is not None:
+                self.planner.end_ahead(holder)
+
+    def _encode_ahead(self):
+        """The cold chunks of the lazy requests this step may admit, encoded in one batch (Planner.encode_ahead)
+        instead of one forward per request; None where there is nothing to batch. A failure here is no
+        request's: each request then encodes its own misses (and fails alone if it must)."""
+        try:
+            layouts, tokens = [], 0
+            for req in itertools.islice(self.waiting, max(0, self.config.max_running - len(self.running))):
+                tokens += len(req.layout.question_ids)
+                if layouts and tokens > self.config.max_prefill_tokens:
+                    break
+                if not req.aborted and req.layout.chunk_ids and isinstance(self.planner[req.params.strategy], LazyStitching):
+                    layouts.append(req.layout)
+            return self.planner.encode_ahead(layouts) if len(layouts) >= 2 else None
+        except Exception as e:
+            log.debug("lazyrag: encoding the step's cold chunks in one batch failed (%s); each request encodes its own", e)
+            return None
+
+    def _admit_planned(self) -> list[Request]:
         batch: list[Request] = []
         tokens = 0
         while self.waiting and len(self.running) + len(batch) < self.config.max_running:
@@ -206,7 +232,7 @@ class Scheduler:
             raise
         req.plan = plan
         stats.plan_s = self.clock() - t0
-        stats.tokens_prefilled = self.runner.tokens_forwarded - forwarded0 + len(plan.new_ids)
+        stats.tokens_prefilled = self.runner.tokens_forwarded - forwarded0 + len(plan.new_ids) + plan.tokens_encoded_ahead
         stats.chunks_hit, stats.chunks_missed, stats.tokens_context = plan.chunks_hit, plan.chunks_missed, plan.tokens_context
         stats.tokens_recomputed, stats.recompute_cost = plan.tokens_recomputed, plan.recompute_cost
         encoded = stats.tokens_prefilled - len(plan.new_ids) - plan.tokens_recomputed  # chunks (and prefix) missed and encoded now

@@ -306,6 +306,26 @@ class CacheManager:
                 if key in self._segments:
                     self.policy.refresh(key)
 
+    def pin(self, seg: Segment) -> Segment:
+        """One more pin on a segment the caller holds already (no lookup counted)."""
+        with self._lock:
+            assert seg.pins > 0, "pin() adds to a pinned segment; look a key up with get()"
+            seg.pins += 1
+            return seg
+
+    def pin_resident(self, key: str) -> Segment | None:
+        """The pool's segment under ``key``, pinned, or None; a look-ahead, not a lookup: nothing counted,
+        nothing promoted from a tier."""
+        with self._lock:
+            seg = self._segments.get(key)
+            if seg is not None:
+                seg.pins += 1
+            return seg
+
+    def held_anywhere(self, key: str) -> bool:
+        """Whether the pool or a tier holds ``key`` (nothing counted or loaded)."""
+        return key in self._segments or any(key in tier for tier in self.tiers)
+
     def unpin(self, seg: Segment) -> None:
         with self._lock:
             assert seg.pins > 0, "unpinned a segment that was not pinned"
