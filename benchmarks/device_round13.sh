@@ -13,15 +13,15 @@ OUT=${OUT:-benchmarks/results}
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1
 python3 -c "import torch, triton; print(torch.cuda.get_device_name(), 'triton', triton.__version__, 'torch', torch.__version__)"
 if [ "$what" = tests ] || [ "$what" = all ]; then
-    LAZYRAG_KERNEL_AUTOTUNE=0 timeout 120 python3 -m pytest -q -x -m gpu tests/test_kernels.py \
-        -k "test_prefill_gpu and w12 and 32-8-128" 2>&1 | tail -15
+    LAZYRAG_KERNEL_AUTOTUNE=0 timeout 120 python3 -m pytest -q -x -m gpu tests/kernels/test_prefill.py \
+        -k "test_prefill_gpu and w12 and hq32-hkv8-d128" 2>&1 | tail -15
     [ "${PIPESTATUS[0]}" = 0 ] || { echo "warp-specialized smoke test failed"; exit 3; }
-    LAZYRAG_KERNEL_AUTOTUNE=0 timeout 240 python3 -m pytest -q -x -n 8 -m gpu tests/test_kernels.py \
+    LAZYRAG_KERNEL_AUTOTUNE=0 timeout 240 python3 -m pytest -q -x -n 8 -m gpu tests/kernels \
         -k "wgmma or prefill_gpu or tile_table" 2>&1 | tail -25
 fi
 if [ "$what" = record ]; then
-    LAZYRAG_KERNEL_AUTOTUNE=0 timeout 200 python3 -m pytest -q -n 8 -m gpu tests/test_kernels.py \
-        tests/test_engine_backends.py 2>&1 | grep -v "Warning\|warner\|config/__init__\|self._warn\|^\s*$" \
+    LAZYRAG_KERNEL_AUTOTUNE=0 timeout 200 python3 -m pytest -q -n 8 -m gpu tests/kernels \
+        tests/engine/test_backends.py 2>&1 | grep -v "Warning\|warner\|config/__init__\|self._warn\|^\s*$" \
         | tee "$OUT/gpu_tests_round13_log.txt" | tail -8
     timeout 330 python3 benchmarks/kernels.py --sweep --sweep-only prefill --out "$OUT/kernels_h200_round13.json" \
         > "$OUT/kernels_h200_round13_log.txt" 2>&1

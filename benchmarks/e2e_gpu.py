@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -171,9 +172,11 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/e2e_h200.json"))
     ap.add_argument("--kernel-defaults", type=Path,
-                    help="JSON from benchmarks/kernels.py --adopt: kernel defaults to use")
+                    help="JSON from benchmarks/kernels.py --adopt: attention kernel defaults to use (the backend's "
+                         "KernelOptions.tuned)")
     ap.add_argument("--gemv-configs", type=Path,
-                    help="JSON from benchmarks/e2e_sweep.py: its gemv_adopt and skinny_adopt tables (config per shape) are used")
+                    help="JSON from benchmarks/e2e_sweep.py (archived at 32eec34): its gemv_adopt and skinny_adopt tables (config per shape) "
+                         "are used (as a tuned-config file, LAZYRAG_TUNED_CONFIGS)")
     ap.add_argument("--no-gemv", action="store_true", help="the engine without the fused one-token GEMVs")
     ap.add_argument("--profile", action="store_true", help="also record the top GPU kernels of one lazy request")
     ap.add_argument("--ab", default="",
@@ -182,7 +185,7 @@ def main() -> int:
                          "'prefill_splits=N', 'decode_splits=N' (the attention kernels' split count forced), "
                          "'gemv=none' or 'gemv=wqkv+wo' (which one-token projections run as fused GEMVs), "
                          "'skinny=wqkv+wo+gate_up+down' or 'skinny=none' (which 2-64 token projections run as skinny Triton GEMMs), "
-                         "'decode_merge' / 'prefill_merge' (split merge inside the attention kernel), 'prefill_config=BM:BN:W:S' / "
+                         "'prefill_config=BM:BN:W:S' / "
                          "'decode_config=BN:W:S:MAXNREG' and 'prefill_rot=R' / 'decode_rot=R' (the kernels' config and rotation "
                          "schedule forced), 'prefill_blas=cublas|cublaslt', 'wo_blas=cublas' (a prefill's wo GEMM alone through "
                          "that library), 'elementwise=compiled' (torch.compile's norms and silu*up, not kernels/elementwise.py), "
@@ -191,27 +194,31 @@ def main() -> int:
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
 
+    if args.gemv_configs:  # a tuned-config file for this device, read by the kernels' first lookup (kernels/tuned.py)
+        sweep = json.loads(args.gemv_configs.read_text())
+        shapes = {}
+        for key, cfg in sweep.get("gemv_adopt", {}).items():
+            n, k, pro = (int(v) for v in key.split(","))
+            shapes[key] = cfg
+            if pro == 2:  # ADD_NORM: the first layer's NORM (1, not swept) takes its config
+                shapes[f"{n},{k},1"] = cfg
+        adopted = {torch.cuda.get_device_name(): {"gemv": {"shapes": shapes},
+                                                  "gemm": {"shapes": dict(sweep.get("skinny_adopt", {}))}}}
+        path = args.out.parent / "adopted_tuned_configs.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(adopted, indent=1))
+        os.environ["LAZYRAG_TUNED_CONFIGS"] = os.pathsep.join(
+            p for p in (os.environ.get("LAZYRAG_TUNED_CONFIGS"), str(path)) if p)
+
     from transformers import LlamaForCausalLM
 
     from lazyrag.engine import LazyEngine
-    from lazyrag.kernels import decode as decode_mod
-    from lazyrag.kernels import gemm as gemm_mod
-    from lazyrag.kernels import gemv as gemv_mod
-    from lazyrag.kernels import prefill as prefill_mod
+    from lazyrag.kernels import tuned as tuned_mod
+    from lazyrag.kernels.kvloop import KernelOptions
 
-    if args.kernel_defaults:
-        chosen = json.loads(args.kernel_defaults.read_text())
-        for kind, mod in (("decode", decode_mod), ("prefill", prefill_mod)):
-            mod.DEFAULT_CONFIG = tuple(chosen[kind]["config"])
-            mod.DEFAULT_ROTATION_MODE = chosen[kind]["rotation_mode"]
-    if args.gemv_configs:
-        sweep = json.loads(args.gemv_configs.read_text())
-        for key, cfg in sweep.get("gemv_adopt", {}).items():
-            n, k, pro = (int(v) for v in key.split(","))
-            gemv_mod.CONFIGS[n, k, pro] = tuple(cfg)
-            if pro == gemv_mod.ADD_NORM:  # the first layer's NORM (not swept) takes its ADD_NORM's config
-                gemv_mod.CONFIGS[n, k, gemv_mod.NORM] = tuple(cfg)
-        gemm_mod.CONFIGS.update({tuple(int(v) for v in key.split(",")): tuple(cfg) for key, cfg in sweep.get("skinny_adopt", {}).items()})
+    kernel_options = KernelOptions()
+    if args.kernel_defaults:  # the sweep's adopted defaults, as the attention backend's options
+        kernel_options = KernelOptions(tuned=json.loads(args.kernel_defaults.read_text()))
     from lazyrag.prompt import PromptLayout
     from lazyrag.engine import SamplingParams
 
@@ -222,6 +229,8 @@ def main() -> int:
         hf = LlamaForCausalLM(config).eval()
     torch.set_default_dtype(torch.float32)
     engine = LazyEngine.from_hf(hf, None, device="cuda", dtype=torch.bfloat16, kv_budget=8 << 30, gemv=not args.no_gemv)
+    engine.runner.attention.options = kernel_options
+    used = tuned_mod.tuned(torch.device("cuda"), kernel_options.tuned)
 
     rng = random.Random(0)
     ids = lambda n: [rng.randrange(1000, 120000) for _ in range(n)]  # noqa: E731
@@ -231,10 +240,10 @@ def main() -> int:
     res: dict = {"prompt_tokens": n_prompt, "docs": args.docs, "doc_tokens": args.doc_tokens,
                  "question_tokens": args.question_tokens, "device": torch.cuda.get_device_name(),
                  "torch": torch.__version__, "command": "python " + " ".join(sys.argv),
-                 "kernel_defaults": {"prefill": [prefill_mod.DEFAULT_CONFIG, prefill_mod.DEFAULT_ROTATION_MODE],
-                                     "decode": [decode_mod.DEFAULT_CONFIG, decode_mod.DEFAULT_ROTATION_MODE]},
+                 "kernel_defaults": {"prefill": [used["prefill"]["config"], used["prefill"]["rotation_mode"]],
+                                     "decode": [used["decode"]["config"], used["decode"]["rotation_mode"]]},
                  "gemv_layers": sorted(engine.runner.ops.gemv),
-                 "gemv_configs": {",".join(map(str, k)): v for k, v in gemv_mod.CONFIGS.items()}}
+                 "gemv_configs": used["gemv"]["shapes"]}
 
     # -- transformers: full prefill, and question-only prefill over a ready cache
     full_ids = torch.tensor([layout.full_ids()], device="cuda")
@@ -296,6 +305,7 @@ def main() -> int:
         traceback.print_exc()
         engine = LazyEngine.from_hf(hf, None, device="cuda", dtype=torch.bfloat16, kv_budget=8 << 30, cuda_graphs=False,
                                     gemv=not args.no_gemv)
+        engine.runner.attention.options = kernel_options
         ttft, decode = measure(engine)
         res["cuda_graphs"] = False
     # written now too, so a run cut short after this point still leaves the headline numbers
@@ -311,19 +321,16 @@ def main() -> int:
     if args.ab and res["cuda_graphs"]:
         from dataclasses import replace as dc_replace
 
-        import functools
-
         runner, ab = engine.runner, {}
         fused_ops, backend = runner.ops, runner.attention
-        kernels = (backend._prefill, backend._decode)
         blas0 = runner.short_prefill_blas
-        from lazyrag.kernels import kvloop
-        merge0 = (kvloop.MERGE_ROWS, kvloop.MERGE_WARPS)
+
+        def options(**kw):  # the attention kernels' options, through the backend (kvloop.KernelOptions)
+            backend.options = dc_replace(backend.options, **kw)
 
         def reset():
-            kvloop.MERGE_ROWS, kvloop.MERGE_WARPS = merge0
+            backend.options = kernel_options
             runner.ops = fused_ops
-            backend._prefill, backend._decode = kernels
             runner.short_prefill_blas = blas0
             engine.scheduler.async_scheduling = True
             torch.backends.cuda.preferred_blas_library("cublas")
@@ -337,24 +344,14 @@ def main() -> int:
                     runner.ops = dc_replace(runner.ops, rotate_qk_store=None)
                 elif part == "cublaslt":
                     torch.backends.cuda.preferred_blas_library("cublaslt")
-                elif key == "prefill_splits":  # the split count the kernel's heuristic would choose, overridden
-                    backend._prefill = functools.partial(backend._prefill, num_splits=int(value))
-                elif key == "decode_splits":
-                    backend._decode = functools.partial(backend._decode, num_splits=int(value))
+                elif key in ("prefill_splits", "decode_splits"):  # the split count the heuristic would choose, forced
+                    options(**{key: int(value)})
                 elif key == "prefill_blas":  # the library short prefills run their GEMMs with
                     runner.short_prefill_blas = value
                 elif key in ("prefill_config", "decode_config"):  # e.g. prefill_config=128:64:8:3 (tile, warps, stages)
-                    cfg = tuple(None if x == "none" else int(x) for x in value.split(":"))
-                    kind = key.split("_")[0]
-                    attr = "_prefill" if kind == "prefill" else "_decode"
-                    setattr(backend, attr, functools.partial(getattr(backend, attr), config=cfg))
+                    options(**{key: tuple(None if x == "none" else int(x) for x in value.split(":"))})
                 elif key in ("prefill_rot", "decode_rot"):
-                    attr = "_prefill" if key == "prefill_rot" else "_decode"
-                    setattr(backend, attr, functools.partial(getattr(backend, attr), rotation_mode=int(value)))
-                elif part == "decode_merge":  # the last split program merges (no merge launch)
-                    backend._decode = functools.partial(backend._decode, fused_merge=True)
-                elif part == "prefill_merge":
-                    backend._prefill = functools.partial(backend._prefill, fused_merge=True)
+                    options(**{key.replace("_rot", "_rotation_mode"): int(value)})
                 elif key == "wo_blas":  # a prefill's wo GEMM through this BLAS library, the other GEMMs as before
                     import dataclasses
 
@@ -371,7 +368,7 @@ def main() -> int:
 
                     runner.ops = WoBlasOps(**{f.name: getattr(runner.ops, f.name) for f in dataclasses.fields(runner.ops)})
                 elif key == "merge":  # the split merge's rows per program and warps, e.g. merge=4:4
-                    kvloop.MERGE_ROWS, kvloop.MERGE_WARPS = (int(x) for x in value.split(":"))
+                    options(merge=tuple(int(x) for x in value.split(":")))
                 elif part == "sync":  # each step's tokens read before the next step is launched (no async scheduling)
                     engine.scheduler.async_scheduling = False
                 elif part == "base":  # the engine as built, measured again among the variants

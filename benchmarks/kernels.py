@@ -10,8 +10,9 @@ the kernel config, registers, spills, shared memory, programs per SM and waves.
 
     python benchmarks/kernels.py [--out PATH] [--quick] [--sweep [--sweep-only decode|prefill]] [--no-grid]
 
-``--sweep`` first times the leading configs and rotation schedules on a few shapes (to choose
-the defaults; ``--adopt`` then uses the fastest for the grid); on a Hopper GPU the prefill sweep also
+``--sweep`` first times the tuned candidates and rotation schedules on a few shapes (to choose
+the defaults; ``--adopt`` then passes the fastest to the grid's calls as ``tuned=`` overrides, the layout of
+kernels/tuned_configs.json, and writes them to kernel_defaults.json); on a Hopper GPU the prefill sweep also
 times the Gluon kernel (kernels/prefill_wgmma.py, rows ``mode=wgmma`` / ``wgmma off``), which the
 grid's prefill rows use wherever ``lazy_prefill`` picks it (unsplit prefills). Writes JSON (default
 benchmarks/results/kernels.json, or $OUT/kernels.json) and a PNG.
@@ -33,11 +34,10 @@ import time
 import torch
 import triton
 
-from lazyrag.kernels import decode as decode_mod
-from lazyrag.kernels import prefill as prefill_mod
 from lazyrag.kernels import prefill_wgmma
 from lazyrag.kernels.decode import lazy_decode
-from lazyrag.kernels.kvloop import OFF_TWIN, kernel_resources, last_launch, tile_table
+from lazyrag.kernels.kvloop import ROTATION_MODES, kernel_resources, last_launch, tile_table
+from lazyrag.kernels.tuned import tuned as tuned_table
 from lazyrag.kernels.prefill import lazy_prefill
 from lazyrag.kernels.common import pack_block_meta, unpack_block_meta
 from lazyrag.kernels.reference import apply_rotary, lazy_decode_reference, lazy_prefill_reference, rope_tables
@@ -174,7 +174,7 @@ def fmt_info(i):
 
 
 class PrefillCase:
-    def __init__(self, gen, dev, cos, sin, batch, ctx, n_docs, n_new):
+    def __init__(self, gen, dev, cos, sin, batch, ctx, n_docs, n_new, tuned=None):
         self.batch, self.ctx, self.docs, self.new = batch, ctx, n_docs, n_new
         self.k, self.v, self.meta, self.nblk = make_case(gen, batch, ctx, n_docs, dev)
         self.kk = rotated_in_place(self.k, self.meta, self.nblk, cos, sin)
@@ -185,12 +185,15 @@ class PrefillCase:
         self.cu = torch.arange(0, T + 1, n_new, device=dev, dtype=torch.int32)
         self.cos, self.sin, self.scale = cos, sin, D ** -0.5
         self.cache = {}  # tile tables, built once (the engine builds them once per forward, for all layers)
+        self.tuned = tuned  # adopted defaults (kernel options' ``tuned``)
 
     def lazy(self, **kw):
+        kw.setdefault("tuned", self.tuned)
         return lambda: lazy_prefill(self.q, self.kn, self.vn, self.cu, self.k, self.v, self.meta, self.nblk, self.cos,
                                     self.sin, self.scale, max_seqlen_q=self.new, tile_cache=self.cache, **kw)
 
     def off(self, **kw):
+        kw.setdefault("tuned", self.tuned)
         return lambda: lazy_prefill(self.q, self.kn, self.vn, self.cu, self.kk, self.v, self.meta, self.nblk,
                                     self.cos, self.sin, self.scale, max_seqlen_q=self.new, apply_rotation=False, **kw)
 
@@ -198,8 +201,8 @@ class PrefillCase:
         return 4 * self.batch * HQ * D * self.new * (self.ctx + (self.new + 1) / 2)
 
 
-def run_prefill(gen, dev, cos, sin, batch, ctx, n_docs, n_new):
-    c = PrefillCase(gen, dev, cos, sin, batch, ctx, n_docs, n_new)
+def run_prefill(gen, dev, cos, sin, batch, ctx, n_docs, n_new, tuned=None):
+    c = PrefillCase(gen, dev, cos, sin, batch, ctx, n_docs, n_new, tuned)
     out = c.lazy()()
     err = rel(out, lazy_prefill_reference(c.q, c.kn, c.vn, c.cu, c.k, c.v, c.meta, c.nblk, cos, sin, c.scale))
     err_off = rel(c.off()(), out)
@@ -247,7 +250,7 @@ def info_pages(info):
 
 
 class DecodeCase:
-    def __init__(self, gen, dev, cos, sin, batch, ctx, n_docs):
+    def __init__(self, gen, dev, cos, sin, batch, ctx, n_docs, tuned=None):
         self.batch, self.ctx, self.docs = batch, ctx, n_docs
         self.k, self.v, self.meta, self.nblk = make_case(gen, batch, ctx, n_docs, dev)
         self.kk = rotated_in_place(self.k, self.meta, self.nblk, cos, sin)
@@ -261,6 +264,7 @@ class DecodeCase:
         self.sets = [(self.k, self.v, self.kk)] + [(self.k.clone(), self.v.clone(), self.kk.clone())
                                                    for _ in range(self.n_sets - 1)]
         self.cache = {}
+        self.tuned = tuned
         self.i = 0
 
     def _next(self):
@@ -268,6 +272,8 @@ class DecodeCase:
         return self.sets[self.i]
 
     def lazy(self, **kw):
+        kw.setdefault("tuned", self.tuned)
+
         def f():
             k, v, _ = self._next()
             return lazy_decode(self.q, k, v, self.meta, self.nblk, self.cos, self.sin, self.scale,
@@ -275,6 +281,8 @@ class DecodeCase:
         return f
 
     def off(self, **kw):
+        kw.setdefault("tuned", self.tuned)
+
         def f():
             _, v, kk = self._next()
             return lazy_decode(self.q, kk, v, self.meta, self.nblk, self.cos, self.sin, self.scale,
@@ -285,11 +293,12 @@ class DecodeCase:
         return self.kv_bytes + 2 * self.q.numel() * 2 + self.meta.numel() * 8
 
 
-def run_decode(gen, dev, cos, sin, batch, ctx, n_docs, copy_tbs):
-    c = DecodeCase(gen, dev, cos, sin, batch, ctx, n_docs)
-    out = lazy_decode(c.q, c.k, c.v, c.meta, c.nblk, cos, sin, c.scale)
+def run_decode(gen, dev, cos, sin, batch, ctx, n_docs, copy_tbs, tuned=None):
+    c = DecodeCase(gen, dev, cos, sin, batch, ctx, n_docs, tuned)
+    out = lazy_decode(c.q, c.k, c.v, c.meta, c.nblk, cos, sin, c.scale, tuned=tuned)
     err = rel(out, lazy_decode_reference(c.q, c.k, c.v, c.meta, c.nblk, cos, sin, c.scale))
-    err_off = rel(lazy_decode(c.q, c.kk, c.v, c.meta, c.nblk, cos, sin, c.scale, apply_rotation=False), out)
+    err_off = rel(lazy_decode(c.q, c.kk, c.v, c.meta, c.nblk, cos, sin, c.scale, apply_rotation=False, tuned=tuned),
+                  out)
     lazy_e = (bench(c.lazy()), bench(c.lazy()))
     info = launch_info("decode")
     off_e = (bench(c.off()), bench(c.off()))
@@ -311,8 +320,6 @@ def run_decode(gen, dev, cos, sin, batch, ctx, n_docs, copy_tbs):
                 l2_sets=c.n_sets, lazy_kernel=info, off_kernel=info_off)
 
 
-LAZY_MODES = tuple(OFF_TWIN)  # kv_tile_loop's rotation schedules; the other modes are their rotation-off loops:
-TWIN_OF_OFF = {off: on for on, off in OFF_TWIN.items()}  # off mode -> the schedule whose loop it runs
 SWEEP_DECODE = [(64, 8192, 10), (32, 8192, 10), (8, 32768, 10), (8, 8192, 10), (8, 8192, 1)]  # (batch, ctx, docs)
 # (..., new tokens); round 10 added B=8 at 8k with 10 and 1 documents (the 0.87x row; the 1-document control)
 SWEEP_PREFILL = [(1, 2048, 10, 64), (1, 8192, 10, 64), (8, 2048, 10, 512), (8, 8192, 10, 512), (8, 8192, 1, 512)]
@@ -320,8 +327,9 @@ SWEEP_PREFILL = [(1, 2048, 10, 64), (1, 8192, 10, 64), (8, 2048, 10, 512), (8, 8
 
 def sweep(gen, dev, cos, sin, copy_tbs, log, kinds=("decode", "prefill")):
     """Configs x rotation schedules (x split counts for short prefills) per shape, all variants of a shape timed
-    in alternating rounds from CUDA graphs (tile tables shared as in a forward pass). Modes 0 and 4 are rotation
-    off (the loops of modes 3 and 2); ``ratio`` is each variant's time over the shape's first variant."""
+    in alternating rounds from CUDA graphs (tile tables shared as in a forward pass). Mode "R off" is schedule R's
+    loop with the rotation off, on K re-rotated in place; ``ratio`` is each variant's time over the shape's first
+    variant."""
     rows = []
 
     def run_shape(label, variants, calls, cache, err_of, extra):
@@ -338,26 +346,27 @@ def sweep(gen, dev, cos, sin, copy_tbs, log, kinds=("decode", "prefill")):
         (meds, ratios, spreads) = paired_graph_ms([v["fn"] for v in ok], calls, cache=cache, rounds=3)
         for v, ms, r, sp in zip(ok, meds, ratios, spreads):
             row = dict(kind=v["kind"], desc=v["desc"], config=list(v["cfg"]), mode=v["mode"], splits_forced=v.get("splits"),
-                       fused_merge=v.get("merge", False), ms_graph=ms, ratio_to_first=r, spread=sp, err_vs_ref=v["err"],
-                       **extra, **v["info"])
+                       ms_graph=ms, ratio_to_first=r, spread=sp, err_vs_ref=v["err"], **extra, **v["info"])
             rows.append(row)
             log(f"  {label} {v['desc']:<38}: {1e3 * ms:7.1f} us  x{r:5.3f}  spread {100 * sp:4.1f}%  err {v['err']:.1e}  "
                 f"{fmt_info(v['info'])}")
 
     for batch, ctx, docs in SWEEP_DECODE if "decode" in kinds else ():
         c = DecodeCase(gen, dev, cos, sin, batch, ctx, docs)
+        dt = tuned_table(dev)["decode"]
         ref = lazy_decode(c.q, c.kk, c.v, c.meta, c.nblk, cos, sin, c.scale, apply_rotation=False,
-                          config=decode_mod.DEFAULT_CONFIG)
+                          config=tuple(dt["config"]))
         variants = []
-        for cfg in (decode_mod.CONFIGS[0], decode_mod.CONFIGS[2]):
-            for mode in ((0, 3, 4, 2, 6, 5) if cfg == decode_mod.CONFIGS[0] else (0, 3, 4, 2)):
-                for splits in ((None, 4, 16) if batch <= 8 and mode in (2, 4) and cfg == decode_mod.CONFIGS[0]
-                               else (None,)):
-                    lazy = mode in LAZY_MODES
-                    kw = dict(config=cfg, rotation_mode=mode if lazy else TWIN_OF_OFF[mode], num_splits=splits)
-                    fn = c.lazy(**kw) if lazy else c.off(**kw)
-                    variants.append(dict(kind="decode", cfg=cfg, mode=mode, splits=splits, fn=fn,
-                                         desc=f"cfg={cfg} mode={mode} splits={splits}"))
+        cands = [tuple(x) for x in dt["candidates"]]
+        for cfg in (cands[0], cands[2]):
+            for mode in ROTATION_MODES if cfg == cands[0] else (2,):
+                for lazy in (True, False):
+                    for splits in ((None, 4, 16) if batch <= 8 and mode == 2 and cfg == cands[0] else (None,)):
+                        kw = dict(config=cfg, rotation_mode=mode, num_splits=splits)
+                        fn = c.lazy(**kw) if lazy else c.off(**kw)
+                        label = mode if lazy else f"{mode} off"
+                        variants.append(dict(kind="decode", cfg=cfg, mode=label, splits=splits, fn=fn,
+                                             desc=f"cfg={cfg} mode={label} splits={splits}"))
         # an eager call of the timed function checks it (its KV copies hold the same values)
         run_shape(f"decode B={batch:2} {ctx // 1024:2}k d={docs:2}", variants, c.n_sets, c.cache,
                   lambda v: rel(v["fn"](), ref), dict(batch=batch, ctx=ctx, docs=docs,
@@ -369,21 +378,21 @@ def sweep(gen, dev, cos, sin, copy_tbs, log, kinds=("decode", "prefill")):
         ref = lazy_prefill_reference(c.q, c.kn, c.vn, c.cu, c.k, c.v, c.meta, c.nblk, cos, sin, c.scale)
         variants = []
         short = new <= 64 and batch == 1
-        cfgs = prefill_mod.CONFIGS if short else prefill_mod.CONFIGS[:2]
-        for cfg in cfgs:
-            for mode in ((4, 2, 3, 6, 5, 8, 7) if cfg == prefill_mod.DEFAULT_CONFIG or not short else (5, 7)):
-                for splits in ((None, 8, 16) if short and mode in (2, 5, 7) else (None,)):
-                    for merge in ((False, True) if short and mode == 2 and cfg == prefill_mod.DEFAULT_CONFIG
-                                  and splits is None else (False,)):
-                        kw = dict(config=cfg, num_splits=splits, fused_merge=merge)
-                        if mode in TWIN_OF_OFF:
-                            fn = c.off(rotation_mode=TWIN_OF_OFF[mode], **kw)
-                        else:
-                            fn = c.lazy(rotation_mode=mode, **kw)
-                        variants.append(dict(kind="prefill", cfg=cfg, mode=mode, splits=splits, merge=merge, fn=fn,
-                                             desc=f"cfg={cfg} mode={mode} splits={splits} merge={int(merge)}"))
-        if not short and prefill_wgmma.supported(c.q, BS):  # the Gluon kernel (kernels/prefill_wgmma.py)
-            for cfg in ((128, 64, 12, 6), (128, 128, 8, 3)):  # the warp-specialized default; round 12's
+        pt = tuned_table(dev)["prefill"]
+        cands = [tuple(x) for x in pt["candidates"]]
+        default = tuple(pt["config"])
+        for cfg in cands if short else cands[:2]:
+            for mode in ROTATION_MODES if cfg == default or not short else (5, 7):
+                for lazy in (True, False):
+                    for splits in ((None, 8, 16) if short else (None,)):
+                        kw = dict(config=cfg, num_splits=splits, rotation_mode=mode)
+                        fn = c.lazy(**kw) if lazy else c.off(**kw)
+                        label = mode if lazy else f"{mode} off"
+                        variants.append(dict(kind="prefill", cfg=cfg, mode=label, splits=splits, fn=fn,
+                                             desc=f"cfg={cfg} mode={label} splits={splits}"))
+        wgmma_default = tuple(tuned_table(dev)["prefill_wgmma"]["config"])
+        if not short and prefill_wgmma.supported(c.q.dtype, D, dev, BS, wgmma_default[1]):  # the Gluon kernel
+            for cfg in (wgmma_default, (128, 128, 12, 3)):
                 for lazy in (True, False):
                     fn = (c.lazy if lazy else c.off)(kernel="wgmma", config=cfg)
                     mode = "wgmma" if lazy else "wgmma off"
@@ -396,19 +405,18 @@ def sweep(gen, dev, cos, sin, copy_tbs, log, kinds=("decode", "prefill")):
 
 
 def adopt_sweep(rows, log):
-    """Make the fastest lazy (config, rotation mode) of the sweep, by the geometric mean of its
-    times over the sweep's shapes, each kernel's default for the rest of the run."""
+    """The fastest lazy (config, rotation mode) of the sweep, by the geometric mean of its times over the sweep's
+    shapes, per kernel: a ``tuned`` override (kernels/tuned_configs.json's layout) for the rest of the run."""
     chosen = {}
-    for kind, mod in (("decode", decode_mod), ("prefill", prefill_mod)):
+    for kind in ("decode", "prefill"):
         score = {}
         for r in rows:
-            if r["kind"] == kind and r["mode"] in LAZY_MODES and not r.get("splits_forced") and not r.get("fused_merge"):
+            if r["kind"] == kind and r["mode"] in ROTATION_MODES and not r.get("splits_forced"):
                 score.setdefault((tuple(r["config"]), r["mode"]), []).append(math.log(r["ms_graph"]))
         if not score:  # this kernel was not swept
             continue
         n = max(len(v) for v in score.values())
         best = min((sum(v) / n, k) for k, v in score.items() if len(v) == n)[1]
-        mod.DEFAULT_CONFIG, mod.DEFAULT_ROTATION_MODE = best
         chosen[kind] = dict(config=list(best[0]), rotation_mode=best[1])
         log(f"adopted for {kind}: config {best[0]}, rotation mode {best[1]}")
     return chosen
@@ -483,17 +491,19 @@ def main():
         print(msg, flush=True)
 
     log(f"device {torch.cuda.get_device_name()}  copy bandwidth {copy_tbs:.2f} TB/s")
+    adopted = None  # the sweep's choices, passed to every call of the grid as the kernel options' ``tuned``
     if a.sweep:
         summary["sweep"] = sweep(gen, dev, cos, sin, copy_tbs, log,
                                  (a.sweep_only,) if a.sweep_only else ("decode", "prefill"))
         if a.adopt:
-            summary["adopted"] = adopt_sweep(summary["sweep"], log)
+            summary["adopted"] = adopted = adopt_sweep(summary["sweep"], log)
             with open(os.path.join(os.path.dirname(os.path.abspath(a.out)), "kernel_defaults.json"), "w") as f:
                 json.dump(summary["adopted"], f)
         save()
-    summary["defaults_used"] = dict(prefill=[prefill_mod.DEFAULT_CONFIG, prefill_mod.DEFAULT_ROTATION_MODE],
-                                    prefill_kernel=[prefill_mod.DEFAULT_KERNEL, prefill_wgmma.DEFAULT_CONFIG],
-                                    decode=[decode_mod.DEFAULT_CONFIG, decode_mod.DEFAULT_ROTATION_MODE])
+    used = tuned_table(dev, adopted)
+    summary["defaults_used"] = dict(prefill=[used["prefill"]["config"], used["prefill"]["rotation_mode"]],
+                                    prefill_kernel=[used["prefill"]["kernel"], used["prefill_wgmma"]["config"]],
+                                    decode=[used["decode"]["config"], used["decode"]["rotation_mode"]])
     if a.no_grid:
         return 0
     results = summary["results"]
@@ -510,7 +520,7 @@ def main():
         if time.time() - t0 > a.budget:
             log(f"budget spent: skipping prefill {(b, c, d, n)}")
             continue
-        r = run_prefill(gen, dev, cos, sin, b, c, d, n)
+        r = run_prefill(gen, dev, cos, sin, b, c, d, n, tuned=adopted)
         results.append(r)
         log(f"{b:3} {c:6} {d:4} {n:4} {r['ms_lazy']:7.3f} [{r['ms_lazy_graph_with_table_share']:5.3f}] {r['ms_off']:7.3f} "
             f"[{r['ms_off_graph']:5.3f}] {r['overhead_pct']:5.1f} [{r['overhead_graph_pct']:4.1f}] {r['ms_sdpa']:7.3f} "
@@ -526,7 +536,7 @@ def main():
         if time.time() - t0 > a.budget:
             log(f"budget spent: skipping decode {(b, c, d)}")
             continue
-        r = run_decode(gen, dev, cos, sin, b, c, d, copy_tbs)
+        r = run_decode(gen, dev, cos, sin, b, c, d, copy_tbs, tuned=adopted)
         results.append(r)
         log(f"{b:3} {c:6} {d:4} {1e3 * r['ms_lazy']:7.1f} [{1e3 * r['ms_lazy_graph_with_table_share']:5.1f}] "
             f"{1e3 * r['ms_off']:7.1f} "

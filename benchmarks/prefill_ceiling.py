@@ -9,10 +9,9 @@
   GPU when the K/V addresses need no load,
 - ``sdpa``: torch SDPA (flash) on a contiguous copy, KV heads repeated,
 - ``lazy wgmma (BM, BN, W, S)`` / ``off wgmma ...``: ``lazy_prefill(kernel="wgmma")``, the Gluon kernel
-  (kernels/prefill_wgmma.py), rotation on and off, where the GPU is a Hopper (W = 12: its warp-specialized build,
-  two consumer warpgroups and a producer; ``... no-pingpong ...``: its consumers without turns, ``... regs ...``:
-  other register splits); ``... wgmma aligned ...``: the same on segment-aligned KV tiles
-  (``prefill_wgmma.PACKED_TILES = False``) instead of packed ones.
+  (kernels/prefill_wgmma.py: two consumer warpgroups and a producer, W = 12), rotation on and off, where the GPU is a
+  Hopper. (Its 8-warp build, segment-aligned tiles, no-ping-pong and register-split variants were removed; they are
+  at commit 32eec34, NOTES §Kernels, rounds 11-13.)
 
 The dense kernel attends to every key (no causal mask) over ctx + new keys; its FLOPs are counted as such, the
 others' with the causal new-token part (``benchmarks/kernels.py``'s count). All timed from CUDA graphs in
@@ -123,21 +122,6 @@ def contiguous_meta(meta):
     return pack_block_meta(ordered, delta, valid)
 
 
-def with_switch(name, value, fn):
-    """``fn`` with ``prefill_wgmma.<name>`` (a module switch the launch reads) set to ``value`` while it runs:
-    PACKED_TILES = False for segment-aligned tiles, WS_PINGPONG = False for consumers without turns, WS_REGS /
-    WS_KEY_CHUNK for the warp-specialized build's register split and key-rotation step."""
-    def run():
-        from lazyrag.kernels import prefill_wgmma
-        old = getattr(prefill_wgmma, name)
-        setattr(prefill_wgmma, name, value)
-        try:
-            return fn()
-        finally:
-            setattr(prefill_wgmma, name, old)
-    return run
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=8)
@@ -180,27 +164,14 @@ def main():
 
     ref = c.lazy()().float()
     variants = {"lazy": c.lazy(), "off": c.off(), "lazy_contig": lazy_contig}
-    for mode, cfg in ((5, (128, 128, 8, 3)), (7, (128, 128, 8, 3)), (7, (128, 128, 8, 2))):
+    for mode, cfg in ((5, (128, 128, 8, 3)), (7, (128, 128, 8, 3)), (7, (128, 128, 8, 2))):  # the Triton kernel
         variants[f"lazy r{mode} {cfg}"] = c.lazy(rotation_mode=mode, config=cfg)
         variants[f"off r{mode} {cfg}"] = c.off(rotation_mode=mode, config=cfg)
     from lazyrag.kernels import prefill_wgmma
-    if prefill_wgmma.supported(c.q, BS):
-        for cfg in ((128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3),
-                    (128, 128, 12, 3), (128, 64, 12, 4), (128, 64, 12, 5), (128, 64, 12, 6)):
+    if prefill_wgmma.supported(c.q.dtype, D, dev, BS, 64):
+        for cfg in ((128, 128, 12, 3), (128, 64, 12, 4), (128, 64, 12, 5), (128, 64, 12, 6)):
             variants[f"lazy wgmma {cfg}"] = c.lazy(kernel="wgmma", config=cfg)
             variants[f"off wgmma {cfg}"] = c.off(kernel="wgmma", config=cfg)
-        cfg = (128, 64, 12, 6)  # round 13's switches
-        for label, switches in (("no-pingpong", {"WS_PINGPONG": False}), ("regs 200/104", {"WS_REGS": (200, 104)}),
-                                ("regs 192/120 chunk 32", {"WS_REGS": (192, 120), "WS_KEY_CHUNK": 32})):
-            for kind in ("lazy", "off"):
-                fn = (c.lazy if kind == "lazy" else c.off)(kernel="wgmma", config=cfg)
-                for name, value in switches.items():
-                    fn = with_switch(name, value, fn)
-                variants[f"{kind} wgmma {label} {cfg}"] = fn
-        for cfg in ((128, 64, 8, 3), (128, 128, 8, 3)):  # segment-aligned tiles (round 11) on the same layout
-            for kind in ("lazy", "off"):
-                fn = (c.lazy if kind == "lazy" else c.off)(kernel="wgmma", config=cfg)
-                variants[f"{kind} wgmma aligned {cfg}"] = with_switch("PACKED_TILES", False, fn)
     pages = torch.arange(B * S // BS, device=dev, dtype=torch.int64)  # the dense kernel's block table, in order
     for st in (2, 3):
         variants[f"dense s{st}"] = (lambda st=st: dense_attn(qd, kd, vd, od, c.scale, st, pages))

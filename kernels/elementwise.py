@@ -1,10 +1,9 @@
 """The layer's elementwise steps as plain Triton kernels: ``silu(gate) * up`` and the (residual add +)
 RMS norm, for forwards of any token count.
 
-Why not ``torch.compile``: with ``dynamic=True`` (the token count varies) Inductor's silu*up over the
-``[T, 2I]`` gate|up rows took 8.8 µs a layer at T = 64 on the H200 (5.5 MB moved: ~1.4 µs of bandwidth),
-0.28 ms of a 6.5 ms TTFT (benchmarks/NOTES.md, round 5 profile). Here the row length is a compile-time
-constant, so every load is a full 16-byte vector and a program covers a fixed slice.
+Why not ``torch.compile``: with ``dynamic=True`` (the token count varies) Inductor's silu*up ran far below
+the bandwidth (NOTES §Kernels, round 5 profile). Here the row length is a compile-time constant, so every load
+is a full 16-byte vector and a program covers a fixed slice.
 
 Numerics as the fused GEMV prologues of ``kernels/gemv.py`` and as Inductor fuses
 :mod:`lazyrag.model.llama`'s functions: fp32 arithmetic on the model-dtype inputs; ``h = x + residual``
@@ -65,7 +64,7 @@ def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     out = torch.empty(T, inter, dtype=gate_up.dtype, device=gate_up.device)
     if T == 0:
         return out
-    # >= ~64 programs even for one token (7 programs of 2,048 took 1.66 µs at T = 1, Inductor's kernel 1.22)
+    # >= ~64 programs even for one token (a few wide programs were slower at T = 1: NOTES §Kernels, round 5)
     block = max(256, min(2048, triton.next_power_of_2(triton.cdiv(T * inter, 64))))
     block = min(block, triton.next_power_of_2(inter))
     _silu_mul_kernel[(T, triton.cdiv(inter, block))](gate_up, out, gate_up.stride(0), out.stride(0), inter,
@@ -136,8 +135,8 @@ def _argmax_finish_kernel(PAIRS, OUT, P, BLOCK_P: tl.constexpr):
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """``logits [B, V]`` -> each row's argmax (the first of equal maxima) ``[B]`` int64, on the device, no sync.
 
-    torch's ``argmax(-1)`` reduces a row in one thread block: 27 µs for Llama-3's 128,256 logits on the
-    H200 (round 5 profile), 0.5% of a decode step. Here programs reduce 4,096-logit chunks in parallel and
+    torch's ``argmax(-1)`` reduces a row in one thread block (slow for Llama-3's 128,256 logits: NOTES
+    §Kernels, round 5 profile). Here programs reduce 4,096-logit chunks in parallel and
     one small program per row picks the best chunk. The tokens stay on the device, so a decode step can
     be fed the previous step's tokens before the host has read them (the scheduler's async scheduling)."""
     B, V = logits.shape

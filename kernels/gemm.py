@@ -1,7 +1,7 @@
 """Skinny GEMMs: ``F.linear`` for 2-64 token rows (the TTFT prefill's projections), a stream of the weight.
 
 At M = 64 a Llama-3.1-8B projection does 64 FLOP per weight byte, a third of the H200's ridge (~200), so it
-is a read of the weight from HBM; cuBLAS reads it at 2.75-3.8 TB/s (benchmarks/NOTES.md, rounds 5 and 6).
+is a read of the weight from HBM, which cuBLAS reads below the copy bandwidth (NOTES §Kernels, rounds 5 and 6).
 A program owns BLOCK_N weight rows (output columns) and all M token rows, and walks K:
 
     acc[BLOCK_N, BLOCK_M] += w_tile[BLOCK_N, BLOCK_K] @ x_tile[BLOCK_M, BLOCK_K]^T
@@ -21,24 +21,34 @@ and casts. Two launches; fp32 atomics would need a zeroed buffer first and, for 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
+from .tuned import tuned
+
 MAX_M = 64
-# (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) per (N, K, BLOCK_M); benchmarks/e2e_sweep.py ("skinny")
-# times CANDIDATES on the device and reports the fastest per shape (``skinny_adopt``). None measured yet.
-CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {}
-DEFAULT_CONFIG = (64, 128, 4, 4, 1)
-# Picked for residency at BLOCK_M = 64: shared memory is stages (wgmma, BLOCK_N >= 64; stages - 1 with mma.sync)
-# x (BLOCK_N + 64) x BLOCK_K x 2 B, two programs fit an SM up to ~113 KB; enough programs for one round on 132 SMs
-# and >= ~7 MB in flight in all (benchmarks/NOTES.md, round 6).
-CANDIDATES = [
-    (64, 128, 4, 4, 1), (64, 128, 4, 3, 1), (64, 64, 4, 6, 1), (128, 64, 4, 4, 1), (128, 128, 4, 4, 1),
-    (128, 128, 8, 3, 1), (256, 64, 8, 3, 1), (32, 128, 4, 5, 1), (32, 256, 4, 4, 1), (16, 128, 4, 4, 1),
-    (64, 64, 4, 6, 2), (64, 128, 4, 3, 2), (32, 128, 4, 5, 2), (128, 64, 4, 4, 4), (64, 64, 4, 6, 4),
-    (64, 128, 4, 3, 4),
-]
+
+
+# Configs (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) per (N, K, BLOCK_M), the default and the candidates
+# that benchmarks/e2e_sweep.py ("skinny"; archived at 32eec34) timed: tuned_configs.json's "gemm". The candidates are picked for residency
+# at BLOCK_M = 64 (shared memory is stages x (BLOCK_N + 64) x BLOCK_K x 2 B; two programs an SM up to ~113 KB) and
+# enough bytes in flight (NOTES §Kernels, round 6). No shape measured yet.
+@functools.lru_cache(maxsize=None)
+def _tuned(device: torch.device) -> tuple[dict, tuple]:
+    t = tuned(device)["gemm"]
+    return {tuple(int(v) for v in k.split(",")): tuple(c) for k, c in t["shapes"].items()}, tuple(t["config"])
+
+
+def config_for(n: int, k: int, bm: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    shapes, default = _tuned(device)
+    return shapes.get((n, k, bm), default)
+
+
+def candidates(device: torch.device) -> list[tuple[int, ...]]:
+    return [tuple(c) for c in tuned(device)["gemm"]["candidates"]]
 
 
 def block_m(m: int) -> int:
@@ -93,7 +103,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     assert 1 <= m <= MAX_M and weight.shape[1] == k and x.dtype == weight.dtype
     assert x.stride(1) == 1 and weight.stride(1) == 1
     bm = block_m(m)
-    block_n, block_k, warps, stages, split = config or CONFIGS.get((n, k, bm), DEFAULT_CONFIG)
+    block_n, block_k, warps, stages, split = config or config_for(n, k, bm, x.device)
     assert split & (split - 1) == 0, "SPLIT_K: a power of two"
     y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     assert y.shape == (m, n) and y.is_contiguous()

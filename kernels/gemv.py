@@ -1,8 +1,8 @@
 """One-token projections (GEMV) with the elementwise step before them folded into the load of x.
 
 A decode step at batch 1 multiplies one row by each weight matrix: it is a read of the weights,
-nothing else. cuBLAS reads wqkv and wo at ~3 TB/s (its 64x8 tiles; wo and down add a split-K
-reduce launch), and each projection waits for a separate norm (or silu*up) kernel. Here one
+nothing else. cuBLAS reads wqkv and wo below the copy bandwidth (its 64x8 tiles; wo and down add a split-K
+reduce launch; NOTES §Kernels, round 5), and each projection waits for a separate norm (or silu*up) kernel. Here one
 program owns ``BLOCK_N`` output rows, streams their weights once along K, and computes its x on
 the fly from what the elementwise kernel would have read. The speed is the bytes in flight: with
 BLOCK_K >= K a program issues its whole weight strip in one go (one-shot, no loop), else the K
@@ -19,36 +19,37 @@ the product (as the separate kernel's output would be); the dot accumulates in f
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
+from .tuned import tuned
 from .elementwise import inv_rms, residual_add, rms_normed, silu_times
 
 PLAIN, NORM, ADD_NORM, SILU = 0, 1, 2, 3
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) per (N, K, prologue). BLOCK_K >= K is the one-shot path (a program
-# loads its whole [BLOCK_N, K] weight strip at once, no loop); else the K loop runs with num_stages (1: plain).
-# benchmarks/e2e_sweep.py times the candidates on the device and writes a table to adopt (e2e_gpu.py --gemv-configs).
-# Old 3-tuples (BLOCK_N, BLOCK_K, num_warps) read as num_stages=1.
-DEFAULT_CONFIG = (8, 512, 4, 1)
-# measured on the H200 for Llama-3.1-8B's shapes (round 6; e2e_sweep_h200_round6.json): one-shot strips for the
-# K = 4096 shapes, the pipelined loop for down (µs: wqkv 14.6, wo 9.65, gate_up 55.9, down 30.0; norm or silu*up
-# kernel + cuBLAS: 20.3, 13.4, 61.7, 33.9); the first layer's NORM takes its ADD_NORM's config
-CONFIGS: dict[tuple[int, int, int], tuple[int, ...]] = {
-    (6144, 4096, ADD_NORM): (2, 4096, 8, 1), (6144, 4096, NORM): (2, 4096, 8, 1), (4096, 4096, PLAIN): (1, 4096, 8, 1),
-    (28672, 4096, ADD_NORM): (4, 4096, 8, 1), (28672, 4096, NORM): (4, 4096, 8, 1), (4096, 14336, SILU): (8, 512, 4, 3),
-}
-CANDIDATES = [
-    # one-shot (K=4096: wqkv, wo, gate_up; at down's K=14336 these are plain loops of 4096-wide tiles), those whose
-    # loads ptxas issues all upfront for at least one shape (benchmarks/gemv_ptx.py; NOTES "Kernels, round 6")
-    (1, 4096, 4, 1), (1, 4096, 8, 1), (2, 4096, 8, 1), (4, 4096, 8, 1), (2, 4096, 16, 1),
-    # the K loop software-pipelined: NUM_STAGES - 1 tiles in flight ahead of the one summed; (2, 2048, 4, 3) and
-    # (4, 1024, 4, 5) issue the whole K=4096 strip before the loop (cp.async, no registers held)
-    (2, 2048, 4, 3), (4, 1024, 4, 5), (4, 1024, 4, 3), (8, 512, 4, 3), (4, 2048, 8, 3), (8, 1024, 8, 3), (2, 1024, 4, 4),
-    # the plain loop, round 5's best per shape (wqkv, wo, gate_up, down), as the control
-    (8, 512, 4, 1), (2, 1024, 4, 1), (4, 512, 4, 1), (4, 1024, 4, 1),
-]
+# Configs (BLOCK_N, BLOCK_K, num_warps[, num_stages]) per (N, K, prologue), the default and the candidates that
+# benchmarks/e2e_sweep.py (archived at 32eec34) timed: tuned_configs.json's "gemv" (NOTES §Kernels, rounds 5-6). BLOCK_K >= K is the
+# one-shot path (a program loads its whole [BLOCK_N, K] weight strip at once, no loop); else the K loop runs with
+# num_stages (1: plain). A 3-tuple reads as num_stages=1.
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned(device: torch.device) -> tuple[dict, tuple]:
+    t = tuned(device)["gemv"]
+    return {tuple(int(v) for v in k.split(",")): tuple(c) for k, c in t["shapes"].items()}, tuple(t["config"])
+
+
+def config_for(n: int, k: int, prologue: int, device: torch.device) -> tuple[int, ...]:
+    """The tuned config of this projection shape on ``device`` (the default one where none was measured)."""
+    shapes, default = _tuned(device)
+    return shapes.get((n, k, prologue), default)
+
+
+def candidates(device: torch.device) -> list[tuple[int, ...]]:
+    return [tuple(c) for c in tuned(device)["gemv"]["candidates"]]
 
 
 def resolve(config: tuple[int, ...], k: int) -> tuple[int, int, int, int]:
@@ -108,7 +109,7 @@ def _gemv_kernel(
     cols = tl.arange(0, BLOCK_K)
     # ONE_SHOT: BLOCK_K = K_PAD >= K, the whole [BLOCK_N, K] strip issued before anything waits on memory. ptxas
     # still decides the SASS order: where it can reach a lower register tier it sinks loads below the first
-    # products (rounds of loads; benchmarks/gemv_ptx.py shows the order), so the candidates are those it keeps
+    # products (rounds of loads; benchmarks/gemv_ptx.py, archived at 32eec34, shows the order), so the candidates are those it keeps
     # upfront. A CTA barrier does not pin them: ptxas hoists the math above it.
     if ONE_SHOT:
         k_ok = cols < K
@@ -152,7 +153,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     assert x.shape[1] == (2 * k if prologue == SILU else k)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device) if out is None else out
     h = torch.empty(1, k, dtype=x.dtype, device=x.device) if prologue == ADD_NORM else y
-    block_n, block_k, warps, stages = resolve(config or CONFIGS.get((n, k, prologue), DEFAULT_CONFIG), k)
+    block_n, block_k, warps, stages = resolve(config or config_for(n, k, prologue, x.device), k)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
         bias if bias is not None else weight, y, h, n, k, weight.stride(0), float(eps),

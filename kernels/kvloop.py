@@ -5,8 +5,8 @@ segment-aligned tile table, one online-softmax KV loop, the split merge, and lau
 Tile table: the KV loops walk *segment-aligned* tiles. A tile is up to ``PAGES`` consecutive
 blocks of one segment (a segment = consecutive blocks sharing delta, ended by a partly filled
 block), so one rotation of the query serves a whole tile, its valid keys are a prefix, and the loop
-is one flat ``for`` that Triton can software-pipeline (round 2's per-segment ``while`` around the
-tile loop cost 12-14% even for one document). ``_tile_table_kernel`` writes, per sequence, one row
+is one flat ``for`` that Triton can software-pipeline (a per-segment ``while`` around the tile loop was
+slower even for one document: NOTES §Kernels, round 2). ``_tile_table_kernel`` writes, per sequence, one row
 per tile (first block, first tile of the next segment, valid keys, delta) followed by a row starting
 with the sequence's block count as a sentinel (so tile ``t`` spans blocks ``[tiles[t, 0], tiles[t + 1, 0])``),
 and the number of tiles. It depends on the block table only, so one table serves every layer of a
@@ -17,12 +17,14 @@ forward pass (the attention backend caches it per batch metadata). The Hopper pr
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 
 import torch
 import triton
 import triton.language as tl
 
 from .common import meta_delta, meta_phys, meta_valid
+from .tuned import tuned
 
 
 # ---------------------------------------------------------------- tile table
@@ -191,8 +193,9 @@ def tile_table(block_meta: torch.Tensor, num_blocks: torch.Tensor, pages: int, b
 
 
 # ---------------------------------------------------------------- the KV loop
-OFF_TWIN = {1: 0, 2: 4, 3: 0, 5: 6, 7: 8}  # each rotation mode's rotation-off loop (kv_tile_loop)
-TABLE_MODES = (1, 2, 3, 5, 6, 7, 8)  # the modes that walk the tile table
+ROTATION_MODES = (2, 5, 7)  # kv_tile_loop's query-rotation schedules (ROT)
+
+
 @triton.jit
 def load_index(ptrs, mask, ASM: tl.constexpr):
     """``tl.load(ptrs, mask, other=0)`` of an int32 or int64 index tensor. ASM: as inline PTX (``ld.global.nc``),
@@ -299,13 +302,9 @@ def _prefix_tile(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, s0, kv_ok, kvh,
 
 
 @triton.jit
-def split_tile_range(NUM_TILES, b, nb, split, NUM_SPLITS, PAGES: tl.constexpr, ROT: tl.constexpr):
-    """[t_lo, t_hi): this split's share of sequence b's KV tiles (plain tiles of PAGES blocks when
-    there is no rotation, else the tile table's segment-aligned ones)."""
-    if ROT == 0 or ROT == 4:
-        n_t = tl.cdiv(nb, PAGES)
-    else:
-        n_t = tl.load(NUM_TILES + b)
+def split_tile_range(NUM_TILES, b, split, NUM_SPLITS):
+    """[t_lo, t_hi): this split's share of sequence b's tile-table tiles."""
+    n_t = tl.load(NUM_TILES + b)
     per_split = tl.cdiv(n_t, NUM_SPLITS)
     t_lo = split * per_split
     return t_lo, tl.minimum(t_lo + per_split, n_t)
@@ -316,51 +315,30 @@ def kv_tile_loop(q_rows, row_ok, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_C
                  t_lo, t_hi, nb, kvh,
                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                  ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 PREC: tl.constexpr, ROT: tl.constexpr, ASM_INDEX: tl.constexpr = False):
-    """Online softmax of ``ROWS`` query rows (pointers ``q_rows`` to their first feature) over KV
+                 PREC: tl.constexpr, ROT: tl.constexpr, ROTATE: tl.constexpr, ASM_INDEX: tl.constexpr = False):
+    """Online softmax of ``ROWS`` query rows (pointers ``q_rows`` to their first feature) over the tile-table
     tiles [t_lo, t_hi) of one sequence.
 
-    ROT = 0: no rotation, plain tiles (tile t = blocks [t * PAGES, (t + 1) * PAGES) ∩ [0, nb));
-    ROT = 1: one flat loop over segment-aligned tiles (tile table); q re-read (L1) and rotated
-    by -delta on every tile (nothing but m, l, acc carried across tiles);
-    ROT = 2: flat loop over the tile table, q re-rotated only when the tile's delta differs from
-    the previous tile's (q loop-carried in registers);
-    ROT = 3: per segment (the table's next-segment links, no scan): q rotated once, then the
-    rotation-off tile loop over the segment's blocks with a loop-invariant q (no table reads);
-    ROT = 4: no rotation, plain tiles, q carried through the loop as in ROT = 2: the rotation-off
-    counterpart of ROT = 2 (Triton keeps a loop-carried q in registers; a loop-invariant one it
-    re-reads from shared memory on every tile, which measured up to 27% slower on 128x128 tiles).
-    ROT = 5: ROT 2 with every per-tile index from the tile table's row (first block, valid keys, delta;
-    the valid keys are a prefix of the tile, so the mask is one compare) and, with ASM_INDEX, read by
-    :func:`load_index`'s inline PTX: nothing the pipeliner counts as a load lies between the loop counter
-    and the K/V addresses, so with ``num_stages`` 3 the K/V copies run two tiles ahead instead of one.
-    ROT = 6: ROT 5's loop and tiles without the rotation (its rotation-off twin).
-    ROT = 7: per segment (as ROT 3) q rotated once, then ROT 6's loop over the segment's tiles: q is
-    loop-invariant there, so Triton keeps it in shared memory for the MMA (a loop-carried q, as in ROT 2 and 5,
-    lives in registers: 68 spilled words and -36% on a plain flash loop, benchmarks/prefill_ceiling.py); the
-    pipeline restarts at each segment.
-    ROT = 8: ROT 7's loops without the rotation (its rotation-off twin).
+    ROT = 2: one flat loop over the tiles; q re-rotated only when the tile's delta differs from the previous
+    tile's (q loop-carried in registers); each tile's blocks read from the block metas (decode of one or two
+    sequences, whose splits hold few tiles).
+    ROT = 5: ROT 2 with every per-tile index from the tile table's row (first block, valid keys, delta; the valid
+    keys are a prefix of the tile, so the mask is one compare) and, with ASM_INDEX, read by :func:`load_index`'s
+    inline PTX: nothing the pipeliner counts as a load lies between the loop counter and the K/V addresses, so
+    with ``num_stages`` 3 the K/V copies run two tiles ahead instead of one.
+    ROT = 7: per segment (the table's next-segment links) q rotated once, then ROT 5's loop over the segment's
+    tiles: q is loop-invariant there, so Triton keeps it in shared memory for the MMA (a loop-carried q lives in
+    registers and spills at 128-row tiles: NOTES §Kernels, round 9); the pipeline restarts at each segment.
+    ROTATE = False: the same loops without the rotation (q only scaled, loaded inside the loop so that both
+    compile alike): the rotation-off baseline that benchmarks/kernels.py times on K re-rotated in place. The
+    engine always rotates.
     """
     PAGES: tl.constexpr = BLOCK_N // BLOCK_SIZE
     dtype = q_rows.dtype.element_ty
     offs_d = tl.arange(0, HEAD_DIM)
     q_ptrs = q_rows[:, None] + offs_d[None, :]
     q_mask = row_ok[:, None]
-    if ROT == 3:
-        t = t_lo
-        while t < t_hi:
-            t_next = tl.minimum(tl.load(tiles_row + TILE_FIELDS * t + 1), t_hi)
-            b_lo = tl.load(tiles_row + TILE_FIELDS * t)
-            b_hi = tl.load(tiles_row + TILE_FIELDS * t_next)  # the next segment's first block (or the sentinel)
-            q = rotated_q(q_rows, row_ok, COS, SIN, meta_delta(tl.load(meta_row + b_lo)), qk_scale,
-                          ROWS, HEAD_DIM).to(dtype)
-            for s0 in range(b_lo, b_hi, PAGES):
-                m_i, l_i, acc = _kv_tile(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, s0,
-                                         tl.minimum(s0 + PAGES, b_hi), kvh,
-                                         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                         BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC)
-            t = t_next
-    elif ROT == 5 or ROT == 6:
+    if ROT == 5:
         offs_n = tl.arange(0, BLOCK_N)
         q = (tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32) * qk_scale).to(dtype)
         d_prev = nb * 0 - 1
@@ -369,28 +347,28 @@ def kv_tile_loop(q_rows, row_ok, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_C
             live = t < t_hi  # see load_index_scalar
             s0 = load_index_scalar(row, live, ASM_INDEX)
             kv_ok = offs_n < load_index_scalar(row + 2, live, ASM_INDEX)  # a tile's valid keys are a prefix
-            if ROT == 5:
+            if ROTATE:
                 d = load_index_scalar(row + 3, live, ASM_INDEX)
                 if d != d_prev:
                     q = rotated_q(q_rows, row_ok, COS, SIN, d, qk_scale, ROWS, HEAD_DIM).to(dtype)
                     d_prev = d
             else:
-                if t == t_lo:  # as in ROT 4
+                if t == t_lo:
                     q = (tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32) * qk_scale).to(dtype)
             m_i, l_i, acc = _prefix_tile(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, s0, kv_ok, kvh,
                                          stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                                          BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC, ASM_INDEX)
-    elif ROT == 7 or ROT == 8:
+    elif ROT == 7:
         offs_n = tl.arange(0, BLOCK_N)
         t = t_lo
         while t < t_hi:
             seg = tiles_row + TILE_FIELDS * t
             t_next = tl.minimum(tl.load(seg + 1), t_hi)
-            if ROT == 7:
+            if ROTATE:
                 q = rotated_q(q_rows, row_ok, COS, SIN, tl.load(seg + 3), qk_scale, ROWS, HEAD_DIM).to(dtype)
             else:
                 q = (tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32) * qk_scale).to(dtype)
-            for u in range(t, t_next):  # the segment's tiles: ROT 6's loop body, q loop-invariant
+            for u in range(t, t_next):  # the segment's tiles: ROT 5's loop body, q loop-invariant
                 row = tiles_row + TILE_FIELDS * u
                 live = u < t_next  # see load_index_scalar
                 s0 = load_index_scalar(row, live, ASM_INDEX)
@@ -399,32 +377,21 @@ def kv_tile_loop(q_rows, row_ok, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_C
                                              stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                                              BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC, ASM_INDEX)
             t = t_next
-    else:
+    else:  # ROT == 2
         q = (tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32) * qk_scale).to(dtype)
         d_prev = nb * 0 - 1
         for t in range(t_lo, t_hi):
-            if ROT == 0 or ROT == 4:
-                s0 = t * PAGES
-                s1 = tl.minimum(s0 + PAGES, nb)
-            else:
-                s0 = tl.load(tiles_row + TILE_FIELDS * t)
-                s1 = tl.load(tiles_row + TILE_FIELDS * (t + 1))
-            if ROT == 1:
-                qt = rotated_q(q_rows, row_ok, COS, SIN, meta_delta(tl.load(meta_row + s0)), qk_scale,
-                               ROWS, HEAD_DIM).to(dtype)
-            elif ROT == 2:
+            s0 = tl.load(tiles_row + TILE_FIELDS * t)
+            s1 = tl.load(tiles_row + TILE_FIELDS * (t + 1))
+            if ROTATE:
                 d = meta_delta(tl.load(meta_row + s0))
                 if d != d_prev:
                     q = rotated_q(q_rows, row_ok, COS, SIN, d, qk_scale, ROWS, HEAD_DIM).to(dtype)
                     d_prev = d
-                qt = q
-            elif ROT == 4:
-                if t == t_lo:  # loaded inside the loop like ROT=2's q, so both loops compile alike
-                    q = (tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32) * qk_scale).to(dtype)
-                qt = q
             else:
-                qt = q
-            m_i, l_i, acc = _kv_tile(qt, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, s0, s1, kvh,
+                if t == t_lo:
+                    q = (tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32) * qk_scale).to(dtype)
+            m_i, l_i, acc = _kv_tile(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, s0, s1, kvh,
                                      stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                                      BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC)
     return m_i, l_i, acc
@@ -455,70 +422,52 @@ def merge_splits_kernel(
     tl.store(OUT + o_off[:, None] + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=r_ok[:, None])
 
 
-@triton.jit
-def last_split_merges(COUNTER, PART_ACC, PART_ML, part0, row_ok, out_ptrs, NUM_SPLITS,
-                      HEAD_DIM: tl.constexpr, ROWS: tl.constexpr):
-    """Called by every split program right after it stored its partials: the last one of its group to
-    arrive (``COUNTER``, one int32 that starts at 0) merges the group's ``NUM_SPLITS`` partials into
-    ``out_ptrs`` ``[ROWS, HEAD_DIM]`` and sets the counter back to 0 for the next launch. This replaces
-    the ``merge_splits_kernel`` launch. ``part0`` ``[ROWS]``: each row's split-0 index into the partials.
-
-    Ordering: the barrier puts every thread's partial stores before the release of the counter update
-    (PTX release is cumulative); the last program's acquire makes the other programs' stores visible, and
-    it reads them through L2 (``.cg``) so that no line a previous launch left in this SM's L1 is used."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(COUNTER, 1, sem="acq_rel", scope="gpu")
-    if arrived == NUM_SPLITS - 1:
-        offs_d = tl.arange(0, HEAD_DIM)
-        m = tl.full([ROWS], -1.0e30, dtype=tl.float32)
-        l = tl.zeros([ROWS], dtype=tl.float32)
-        acc = tl.zeros([ROWS, HEAD_DIM], dtype=tl.float32)
-        for s in range(NUM_SPLITS):
-            p = part0 + s
-            ms = tl.load(PART_ML + p * 2, mask=row_ok, other=-1.0e30, cache_modifier=".cg")
-            ls = tl.load(PART_ML + p * 2 + 1, mask=row_ok, other=0.0, cache_modifier=".cg")
-            a = tl.load(PART_ACC + p[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0,
-                        cache_modifier=".cg")
-            m_new = tl.maximum(m, ms)  # base-2 logits, as in the main kernels
-            old, new = tl.math.exp2(m - m_new), tl.math.exp2(ms - m_new)
-            l = l * old + ls * new
-            acc = acc * old[:, None] + a * new[:, None]
-            m = m_new
-        out = acc / tl.where(l > 0, l, 1.0)[:, None]
-        tl.store(out_ptrs, out.to(out_ptrs.dtype.element_ty), mask=row_ok[:, None])
-        tl.atomic_xchg(COUNTER, 0)
-
-
-_counters: dict[str, torch.Tensor] = {}
-
-
-def split_counters(device: torch.device, n: int) -> torch.Tensor:
-    """``n`` int32 arrival counters for :func:`last_split_merges`, zero and left zero by every launch. One
-    buffer per device, made once (outside any CUDA graph capture: the engine's warm-up launches first)."""
-    buf = _counters.get(str(device))
-    if buf is None or buf.numel() < n:
-        assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()), "first split launch inside a capture"
-        buf = _counters[str(device)] = torch.zeros(max(n, 1 << 12), dtype=torch.int32, device=device)
-    return buf
-
-
-# (rows per program, warps) of the merge. H200 (benchmarks/split_merge.py, round 8): the TTFT prefill's merge
-# (64 tokens x 32 heads x 8 splits) 8.8 µs with 4 warps, 4.9 with 2; decode merges at B = 1-32 within
-# ±0.3 µs of 4 warps; more rows per program gained nothing on top.
-MERGE_ROWS, MERGE_WARPS = 1, 2
-
-
 def merge_splits(part_acc, part_ml, out, splits: int, rows: int | None = None, num_warps: int | None = None) -> None:
+    """Merge split partials into ``out`` (second launch); ``rows`` per program and ``num_warps`` default to the
+    device's tuned ``merge`` entry (warps halved below head dim 128)."""
     R, Hq, D = out.shape
-    rows = MERGE_ROWS if rows is None else rows
+    if rows is None or num_warps is None:
+        m = tuned(out.device)["merge"]
+        rows = m["rows"] if rows is None else rows
+        num_warps = num_warps or (m["warps"] if D >= 128 else max(1, m["warps"] // 2))
     n_rows = R * Hq
     merge_splits_kernel[(triton.cdiv(n_rows, rows),)](
         part_acc, part_ml, out, out.stride(0), out.stride(1), Hq, n_rows, splits,
-        HEAD_DIM=D, BLOCK_S=triton.next_power_of_2(splits), ROWS=rows,
-        num_warps=num_warps or (MERGE_WARPS if D >= 128 else max(1, MERGE_WARPS // 2)))
+        HEAD_DIM=D, BLOCK_S=triton.next_power_of_2(splits), ROWS=rows, num_warps=num_warps)
 
 
 # ---------------------------------------------------------------- launch helpers
+@dataclass(frozen=True)
+class KernelOptions:
+    """Overrides of the attention kernels' tuned choices (``None``: the device's entry in tuned_configs.json),
+    carried by the attention backend (``TritonAttention(options)``) into every plan. The engine runs the defaults;
+    benchmarks and tests set these.
+
+    ``prefill_kernel``: "wgmma" (kernels/prefill_wgmma.py, Hopper) or "triton"; ``None`` picks the wgmma kernel
+    for an unsplit prefill on Hopper unless a Triton-kernel option below is set. ``*_config``: the kernel's config
+    tuple; ``*_rotation_mode``: kv_tile_loop's schedule (2, 5 or 7); ``*_splits``: the context split count.
+    ``merge``: (rows a program, warps) of the split merge. ``apply_rotation=False``: the rotation-off baseline
+    (every delta treated as 0, for K re-rotated in place). ``tuned``: merged over the device's tuned table (same
+    layout), e.g. a sweep's adopted defaults."""
+
+    prefill_kernel: str | None = None
+    prefill_config: tuple | None = None
+    prefill_rotation_mode: int | None = None
+    prefill_splits: int | None = None
+    decode_config: tuple | None = None
+    decode_rotation_mode: int | None = None
+    decode_splits: int | None = None
+    merge: tuple[int, int] | None = None
+    apply_rotation: bool = True
+    tuned: dict | None = field(default=None, hash=False, compare=False)
+
+
+def merge_split_partials(plan, part_acc, part_ml, out) -> None:
+    """A plan's split merge: its ``merge`` option, else the device's tuned one."""
+    rows, warps = plan.merge if plan.merge is not None else (None, None)
+    merge_splits(part_acc, part_ml, out, plan.splits, rows=rows, num_warps=warps)
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -530,6 +479,14 @@ def autotune_enabled() -> bool:
 
 
 _best_config: dict[tuple, tuple] = {}
+
+
+def known_config(key, default):
+    """The config :func:`pick_config` answers for ``key`` without timing anything: the one tuned for it, else
+    ``default``; ``None`` when autotuning is on and ``key`` is not tuned yet (the first run times the candidates)."""
+    if key in _best_config:
+        return _best_config[key]
+    return None if autotune_enabled() else default
 
 
 def pick_config(key, launch, configs, default):

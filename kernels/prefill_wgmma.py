@@ -5,43 +5,33 @@ Same work and layout as :func:`lazyrag.kernels.prefill.lazy_prefill`'s Triton ke
 ``BLOCK_M`` packed (token, q head) rows of one KV head; see :mod:`lazyrag.kernels.reference`), which picks this one
 on a Hopper GPU when the context is not split. Why a second kernel: in Triton's language a query tile that changes
 inside the loop is a loop-carried register value, which Triton copies through shared memory for the MMA on *every*
-tile (20% of the loop, benchmarks/NOTES.md "Kernels, round 10"); a loop-invariant q instead restarts Triton's
-software pipeline at each document (ROT 7). Here every step is explicit:
+tile (NOTES §Kernels, round 10); a loop-invariant q instead restarts Triton's software pipeline at each document
+(ROT 7). Here every step is explicit:
 
 - Tiles: packed (``kvloop.tile_table(packed=True)``): a KV tile is ``BLOCK_N / block_size`` consecutive blocks
   whatever documents they belong to, so short documents do not each leave a part-empty tile behind (segment-aligned
-  tiles, where every document starts a tile, are ~30% more tiles for 10 documents in 2k tokens).
+  tiles, where every document starts a tile, are many more tiles for short documents: NOTES §Kernels, round 12).
 - Segments: an outer loop over the tile table's segments (tiles whose first blocks share a delta; then the new
   tokens' tiles, delta 0, causal) and an inner loop over a segment's tiles, the same code with and without rotation.
-- q: at a segment's start the original tile is read from global memory, rotated (``scale * R(-delta) q``) and
-  stored to the q buffer: one store, one fence, one barrier a document.
-- Mixed tiles (keys of another document than the first block's, or valid keys that are not a prefix): the keys of
-  other documents are rotated in place in shared memory by the difference of the deltas (R(-a) q . R(b - a) k =
-  R(-b) q . k), with tile i-1's P V running under that pass, and each key's validity comes from its block's meta:
-  one extra pass over a K tile per document, in a separate build of the tile step (the table ends a segment there).
-- K/V: ``cp.async`` gathers from the paged cache into a ring of ``STAGES`` shared-memory slots, ``STAGES - 1``
-  tiles ahead by tile index, so they run on across segments. Their block indices are read two tiles earlier still
-  (the tile-table row, then the block metas), so no index load sits in front of a copy.
+- q: at a segment's start each consumer reads its rows of the original tile from global memory, rotates them
+  (``scale * R(-delta) q``) and stores them to the q buffer: one store, one fence, one barrier a document.
+- Mixed tiles (keys of another document than the first block's, or valid keys that are not a prefix): the producer
+  rotates the keys of other documents in place in shared memory by the difference of the deltas (R(-a) q . R(b - a)
+  k = R(-b) q . k) once they have landed, and each key's validity comes from its block's meta, in a separate build
+  of the consumers' tile step (the table ends a segment there).
+- Warp specialization (FA3's): a producer warpgroup issues the ``cp.async`` gathers from the paged cache into a ring
+  of ``STAGES`` shared-memory slots and hands each tile over through an mbarrier; two consumer warpgroups of 64 rows
+  each compute, give a slot back through another mbarrier once they have read it, and take turns to issue their
+  MMAs (ping-pong), so that one's softmax, q store and waits run under the other's MMAs. Registers are split
+  between them (setmaxnreg; tuned_configs.json ``prefill_wgmma.registers``). The producer hands tile u-1 over after
+  it has waited for tile u's slot, so it needs STAGES >= 3.
 - S = q K^T and O += P V are warpgroup MMAs (q, K, V from shared memory, P from registers). Tile i-1's P V is
   issued right after tile i's S and runs under tile i's softmax (FA3's intra-warpgroup overlap); both are waited
   for inside the iteration, because an MMA accumulator in flight across the loop's back edge makes ptxas
   serialize the MMAs (its warning C7515, which the Triton kernel's loop gets too).
 
-Two builds of that loop (``config``'s warps):
-
-- 8 warps (``_lazy_prefill_wgmma_kernel``, round 12's): both warpgroups issue the copies and compute, in lockstep
-  behind two CTA barriers a tile; a mixed tile's keys are rotated by them too, in a separate build of the tile step.
-- 12 warps (``_lazy_prefill_ws_kernel``, the default since round 13): warp-specialized like FA3. A producer
-  warpgroup issues the copies into a ring of STAGES slots, rotates a mixed tile's keys once they have landed and
-  hands each tile over through an mbarrier; two consumer warpgroups of 64 rows each store their own q rows per
-  segment and compute, giving a slot back through another mbarrier once they have read it, and take turns to issue
-  their MMAs (ping-pong), so that one's softmax, q store and waits run under the other's MMAs. Registers are split
-  216 / 216 / 72 a thread (setmaxnreg). The producer hands tile u-1 over after it has waited for tile u's slot,
-  so it needs STAGES >= 3.
-
-H200 (benchmarks/NOTES.md, "Kernels, rounds 11-13"): B=8, 512 new tokens: 1443 / 1519 / 539 µs at 8k with 1 / 10
-documents and 2k with 10 (round 13's grid, 128x64 tiles, 6 stages, 12 warps), against round 12's 8-warp build's
-1694 / 1872 / 682 and SDPA's 1741 / 1737 / 490 on a contiguous re-rotated copy.
+Config (BLOCK_M, BLOCK_N, num_warps, STAGES): 12 warps (two consumer warpgroups and the producer); the device's
+default in tuned_configs.json (NOTES §Kernels, round 13).
 """
 from __future__ import annotations
 
@@ -70,25 +60,7 @@ try:
 except (ImportError, AttributeError):  # Triton without Gluon (< 3.5): the Triton kernels serve every GPU
     HAVE_GLUON = False
 
-# (BLOCK_M, BLOCK_N, num_warps, STAGES); 8 warps = two warpgroups of 64 rows each, 12 = those two plus a producer
-# (the warp-specialized build). H200, B=8, 512 new tokens, same calls (benchmarks/NOTES.md, "Kernels, round 13",
-# calls 2-3): 128x64 / 12 warps / 6 stages 1419 / 1514 / 542 µs at 8k with 1 / 10 documents and 2k with 10; 4
-# stages 1423 / 1511 / 558; 128x128 / 12 warps / 3 stages 1733 / - / 757 (only 3 slots fit: with the producer's
-# hand-over lag, little lookahead);
-# round 12's 128x128 / 8 warps / 3 stages 1709 / 1924 / 658
-DEFAULT_CONFIG = (128, 64, 12, 6)
-# KV tiles packed across document boundaries (kvloop.tile_table(packed=True); a mixed tile's keys are rotated in
-# shared memory) rather than segment-aligned ones (every document starts a tile: ~30% more tiles for 10 documents
-# in 2k tokens). A switch for benchmarks/prefill_ceiling.py's side by side.
-PACKED_TILES = True
-# config warps = 12: the warp-specialized build (two consumer warpgroups of 64 rows, one producer warpgroup)
-WS_WARPS = 12
-# the warp-specialized build's consumers take turns to issue their MMAs (FA3's ping-pong)
-WS_PINGPONG = True
-# registers a thread of a consumer and of the producer (setmaxnreg; 2 * 216 + 72 = 504: what three warpgroups
-# may hold beside Triton's share) and the producer's rows a step when it rotates a mixed tile's keys
-WS_REGS = (216, 72)
-WS_KEY_CHUNK = 16
+WS_WARPS = 12  # a config's warps: two consumer warpgroups and the producer's
 
 
 @functools.lru_cache(maxsize=None)
@@ -110,11 +82,11 @@ def disable(reason: str) -> None:
     disabled_because = reason
 
 
-def supported(q: torch.Tensor, block_size: int, block_n: int = DEFAULT_CONFIG[1]) -> bool:
-    """Whether this kernel can run the call: Gluon present, a Hopper GPU, 16-bit q, head dim 64 or 128, pages no
-    larger than a KV tile."""
-    return (HAVE_GLUON and q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] in (64, 128)
-            and block_size <= block_n and _hopper(q.device.index if q.device.index is not None
+def supported(dtype: torch.dtype, head_dim: int, device: torch.device, block_size: int, block_n: int) -> bool:
+    """Whether this kernel can run a call: Gluon present, a Hopper GPU, 16-bit q, head dim 64 or 128, pages no
+    larger than a KV tile of ``block_n`` keys."""
+    return (HAVE_GLUON and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and head_dim in (64, 128)
+            and block_size <= block_n and _hopper(device.index if device.index is not None
                                                   else torch.cuda.current_device()))
 
 
@@ -237,24 +209,6 @@ if HAVE_GLUON:
         hi.store((x2 * c + x1 * sn).to(rows.dtype))
 
     @gluon.jit
-    def _rotate_mixed_keys(k_slot, meta_row, s0, span, delta_q, COS, SIN, BLOCK_SIZE: gl.constexpr,
-                           BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, num_warps: gl.constexpr):
-        """A mixed tile's keys, in place in their slot: key n (block s0 + n // BLOCK_SIZE, delta d) becomes
-        R(d - delta_q) k, so that the query rotated for ``delta_q`` sees each key at its document's offset
-        (R(-a) q . R(b - a) k = R(-b) q . k); visible to the next MMA. Two halves of the tile, both halves' metas
-        read first (each half's cos / sin gather waits for them): the accumulator is live here, registers are
-        short."""
-        HALF: gl.constexpr = HEAD_DIM // 2
-        ROWS: gl.constexpr = BLOCK_N // 2
-        RL: gl.constexpr = _copy_layout(ROWS, HALF, num_warps)
-        rel_a = _relative_deltas(meta_row, s0, span, delta_q, 0, ROWS, BLOCK_SIZE, RL)
-        rel_b = _relative_deltas(meta_row, s0, span, delta_q, ROWS, ROWS, BLOCK_SIZE, RL)
-        _rotate_rows(k_slot.slice(0, ROWS, dim=0), rel_a, COS, SIN, HALF, RL)
-        _rotate_rows(k_slot.slice(ROWS, ROWS, dim=0), rel_b, COS, SIN, HALF, RL)
-        fence_async_shared()
-        _cta_barrier()
-
-    @gluon.jit
     def _segment(tiles_row, t, n_ctx, n_all):
         """The segment starting at tile t: (its end, its delta, whether its last tile is mixed); past the context,
         the new tokens' tiles (delta 0)."""
@@ -286,202 +240,25 @@ if HAVE_GLUON:
         alpha = gl.exp2(m_i - m_new)
         return p, alpha, m_new, l_i * alpha + gl.sum(p, 1)
 
-    @gluon.jit
-    def _copy_ahead(k_smem, v_smem, i, n_ctx, n_all, meta_a, s0_b, valid_b, tiles_row, meta_row,
-                    seq_start, hi_new, K_CACHE, V_CACHE, K_NEW, V_NEW, kvh,
-                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                    stride_knt, stride_knh, stride_vnt, stride_vnh,
-                    BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
-                    LOAD: gl.constexpr):
-        """At tile i: start tile i + STAGES - 1's copies (metas ``meta_a``, read a tile ago) and read the indices
-        ahead: tile i + STAGES's metas (from its row ``s0_b``, ``valid_b``), the row of the one after, and tile
-        i + 1's valid keys."""
-        ua = i + STAGES - 1
-        _issue_kv(k_smem.index(ua % STAGES), v_smem.index(ua % STAGES), ua, n_ctx, n_all, meta_a, seq_start, hi_new,
-                  K_CACHE, V_CACHE, K_NEW, V_NEW, kvh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-                  stride_vh, stride_knt, stride_knh, stride_vnt, stride_vnh, BLOCK_SIZE, BLOCK_N, HEAD_DIM, LOAD)
-        meta_a = _tile_metas(meta_row, ua + 1, n_ctx, s0_b, valid_b, BLOCK_SIZE, BLOCK_N, LOAD)
-        ub = ua + 2
-        s0_b = gl.load(tiles_row + TILE_FIELDS * ub, mask=ub < n_ctx, other=0)
-        valid_n = gl.load(tiles_row + TILE_FIELDS * ub + 2, mask=ub < n_ctx, other=0)
-        valid_cur = gl.load(tiles_row + TILE_FIELDS * (i + 1) + 2, mask=i + 1 < n_ctx, other=0)
-        return meta_a, s0_b, valid_n, valid_cur
-
-    @gluon.jit
-    def _attend_tile(i, q_smem, k_smem, v_smem, s_zero, acc, m_i, l_i, p_op, meta_a, s0_b, valid_b, valid_cur,
-                     n_ctx, n_all, offs_n, tok_s, delta, tiles_row, meta_row, COS, SIN, seq_start, hi_new,
-                     K_CACHE, V_CACHE, K_NEW, V_NEW, kvh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-                     stride_vh, stride_knt, stride_knh, stride_vnt, stride_vnh,
-                     MIXED: gl.constexpr, ROTATE: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-                     HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, LOAD: gl.constexpr, p_layout: gl.constexpr,
-                     row_o: gl.constexpr, num_warps: gl.constexpr):
-        """One KV tile: S = q K^T of tile i, the online softmax, O += P V of tile i-1, then tile i + STAGES - 1's
-        copies. MIXED (a packed table's mixed tile, ``valid_cur`` = minus its span): its keys of other documents are
-        rotated first and the keys its blocks do not hold are masked; a separate build, so that the loop over the
-        other tiles carries none of it."""
-        # -- tile i's K/V have landed, every thread's: the barrier
-        async_copy.wait_group(STAGES - 2)
-        _cta_barrier()
-        if MIXED:
-            # -- O += P V of tile i-1 runs under the rotation of tile i's keys, then S (its softmax has no MMA under)
-            s0_cur = gl.load(tiles_row + TILE_FIELDS * i)
-            acc_t = warpgroup_mma(p_op, v_smem.index(gl.maximum(i - 1, 0) % STAGES), acc, is_async=True)
-            if ROTATE:
-                _rotate_mixed_keys(k_smem.index(i % STAGES), meta_row, s0_cur, -valid_cur, delta, COS, SIN,
-                                   BLOCK_SIZE, BLOCK_N, HEAD_DIM, num_warps)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t,))
-            s_t = warpgroup_mma(q_smem, k_smem.index(i % STAGES).permute((1, 0)), s_zero, use_acc=False,
-                                is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s_t,))
-            s = _mask_mixed_keys(s, meta_row, s0_cur, -valid_cur, offs_n, BLOCK_SIZE)
-            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
-        else:
-            # -- FA3's intra-warpgroup overlap: S = q K^T of tile i, then O += P V of tile i-1, which runs under
-            # tile i's softmax (waiting for one outstanding group waits for S). At tile 0: P = 0 times tile 0's V
-            # (finite, where an unused slot may hold NaN patterns).
-            s_t = warpgroup_mma(q_smem, k_smem.index(i % STAGES).permute((1, 0)), s_zero, use_acc=False,
-                                is_async=True)
-            acc_t = warpgroup_mma(p_op, v_smem.index(gl.maximum(i - 1, 0) % STAGES), acc, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_t,))
-            s = gl.where(_keep(i, n_ctx, valid_cur, offs_n, tok_s, BLOCK_N), s, float("-inf"))
-            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
-            # waited inside the iteration: an accumulator in flight across the loop's back edge makes ptxas
-            # serialize the MMAs (C7515: the loop-carried registers are moved while the MMA runs)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t,))
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        p_op = gl.convert_layout(p.to(p_op.dtype), p_layout)
-        # -- every warpgroup is past tile i-1's P V: its slot takes tile i + STAGES - 1
-        _cta_barrier()
-        meta_a, s0_b, valid_b, valid_cur = _copy_ahead(
-            k_smem, v_smem, i, n_ctx, n_all, meta_a, s0_b, valid_b, tiles_row, meta_row, seq_start, hi_new,
-            K_CACHE, V_CACHE, K_NEW, V_NEW, kvh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            stride_knt, stride_knh, stride_vnt, stride_vnh, BLOCK_SIZE, BLOCK_N, HEAD_DIM, STAGES, LOAD)
-        return acc, m_i, l_i, p_op, meta_a, s0_b, valid_b, valid_cur
-
-    @gluon.jit
-    def _lazy_prefill_wgmma_kernel(
-        Q, K_NEW, V_NEW, CU_SEQLENS, K_CACHE, V_CACHE, META, TILES, NUM_TILES, COS, SIN, OUT, qk_scale,
-        stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
-        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        stride_mb, stride_tb, stride_ot, stride_oh,
-        G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_M: gl.constexpr,
-        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ROTATE: gl.constexpr, num_warps: gl.constexpr,
-    ):
-        TOK: gl.constexpr = BLOCK_M // G  # query tokens per tile
-        dtype: gl.constexpr = Q.dtype.element_ty
-        # -- layouts: MMA accumulators (two warpgroups stacked along the rows), P as the A operand, copies
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, HEAD_DIM, 16])
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-        LOAD: gl.constexpr = _copy_layout(BLOCK_N, HEAD_DIM, num_warps)
-        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-        kv_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
-        q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)
-
-        tile = gl.program_id(0)
-        kvh = gl.program_id(1)
-        b = gl.program_id(2)
-        seq_start = gl.load(CU_SEQLENS + b)
-        seq_len = gl.load(CU_SEQLENS + b + 1) - seq_start
-        t0 = tile * TOK
-        if t0 < seq_len:  # the grid is sized for the longest sequence
-            q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_smem_layout)
-            k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_smem_layout)
-            v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_smem_layout)
-
-            meta_row = META + b.to(gl.int64) * stride_mb
-            tiles_row = TILES + b.to(gl.int64) * stride_tb
-            n_ctx = gl.load(NUM_TILES + b)
-            hi_new = gl.minimum(t0 + TOK, seq_len)  # keys of the new tokens this tile can see
-            n_all = n_ctx + gl.cdiv(hi_new, BLOCK_N)
-
-            # -- prologue: tiles 0 .. STAGES-2's copies; the metas of tile STAGES-1 and the row of tile STAGES
-            for u in gl.static_range(STAGES - 1):
-                s0 = gl.load(tiles_row + TILE_FIELDS * u, mask=u < n_ctx, other=0)
-                valid = gl.load(tiles_row + TILE_FIELDS * u + 2, mask=u < n_ctx, other=0)
-                meta = _tile_metas(meta_row, u, n_ctx, s0, valid, BLOCK_SIZE, BLOCK_N, LOAD)
-                _issue_kv(k_smem.index(u), v_smem.index(u), u, n_ctx, n_all, meta, seq_start, hi_new,
-                          K_CACHE, V_CACHE, K_NEW, V_NEW, kvh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-                          stride_vh, stride_knt, stride_knh, stride_vnt, stride_vnh, BLOCK_SIZE, BLOCK_N, HEAD_DIM,
-                          LOAD)
-            ua = STAGES - 1  # the next tile to copy: its metas are read
-            s0_a = gl.load(tiles_row + TILE_FIELDS * ua, mask=ua < n_ctx, other=0)
-            valid_a = gl.load(tiles_row + TILE_FIELDS * ua + 2, mask=ua < n_ctx, other=0)
-            meta_a = _tile_metas(meta_row, ua, n_ctx, s0_a, valid_a, BLOCK_SIZE, BLOCK_N, LOAD)
-            ub = STAGES  # the one after: its tile-table row is read
-            s0_b = gl.load(tiles_row + TILE_FIELDS * ub, mask=ub < n_ctx, other=0)
-            valid_b = gl.load(tiles_row + TILE_FIELDS * ub + 2, mask=ub < n_ctx, other=0)
-            valid_cur = gl.load(tiles_row + 2, mask=n_ctx > 0, other=0)  # tile 0's valid keys
-
-            offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            tok_s = t0 + gl.arange(0, BLOCK_M, layout=row_s) // G
-            m_i = gl.full([BLOCK_M], -1.0e30, gl.float32, row_s)
-            l_i = gl.zeros([BLOCK_M], gl.float32, row_s)
-            acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
-            s_zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
-            p_op = gl.zeros([BLOCK_M, BLOCK_N], dtype, p_layout)  # the previous tile's P (none before tile 0)
-            # -- one segment (a run of tiles with one delta: a document, or the new tokens) at a time; the K/V
-            # copies run on by tile index across segments, so a new document costs the q store and no refill
-            t = n_ctx * 0
-            while t < n_all:
-                t_end, delta, last_mixed = _segment(tiles_row, t, n_ctx, n_all)
-                # every warpgroup is past the previous tile's S (the barrier before its copies)
-                _store_rotated_q(q_smem, Q, COS, SIN, delta, qk_scale, seq_start, seq_len, t0, kvh, stride_qt,
-                                 stride_qh, ROTATE, G, BLOCK_M, HEAD_DIM, num_warps)
-                for i in range(t, t_end - last_mixed.to(gl.int32)):
-                    acc, m_i, l_i, p_op, meta_a, s0_b, valid_b, valid_cur = _attend_tile(
-                        i, q_smem, k_smem, v_smem, s_zero, acc, m_i, l_i, p_op, meta_a, s0_b, valid_b, valid_cur,
-                        n_ctx, n_all, offs_n, tok_s, delta, tiles_row, meta_row, COS, SIN, seq_start, hi_new,
-                        K_CACHE, V_CACHE, K_NEW, V_NEW, kvh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-                        stride_vh, stride_knt, stride_knh, stride_vnt, stride_vnh, False, ROTATE, BLOCK_SIZE, BLOCK_N,
-                        HEAD_DIM, STAGES, LOAD, p_layout, row_o, num_warps)
-                if last_mixed:  # a segment's only mixed tile is its last (the table ends segments there)
-                    acc, m_i, l_i, p_op, meta_a, s0_b, valid_b, valid_cur = _attend_tile(
-                        t_end - 1, q_smem, k_smem, v_smem, s_zero, acc, m_i, l_i, p_op, meta_a, s0_b, valid_b,
-                        valid_cur, n_ctx, n_all, offs_n, tok_s, delta, tiles_row, meta_row, COS, SIN, seq_start,
-                        hi_new, K_CACHE, V_CACHE, K_NEW, V_NEW, kvh, stride_kb, stride_ks, stride_kh, stride_vb,
-                        stride_vs, stride_vh, stride_knt, stride_knh, stride_vnt, stride_vnh, True, ROTATE, BLOCK_SIZE,
-                        BLOCK_N, HEAD_DIM, STAGES, LOAD, p_layout, row_o, num_warps)
-                t = t_end
-            # -- the last tile's P V
-            acc_t = warpgroup_mma(p_op, v_smem.index((n_all - 1) % STAGES), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t,))
-            async_copy.wait_group(0)
-
-            # -- every real row attends at least to itself, so l_i > 0 there
-            out = acc / gl.convert_layout(l_i, row_o)[:, None]
-            OL: gl.constexpr = _copy_layout(BLOCK_M, HEAD_DIM, num_warps)
-            out = gl.convert_layout(out.to(OUT.dtype.element_ty), OL)
-            offs_or = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, OL))
-            offs_od = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, OL))
-            _store_out(OUT, out, offs_or, offs_od, t0, seq_start, seq_len, kvh, stride_ot, stride_oh, G, TOK)
-
-
-    # -- the warp-specialized build (config warps = 12): two consumer warpgroups of 64 rows each and a producer
-    # warpgroup, synchronised by mbarriers instead of CTA barriers, so that one consumer's softmax, q stores and
-    # waits run under the other's MMAs, and the copies and the mixed tiles' key rotation leave the consumers' path.
-    # Barriers: full[s] (the producer's arrival: slot s holds its tile), empty[s] (both consumers': slot s is free),
-    # turn[w] (the other consumer's: consumer w may issue its MMAs); phases alternate every STAGES tiles (every
-    # tile for turn), and a wait for the phase before the first passes at once
+    # -- two consumer warpgroups of 64 rows each and a producer warpgroup, synchronised by mbarriers, so that one
+    # consumer's softmax, q stores and waits run under the other's MMAs, and the copies and the mixed tiles' key
+    # rotation leave the consumers' path. Barriers: full[s] (the producer's arrival: slot s holds its tile),
+    # empty[s] (both consumers': slot s is free), turn[w] (the other consumer's: consumer w may issue its MMAs);
+    # phases alternate every STAGES tiles (every tile for turn), and a wait for the phase before the first passes
     @gluon.jit
     def _ws_attend_tile(i, q_rows, k_smem, v_smem, full, empty, turn, s_zero, acc, m_i, l_i, p_op, valid_cur, n_ctx,
                         offs_n, tok_s, tiles_row, meta_row, MIXED: gl.constexpr, WG: gl.constexpr,
-                        PINGPONG: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
+                        BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
                         STAGES: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr):
         """One KV tile in consumer WG: S = q K^T of tile i (its keys already rotated by the producer), O += P V of
         tile i-1 under tile i's softmax, then tile i-1's slot handed back to the producer. MIXED: the keys its
-        blocks do not hold are masked (``valid_cur`` = minus its span). PINGPONG: the two consumers take turns to
-        issue their MMAs (FA3's schedule), so that one's softmax runs while the other's MMAs do."""
+        blocks do not hold are masked (``valid_cur`` = minus its span). The two consumers take turns to issue their
+        MMAs (FA3's ping-pong), so that one's softmax runs while the other's MMAs do."""
         mbarrier.wait(full.index(i % STAGES), (i // STAGES) & 1)
-        if PINGPONG:
-            mbarrier.wait(turn.index(WG), (i & 1) ^ (1 - WG))  # consumer 0 goes first
+        mbarrier.wait(turn.index(WG), (i & 1) ^ (1 - WG))  # consumer 0 goes first
         s_t = warpgroup_mma(q_rows, k_smem.index(i % STAGES).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         acc_t = warpgroup_mma(p_op, v_smem.index(gl.maximum(i - 1, 0) % STAGES), acc, is_async=True)
-        if PINGPONG:
-            mbarrier.arrive(turn.index(1 - WG))
+        mbarrier.arrive(turn.index(1 - WG))
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s_t,))
         if MIXED:
             s = _mask_mixed_keys(s, meta_row, gl.load(tiles_row + TILE_FIELDS * i), -valid_cur, offs_n, BLOCK_SIZE)
@@ -497,7 +274,7 @@ if HAVE_GLUON:
     @gluon.jit
     def _ws_consumer(q_smem, k_smem, v_smem, full, empty, turn, Q, COS, SIN, OUT, META, TILES, NUM_TILES, qk_scale,
                      b, kvh, seq_start, seq_len, t0, stride_qt, stride_qh, stride_mb, stride_tb, stride_ot, stride_oh,
-                     WG: gl.constexpr, PINGPONG: gl.constexpr, G: gl.constexpr, HEAD_DIM: gl.constexpr,
+                     WG: gl.constexpr, G: gl.constexpr, HEAD_DIM: gl.constexpr,
                      BLOCK_SIZE: gl.constexpr, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      ROTATE: gl.constexpr, num_warps: gl.constexpr):
         """Rows ROW0 .. ROW0 + 64 of the query tile (ROW0 = 64 WG): per segment its q rows rotated into its own
@@ -537,13 +314,13 @@ if HAVE_GLUON:
                 valid_cur = gl.load(tiles_row + TILE_FIELDS * i + 2, mask=i < n_ctx, other=0)
                 acc, m_i, l_i, p_op = _ws_attend_tile(
                     i, q_rows, k_smem, v_smem, full, empty, turn, s_zero, acc, m_i, l_i, p_op, valid_cur, n_ctx,
-                    offs_n, tok_s, tiles_row, meta_row, False, WG, PINGPONG, BLOCK_SIZE, BLOCK_N, STAGES, p_layout,
+                    offs_n, tok_s, tiles_row, meta_row, False, WG, BLOCK_SIZE, BLOCK_N, STAGES, p_layout,
                     row_o)
             if last_mixed:
                 valid_cur = gl.load(tiles_row + TILE_FIELDS * (t_end - 1) + 2)
                 acc, m_i, l_i, p_op = _ws_attend_tile(
                     t_end - 1, q_rows, k_smem, v_smem, full, empty, turn, s_zero, acc, m_i, l_i, p_op, valid_cur,
-                    n_ctx, offs_n, tok_s, tiles_row, meta_row, True, WG, PINGPONG, BLOCK_SIZE, BLOCK_N, STAGES,
+                    n_ctx, offs_n, tok_s, tiles_row, meta_row, True, WG, BLOCK_SIZE, BLOCK_N, STAGES,
                     p_layout, row_o)
             t = t_end
         acc_t = warpgroup_mma(p_op, v_smem.index((n_all - 1) % STAGES), acc, is_async=True)
@@ -557,7 +334,9 @@ if HAVE_GLUON:
     @gluon.jit
     def _ws_rotate_keys(k_slot, meta_row, s0, span, delta_q, COS, SIN, BLOCK_SIZE: gl.constexpr,
                         BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, CHUNK: gl.constexpr, num_warps: gl.constexpr):
-        """:func:`_rotate_mixed_keys` in CHUNK-row steps (the producer has few registers)."""
+        """A mixed tile's keys, in place in their slot, in CHUNK-row steps (the producer has few registers): key n
+        (block s0 + n // BLOCK_SIZE, delta d) becomes R(d - delta_q) k, so that the query rotated for ``delta_q``
+        sees each key at its document's offset (R(-a) q . R(b - a) k = R(-b) q . k)."""
         HALF: gl.constexpr = HEAD_DIM // 2
         RL: gl.constexpr = _copy_layout(CHUNK, HALF, num_warps)
         for c in gl.static_range(BLOCK_N // CHUNK):
@@ -608,7 +387,7 @@ if HAVE_GLUON:
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         stride_mb, stride_tb, stride_ot, stride_oh,
         G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_M: gl.constexpr,
-        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ROTATE: gl.constexpr, PINGPONG: gl.constexpr,
+        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ROTATE: gl.constexpr,
         CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, KEY_CHUNK: gl.constexpr, num_warps: gl.constexpr,
     ):
         TOK: gl.constexpr = BLOCK_M // G
@@ -636,11 +415,11 @@ if HAVE_GLUON:
             gl.warp_specialize([
                 (_ws_consumer, (q_smem, k_smem, v_smem, full, empty, turn, Q, COS, SIN, OUT, META, TILES, NUM_TILES,
                                 qk_scale, b, kvh, seq_start, seq_len, t0, stride_qt, stride_qh, stride_mb, stride_tb,
-                                stride_ot, stride_oh, 0, PINGPONG, G, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, STAGES,
+                                stride_ot, stride_oh, 0, G, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, STAGES,
                                 ROTATE, num_warps)),
                 (_ws_consumer, (q_smem, k_smem, v_smem, full, empty, turn, Q, COS, SIN, OUT, META, TILES, NUM_TILES,
                                 qk_scale, b, kvh, seq_start, seq_len, t0, stride_qt, stride_qh, stride_mb, stride_tb,
-                                stride_ot, stride_oh, 1, PINGPONG, G, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, STAGES,
+                                stride_ot, stride_oh, 1, G, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, STAGES,
                                 ROTATE, num_warps)),
                 (_ws_producer, (k_smem, v_smem, full, empty, K_CACHE, V_CACHE, K_NEW, V_NEW, META, TILES, NUM_TILES,
                                 COS, SIN, b, kvh, seq_start, seq_len, t0, stride_kb, stride_ks, stride_kh, stride_vb,
@@ -650,29 +429,28 @@ if HAVE_GLUON:
 
 
 def lazy_prefill_wgmma(q, k_new, v_new, cu, k_cache, v_cache, block_meta, tiles, n_tiles, rope_cos, rope_sin,
-                       qk_scale, out, grid, apply_rotation=True, config=None):
-    """Launch the kernel on prepared arguments (``lazy_prefill`` checks and converts them; ``tiles``, ``n_tiles``:
-    its tile table for ``BLOCK_N // block_size`` pages a tile; ``qk_scale`` includes log2(e); ``grid``: (query
-    tiles of ``BLOCK_M // G`` tokens, KV heads, sequences)). Returns the compiled kernel (for the launch record)."""
-    bm, bn, warps, stages = config or DEFAULT_CONFIG
+                       qk_scale, out, grid, config, registers, key_chunk, apply_rotation=True):
+    """Launch the kernel on prepared arguments (``prefill.run_prefill`` checks and converts them; ``tiles``,
+    ``n_tiles``: its packed tile table for ``BLOCK_N // block_size`` pages a tile; ``qk_scale`` includes log2(e);
+    ``grid``: (query tiles of ``BLOCK_M // G`` tokens, KV heads, sequences); ``config`` (BLOCK_M, BLOCK_N, 12,
+    STAGES); ``registers`` (consumer, producer) a thread; ``key_chunk``: the producer's rows a step when it rotates
+    a mixed tile's keys). Returns the compiled kernel (for the launch record)."""
+    bm, bn, warps, stages = config
     D = q.shape[2]
     G = q.shape[1] // k_new.shape[1]
-    ws = warps == WS_WARPS
-    consumer_warps = warps - 4 if ws else warps
-    assert bm == 64 * (consumer_warps // 4) and G <= bm, "BLOCK_M: 64 rows a warpgroup, at least one token"
+    assert warps == WS_WARPS, "num_warps: 12 (two consumer warpgroups and the producer)"
+    assert bm == 64 * ((warps - 4) // 4) and G <= bm, "BLOCK_M: 64 rows a warpgroup, at least one token"
     # the producer hands tile u-1 over after it has waited for tile u's slot, which the consumers give back
     # after tile u-STAGES+1: with two stages that would wait on itself
-    assert stages >= (3 if ws else 2), "STAGES: at least 2 (3 in the warp-specialized build)"
-    kernel = _lazy_prefill_ws_kernel if ws else _lazy_prefill_wgmma_kernel
-    compiled = kernel[grid](
+    assert stages >= 3, "STAGES: at least 3"
+    compiled = _lazy_prefill_ws_kernel[grid](
         q, k_new, v_new, cu, k_cache, v_cache, block_meta, tiles, n_tiles, rope_cos, rope_sin, out, qk_scale,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_meta.stride(0), tiles.stride(0), out.stride(0), out.stride(1),
         G=G, HEAD_DIM=D, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=bm, BLOCK_N=bn, STAGES=stages,
-        ROTATE=apply_rotation, num_warps=4 if ws else warps,
-        **(dict(PINGPONG=WS_PINGPONG, CONSUMER_REGS=WS_REGS[0], PRODUCER_REGS=WS_REGS[1], KEY_CHUNK=WS_KEY_CHUNK)
-           if ws else {}),
+        ROTATE=apply_rotation, num_warps=4,
+        CONSUMER_REGS=registers[0], PRODUCER_REGS=registers[1], KEY_CHUNK=key_chunk,
     )
     return compiled

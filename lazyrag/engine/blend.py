@@ -119,7 +119,6 @@ def select(deviation: torch.Tensor, chunk: torch.Tensor, ratio: float, forced: t
 # ``per_chunk`` (``:budget=chunk``) takes R of each chunk's tokens instead of R of all of them (the "chunk"
 # selection is deviation with per_chunk).
 SELECTIONS = BLEND_SELECTIONS  # named once, in lazyrag/strategy_names.py (the CLI checks them without torch)
-ATTN_LAYERS: tuple[int, int] | None = None  # experiments only (benchmarks/recovery_kl.py): [lo, hi) overrides attn_from
 GRADUAL_FACTOR = 2.0
 
 
@@ -193,7 +192,7 @@ def selective_recompute(
     attn = None
     if selection in ("attn", "attn_dev"):
         assert question, "selection by the question's attention needs the question"
-        score, ran = question_attention(runner, ctx, question, question_start, ATTN_LAYERS or (int(attn_from * L), L))
+        score, ran = question_attention(runner, ctx, question, question_start, (int(attn_from * L), L))
         attn, cost = score[chunk_pos.to(dev)].cpu(), len(question) * ran / L
     sel_layer = min(SELECTION_LAYER, L - 1)
     # (layer, tokens kept there, score from the deviation there or None: the attention, before the layer runs)

@@ -28,7 +28,7 @@ class AttentionMetadata:
     num_ctx_blocks: torch.Tensor  # [B] int32
     slot_mapping: torch.Tensor  # [T] int64: pool slot (block * block_size + offset) for each new token's K/V
     max_seqlen_q: int = 0
-    # kernels' per-batch derived tables (Triton tile tables), built by the first layer, reused by the rest
+    # kernels' per-batch plan and derived tables (Triton tile tables), built by the first layer, reused by the rest
     kernel_cache: dict = field(default_factory=dict, repr=False, compare=False)
 
 
@@ -153,28 +153,50 @@ class TorchAttention:
 
 
 class TritonAttention:
-    """LazyAttention Triton kernels: the query is rotated by -delta once per document."""
+    """LazyAttention Triton kernels: the query is rotated by -delta once per document.
+
+    Plan / run (as FlashInfer's wrappers): the first layer of a forward plans it (kernel, config, rotation
+    schedule, context splits, tile table: what depends on the batch's metadata only) into ``meta.kernel_cache``;
+    every layer runs its attention with that plan. ``options`` (kvloop.KernelOptions): overrides of the tuned
+    choices, for benchmarks; the engine runs the defaults."""
 
     name = "triton"
 
-    def __init__(self):
-        from lazyrag.kernels.decode import lazy_decode
-        from lazyrag.kernels.prefill import lazy_prefill
+    def __init__(self, options=None):
+        from lazyrag.kernels import decode, prefill
+        from lazyrag.kernels.kvloop import KernelOptions
 
-        self._prefill, self._decode = lazy_prefill, lazy_decode
+        self.options = options if options is not None else KernelOptions()
+        self._prefill, self._decode = prefill, decode
+
+    def plan(self, meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor):
+        """The forward's plan, made on its first call. Inside a CUDA-graph capture a plan made outside it is never
+        reused: the capture makes its own, whose tile table the graph rebuilds from its static inputs on every
+        replay."""
+        key = ("plan", q.is_cuda and torch.cuda.is_current_stream_capturing())
+        plan = meta.kernel_cache.get(key)
+        if plan is None:
+            shape = dict(num_heads=q.shape[1], num_kv_heads=k_cache.shape[2], head_dim=q.shape[2],
+                         block_size=k_cache.shape[1], dtype=q.dtype, device=q.device, options=self.options,
+                         tile_cache=meta.kernel_cache)
+            if meta.is_decode:
+                plan = self._decode.plan_decode(meta.block_meta, meta.num_ctx_blocks, batch=q.shape[0], **shape)
+            else:
+                plan = self._prefill.plan_prefill(meta.cu_seqlens_q, meta.block_meta, meta.num_ctx_blocks,
+                                                  max_seqlen_q=meta.max_seqlen_q, **shape)
+            meta.kernel_cache[key] = plan
+        return plan
 
     def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, rope_cos, rope_sin, sm_scale):
+        plan = self.plan(meta, q, k_cache)
         if meta.is_decode:
-            return self._decode(q, k_cache, v_cache, meta.block_meta, meta.num_ctx_blocks, rope_cos, rope_sin, sm_scale,
-                                tile_cache=meta.kernel_cache)
-        return self._prefill(
-            q, k, v, meta.cu_seqlens_q, k_cache, v_cache, meta.block_meta, meta.num_ctx_blocks,
-            rope_cos, rope_sin, sm_scale, max_seqlen_q=meta.max_seqlen_q, tile_cache=meta.kernel_cache,
-        )
+            return self._decode.run_decode(plan, q, k_cache, v_cache, rope_cos, rope_sin, sm_scale)
+        return self._prefill.run_prefill(plan, q, k, v, k_cache, v_cache, rope_cos, rope_sin, sm_scale)
 
 
-def make_attention_backend(name: str, device: torch.device):
-    """"torch" (the PyTorch reference) or "triton" (EngineConfig picks: Triton on CUDA, torch elsewhere)."""
+def make_attention_backend(name: str, device: torch.device, options=None):
+    """"torch" (the PyTorch reference) or "triton" (EngineConfig picks: Triton on CUDA, torch elsewhere);
+    ``options``: the Triton kernels' (kvloop.KernelOptions; benchmarks)."""
     if name == "torch":
         return TorchAttention()
     if name == "triton":
@@ -186,5 +208,5 @@ def make_attention_backend(name: str, device: torch.device):
                     "The Triton backend needs a CUDA device; on CPU use attention='torch' "
                     "(or set TRITON_INTERPRET=1 before importing lazyrag, which is slow and meant for tests)."
                 )
-        return TritonAttention()
+        return TritonAttention(options)
     raise ValueError(f"Unknown attention backend {name!r}: choose 'torch' or 'triton'.")

@@ -5,6 +5,7 @@ default model. On CPU the Triton kernels run in the interpreter (small shapes); 
 same tests run in bf16 and fp32, with CUDA graphs.
 """
 import random
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -16,10 +17,24 @@ from lazyrag.engine import SamplingParams
 from tests.conftest import tiny_llama_config
 
 CUDA = torch.cuda.is_available()
+
+
+@dataclass(frozen=True)
+class BackendCase:
+    device: str
+    attention: str
+    dtype: torch.dtype
+
+    @property
+    def name(self) -> str:
+        return f"{self.device}-{self.attention}-{str(self.dtype).removeprefix('torch.')}"
+
+
 # Triton on CPU means its interpreter, which tests/conftest.py turns on only where there is no GPU.
-CASES = [("cpu", "torch", torch.float32)] + ([] if CUDA else [("cpu", "triton", torch.float32)])
+CASES = [BackendCase("cpu", "torch", torch.float32)] + ([] if CUDA else [BackendCase("cpu", "triton", torch.float32)])
 if CUDA:
-    CASES += [("cuda", "triton", torch.float32), ("cuda", "triton", torch.bfloat16), ("cuda", "torch", torch.bfloat16)]
+    CASES += [BackendCase("cuda", "triton", torch.float32), BackendCase("cuda", "triton", torch.bfloat16),
+              BackendCase("cuda", "torch", torch.bfloat16)]
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +71,15 @@ def rel_err(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-@pytest.fixture(params=CASES, ids=lambda c: f"{c[0]}-{c[1]}-{str(c[2])[6:]}", scope="module")
+@pytest.fixture(params=CASES, ids=[c.name for c in CASES], scope="module")
 def case(request, hf_model):
-    device, attention, dtype = request.param
-    engine = LazyEngine.from_hf(hf_model, None, device=device, dtype=dtype, attention=attention, kv_budget=32 << 20)
-    return engine, hf_model, dtype
+    c = request.param
+    engine = LazyEngine.from_hf(hf_model, None, device=c.device, dtype=c.dtype, attention=c.attention,
+                                kv_budget=32 << 20)
+    return engine, hf_model, c.dtype
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0, 1], ids=["seed0", "seed1"])
 def test_lazy_equals_position_aware(case, seed):
     engine, _, dtype = case
     layout = random_layout(seed)
@@ -113,7 +129,7 @@ def test_cuda_graph_decode_matches_eager(hf_model):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("cuda_graphs", [True, False])
+@pytest.mark.parametrize("cuda_graphs", [True, False], ids=["graphs", "eager"])
 def test_async_scheduling_matches_synchronous_steps(hf_model, cuda_graphs):
     """On by default with CUDA: each greedy decode step is launched on the previous step's device tokens (copied
     into the graph's input buffer) before the host reads them. Same tokens as stepping synchronously, batched
@@ -189,7 +205,7 @@ def test_blending_every_chunk_token_equals_full_prefill(case):
     assert rel_err(engine.layout_logits(layout, "lazy:blend=1"), engine.layout_logits(layout, "full")) < tolerance(dtype)
 
 
-@pytest.mark.parametrize("is_decode", [True, False])
+@pytest.mark.parametrize("is_decode", [True, False], ids=["decode", "prefill"])
 def test_host_batch_one_buffer_padded(is_decode):
     """A step's inputs travel in one int64 buffer (engine/runner.py HostBatch); laid out for a larger
     captured shape, the padding is inert: scratch slot, no context, one padding token per decode row."""
@@ -272,3 +288,38 @@ def test_skinny_projections_match_gemm(hf_model, monkeypatch):
     assert len(calls) >= 4 * 2 and min(calls) >= 2  # the four projections of both layers, multi-token forwards only
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     assert engines[0].submit(layout, params).result().token_ids == engines[1].submit(layout, params).result().token_ids
+
+
+def test_triton_backend_plans_once_per_forward(hf_model, monkeypatch):
+    """The Triton backend plans a forward on its first layer (meta.kernel_cache) and runs every layer with that
+    plan; its options (kvloop.KernelOptions) reach the plan. The interpreter on CPU, the kernels on CUDA."""
+    if not CUDA and __import__("os").environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton on CPU needs its interpreter")
+    from lazyrag.kernels import decode, prefill
+    from lazyrag.kernels.kvloop import KernelOptions
+
+    device = "cuda" if CUDA else "cpu"
+    engine = LazyEngine.from_hf(hf_model, None, device=device, dtype=torch.float32, attention="triton",
+                                kv_budget=32 << 20, cuda_graphs=False)
+    backend = engine.runner.attention
+    plans, runs = [], []
+    for mod, plan_fn, run_fn in ((prefill, "plan_prefill", "run_prefill"), (decode, "plan_decode", "run_decode")):
+        real_plan, real_run = getattr(mod, plan_fn), getattr(mod, run_fn)
+        monkeypatch.setattr(mod, plan_fn, lambda *a, _f=real_plan, **k: plans.append(_f(*a, **k)) or plans[-1])
+        monkeypatch.setattr(mod, run_fn, lambda plan, *a, _f=real_run, **k: runs.append(plan) or _f(plan, *a, **k))
+    layout = random_layout(6)
+    base = engine.submit(layout, SamplingParams(max_new_tokens=3, ignore_eos=True)).result().token_ids
+    layers = hf_model.config.num_hidden_layers
+    assert plans and len(runs) == layers * len(plans)
+    assert all(runs[i * layers: (i + 1) * layers] == [p] * layers for i, p in enumerate(plans))  # one plan a forward
+    assert all(p.rotate for p in plans)
+    if not CUDA:  # the interpreter's schedule (the GPU's depends on the grid: tests/kernels)
+        assert all(p.rot == 5 for p in plans)
+    backend.options = KernelOptions(prefill_rotation_mode=7, decode_rotation_mode=2, decode_splits=1)
+    plans.clear()
+    other = PromptLayout(layout.prefix_ids, layout.chunk_ids[::-1], layout.question_ids)
+    engine.submit(other, SamplingParams(max_new_tokens=3, ignore_eos=True)).result()
+    assert {(type(p).__name__, p.rot) for p in plans} == {("PrefillPlan", 7), ("DecodePlan", 2)}
+    assert all(p.splits == 1 for p in plans if type(p).__name__ == "DecodePlan")
+    backend.options = KernelOptions()
+    assert engine.submit(layout, SamplingParams(max_new_tokens=3, ignore_eos=True)).result().token_ids == base
