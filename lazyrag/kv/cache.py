@@ -160,6 +160,7 @@ class CacheManager:
         self._lock = threading.RLock()
         self._prefetcher: ThreadPoolExecutor | None = None
         self.stats = CacheStats()
+        self._subscribers: list = []  # KV events (subscribe)
         self.tiers: list[Tier] = list(tiers or [])
         if self.config.host_bytes:
             self.tiers.append(HostTier(self.config.host_bytes))
@@ -167,6 +168,17 @@ class CacheManager:
             self.tiers.append(DiskTier(self.config.disk_dir, self.config.disk_bytes or 1 << 62))
         if self.tiers and pool.device.type == "meta":
             raise ValueError("A pool on the meta device holds no values, so it cannot have host or disk tiers.")
+
+    def subscribe(self, callback) -> None:
+        """Call ``callback(event, key)`` whenever a segment enters the pool (``"stored"``) or leaves it
+        (``"removed"``), as vLLM publishes KV events: what a router needs to send a request where its chunks
+        are (lazyrag/server/routing.py). It runs under the cache's lock: keep it to a queue append."""
+        with self._lock:
+            self._subscribers.append(callback)
+
+    def _publish(self, event: str, key: str) -> None:
+        for callback in self._subscribers:
+            callback(event, key)
 
     def add_tier(self, tier: Tier) -> None:
         """Serve misses from ``tier`` too (below the existing tiers), e.g. a corpus store; once only."""
@@ -268,6 +280,7 @@ class CacheManager:
             self._cached_blocks += len(seg.blocks)
             self.policy.insert(seg.key, len(seg.blocks), seg.cost)
             self.stats.inserted += 1
+            self._publish("stored", seg.key)
             return seg
 
     def _make_room(self, seg: Segment) -> bool:
@@ -362,6 +375,7 @@ class CacheManager:
             self._cached_blocks -= len(seg.blocks)
             self.pool.decref(seg.blocks)
             self.stats.evictions += 1
+            self._publish("removed", key)
 
     def clear(self) -> None:
         """Drop every unpinned segment from the device pool (tiers keep what they hold)."""
