@@ -199,6 +199,7 @@ examples:
   lazyrag serve                                           # embedded model on http://127.0.0.1:8000/v1
   lazyrag serve --store stores/nq --k 5                   # answer questions from a pre-cached corpus
   lazyrag serve --model ~/models/Llama-3.1-8B-Instruct --device cuda --host 0.0.0.0 --api-key "$KEY"
+  lazyrag serve --replicas 2 --store stores/nq           # 2 engines behind one endpoint, on Ray Serve
 
   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' -d '{
     "messages": [{"role": "user", "content": "Who discovered penicillin?"}],
@@ -228,6 +229,17 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-pending", type=int, default=256, help="generations in flight before new requests get HTTP 503 (default: %(default)s)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ requests (default: no key)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"], help="uvicorn's log level")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="engines behind the one endpoint, each its own process (Ray Serve; pip install 'lazyrag[replicas]'). "
+                        "A request goes where most of its documents' KV already is (--router); all replicas read the same "
+                        "--store. Use replicas for more traffic than one engine serves; a model too big for one GPU "
+                        "needs tensor parallelism instead (default: %(default)s, no Ray)")
+    p.add_argument("--router", default="chunk_affinity", choices=["chunk_affinity", "least_loaded", "round_robin"],
+                   help="with --replicas: how a request picks its replica (default: %(default)s: least queued work plus "
+                        "the request's documents a replica lacks, from the replicas' KV events)")
+    p.add_argument("--ray-address", default=None,
+                   help="with --replicas: join this Ray cluster ('auto' for the one `ray start` made here) instead of "
+                        "starting Ray on this machine")
     return p
 
 
@@ -435,6 +447,15 @@ def _check_serve(args) -> None:
         import fastapi, prometheus_client, uvicorn  # noqa: F401, E401
     except ImportError as e:
         raise UsageError(f"lazyrag serve needs its extra: pip install 'lazyrag[serve]' ({e.name} is missing).") from None
+    if args.replicas < 1:
+        raise UsageError("--replicas must be at least 1.")
+    if args.replicas > 1:
+        try:
+            import ray.serve  # noqa: F401
+        except ImportError:
+            raise UsageError("lazyrag serve --replicas needs Ray Serve: pip install 'lazyrag[replicas]'.") from None
+        if args.api_key:
+            raise UsageError("--api-key is not supported with --replicas yet: put the endpoint behind your gateway.")
     if args.store is not None:
         args.store = _check_store(args.store)
 
@@ -558,6 +579,8 @@ def _precache(args) -> int:
 
 
 def _serve(args) -> int:
+    if args.replicas > 1:
+        return _serve_replicas(args)
     from lazyrag.engine import LazyEngine
     from lazyrag.server import ServerConfig, run_server
 
@@ -575,6 +598,21 @@ def _serve(args) -> int:
           f"(default strategy {config.strategy}{', store ' + str(args.store.path) if args.store is not None else ''})",
           file=sys.stderr)
     run_server(engine, config, args.host, args.port, retriever, args.log_level)
+    return 0
+
+
+def _serve_replicas(args) -> int:
+    from lazyrag.server.replicas import ReplicaSpec, run
+
+    server = {"max_tokens": args.max_tokens, "temperature": args.temperature, "strategy": args.strategy, "k": args.k,
+              "max_pending": args.max_pending}
+    if args.served_model_name:
+        server["model_name"] = args.served_model_name
+    spec = ReplicaSpec(model=args.model, device=args.device, dtype=args.dtype, kv_budget=args.kv_budget,
+                       store=None if args.store is None else str(args.store.path), server=server)
+    print(f"lazyrag serve: {args.replicas} replicas ({args.router} routing) at http://{args.host}:{args.port}/v1; "
+          "GET /routing shows each replica's state; Ctrl-C stops them", file=sys.stderr)
+    run(spec, args.replicas, args.router, args.host, args.port, args.ray_address)
     return 0
 
 

@@ -1,0 +1,287 @@
+"""Several ``lazyrag serve`` replicas behind one OpenAI-compatible endpoint, on Ray Serve.
+
+    lazyrag serve --replicas 2 [--router chunk_affinity] [--store stores/nq] ...
+
+Each replica is one Ray Serve deployment (one actor) running the very app of ``lazyrag serve``
+(``create_app``: same endpoints, errors, streaming and metrics) over its own engine, called in process
+through ASGI; all replicas may attach one corpus store on a shared filesystem (read-only: one
+``lazyrag precache`` writes it beforehand). A front deployment takes the HTTP traffic, computes the
+content keys of a request's ``documents`` (the chunks it brings), asks the router
+(``lazyrag/server/routing.py``) where to send it, and relays the answer. Replicas publish the chunk
+keys entering and leaving their pools (``CacheManager.subscribe``); the front polls them.
+
+Faults: a request whose replica fails before any byte of the answer was sent is retried on another
+replica; one that fails mid-stream ends with an error event for that client alone. A replica that fails
+a request or a health check is marked down and gets nothing until it answers again (Ray Serve restarts
+a dead replica; its cache starts empty). Every other request goes on.
+
+The same code spans one host or a cluster: ``ray start --head`` on one machine and ``ray start
+--address ...`` on others, then this command on the head (``--ray-address auto``).
+"""
+
+import asyncio
+import json
+import logging
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+
+from fastapi import FastAPI, Request  # module level: FastAPI resolves the handlers' annotations here
+from fastapi.responses import JSONResponse, StreamingResponse
+
+log = logging.getLogger("lazyrag.replicas")
+REPLICA_HEADER = "x-lazyrag-replica"
+
+
+@dataclass
+class ReplicaSpec:
+    """What every replica is started with (the engine's and the server's settings)."""
+
+    model: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    kv_budget: int | None = None
+    store: str | None = None  # a corpus store path every replica can read
+    server: dict = field(default_factory=dict)  # ServerConfig fields (model_name set from the engine if absent)
+
+
+async def call_asgi(app, method: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]], body: bytes):
+    """Run one HTTP request through an ASGI app in process; yields its ``http.response.*`` messages as the app
+    sends them (a streaming response arrives piece by piece). Closing the generator disconnects the client."""
+    sent: asyncio.Queue = asyncio.Queue()
+    done_reading = asyncio.Event()
+
+    async def receive():
+        if not done_reading.is_set():
+            done_reading.set()
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()  # nothing more to read until the app is cancelled (a disconnect)
+
+    async def send(message):
+        await sent.put(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": query, "root_path": "", "headers": headers,
+             "client": ("front", 0), "server": ("replica", 80)}
+    task = asyncio.ensure_future(app(scope, receive, send))
+    try:
+        while True:
+            getter = asyncio.ensure_future(sent.get())
+            await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+            if not getter.done():  # the app ended without a full response: its error
+                getter.cancel()
+                task.result()
+                raise RuntimeError("the replica's app ended without a response")
+            message = getter.result()
+            yield message
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                break
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+class LazyragReplica:
+    """One engine and its ``lazyrag serve`` app (a Ray Serve deployment's class)."""
+
+    def __init__(self, spec: dict):
+        from lazyrag.engine import LazyEngine
+        from lazyrag.server.app import ServerConfig, create_app
+
+        spec = ReplicaSpec(**spec)
+        kw = {"kv_budget": spec.kv_budget} if spec.kv_budget else {}
+        self.engine = LazyEngine.from_pretrained(spec.model, device=spec.device, dtype=spec.dtype, **kw)
+        retriever = None
+        if spec.store is not None:
+            from lazyrag.store.retriever import Retriever
+
+            retriever = Retriever(self.engine.attach_store(spec.store))
+        config = ServerConfig(**{"model_name": self.engine.model_name, **spec.server})
+        self.app = create_app(self.engine, config, retriever)
+        self._events: deque = deque()
+        self.engine.cache.subscribe(lambda event, key: self._events.append((event, key)))
+
+    def identity(self) -> dict:
+        """What the front needs to compute this replica's chunk keys: the model fingerprint and encoding prefix."""
+        prompts = self.engine._require_prompts()
+        return {"fingerprint": self.engine.fingerprint, "prefix_ids": prompts.prefix_ids(),
+                "model_name": self.engine.model_name, "held": list(self.engine.cache._segments)}
+
+    def kv_events(self) -> list[tuple[str, str]]:
+        """The KV events since the last call (stored / removed chunk keys), oldest first."""
+        out = []
+        while self._events:
+            out.append(self._events.popleft())
+        return out
+
+    def check_health(self) -> None:  # Ray Serve's health check: the engine answers
+        assert self.engine.cache is not None
+
+    async def serve_http(self, method: str, path: str, query: bytes, headers: list, body: bytes):
+        """The app's response messages for one HTTP request (a streaming generator across Ray)."""
+        async for message in call_asgi(self.app, method, path, query, headers, body):
+            yield message
+
+
+class ChunkKeys:
+    """The content keys a replica files a request's ``documents`` under, computed without the model's weights:
+    its tokenizer, fingerprint and encoding prefix (from ``LazyragReplica.identity``)."""
+
+    def __init__(self, model: str | None, identity: dict, system_prompt: str | None = None):
+        from transformers import AutoTokenizer
+
+        from lazyrag.engine.reuse import Strategy
+        from lazyrag.model.loader import resolve_model_source
+        from lazyrag.prompt import DEFAULT_SYSTEM_PROMPT, PromptBuilder
+
+        source = resolve_model_source(model)
+        tokenizer = AutoTokenizer.from_pretrained(source.folder, **source.kwargs())
+        self.prompts = PromptBuilder(tokenizer, system_prompt or DEFAULT_SYSTEM_PROMPT)
+        self.prefix_ids = list(identity["prefix_ids"])
+        self._keys = Strategy(None, None, identity["fingerprint"])  # the planner's own key rule, no cache needed
+
+    def __call__(self, documents: list[str]) -> list[str]:
+        return [self._keys.chunk_key(self.prefix_ids, self.prompts.encode_chunk(d)) for d in documents]
+
+
+def documents_of(body: bytes) -> tuple[list[str], bool]:
+    """(the request's ``documents``, whether it asks to stream); a body that is not JSON routes with no keys."""
+    try:
+        data = json.loads(body or b"{}")
+    except ValueError:
+        return [], False
+    if not isinstance(data, dict):
+        return [], False
+    docs = data.get("documents") or []
+    return [d for d in docs if isinstance(d, str)] if isinstance(docs, list) else [], bool(data.get("stream"))
+
+
+def build_app(spec: ReplicaSpec, replicas: int = 2, router: str = "chunk_affinity", poll_s: float = 0.2,
+              replica_options: dict | None = None):
+    """The Ray Serve application: ``replicas`` replica deployments and the front that routes to them."""
+    from ray import serve
+
+    from lazyrag.server.protocol import error_body
+    from lazyrag.server.routing import NoReplica, make_router
+
+    assert replicas >= 1
+    names = [f"replica-{i}" for i in range(replicas)]
+    options = {"ray_actor_options": {"num_cpus": 0}, "health_check_period_s": 2, "health_check_timeout_s": 10,
+               "max_ongoing_requests": 1024, **(replica_options or {})}
+    Replica = serve.deployment(LazyragReplica, **options)
+    front_api = FastAPI(title="lazyrag replicas")
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
+    @serve.ingress(front_api)
+    class Front:
+        def __init__(self, *handles):
+            self.handles = dict(zip(names, handles))
+            self.router = make_router(router, names)
+            self.spec = spec
+            self.keys: ChunkKeys | None = None
+            self._poller = None
+
+        async def _ready(self):
+            if self.keys is None:
+                identity = await self.handles[names[0]].identity.remote()
+                self.keys = await asyncio.to_thread(ChunkKeys, spec.model, identity,
+                                                    spec.server.get("system_prompt"))
+            if self._poller is None:
+                self._poller = asyncio.get_running_loop().create_task(self._poll())
+
+        async def _poll(self):
+            """Apply the replicas' KV events and mark replicas up or down by whether they answer."""
+            while True:
+                for name, handle in self.handles.items():
+                    try:
+                        events = await asyncio.wait_for(handle.kv_events.remote(), timeout=5)
+                    except Exception:
+                        self.router.mark_down(name)
+                        continue
+                    replica = self.router.replicas[name]
+                    if not replica.alive:
+                        self.router.mark_up(name)
+                    for event, key in events:
+                        replica.on_kv_event(event, key)
+                await asyncio.sleep(poll_s)
+
+        def routing(self) -> dict:
+            return {n: {"alive": r.alive, "held": len(r.held), "in_flight": r.in_flight}
+                    for n, r in self.router.replicas.items()}
+
+        @front_api.get("/routing")
+        async def routing_state(self):
+            """Each replica's state as the router sees it (alive, chunks held, requests in flight)."""
+            await self._ready()
+            return self.routing()
+
+        @front_api.api_route("/{path:path}", methods=["GET", "POST"])
+        async def relay(self, path: str, request: Request):
+            await self._ready()
+            body = await request.body()
+            documents, _ = documents_of(body)
+            keys = self.keys(documents) if documents else []
+            headers = [(k.encode(), v.encode()) for k, v in request.headers.items()]
+            tried = set()
+            while True:
+                try:
+                    route = self.router.start(keys)
+                except NoReplica as e:
+                    return JSONResponse(error_body(str(e), "server_error", 503), status_code=503)
+                if route.replica in tried:  # every replica up has failed this request
+                    self.router.finish(route)
+                    return JSONResponse(error_body("every replica failed this request", "server_error", 502),
+                                        status_code=502)
+                tried.add(route.replica)
+                stream = self.handles[route.replica].options(stream=True).serve_http.remote(
+                    request.method, "/" + path, request.url.query.encode(), headers, body)
+                try:
+                    start = await stream.__anext__()
+                except Exception as e:  # nothing sent yet: mark it down, try another replica
+                    log.warning("lazyrag: %s failed a request before answering (%s); retrying elsewhere", route.replica, e)
+                    self.router.finish(route)
+                    self.router.mark_down(route.replica)
+                    continue
+                break
+            status = start["status"]
+            out_headers = {k.decode(): v.decode() for k, v in start.get("headers", [])
+                           if k.lower() not in (b"content-length", b"transfer-encoding")}
+            out_headers[REPLICA_HEADER] = route.replica
+
+            async def body_parts():
+                try:
+                    async for message in stream:
+                        if message.get("body"):
+                            yield message["body"]
+                except Exception as e:  # the replica died mid-answer: this client alone gets an error event
+                    self.router.mark_down(route.replica)
+                    yield ("data: " + json.dumps(error_body(f"replica {route.replica} failed mid-answer: {e}",
+                                                            "server_error", 502)) + "\n\n").encode()
+                finally:
+                    self.router.finish(route)
+
+            return StreamingResponse(body_parts(), status_code=status, headers=out_headers)
+
+    replicas_bound = [Replica.options(name=n).bind(asdict(spec)) for n in names]
+    return Front.bind(*replicas_bound)
+
+
+def run(spec: ReplicaSpec, replicas: int, router: str, host: str, port: int, ray_address: str | None = None,
+        blocking: bool = True):
+    """Start Ray (or join ``ray_address``), deploy, and serve on ``host:port`` until interrupted."""
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": host, "port": port})
+    handle = serve.run(build_app(spec, replicas, router), name="lazyrag", route_prefix="/")
+    if blocking:
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            serve.shutdown()
+    return handle
