@@ -11,6 +11,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from tests.helpers import TINY_DOCS  # noqa: E402
+
 
 @pytest.fixture(scope="session")
 def default_hf():
@@ -78,15 +80,6 @@ def engine(engine_and_hf):
 
 # -- corpus store fixtures (issue 4) ---------------------------------------------------------
 
-TINY_DOCS = {
-    "curie.md": "Marie Curie won the Nobel Prize in Physics in 1903 and the Nobel Prize in Chemistry in 1911.",
-    "canal.md": "The Grand Canal of China links Beijing with Hangzhou over 1,776 kilometres and was begun in the 5th century BC.",
-    "trench.txt": "The Mariana Trench in the western Pacific reaches a depth of about 10,935 metres at Challenger Deep.",
-    "basalt.md": "Basalt forms when lava rich in magnesium and iron cools quickly at the surface of the Earth.",
-    "paganini.txt": "The violinist Niccolo Paganini was born in Genoa in 1782 and toured Europe for decades.",
-}
-
-
 @pytest.fixture(scope="session")
 def tiny_corpus(tmp_path_factory):
     """A folder of five one-paragraph documents."""
@@ -101,6 +94,45 @@ def embedder():
     from lazyrag.store.retriever import load_embedder
 
     return load_embedder()
+
+
+# -- stores and engines shared by the adapter, CLI, server and precache tests ----------------
+
+@pytest.fixture(scope="session")
+def tiny_store(default_engine, tiny_corpus, embedder, tmp_path_factory):
+    """A finished corpus store of the five tiny documents, built on the session engine."""
+    from lazyrag.store.build import PrecacheConfig, precache
+
+    out = tmp_path_factory.mktemp("adapter-stores") / "tiny"
+    precache(default_engine, PrecacheConfig([str(tiny_corpus)], str(out), progress=False), embedder)
+    return out
+
+
+@pytest.fixture(scope="module")
+def adapter_engine(default_engine):
+    """The session engine as the adapters' shared engine for the default model; stores the adapters
+    attach are detached afterwards, so other test modules see the engine as they left it."""
+    from lazyrag.integrations._common import register_engine
+
+    register_engine(default_engine)
+    tiers = list(default_engine.cache.tiers)
+    yield default_engine
+    default_engine.cache.tiers[:] = tiers
+    default_engine.cache.clear()
+
+
+@pytest.fixture
+def detaches_stores(default_engine, tiny_engine, embedder, monkeypatch):
+    """precache_store attaches the store it builds to the engine it is given: detached again after the test,
+    since other tests count hits and misses on these session engines. The adapters use the session embedder."""
+    from lazyrag.integrations import _common
+    from lazyrag.store.retriever import DEFAULT_EMBEDDER
+
+    monkeypatch.setitem(_common._embedders, DEFAULT_EMBEDDER, embedder)
+    tiers = [(engine, list(engine.cache.tiers)) for engine in (default_engine, tiny_engine)]
+    yield
+    for engine, before in tiers:
+        engine.cache.tiers[:] = before
 
 
 def pytest_collection_modifyitems(config, items):

@@ -80,6 +80,48 @@ def test_kv_is_bookkeeping_only():
             assert all(d.startswith("lazyrag.kv") or d == "lazyrag" for d in deps), (name, deps)
 
 
+# top-level names of the repository's folders that are not shipped: product code must never import them
+NOT_SHIPPED = {"benchmarks", "tests", "scripts", "examples", "shared"}
+
+
+def foreign_imports(source: str) -> list[str]:
+    """Modules ``source`` imports (absolute, at any depth) whose top-level name is a folder that is not shipped,
+    or that load a file by path (importlib's spec_from_file_location: how a benchmark or lab script is reached)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "spec_from_file_location":
+            names = ["<spec_from_file_location>"]
+        else:
+            continue
+        out += [n for n in names if n.split(".")[0] in NOT_SHIPPED or n.startswith("<")]
+    return out
+
+
+def test_product_code_imports_no_benchmark_test_or_lab_code():
+    """lazyrag/, kernels/ and integrations/ (what the wheel ships) import nothing from benchmarks/, tests/,
+    scripts/ or examples/, nor load a module from a file path."""
+    found = [f"{name}: {', '.join(bad)}" for name, path in modules().items() if (bad := foreign_imports(path.read_text()))]
+    assert not found, "\n".join(found)
+
+
+def test_the_foreign_import_check_can_fail():
+    assert foreign_imports("import benchmarks.routing") == ["benchmarks.routing"]
+    assert foreign_imports("def f():\n    from tests.helpers import CHUNKS") == ["tests.helpers"]
+    assert foreign_imports("import importlib.util as u\nu.spec_from_file_location('x', 'benchmarks/x.py')") == ["<spec_from_file_location>"]
+    assert foreign_imports("from . import common\nimport torch\nfrom lazyrag.kv import cache") == []
+
+
+def test_kernels_import_only_kernels_torch_and_triton():
+    """kernels/ is the bottom layer: it imports no other lazyrag module (the engine selects kernels, not the reverse)."""
+    for name, deps in graph().items():
+        if name.startswith("lazyrag.kernels"):
+            assert all(d.startswith("lazyrag.kernels") for d in deps), (name, deps)
+
+
 def test_no_import_cycles():
     g = {a: {b for b in deps if b != "lazyrag"} for a, deps in graph().items()}
     state: dict[str, int] = {}

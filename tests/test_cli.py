@@ -6,7 +6,6 @@ import sys
 
 import pytest
 
-from tests.integration_fixtures import tiny_store  # noqa: F401 (fixture)
 
 # runs the CLI, then says whether the engine module (torch, the model) was ever imported
 _PROBE = ("import sys; from lazyrag.cli import main; rc = main(sys.argv[1:]); "
@@ -89,7 +88,8 @@ def _broken_store(tmp_path):
     (["precache", "{tmp}/no-corpus", "--out", "{tmp}/out"], "not found"),
     (["precache", "{tmp}", "--out", "{tmp}/out", "--chunk-tokens", "100"], "multiple of the KV block size"),
     (["eval", "--strategies", "full,lazy:blend=2"], "Bad strategy"),
-])
+], ids=["unknown-strategy", "bad-lazy-option", "missing-store", "broken-store", "missing-corpus",
+        "chunk-tokens-off-block", "bad-eval-strategy"])
 def test_bad_arguments_are_reported_before_any_model_loads(tmp_path, args, message):
     broken = _broken_store(tmp_path)
     args = [a.format(tmp=tmp_path, broken=broken) for a in args]

@@ -2,7 +2,7 @@
 import pytest
 
 from lazyrag.eval import DATA, accuracy, evaluate, exact_match, f1, normalize, score_parallel
-from tests.test_engine import CHUNKS
+from tests.helpers import CHUNKS
 
 
 def test_squad_scoring():
@@ -146,3 +146,31 @@ def test_the_recovery_is_chosen_by_its_mean_paired_gain_over_the_sets():
     assert winner == "y"  # mean -1.4 against x's -2.0, though y is worse on nq
     table["nq"]["x"] = row(0.1, 0.5, 14)  # x's mean -1.45: within 0.1 of y's, and its F1 is higher
     assert qs.choose(table, 15.0)[0] == "x"
+
+
+def test_skip_answered_leaves_out_what_every_strategy_answered_somewhere(tmp_path):
+    import json
+
+    from lazyrag.eval import answered_questions
+
+    def report(name, questions, scores, errors=None):
+        path = tmp_path / name
+        path.write_text(json.dumps({"questions": questions, "errors": errors or {},
+                                    "scores": {s: {"acc": [0.0] * len(questions), "f1": [0.0] * len(questions)}
+                                               for s in scores}}))
+        return path
+
+    first = report("a.json", ["q1", "q2", "q3"], ["full", "lazy"], errors={"lazy": {"1": "out of memory"}})
+    later = report("b.json", ["q2", "q4"], ["full", "lazy", "lazy+recover"])
+    # q2's lazy failed in the first report but was answered in the later one; only "lazy+recover" was asked later
+    assert answered_questions([first, later], ["full", "lazy"]) == {"q1", "q2", "q3", "q4"}
+    assert answered_questions([first, later], ["full", "lazy", "lazy+recover"]) == {"q2", "q4"}
+    assert answered_questions([first], ["full", "lazy"]) == {"q1", "q3"}
+    assert answered_questions([first], ["full", "position_aware"]) == set()  # a strategy no report ran
+
+
+def test_eval_refuses_a_missing_skip_answered_report_before_loading_the_model(tmp_path, capsys):
+    from lazyrag.cli import main
+
+    assert main(["eval", "--dataset", "squad", "--skip-answered", str(tmp_path / "none.json")]) == 2
+    assert "--skip-answered" in capsys.readouterr().err

@@ -16,65 +16,17 @@ to, and the new tokens themselves. Misses are encoded (or copied) while planning
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 from lazyrag.engine.request import Plan
 from lazyrag.engine.runner import ModelRunner, Placement, SeqState
 from lazyrag.kv.block_pool import blocks_for
-from lazyrag.kv.cache import CacheManager, Segment, SegmentKind, content_key
+from lazyrag.kv.cache import CacheManager, Segment, SegmentKind
+from lazyrag.kv.identity import chunk_key, content_key, prefix_key
 from lazyrag.prompt import PromptLayout
 from lazyrag.strategy_names import BLEND_BUDGETS, BLEND_SELECTIONS, STRATEGY_NAMES, check_strategy, lazy_options
 
 ENCODE_BATCH_TOKENS = 8192
-
-
-class ContentKeyMemo:
-    """``content_key`` remembered by the parts' values: a chunk recurs across requests, and packing and
-    hashing its ids is on the way to the first token. A 512-token chunk's key (dev machine): ~10 µs to
-    hash, ~5 µs to look up when the ids are the int objects seen before (token lists kept by the caller),
-    ~9 µs when they are equal ones made anew (a tokenizer's output): comparing them is most of it.
-
-    Entries are keyed by the parts frozen into tuples, so a list changed since is another entry, never
-    a stale key (and the key is made from those same tuples). At most ``max_tokens`` token ids are held,
-    ~36 bytes each; the oldest entries leave first (a hot chunk that leaves costs one hash to come back).
-    """
-
-    def __init__(self, max_tokens: int = 1 << 20):
-        self.max_tokens = max_tokens
-        self._keys: dict[tuple, str] = {}
-        self._tokens = 0
-        self._lock = threading.Lock()  # for changes; a look-up is one dict read
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def __call__(self, *parts) -> str:
-        frozen = tuple(p if isinstance(p, str) else tuple(p) for p in parts)
-        key = self._keys.get(frozen)
-        if key is None:
-            key = content_key(*frozen)
-            self._remember(frozen, key)
-        return key
-
-    def _remember(self, frozen: tuple, key: str) -> None:
-        tokens = _num_ids(frozen)
-        with self._lock:
-            if frozen in self._keys or tokens > self.max_tokens:
-                return
-            while self._tokens + tokens > self.max_tokens:
-                oldest = next(iter(self._keys))  # dicts keep insertion order
-                del self._keys[oldest]
-                self._tokens -= _num_ids(oldest)
-            self._keys[frozen] = key
-            self._tokens += tokens
-
-
-def _num_ids(frozen: tuple) -> int:
-    return sum(len(p) for p in frozen if not isinstance(p, str))
-
-
-_content_keys = ContentKeyMemo()  # one for every strategy and engine: a key depends on the content alone
 
 
 @dataclass
@@ -123,10 +75,10 @@ class Strategy:
     # -- shared by the chunk-caching strategies --------------------------------------
 
     def prefix_key(self, prefix_ids: list[int]) -> str:
-        return _content_keys(self.fingerprint, "prefix", prefix_ids)
+        return prefix_key(self.fingerprint, prefix_ids)
 
     def chunk_key(self, prefix_ids: list[int], chunk_ids: list[int]) -> str:
-        return _content_keys(self.fingerprint, "chunk", prefix_ids, chunk_ids)
+        return chunk_key(self.fingerprint, prefix_ids, chunk_ids)
 
     def encode(self, jobs: list[EncodeJob], plan: Plan | None = None, keep: bool = True) -> list[Segment]:
         """Compute each job's KV into fresh blocks, in batches, and cache (pinned) the segments.

@@ -18,9 +18,7 @@ in a background thread, ahead of the request that will need it.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
-import struct
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,22 +32,6 @@ from lazyrag.kv.formats import resolve_stored_dtype
 from lazyrag.kv.tiers import DiskTier, HostTier, Tier, TierEntry
 
 log = logging.getLogger(__name__)
-
-
-def content_key(*parts) -> str:
-    """sha256 over the parts (strings and token-id lists), for content addressing.
-
-    Token ids are hashed as packed int64 in native byte order (the bytes of ``array("q", ids)``,
-    which the keys of stores on disk were made with): a 2k-token prompt hashes in microseconds,
-    where formatting each id as text took about a millisecond. ``struct.pack`` packs a list
-    about twice as fast as ``array`` (a lazy request's six keys on the dev machine: 87 -> 59 µs).
-    """
-    h = hashlib.sha256()
-    for p in parts:
-        data = p.encode() if isinstance(p, str) else struct.pack(f"={len(p)}q", *p)
-        h.update(len(data).to_bytes(8, "little"))
-        h.update(data)
-    return h.hexdigest()
 
 
 class SegmentKind(str, Enum):
@@ -161,6 +143,9 @@ class CacheManager:
         self._prefetcher: ThreadPoolExecutor | None = None
         self.stats = CacheStats()
         self._subscribers: list = []  # KV events (subscribe)
+        # tensor parallelism: this rank's KV heads [lo, hi) of the model's; KV of every head (a corpus store's)
+        # is sliced to them where it enters the pool. None: the pool holds every head.
+        self.kv_heads: tuple[int, int] | None = None
         self.tiers: list[Tier] = list(tiers or [])
         if self.config.host_bytes:
             self.tiers.append(HostTier(self.config.host_bytes))
@@ -400,6 +385,9 @@ class CacheManager:
         if k.dtype != self.pool.shape.dtype:
             raise TypeError(f"KV is {k.dtype} but the pool holds {self.pool.shape.dtype}; it was made for another engine dtype.")
         L, bs = self.pool.shape.num_layers, self.pool.shape.block_size
+        if self.kv_heads is not None and k.shape[2] != self.pool.shape.num_kv_heads:
+            lo, hi = self.kv_heads  # stored with every head (built at tensor-parallel size 1): this rank's share
+            k, v = k[:, :, lo:hi], v[:, :, lo:hi]
         n = k.shape[1]
         idx = torch.tensor(blocks, device=self.pool.device)
         for src, dst in ((k, self.pool.k), (v, self.pool.v)):

@@ -316,7 +316,8 @@ def test_an_index_with_shifted_ids_is_refused_and_rewritten_by_verify(tiny_engin
 
 
 @pytest.mark.parametrize("column,value", [("text", "Marie Curie was a pirate who won nothing."), ("doc_id", "forged.md"),
-                                          ("meta", json.dumps({"title": "Forged", "source": "elsewhere"}))])
+                                          ("meta", json.dumps({"title": "Forged", "source": "elsewhere"}))],
+                         ids=["text", "doc_id", "meta"])
 def test_an_edited_row_is_never_served_and_verify_rebuilds_it(tiny_engine, tiny_store_path, embedder, tmp_path, column, value):
     path = _copy(tiny_store_path, tmp_path)
     q = "Which prizes did Marie Curie win?"

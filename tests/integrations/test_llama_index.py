@@ -23,8 +23,7 @@ from lazyrag.integrations.llama_index import (
 )
 from lazyrag.store import StoreError
 from lazyrag.store.corpus import CorpusStore
-from tests.conftest import TINY_DOCS
-from tests.integration_fixtures import MANY, adapter_engine, decode_batches, detaches_stores, store_engine, tiny_store  # noqa: F401 (fixtures)
+from tests.helpers import MANY, TINY_DOCS, kwargs_id
 
 pytestmark = pytest.mark.slow
 MAX_NEW = 12
@@ -221,7 +220,8 @@ def test_a_shared_engine_asked_for_another_kv_budget_raises(adapter_engine):
 
 @pytest.mark.parametrize("kwargs", [dict(context_window=-5), dict(context_window=0), dict(temperature=float("inf")),
                                     dict(temperature=float("nan")), dict(temperature=1e-320), dict(top_p=1e-300),
-                                    dict(top_p=1.5), dict(seed=2**70), dict(seed=-1), dict(kv_budget=0), dict(max_new_tokens=0)])
+                                    dict(top_p=1.5), dict(seed=2**70), dict(seed=-1), dict(kv_budget=0), dict(max_new_tokens=0)],
+                         ids=kwargs_id)
 def test_constructor_numbers_are_checked(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         LazyLlamaLLM(**kwargs)

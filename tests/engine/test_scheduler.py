@@ -1,10 +1,7 @@
 """Continuous batching: concurrent requests are batched, give the same answers as one at a time,
 and give back every block and pin when they end, fail or are abandoned."""
 import asyncio
-from contextlib import contextmanager
-import random
 from dataclasses import replace
-import threading
 import time
 
 import pytest
@@ -12,38 +9,14 @@ import torch
 
 from lazyrag.kv.block_pool import OutOfBlocks
 from lazyrag.engine import SamplingParams, SchedulerConfig
-from tests.test_engine import CHUNKS, QUESTION
-
-QUESTIONS = [QUESTION, "How deep is the Mariana Trench?", "Where was Paganini born?", "How long is the Grand Canal?"]
-
-
-def _layouts(engine, n: int, seed: int = 0):
-    rng = random.Random(seed)
-    return [engine.build_prompt(QUESTIONS[i % len(QUESTIONS)], rng.sample(CHUNKS, k=rng.randint(2, 4))) for i in range(n)]
-
-
-@contextmanager
-def stepped_by_hand(engine):
-    """Queue requests inside the block; they are stepped to completion by this thread when it ends. The stepping
-    lock is held throughout, so a driver thread left running by an earlier asyncio test on a shared engine
-    cannot step some of them first (which made batch shapes and abort timing depend on thread scheduling)."""
-    with engine._lock:
-        yield
-        while engine.scheduler.has_work():
-            engine.scheduler.step()
-
-
-def _assert_nothing_held(engine, free_before: int):
-    assert not engine.scheduler.has_work()
-    assert engine.cache.pool.num_free == free_before
-    assert all(seg.pins == 0 for seg in engine.cache._segments.values())
+from tests.helpers import CHUNKS, QUESTION, assert_nothing_held, random_layouts, run_in_threads, stepped_by_hand
 
 
 def test_batched_requests_match_one_at_a_time(tiny_engine):
     engine = tiny_engine
     strategies = ["lazy", "position_aware", "full", "prefix", "lazy:first=16"]
     lengths = [3, 9, 5, 12, 7]
-    layouts = _layouts(engine, len(strategies), seed=1)
+    layouts = random_layouts(engine, len(strategies), seed=1)
     params = [SamplingParams(max_new_tokens=k, ignore_eos=True, strategy=s) for k, s in zip(lengths, strategies)]
     alone = [engine.submit(lay, p).result() for lay, p in zip(layouts, params)]
     free_before = engine.cache.pool.num_free
@@ -58,32 +31,12 @@ def test_batched_requests_match_one_at_a_time(tiny_engine):
     # one prefill for all five, then one decode step per token of the longest answer
     assert engine.scheduler.steps["prefill"] - steps["prefill"] == 1
     assert engine.scheduler.steps["decode"] - steps["decode"] == max(lengths) - 1
-    _assert_nothing_held(engine, free_before)
-
-
-def run_in_threads(n: int, work) -> list:
-    """``work(i)`` in n threads started together; each one's result, or the exception it raised."""
-    out = [None] * n
-    start = threading.Barrier(n)
-
-    def worker(i):
-        start.wait()
-        try:
-            out[i] = work(i)
-        except Exception as e:
-            out[i] = e
-
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    return out
+    assert_nothing_held(engine, free_before)
 
 
 def test_requests_from_threads_are_batched_and_correct(tiny_engine):
     engine = tiny_engine
-    layouts = _layouts(engine, 6, seed=2)
+    layouts = random_layouts(engine, 6, seed=2)
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
     alone = [engine.submit(lay, params).result().token_ids for lay in layouts]
     free_before = engine.cache.pool.num_free
@@ -92,12 +45,12 @@ def test_requests_from_threads_are_batched_and_correct(tiny_engine):
     assert got == alone
     # sequentially this takes 6 x 9 decode steps; batched, far fewer
     assert engine.scheduler.steps["decode"] - steps["decode"] < 6 * 9
-    _assert_nothing_held(engine, free_before)
+    assert_nothing_held(engine, free_before)
 
 
 async def test_async_api_batches_concurrent_requests(default_engine):
     engine = default_engine
-    layouts = _layouts(engine, 4, seed=3)
+    layouts = random_layouts(engine, 4, seed=3)
     params = SamplingParams(max_new_tokens=8)
     alone = [engine.submit(lay, params).result() for lay in layouts]
     steps = dict(engine.scheduler.steps)
@@ -113,7 +66,7 @@ async def test_async_api_batches_concurrent_requests(default_engine):
 
 def test_stopping_a_stream_early_gives_everything_back(tiny_engine):
     engine = tiny_engine
-    layout = _layouts(engine, 1, seed=4)[0]
+    layout = random_layouts(engine, 1, seed=4)[0]
     params = SamplingParams(max_new_tokens=30, ignore_eos=True)
     engine.submit(layout, params).result()  # chunks cached
     free_before = engine.cache.pool.num_free
@@ -121,12 +74,12 @@ def test_stopping_a_stream_early_gives_everything_back(tiny_engine):
     next(stream), next(stream)
     assert engine.cache.pool.num_free < free_before  # the request holds its own blocks
     stream.close()
-    _assert_nothing_held(engine, free_before)
+    assert_nothing_held(engine, free_before)
 
 
 async def test_cancelled_async_stream_gives_everything_back(tiny_engine):
     engine = tiny_engine
-    layout = _layouts(engine, 1, seed=5)[0]
+    layout = random_layouts(engine, 1, seed=5)[0]
     params = SamplingParams(max_new_tokens=40, ignore_eos=True)
     await engine.submit(layout, params).aresult()
     free_before = engine.cache.pool.num_free
@@ -137,7 +90,7 @@ async def test_cancelled_async_stream_gives_everything_back(tiny_engine):
     deadline = time.monotonic() + 10
     while engine.scheduler.has_work() and time.monotonic() < deadline:  # the driver thread reaps it at its next step
         await asyncio.sleep(0.01)
-    _assert_nothing_held(engine, free_before)
+    assert_nothing_held(engine, free_before)
 
 
 def test_a_full_pool_queues_requests_and_an_impossible_one_fails_alone(tiny_hf, default_hf):
@@ -147,7 +100,7 @@ def test_a_full_pool_queues_requests_and_an_impossible_one_fails_alone(tiny_hf, 
     engine = LazyEngine.from_hf(tiny_hf, default_hf[1], device="cpu", kv_budget=48 * 8192,
                                 scheduler=SchedulerConfig(max_running=8))
     assert engine.cache.pool.num_blocks == 48
-    layouts = _layouts(engine, 2, seed=6)
+    layouts = random_layouts(engine, 2, seed=6)
     long = SamplingParams(max_new_tokens=400, ignore_eos=True)
     before = engine.runner.tokens_forwarded
     with stepped_by_hand(engine):
@@ -172,7 +125,7 @@ def test_max_running_caps_the_batch(tiny_hf, default_hf):
                                 scheduler=SchedulerConfig(max_running=2))
     widest = 0
     with engine._lock:
-        reqs = [engine.add_request(lay, SamplingParams(max_new_tokens=5, ignore_eos=True)) for lay in _layouts(engine, 5, seed=7)]
+        reqs = [engine.add_request(lay, SamplingParams(max_new_tokens=5, ignore_eos=True)) for lay in random_layouts(engine, 5, seed=7)]
         while engine.scheduler.has_work():
             engine.scheduler.step()
             widest = max(widest, len(engine.scheduler.running))
@@ -186,7 +139,7 @@ def test_async_scheduling_gives_the_same_answers_and_everything_back(tiny_engine
     that ends on an end token ends one launched step late without a different answer; a sampled request makes
     the batch step synchronously while it runs; an abort and the length limit give every block back."""
     engine, sched = tiny_engine, tiny_engine.scheduler
-    layouts = _layouts(engine, 6, seed=21)
+    layouts = random_layouts(engine, 6, seed=21)
     lengths = [4, 11, 6, 9, 7]
     greedy = [SamplingParams(max_new_tokens=k, ignore_eos=True) for k in lengths]
     monkeypatch.setattr(sched, "async_scheduling", False)
@@ -222,10 +175,10 @@ def test_async_scheduling_gives_the_same_answers_and_everything_back(tiny_engine
     assert len(reqs[-1].result().token_ids) == 3
     assert aborted.finish_reason == "abort" and 3 <= len(aborted.seq.generated) < 50
     assert any(on_device) and not all(on_device)  # chained while all were greedy; not while the sampled one ran
-    _assert_nothing_held(engine, free_before)
+    assert_nothing_held(engine, free_before)
 
     # one request, streamed: the same text as stepping synchronously
     stream = "".join(engine.submit(layouts[2], greedy[2]))
     monkeypatch.setattr(sched, "async_scheduling", False)
     assert stream == engine.submit(layouts[2], greedy[2]).result().text
-    _assert_nothing_held(engine, free_before)
+    assert_nothing_held(engine, free_before)

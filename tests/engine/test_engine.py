@@ -9,20 +9,7 @@ import pytest
 import torch
 
 from lazyrag.engine.reuse import LazyStitching
-
-CHUNKS = [
-    "The Grand Canal of China, begun in the 5th century BC, links Beijing with Hangzhou over 1,776 kilometres.",
-    "Marie Curie won the Nobel Prize in Physics in 1903 and the Nobel Prize in Chemistry in 1911.",
-    "The Mariana Trench in the western Pacific reaches a depth of about 10,935 metres at Challenger Deep.",
-    "Basalt forms when lava rich in magnesium and iron cools quickly at the surface of the Earth.",
-    "The violinist Niccolo Paganini was born in Genoa in 1782 and toured Europe for decades.",
-]
-QUESTION = "In which years did Marie Curie win Nobel Prizes?"
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
-
+from tests.helpers import CHUNKS, QUESTION, rel_err
 
 def test_full_prefill_matches_transformers(engine_and_hf):
     engine, hf = engine_and_hf

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from lazyrag.engine import SamplingParams
-from tests.test_engine import CHUNKS, QUESTION
-from tests.test_scheduler import QUESTIONS, _assert_nothing_held, _layouts, stepped_by_hand, run_in_threads
+from tests.helpers import CHUNKS, QUESTION, QUESTIONS, assert_nothing_held, kwargs_id, random_layouts, run_in_threads, stepped_by_hand
 
 
 @pytest.fixture
@@ -40,7 +39,7 @@ def fresh_engine(tiny_hf, default_hf):
     (dict(seed=2**70), "seed"),
     (dict(seed=2**63), "seed"),
     (dict(seed=-1), "seed"),
-])
+], ids=kwargs_id)
 def test_bad_sampling_params_are_refused_before_admission(kwargs, problem):
     with pytest.raises(ValueError, match=problem):
         SamplingParams(**kwargs)
@@ -65,7 +64,7 @@ def _poisoned_params():
 
 def test_a_request_that_fails_while_sampling_fails_alone(fresh_engine):
     engine = fresh_engine
-    layouts = _layouts(engine, 4, seed=11)
+    layouts = random_layouts(engine, 4, seed=11)
     good = SamplingParams(max_new_tokens=6, ignore_eos=True)
     alone = [engine.submit(lay, good).result().token_ids for lay in layouts][:3]  # and every chunk cached
     free_before = engine.cache.pool.num_free
@@ -78,14 +77,14 @@ def test_a_request_that_fails_while_sampling_fails_alone(fresh_engine):
     with pytest.raises(RuntimeError):
         bad.result()
     assert bad.finish_reason == "error"
-    _assert_nothing_held(engine, free_before)
+    assert_nothing_held(engine, free_before)
     assert engine.generate(QUESTION, CHUNKS[:2], max_new_tokens=3).finish_reason in ("length", "stop")
 
 
 def test_a_failing_forward_pass_fails_only_the_request_at_fault(fresh_engine, monkeypatch):
     """The batched forward fails whenever the poisoned sequence is in it; the others are run alone."""
     engine = fresh_engine
-    layouts = _layouts(engine, 3, seed=12)
+    layouts = random_layouts(engine, 3, seed=12)
     params = SamplingParams(max_new_tokens=5, ignore_eos=True)
     alone = [engine.submit(lay, params).result().token_ids for lay in layouts][:2]
     free_before = engine.cache.pool.num_free
@@ -105,12 +104,12 @@ def test_a_failing_forward_pass_fails_only_the_request_at_fault(fresh_engine, mo
     assert [r.result().token_ids for r in reqs[:2]] == alone
     with pytest.raises(RuntimeError, match="poisoned"):
         poisoned.result()
-    _assert_nothing_held(engine, free_before)
+    assert_nothing_held(engine, free_before)
 
 
 def test_a_notify_callback_that_raises_aborts_only_its_request(fresh_engine):
     engine = fresh_engine
-    layouts = _layouts(engine, 2, seed=13)
+    layouts = random_layouts(engine, 2, seed=13)
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     expected = [engine.submit(lay, params).result().token_ids for lay in layouts][0]
     free_before = engine.cache.pool.num_free
@@ -124,14 +123,14 @@ def test_a_notify_callback_that_raises_aborts_only_its_request(fresh_engine):
 
     assert ok.result().token_ids == expected
     assert gone.finish_reason == "abort"
-    _assert_nothing_held(engine, free_before)
+    assert_nothing_held(engine, free_before)
 
 
 def test_async_faults_fail_alone_across_event_loops(fresh_engine):
     """A poisoned request inside a gather, and a task cancelled by wait_for whose event loop then
     closes, leave the driver thread serving the next event loop with everything given back."""
     engine = fresh_engine
-    layouts = _layouts(engine, 3, seed=14)
+    layouts = random_layouts(engine, 3, seed=14)
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     expected = [engine.submit(lay, params).result().token_ids for lay in layouts]
     free_before = engine.cache.pool.num_free
@@ -164,19 +163,19 @@ def test_async_faults_fail_alone_across_event_loops(fresh_engine):
         if not engine.scheduler.has_work():
             break
         deadline.wait(0.01)
-    _assert_nothing_held(engine, free_before)
+    assert_nothing_held(engine, free_before)
 
 
 def test_threads_with_a_bad_request_among_them(fresh_engine):
     engine = fresh_engine
-    layouts = _layouts(engine, 4, seed=15)
+    layouts = random_layouts(engine, 4, seed=15)
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     expected = [engine.submit(lay, params).result().token_ids for lay in layouts]
     free_before = engine.cache.pool.num_free
     got = run_in_threads(5, lambda i: engine.submit(layouts[i % 4], params if i < 4 else _poisoned_params()).result().token_ids)
     assert got[:4] == expected
     assert isinstance(got[4], RuntimeError)
-    _assert_nothing_held(engine, free_before)
+    assert_nothing_held(engine, free_before)
 
 
 @pytest.mark.parametrize("question, chunks, problem", [
@@ -186,7 +185,7 @@ def test_threads_with_a_bad_request_among_them(fresh_engine):
     (None, CHUNKS[:1], "question must be a string"),
     (QUESTION, [CHUNKS[0], "bad \ud800 text"], "chunk 1 is not valid Unicode"),
     ("why \udfff?", CHUNKS[:1], "question is not valid Unicode"),
-])
+], ids=["chunks-a-string", "chunks-none", "chunk-none", "question-none", "chunk-surrogate", "question-surrogate"])
 def test_bad_prompt_input_is_a_value_error_that_names_it(fresh_engine, question, chunks, problem):
     with pytest.raises(ValueError, match=problem):
         fresh_engine.generate(question, chunks, max_new_tokens=2)

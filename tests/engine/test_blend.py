@@ -7,7 +7,7 @@ import torch
 
 from lazyrag.engine.blend import select, selective_recompute
 from lazyrag.strategy_names import lazy_options
-from tests.test_engine import CHUNKS, QUESTION, rel_err
+from tests.helpers import CHUNKS, QUESTION, rel_err
 
 
 def test_blending_every_token_is_full_prefill(engine):

@@ -1,14 +1,12 @@
 """The cache manager on its own: content keys, budget, policies, admission, pinning under threads, tiers."""
-import hashlib
 import random
 import threading
-from array import array
 
 import pytest
 import torch
 
 from lazyrag.kv.block_pool import BlockPool, KVShape, OutOfBlocks
-from lazyrag.kv.cache import CacheConfig, CacheManager, Segment, content_key
+from lazyrag.kv.cache import CacheConfig, CacheManager, Segment
 from lazyrag.kv.tiers import DiskTier
 
 SHAPE = KVShape(num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
@@ -31,27 +29,6 @@ def rand_kv(tokens, seed=0):
     g = torch.Generator().manual_seed(seed)
     shape = (SHAPE.num_layers, tokens, SHAPE.num_kv_heads, SHAPE.head_dim)
     return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
-
-
-def test_content_keys_stay_those_stores_on_disk_are_indexed_by():
-    """sha256 over each part's length and bytes, token ids as ``array("q")`` packs them: pinned by a digest
-    made before ids were packed with ``struct`` and by the ``array`` definition on random parts."""
-    assert content_key("fp", "chunk", [128000, 0, 7], [], (1, 2**40)) == \
-        "2f25cc79a97775f248b5ecdddc891afc8fcd63d39810a36a7fe498d8fa79f9f6"
-
-    def by_array(*parts):
-        h = hashlib.sha256()
-        for p in parts:
-            data = p.encode() if isinstance(p, str) else array("q", p).tobytes()
-            h.update(len(data).to_bytes(8, "little") + data)
-        return h.hexdigest()
-
-    rng = random.Random(0)
-    for _ in range(50):
-        parts = [rng.choice(["", "prefix", "chunk \u00e9"]) if rng.random() < 0.4 else
-                 [rng.randrange(-(2**63), 2**63) if rng.random() < 0.1 else rng.randrange(128256) for _ in range(rng.randrange(600))]
-                 for _ in range(rng.randrange(1, 5))]
-        assert content_key(*parts) == by_array(*parts)
 
 
 def test_lru_evicts_least_recently_used_under_pressure():

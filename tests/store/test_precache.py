@@ -14,10 +14,9 @@ import pytest
 
 from lazyrag.store.build import PrecacheConfig, chunk_documents, precache, read_documents
 from lazyrag.store.corpus import LOCK, MANIFEST, TABLE, CorpusStore
-from tests.integration_fixtures import detaches_stores  # noqa: F401 (fixture)
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT.parent / "shared" / "data"
 
 
 def test_chunks_are_block_aligned_and_overlap(default_engine):

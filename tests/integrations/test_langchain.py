@@ -21,7 +21,7 @@ from lazyrag.integrations.langchain import ChatLazyLlama, LazyRAG, LazyRAGEmbedd
 from lazyrag.integrations.structured import StructuredOutput
 from lazyrag.store import StoreError
 from lazyrag.store.corpus import CorpusStore
-from tests.integration_fixtures import MANY, adapter_engine, decode_batches, detaches_stores, store_engine, tiny_store  # noqa: F401 (fixtures)
+from tests.helpers import MANY, kwargs_id
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 16  # the standard suites call the model ~30 times: keep generations short on CPU
@@ -353,7 +353,8 @@ def test_structured_output_with_the_default_model(adapter_engine):
 # -- issue 29: the doors checked before any work ---------------------------------------------------
 
 @pytest.mark.parametrize("kwargs", [dict(temperature=float("inf")), dict(temperature=float("nan")), dict(temperature=1e-320),
-                                    dict(top_p=1e-300), dict(seed=2**70), dict(seed=-1), dict(kv_budget=-1), dict(max_retries=-1)])
+                                    dict(top_p=1e-300), dict(seed=2**70), dict(seed=-1), dict(kv_budget=-1), dict(max_retries=-1)],
+                         ids=kwargs_id)
 def test_constructor_numbers_are_checked(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         ChatLazyLlama(**kwargs)
