@@ -77,6 +77,20 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)")
 
 
+def _tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="split the model over N processes (its KV heads and MLP across ranks); this process starts the "
+                        "others. Under torchrun --nproc-per-node N it is N (default: 1, or torchrun's WORLD_SIZE)")
+
+
+def _tensor_parallel(args) -> dict:
+    """Engine keywords for tensor parallelism: ``--tensor-parallel-size``, else torchrun's WORLD_SIZE."""
+    size = args.tensor_parallel_size or (int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ and "WORLD_SIZE" in os.environ else 1)
+    if size < 1:
+        raise ValueError(f"--tensor-parallel-size must be at least 1; got {size}")
+    return {"tensor_parallel_size": size} if size > 1 else {}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lazyrag", description=DESCRIPTION, epilog=EPILOG, formatter_class=HelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -100,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Answer one question over the given chunks and stream the answer.\n"
                                      "Chunks come from --chunk (repeatable) and/or --chunks-file (paragraphs separated by blank lines).")
     _model_args(ask)
+    _tensor_parallel_arg(ask)
     ask.add_argument("question")
     ask.add_argument("--chunk", action="append", default=[], help="a chunk of context text (repeat for more)")
     ask.add_argument("--chunks-file", type=Path, help="a text file; paragraphs separated by blank lines become chunks")
@@ -214,6 +229,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, streaming, metrics)",
                        description=SERVE_HELP, epilog=SERVE_EPILOG, formatter_class=HelpFormatter)
     _model_args(p)
+    _tensor_parallel_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s; 0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
     p.add_argument("--served-model-name", default=None,
@@ -327,9 +343,6 @@ def _check_ask(args) -> None:
     _check_k(args.k)
     if args.store is not None:
         args.store = _check_store(args.store)  # opened once: the command attaches and searches this one
-    for report in args.skip_answered or ():
-        if not report.is_file():
-            raise UsageError(f"--skip-answered: {report} does not exist; pass lazyrag eval reports (JSON).")
 
 
 def _check_k(k: int) -> None:
@@ -397,6 +410,9 @@ def _check_eval(args) -> None:
         check_strategy(name)
     if args.store is not None:
         args.store = _check_store(args.store)  # opened once: the command attaches and searches this one
+    for report in args.skip_answered or ():
+        if not report.is_file():
+            raise UsageError(f"--skip-answered: {report} does not exist; pass lazyrag eval reports (JSON).")
 
 
 def _finished_store(args) -> str | None:
@@ -542,7 +558,8 @@ def _ask(args) -> int:
     chunks = list(args.chunk)
     if args.chunks_file:  # checked before the model loads (_check_ask)
         chunks += [p.strip() for p in args.chunks_file.read_text().split("\n\n") if p.strip()]
-    engine = LazyEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)
+    # under torchrun every rank but 0 serves rank 0 inside from_pretrained and exits there: only rank 0 prints
+    engine = LazyEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, **_tensor_parallel(args))
     if args.store is not None:
         from lazyrag.store.retriever import Retriever
 
@@ -559,6 +576,7 @@ def _ask(args) -> int:
     print(f"\n\n[{s.strategy}] TTFT {1e3 * r.ttft_s:.0f} ms, {s.new_tokens} tokens in {r.total_s:.2f} s; "
           f"chunks hit {s.chunks_hit}, missed {s.chunks_missed}; prefilled {s.tokens_prefilled} of {s.prompt_tokens} prompt tokens",
           file=sys.stderr)
+    engine.close()  # tensor parallelism: the other ranks exit
     return 0
 
 
@@ -585,7 +603,7 @@ def _serve(args) -> int:
     from lazyrag.server import ServerConfig, run_server
 
     kw = {"kv_budget": args.kv_budget} if args.kv_budget else {}
-    engine = LazyEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, **kw)
+    engine = LazyEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, **kw, **_tensor_parallel(args))
     retriever = None
     if args.store is not None:
         from lazyrag.store.retriever import Retriever

@@ -148,7 +148,9 @@ def question_attention(runner: ModelRunner, ctx: PlacedContext, question: list[i
         if layer >= lo:
             score += p[:, :, :n_ctx].sum((0, 1))
         o = torch.einsum("htn,nhd->thd", p, vals).to(x.dtype)
-        x = block.after_attention(x, block.attn.wo(o.flatten(1)), ops)
+        x = block.after_attention(x, block.attn.output(o.flatten(1)), ops)
+    if model.tp is not None:  # each rank summed its own heads: the score is over all of them
+        model.tp.all_reduce(score)
     return score, hi
 
 
@@ -228,7 +230,10 @@ def selective_recompute(
         kc, vc = ctx.layer(layer)  # [N, Hkv, D] fp32, as cached
         q, k, v = block.attn.project(block.attn_input(x, ops), cos, sin, ops, runner.rope_scaling)
         if stage is not None and stage[2] == "dev":
-            d = kv_deviation(k, v, kc[sel], vc[sel]).cpu()
+            d = kv_deviation(k, v, kc[sel], vc[sel])
+            if model.tp is not None:  # over this rank's KV heads: summed, every rank picks the same tokens
+                model.tp.all_reduce(d)
+            d = d.cpu()
             if layer == stages[0][0]:
                 deviation[cur] = d
             score = torch.zeros(C)
@@ -248,7 +253,7 @@ def selective_recompute(
             break  # the last layer's K/V is all the question needs
         kc, vc = kc.index_copy(0, sel, k.float()), vc.index_copy(0, sel, v.float())
         o = attend(q[None], kc[None], vc[None], mask[None], model.sm_scale)[0].to(x.dtype)
-        x = block.after_attention(x, block.attn.wo(o.flatten(1)), ops)  # [S, H]
+        x = block.after_attention(x, block.attn.output(o.flatten(1)), ops)  # [S, H]
     if not len(cur):
         return Blend(list(placed), torch.zeros(0, dtype=torch.int64), deviation, _counted(runner, cost))
     # the tokens are known: their private copies, and their fresh K/V of every layer in one write

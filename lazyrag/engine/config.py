@@ -41,6 +41,12 @@ class EngineConfig:
     skinny_gemm: bool | None = None  # 2-64 token projections as Triton skinny GEMMs (kernels/gemm.py); None: off until measured
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    # one model across N processes (engine/tensor_parallel.py): heads and MLP columns split, an all-reduce per
+    # row-parallel layer; from_pretrained starts the N - 1 workers itself unless torchrun launched them
+    tensor_parallel_size: int = 1
+    # bound on every collective (and on the workers' wait for the next command): a dead rank fails requests
+    # within it instead of hanging them; the driver pings the workers at a quarter of it when idle
+    tensor_parallel_timeout_s: float = 60.0
     # the fields left None (resolved below): ``with_changes`` resolves them again
     defaulted: tuple[str, ...] = field(default=(), repr=False, compare=False)
 
@@ -59,6 +65,10 @@ class EngineConfig:
             self.kv_budget = DEFAULT_KV_BUDGET.get(self.device.type, 1 << 30)
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1; got {self.block_size}")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer of at least 1; got {self.tensor_parallel_size!r}")
+        if not self.tensor_parallel_timeout_s > 0:
+            raise ValueError(f"tensor_parallel_timeout_s must be positive; got {self.tensor_parallel_timeout_s!r}")
         # every other None resolved here, once: the engine reads the settings as they are
         on_cuda = self.device.type == "cuda"
         if self.attention is None:

@@ -8,6 +8,8 @@ model runner (engine/runner.py) -> the model (model/llama.py) -> an attention ba
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import random
 import threading
 from pathlib import Path
 from typing import AsyncIterator, Iterator
@@ -24,6 +26,7 @@ from lazyrag.kv.cache import CacheManager
 from lazyrag.kv.identity import KVIdentity
 from lazyrag.model.attention import make_attention_backend
 from lazyrag.model.llama import LlamaArgs, LlamaModel, build_rope
+from lazyrag.model.parallel import check_divisible, local_args, shard_hf_state_dict
 from lazyrag.model.loader import check_llama_config, fingerprint, load_checkpoint, resolve_model_source
 from lazyrag.prompt import ChunkFinder, PromptBuilder, PromptLayout, check_chunks, check_layout, check_text
 
@@ -98,10 +101,16 @@ class LazyEngine:
                  model_name: str = "model"):
         self.model, self.hf_config, self.tokenizer, self.config = model, hf_config, tokenizer, config
         self.fingerprint, self.model_name = model_fingerprint, model_name
-        args = model.args
+        args, tp = model.args, model.tp
+        self.tp_driver = None  # rank 0 of a tensor-parallel engine: sends every state change to the other ranks
+        if tp is not None and config.cache.disk_dir:  # each rank's disk tier holds its own heads
+            config.cache = dataclasses.replace(config.cache, disk_dir=str(Path(config.cache.disk_dir) / f"tp{tp.size}-rank{tp.rank}"))
+        # under tensor parallelism ``args`` is this rank's shard: the pool holds its KV heads of every block
         shape = KVShape(args.num_layers, args.num_kv_heads, args.head_dim, config.block_size, config.dtype)
         pool = BlockPool.with_budget(shape, config.kv_budget, config.device)
         self.cache = CacheManager(pool, config.cache)
+        if tp is not None:
+            self.cache.kv_heads = tp.head_range(args.num_kv_heads * tp.size)
         rope_cos, rope_sin, rope_scaling = build_rope(hf_config, config.device)
         attention = make_attention_backend(config.attention, config.device)
         self.attention_backend = attention.name
@@ -136,26 +145,49 @@ class LazyEngine:
     @classmethod
     def from_pretrained(cls, model: str | None = None, **config) -> "LazyEngine":
         """Load the embedded default model (``model=None``), a local Llama folder, or a ``.gguf`` file.
-        Keyword arguments are ``EngineConfig`` fields (device, dtype, kv_budget, scheduler, cache, ...)."""
-        cfg = EngineConfig(model=model, **config)
-        source = resolve_model_source(model)
-        hf_model, tokenizer = load_checkpoint(source, cfg.dtype)
-        return cls.from_hf(hf_model, tokenizer, model_name=source.name, config=cfg)
+        Keyword arguments are ``EngineConfig`` fields (device, dtype, kv_budget, scheduler, cache, ...).
+        With ``tensor_parallel_size=N`` the model is split over N processes (engine/tensor_parallel.py): this
+        one is rank 0 and starts the other N - 1 itself, unless torchrun started them all (then on every rank
+        but 0 this call serves rank 0 and exits the process when it stops)."""
+        return cls._load(EngineConfig(model=model, **config))
 
     @classmethod
-    def from_hf(cls, hf_model, tokenizer, model_name: str = "model", config: EngineConfig | None = None, **fields) -> "LazyEngine":
+    def _load(cls, cfg: EngineConfig) -> "LazyEngine":
+        source = resolve_model_source(cfg.model)
+        hf_model, tokenizer = load_checkpoint(source, cfg.dtype)
+        return cls.from_hf(hf_model, tokenizer, model_name=source.name, config=cfg, _spawn_workers=True)
+
+    @classmethod
+    def from_hf(cls, hf_model, tokenizer, model_name: str = "model", config: EngineConfig | None = None, *,
+                _spawn_workers: bool = False, **fields) -> "LazyEngine":
         """Wrap an already-loaded transformers ``LlamaForCausalLM`` (its weights are copied)."""
         cfg = config.with_changes(**fields) if config is not None else EngineConfig(**fields)
         check_llama_config(hf_model.config)
         state = {k: v.detach().to(cfg.dtype) for k, v in hf_model.state_dict().items()}
-        fp = fingerprint(hf_model.config, state, cfg.dtype)
+        fp = fingerprint(hf_model.config, state, cfg.dtype)  # of the whole model: every rank's, and TP=1's
+        args, tp, workers = LlamaArgs.from_hf(hf_model.config), None, []
+        if cfg.tensor_parallel_size > 1:
+            import lazyrag.engine.tensor_parallel as tensor_parallel
+
+            check_divisible(args, cfg.tensor_parallel_size)  # before any process starts
+            if not (tensor_parallel.launched_by_torchrun() or _spawn_workers):
+                raise ValueError("from_hf cannot start tensor-parallel workers for a model already in memory (they load it "
+                                 "themselves): use LazyEngine.from_pretrained(path, tensor_parallel_size=N), or start every "
+                                 "rank with torchrun --nproc-per-node N.")
+            tp, workers = tensor_parallel.start(cls, cfg)
+            state, args = shard_hf_state_dict(state, args, tp), local_args(args, tp.size)
+            if cfg.device.type == "cuda":
+                cfg.device = torch.device("cuda", tp.local_rank)
         with torch.device("meta"):
-            model = LlamaModel(LlamaArgs.from_hf(hf_model.config))
+            model = LlamaModel(args, tp)
         model = model.to_empty(device=cfg.device).to(cfg.dtype)
         model.load_hf_state_dict(state)
         if model.args.tie_word_embeddings:
             model.lm_head.weight = model.embed.weight
-        return cls(model.eval(), hf_model.config, tokenizer, cfg, fp, model_name)
+        engine = cls(model.eval(), hf_model.config, tokenizer, cfg, fp, model_name)
+        if tp is not None:
+            return tensor_parallel.attach(engine, tp, workers)  # returns on rank 0 only
+        return engine
 
     @classmethod
     def from_config(cls, hf_config, tokenizer=None, seed: int = 0, **fields) -> "LazyEngine":
@@ -190,6 +222,15 @@ class LazyEngine:
         return self.config.dtype
 
     @property
+    def tensor_parallel_size(self) -> int:
+        return 1 if self.model.tp is None else self.model.tp.size
+
+    def close(self) -> None:
+        """Tensor parallelism: stop the other ranks (they exit). Later requests fail. One process: nothing to do."""
+        if self.tp_driver is not None:
+            self.tp_driver.close()
+
+    @property
     def max_context(self) -> int:
         """Tokens of prompt plus answer the model takes."""
         return self.model.args.max_positions
@@ -200,8 +241,9 @@ class LazyEngine:
         system = system or prompts.system_prompt
         prefix_ids = prompts.prefix_ids(system)
         shape = self.cache.pool.shape
+        # the model's KV heads, not this rank's share: a store holds every head, and each rank reads its own
         return KVIdentity(self.fingerprint, self.model_name, str(shape.dtype).replace("torch.", ""), shape.block_size,
-                          shape.num_layers, shape.num_kv_heads, shape.head_dim, system, list(prefix_ids),
+                          shape.num_layers, shape.num_kv_heads * self.tensor_parallel_size, shape.head_dim, system, list(prefix_ids),
                           self.scheduler.planner["lazy"].prefix_key(prefix_ids))
 
     # -- prompts --------------------------------------------------------------------------
@@ -258,18 +300,28 @@ class LazyEngine:
         cache unless already there. Returns how many were new and, with ``read``, each segment's K/V
         ``[L, T, Hkv, D]`` on the CPU by content key (the prefix's included), as a store writes them."""
         prefix_ids = self._require_prompts().prefix_ids() if prefix_ids is None else prefix_ids
-        layout = PromptLayout(prefix_ids=list(prefix_ids), chunk_ids=[list(c) for c in chunks], question_ids=[])
+        prefix_ids, chunks = list(prefix_ids), [list(c) for c in chunks]
+        with self._lock:
+            if self.tp_driver is None:
+                return self._encode_locked(prefix_ids, chunks, read)
+            if read:
+                raise ValueError("A tensor-parallel engine's ranks each hold their share of the KV heads, so it cannot read "
+                                 "whole chunk KV (e.g. to build a store): build the store with tensor_parallel_size=1; a "
+                                 "tensor-parallel engine reads it, each rank its own heads.")
+            return self.tp_driver.sync("encode", prefix_ids, chunks, False)
+
+    def _encode_locked(self, prefix_ids: list[int], chunks: list[list[int]], read: bool):
+        layout = PromptLayout(prefix_ids=prefix_ids, chunk_ids=chunks, question_ids=[])
         strategy = self.scheduler.planner["lazy"]
         plan = Plan(context=[], new_ids=[], new_start=0)
-        with self._lock:
-            try:
-                prefix, found = strategy.base_segments(layout, plan)
-                kv = {}
-                if read:
-                    kv = {key: self.cache.read_kv(seg) for key, seg in found.items()}
-                    kv[prefix.key] = self.cache.read_kv(prefix)
-            finally:
-                strategy.release(plan)
+        try:
+            prefix, found = strategy.base_segments(layout, plan)
+            kv = {}
+            if read:
+                kv = {key: self.cache.read_kv(seg) for key, seg in found.items()}
+                kv[prefix.key] = self.cache.read_kv(prefix)
+        finally:
+            strategy.release(plan)
         return plan.chunks_missed, kv
 
     def chunk_key(self, chunk_ids: list[int], prefix_ids: list[int]) -> str:
@@ -290,8 +342,16 @@ class LazyEngine:
         attached = next((t for t in self.cache.tiers if isinstance(t, CorpusStore) and t.path.resolve() == folder), None)
         if attached is not None:
             return attached
+        if self.tp_driver is not None:  # every rank opens the folder and attaches it at the same point of its work
+            with self._lock:
+                return self.tp_driver.sync("attach", str(folder))
+        return self._attach_store_locked(store if isinstance(store, CorpusStore) else folder)
+
+    def _attach_store_locked(self, store):
+        from lazyrag.store.corpus import CorpusStore
+
         if not isinstance(store, CorpusStore):
-            store = CorpusStore.open(folder)
+            store = CorpusStore.open(store)
         store.check_compatible(self.kv_identity())
         self.cache.add_tier(store)
         self.register_chunks(store.chunk_texts())  # rows that fail their check are logged, their KV recomputed
@@ -317,9 +377,15 @@ class LazyEngine:
             raise ValueError(f"params must be a lazyrag.SamplingParams; got {type(params).__name__}.")
         check_layout(layout, self.model.args.vocab_size)
         self._check_length(layout.num_tokens, 0 if prompt_logits_only else params.max_new_tokens)
+        if self.tp_driver is not None and params.seed is None and params.temperature > 0:
+            # every rank samples the same token only from the same generator: a seed for each rank to use
+            params = dataclasses.replace(params, seed=random.getrandbits(63))
         req = Request(layout, params, arrival=self.scheduler.clock() if arrival is None else arrival,
                       prompt_logits_only=prompt_logits_only, notify=notify)
-        self.scheduler.add(req)
+        if self.tp_driver is not None:
+            self.tp_driver.add(req)  # taken in by every rank at the next step
+        else:
+            self.scheduler.add(req)
         self._work.set()
         return req
 
@@ -335,12 +401,17 @@ class LazyEngine:
     def _step_locked(self) -> bool:
         self._stepping_thread = threading.get_ident()
         try:
+            if self.tp_driver is not None:
+                try:
+                    return self.tp_driver.sync("step")
+                except Exception:  # the group broke: every request was failed with its error, nothing left to run
+                    return False
             return self.scheduler.step()
         finally:
             self._stepping_thread = None
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or (self.tp_driver is not None and self.tp_driver.has_pending)
 
     def _drive(self, req: Request) -> None:
         """Step the scheduler (which advances every request in flight) until ``req`` has output or is done.
@@ -355,12 +426,21 @@ class LazyEngine:
         """The caller stopped listening: give the request's blocks and pins back now (``wait=False``:
         at the driver thread's next step, without waiting for the lock)."""
         if not req.done:
-            self.scheduler.abort(req)
+            if self.tp_driver is not None:
+                self.tp_driver.abort(req)  # every rank marks it at the same point of its work: the next sync
+            else:
+                self.scheduler.abort(req)
             self._work.set()
             if not wait or self._stepping_thread == threading.get_ident():
                 return  # the next step drops it (the driver's, for an event loop that must not block; or this thread's own)
             with self._lock:
-                self.scheduler.drop_aborted()
+                if self.tp_driver is None:
+                    self.scheduler.drop_aborted()
+                    return
+                try:
+                    self.tp_driver.sync("drop_aborted")
+                except Exception:
+                    pass  # the group broke: its requests were failed already
 
     # asyncio: a background thread steps the scheduler; coroutines wait on their request
 
@@ -375,7 +455,7 @@ class LazyEngine:
             busy = self.step()  # never raises for a request's fault: the scheduler fails that request alone
             if not busy:
                 self._work.clear()
-                if not self.scheduler.has_work():
+                if not self.has_unfinished_requests():
                     self._work.wait()
 
     # -- the front door -------------------------------------------------------------------

@@ -187,6 +187,7 @@ class Request:
     generator: torch.Generator | None = None
     logprobs: list[TokenLogprob] | None = None  # with params.logprobs, one per generated token
     penalty_ids: torch.Tensor | None = None  # with a repetition penalty: the prompt's distinct token ids
+    tp_id: int = -1  # tensor parallelism: the id every rank knows this request by (engine/tensor_parallel.py)
 
     def __post_init__(self):
         self.stats = RequestStats(self.params.strategy, prompt_tokens=self.layout.num_tokens)

@@ -96,6 +96,14 @@ class Scheduler:
         """Stop a request (its consumer went away); its blocks and pins are given back at the next step."""
         req.aborted = True
 
+    def drop(self, req: Request) -> None:
+        """End ``req`` now, wherever it is, giving back what it holds (stepping thread only): tensor parallelism's
+        ranks end here what rank 0 ended alone (engine/tensor_parallel.py)."""
+        for queue in (self.inbox, self.waiting):
+            if req in queue:
+                queue.remove(req)
+        self._finish(req, "abort")
+
     def has_work(self) -> bool:
         return bool(self.inbox or self.waiting or self.running or self._launched)
 

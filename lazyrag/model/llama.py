@@ -1,7 +1,9 @@
 """A Llama forward pass over the paged KV pool, readable top to bottom.
 
 Shapes: T = tokens in the batch (packed, variable-length sequences), H = hidden size,
-Hq / Hkv = query / KV heads, D = head dim.
+Hq / Hkv = query / KV heads, D = head dim. Under tensor parallelism (model/parallel.py) the
+args are one rank's shard: Hq, Hkv and the intermediate size are this rank's share, and the
+two row-parallel projections (wo, down) are followed by an all-reduce; ``tp`` None is one process.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from torch import nn
 
 from lazyrag.kernels.reference import apply_rotary, rope_tables
 from lazyrag.model.attention import AttentionMetadata
+from lazyrag.model.parallel import TensorParallel
 
 
 @dataclass
@@ -199,10 +202,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
 
+def _all_reduce(tp: TensorParallel | None, x: torch.Tensor) -> torch.Tensor:
+    """A row-parallel layer's partial ``[T, H]`` summed over the ranks; one process: ``x`` itself."""
+    return x if tp is None else tp.all_reduce(x)
+
+
 class Attention(nn.Module):
-    def __init__(self, args: LlamaArgs, layer: int):
+    def __init__(self, args: LlamaArgs, layer: int, tp: TensorParallel | None = None):
         super().__init__()
-        self.layer = layer
+        self.layer, self.tp = layer, tp
         self.hq, self.hkv, self.d = args.num_heads, args.num_kv_heads, args.head_dim
         # q, k and v in one matmul
         self.wqkv = nn.Linear(args.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=args.attention_bias)
@@ -224,27 +232,33 @@ class Attention(nn.Module):
             q, k, v = rt.ops.rotate_qk(qkv, cos, sin, rt.rope_scaling, self.hq, self.hkv)
             rt.pool.write(self.layer, rt.meta.slot_mapping, k, v)
         o = rt.attention(q, k, v, rt.pool.k[self.layer], rt.pool.v[self.layer], rt.meta, rt.rope_cos, rt.rope_sin, rt.sm_scale)
-        return rt.ops.linear("wo", o.reshape(T, self.hq * self.d), self.wo)  # [T, H]
+        return _all_reduce(self.tp, rt.ops.linear("wo", o.reshape(T, self.hq * self.d), self.wo))  # [T, H]
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        """The attention output ``o [T, Hq D]`` projected to ``[T, H]`` (summed over the ranks), for callers
+        that attend their own way (engine/blend.py)."""
+        return _all_reduce(self.tp, self.wo(o))
 
 
 class MLP(nn.Module):
-    def __init__(self, args: LlamaArgs):
+    def __init__(self, args: LlamaArgs, tp: TensorParallel | None = None):
         super().__init__()
+        self.tp = tp
         self.inter = args.intermediate_size
         self.w_gate_up = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=args.mlp_bias)
         self.w_down = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor, ops: ElementwiseOps) -> torch.Tensor:
-        return ops.gated_linear("down", self.w_gate_up(x), self.inter, self.w_down)
+        return _all_reduce(self.tp, ops.gated_linear("down", self.w_gate_up(x), self.inter, self.w_down))
 
 
 class Block(nn.Module):
-    def __init__(self, args: LlamaArgs, layer: int):
+    def __init__(self, args: LlamaArgs, layer: int, tp: TensorParallel | None = None):
         super().__init__()
         self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.attn = Attention(args, layer)
+        self.attn = Attention(args, layer, tp)
         self.mlp_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = MLP(args)
+        self.mlp = MLP(args, tp)
 
     def forward(self, x, residual, cos, sin, rt) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream kept apart, vLLM-style: ``x`` is the previous layer's MLP output and
@@ -254,7 +268,7 @@ class Block(nn.Module):
         ops, mlp = rt.ops, self.mlp
         residual, qkv = ops.norm_linear("wqkv", x, residual, self.attn_norm, self.attn.wqkv)
         residual, gate_up = ops.norm_linear("gate_up", self.attn(qkv, cos, sin, rt), residual, self.mlp_norm, mlp.w_gate_up)
-        return ops.gated_linear("down", gate_up, mlp.inter, mlp.w_down), residual
+        return _all_reduce(mlp.tp, ops.gated_linear("down", gate_up, mlp.inter, mlp.w_down)), residual
 
     # The layer in two halves around its attention, for callers that attend their own way (engine/blend.py).
 
@@ -282,11 +296,12 @@ class Runtime:
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, args: LlamaArgs):
+    def __init__(self, args: LlamaArgs, tp: TensorParallel | None = None):
+        """``args``: the model's, or with ``tp`` one rank's shard of it (``parallel.local_args``)."""
         super().__init__()
-        self.args = args
+        self.args, self.tp = args, tp
         self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(Block(args, i) for i in range(args.num_layers))
+        self.layers = nn.ModuleList(Block(args, i, tp) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:

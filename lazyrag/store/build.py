@@ -229,6 +229,21 @@ def _encode_kv(engine, prefix_ids: list[int], chunk_ids: list[list[int]]) -> dic
     return engine.encode_chunks(chunk_ids, prefix_ids, read=True)[1]
 
 
+# The KV layout of every store: all the model's KV heads, as one process computes them. A tensor-parallel engine
+# reads any store, each rank slicing its own heads (CacheManager.kv_heads), so stores need no size of their own;
+# one is written only at size 1 (a rank holds only its share of the heads).
+STORE_TENSOR_PARALLEL_SIZE = 1
+
+
+def check_store_writer(engine) -> None:
+    """Refuse to build a store with an engine whose ranks each hold a share of the KV heads."""
+    size = getattr(engine, "tensor_parallel_size", 1)
+    if size != STORE_TENSOR_PARALLEL_SIZE:
+        raise StoreError(f"This engine runs at tensor_parallel_size={size}, so each rank holds only its share of the KV "
+                         "heads; a store keeps every head. Build the store with one process (lazyrag precache without "
+                         "torchrun, or tensor_parallel_size=1): a tensor-parallel engine then reads it, each rank its heads.")
+
+
 def precache(engine, config: PrecacheConfig, embedder=None, documents=None) -> PrecacheReport:
     """Build (or resume) the store at ``config.out``; returns what was done and how fast.
 
@@ -241,6 +256,7 @@ def precache(engine, config: PrecacheConfig, embedder=None, documents=None) -> P
     """
     t0 = time.perf_counter()
     out = Path(config.out)
+    check_store_writer(engine)
     if documents is not None and not config.inputs:
         config = replace(config, inputs=["documents"])
     docs = list(read_documents(config.inputs, config.limit) if documents is None else _usable(_in_memory(documents), config.limit))

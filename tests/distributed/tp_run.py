@@ -1,0 +1,77 @@
+"""The workload of tests/distributed/test_tensor_parallel.py, run in its own process (so a hang is killed by the
+test's timeout, and a process group never outlives its test): ``python tp_run.py MODEL OUT TP MODE``.
+
+MODE ``strategies``: each strategy's logits after a prompt and its greedy answer, then a batch of requests at
+once; saved with torch.save to OUT. MODE ``kill``: with TP > 1, answer once, SIGKILL worker rank 1, answer again;
+OUT gets the error, how long it took, and whether the worker is gone. MODE ``idle``: a short collective timeout,
+idle for longer than it, then answer (the driver's pings keep the workers waiting); then write the worker's pid and
+die without a word (the worker must exit by itself).
+"""
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+
+CHUNKS = ["Alexander Fleming discovered penicillin in 1928 at St Mary's Hospital in London.",
+          "Tea reached Britain in 1662, when Catherine of Braganza married Charles the Second.",
+          "The Eiffel Tower was finished in 1889 for the world's fair held in Paris that year."]
+QUESTION = "Who discovered penicillin, and when did tea reach Britain?"
+STRATEGIES = ["full", "lazy", "position_aware", "lazy+recover"]
+
+
+def main(model: str, out: str, tp: int, mode: str) -> None:
+    from lazyrag.engine import LazyEngine, SamplingParams
+
+    timeout = 3.0 if mode == "idle" else 20.0
+    engine = LazyEngine.from_pretrained(model, device="cpu", kv_budget=8 << 20, tensor_parallel_size=tp,
+                                        tensor_parallel_timeout_s=timeout)
+    if mode == "strategies":
+        res = {}
+        for order in (CHUNKS, CHUNKS[::-1]):  # the second order reuses the chunks' KV at new positions
+            for s in STRATEGIES:
+                res[f"{s}/{order[0][:8]}/logits"] = engine.next_token_logits(QUESTION, order, strategy=s)
+                r = engine.generate(QUESTION, order, max_new_tokens=8, strategy=s, ignore_eos=True)
+                res[f"{s}/{order[0][:8]}/text"] = r.text
+        # several requests batched in one step, one of them sampled (seeded by the driver under TP: same on every rank)
+        reqs = [engine.add_request(engine.build_prompt(q, CHUNKS[i:] + CHUNKS[:i]), SamplingParams(
+                    max_new_tokens=6, ignore_eos=True, strategy=s, temperature=0.0 if i < 2 else 0.8, seed=7 if i == 2 else None))
+                for i, (q, s) in enumerate([("When was the tower built?", "lazy"), ("Who married Charles?", "lazy+recover"),
+                                            ("Where is St Mary's?", "lazy")])]
+        while engine.has_unfinished_requests():
+            engine.step()
+        res["batch"] = [r.result().text for r in reqs]
+        torch.save(res, out)
+    elif mode == "idle":
+        first = engine.generate(QUESTION, CHUNKS, max_new_tokens=4, ignore_eos=True).text
+        time.sleep(2.5 * timeout)
+        again = engine.generate(QUESTION, CHUNKS, max_new_tokens=4, ignore_eos=True).text
+        with open(out, "w") as f:
+            json.dump({"first": first, "again": again, "worker_pid": engine.tp_driver.workers[0].pid}, f)
+        os._exit(0)  # then no close, no atexit: as if rank 0 crashed (its worker must exit by itself)
+    else:
+        first = engine.generate(QUESTION, CHUNKS, max_new_tokens=4, ignore_eos=True).text
+        worker = engine.tp_driver.workers[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        try:
+            engine.generate(QUESTION, CHUNKS[::-1], max_new_tokens=4, ignore_eos=True)
+            error = None
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        took = time.monotonic() - t0
+        try:
+            engine.generate("Another question?", CHUNKS, max_new_tokens=2)
+            later = None
+        except Exception as e:
+            later = f"{type(e).__name__}: {e}"
+        with open(out, "w") as f:
+            json.dump({"first": first, "error": error, "took_s": took, "later": later,
+                       "worker_exit": worker.poll()}, f)
+    engine.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4])
