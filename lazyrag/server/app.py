@@ -313,7 +313,7 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
                     yield _sse(chunk_of(i, "", _finish_reason(result), sent[i].next()))
                 if include_usage:
                     results = [s.request.result() for s in streams if s.request.error is None]
-                    yield _sse({**head, "choices": [], "usage": _usage(results)})
+                    yield _sse({**head, "choices": [], "usage": _usage(results), "lazyrag": _lazyrag_info(results)})
                 yield _sse("[DONE]")
             finally:
                 _done(streams)  # also on a client that hung up: Starlette cancels this generator

@@ -267,15 +267,18 @@ def build_app(spec: ReplicaSpec, replicas: int = 2, router: str = "chunk_affinit
 
 
 def run(spec: ReplicaSpec, replicas: int, router: str, host: str, port: int, ray_address: str | None = None,
-        blocking: bool = True):
-    """Start Ray (or join ``ray_address``), deploy, and serve on ``host:port`` until interrupted."""
+        blocking: bool = True, replica_options: dict | None = None):
+    """Start Ray (or join ``ray_address``), deploy, and serve on ``host:port`` until interrupted.
+    ``replica_options``: Ray Serve deployment options of each replica (e.g. ``{"ray_actor_options": {"num_cpus": 0,
+    "num_gpus": 0.5}}`` for two replicas sharing one GPU; without ``num_gpus`` a replica sees every GPU of its host)."""
     import ray
     from ray import serve
 
     if not ray.is_initialized():
         ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": host, "port": port})
-    handle = serve.run(build_app(spec, replicas, router), name="lazyrag", route_prefix="/")
+    handle = serve.run(build_app(spec, replicas, router, replica_options=replica_options), name="lazyrag",
+                       route_prefix="/")
     if blocking:
         try:
             while True:

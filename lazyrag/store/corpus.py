@@ -32,6 +32,11 @@ shards (new files, never rewriting published ones), writes the index, and publis
 generation by replacing the manifest last; a reader opening meanwhile sees the old generation
 or the new one, never a mix.
 
+Serving reads and never writes: ``open`` (what ``attach_store``, the retriever and every ``lazyrag serve``
+replica use) reads the chunk table through a read-only sqlite connection and takes no lock, so many
+processes, on one host or many, serve one store from a read-only folder (a shared filesystem: NFS, or a
+bucket mounted with s3fs / gcsfuse); one ``lazyrag precache`` writes it, beforehand or alongside.
+
 Every file is written to a temp name and renamed; a shard's rows are inserted in one
 sqlite transaction after its file is in place, so an interrupted build leaves only whole
 shards behind and resumes from the first missing one.
@@ -201,16 +206,19 @@ class CorpusStore(Tier):
     name = "store"
     writable = False  # the cache never demotes into a store: its chunks are already here
 
-    def __init__(self, path: str | Path, manifest: StoreManifest, limit: int | None = None):
+    def __init__(self, path: str | Path, manifest: StoreManifest, limit: int | None = None, read_only: bool = False):
         """``limit``: serve only chunk ids below it (``open`` passes the manifest's ``num_chunks``: rows a
-        concurrent ``precache`` is adding belong to the next generation, which its next manifest publishes)."""
+        concurrent ``precache`` is adding belong to the next generation, which its next manifest publishes).
+        ``read_only`` (``open``'s): the chunk table is opened read-only, nothing in the folder is written."""
         self.path = Path(path)
         self.manifest = manifest
+        self.read_only = read_only
         self._limit = None if limit is None else int(limit)
         self._local = threading.local()  # sqlite connections are per thread
         self._index = None
-        with self._table_errors(), self._db() as db:
-            db.execute(_SCHEMA)
+        if not read_only:
+            with self._table_errors(), self._db() as db:
+                db.execute(_SCHEMA)
         self._keys = dict(self._sql(f"SELECT key, id FROM chunks WHERE 1{self._visible()}"))
         self.bad: set[int] = set()  # chunk ids whose KV failed its digest this session
 
@@ -230,7 +238,7 @@ class CorpusStore(Tier):
         deadline = time.monotonic() + 60
         while True:
             manifest = cls._published_manifest(path)
-            store = cls(path, manifest, limit=manifest.num_chunks)  # rows a writer adds now are not served
+            store = cls(path, manifest, limit=manifest.num_chunks, read_only=True)  # rows a writer adds now are not served
             try:
                 store.check_files()
                 return store
@@ -377,7 +385,22 @@ class CorpusStore(Tier):
     def _db(self) -> sqlite3.Connection:
         db = getattr(self._local, "db", None)
         if db is None:
-            db = self._local.db = sqlite3.connect(self.path / TABLE, timeout=60)
+            db = self._local.db = self._connect()
+        return db
+
+    def _connect(self) -> sqlite3.Connection:
+        table = self.path / TABLE
+        if not self.read_only:
+            return sqlite3.connect(table, timeout=60)
+        db = sqlite3.connect(table.resolve().as_uri() + "?mode=ro", uri=True, timeout=60)
+        if table.with_name(TABLE + "-journal").exists():
+            # a killed writer's journal: only a writable connection rolls it back (a read-only one cannot read
+            # past it); on a folder this process may write, let sqlite do that, as before
+            try:
+                db.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()
+            except sqlite3.OperationalError:
+                db.close()
+                return sqlite3.connect(table, timeout=60)
         return db
 
     @contextmanager
