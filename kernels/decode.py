@@ -223,11 +223,7 @@ def _launch(plan: DecodePlan, q, k_cache, v_cache, rope_cos, rope_sin, qk_scale,
     B, Hq, D = q.shape
     bn, warps, stages, maxnreg = plan.config
     splits = plan.splits
-    if splits > 1:
-        part_acc = workspace.get("decode_acc", (B, Hq, splits, D), torch.float32, q.device)
-        part_ml = workspace.get("decode_ml", (B, Hq, splits, 2), torch.float32, q.device)
-    else:
-        part_acc = part_ml = out  # unused
+    part_acc, part_ml = workspace.split_partials("decode", B, Hq, splits, D, q.device, out)
     extra = {"maxnreg": maxnreg} if (plan.on_gpu and maxnreg) else {}
     compiled = _lazy_decode_kernel[plan.grid](
         q, k_cache, v_cache, plan.block_meta, plan.num_blocks, plan.tiles, plan.n_tiles, rope_cos, rope_sin, out,

@@ -577,5 +577,14 @@ class Workspace:
             buf = self._bufs[key] = torch.empty(max(n, 1), dtype=dtype, device=device)
         return buf[:n].view(shape)
 
+    def split_partials(self, name: str, rows: int, heads: int, splits: int, head_dim: int, device, out: torch.Tensor):
+        """A split kernel's per-split partials: the accumulators ``[rows, heads, splits, D]`` and (max, sum)
+        pairs ``[rows, heads, splits, 2]`` that the merge reads. One split writes ``out`` itself: both are
+        ``out`` then (passed, never read)."""
+        if splits == 1:
+            return out, out
+        return (self.get(f"{name}_acc", (rows, heads, splits, head_dim), torch.float32, device),
+                self.get(f"{name}_ml", (rows, heads, splits, 2), torch.float32, device))
+
 
 workspace = Workspace()

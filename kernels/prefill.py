@@ -337,11 +337,7 @@ def _launch_triton(plan: PrefillPlan, q, k_new, v_new, k_cache, v_cache, rope_co
     Tq, Hq, D = q.shape
     bm, bn, warps, stages = plan.config
     splits = plan.splits
-    if splits > 1:
-        part_acc = workspace.get("prefill_acc", (Tq, Hq, splits, D), torch.float32, q.device)
-        part_ml = workspace.get("prefill_ml", (Tq, Hq, splits, 2), torch.float32, q.device)
-    else:
-        part_acc = part_ml = out  # unused
+    part_acc, part_ml = workspace.split_partials("prefill", Tq, Hq, splits, D, q.device, out)
     compiled = _lazy_prefill_kernel[plan.grid](
         q, k_new, v_new, plan.cu, k_cache, v_cache, plan.block_meta, plan.nctx, plan.tiles, plan.n_tiles,
         rope_cos, rope_sin, out, part_acc, part_ml, qk_scale,
