@@ -584,6 +584,8 @@ class CorpusStore(Tier):
                 log.info("store %s: chunk %d is bad: %s", self.path, cid, e)
                 bad.append(cid)
         if bad and repair:
+            if self.read_only:  # opened for serving (``open``): repairing writes, so take writable connections now
+                self.read_only, self._local = False, threading.local()
             shards = {s for (s,) in self._sql(f"SELECT shard FROM chunks WHERE id IN ({','.join('?' * len(bad))})", bad)}
             with self._table_errors(), self._db() as db:  # drop whole shards: builds resume shard by shard
                 db.executemany("DELETE FROM chunks WHERE shard = ?", [(s,) for s in shards])
