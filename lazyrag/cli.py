@@ -472,6 +472,9 @@ def _check_serve(args) -> None:
             raise UsageError("lazyrag serve --replicas needs Ray Serve: pip install 'lazyrag[replicas]'.") from None
         if args.api_key:
             raise UsageError("--api-key is not supported with --replicas yet: put the endpoint behind your gateway.")
+        if (args.tensor_parallel_size or 1) > 1:
+            raise UsageError("--replicas with --tensor-parallel-size is not supported yet (a replica is one process): run "
+                             "one tensor-parallel server per set of GPUs, or replicas of a model that fits one device.")
     if args.store is not None:
         args.store = _check_store(args.store)
 

@@ -88,8 +88,9 @@ def _broken_store(tmp_path):
     (["precache", "{tmp}/no-corpus", "--out", "{tmp}/out"], "not found"),
     (["precache", "{tmp}", "--out", "{tmp}/out", "--chunk-tokens", "100"], "multiple of the KV block size"),
     (["eval", "--strategies", "full,lazy:blend=2"], "Bad strategy"),
+    (["serve", "--replicas", "2", "--tensor-parallel-size", "2"], "not supported yet"),
 ], ids=["unknown-strategy", "bad-lazy-option", "missing-store", "broken-store", "missing-corpus",
-        "chunk-tokens-off-block", "bad-eval-strategy"])
+        "chunk-tokens-off-block", "bad-eval-strategy", "replicas-with-tensor-parallel"])
 def test_bad_arguments_are_reported_before_any_model_loads(tmp_path, args, message):
     broken = _broken_store(tmp_path)
     args = [a.format(tmp=tmp_path, broken=broken) for a in args]

@@ -26,8 +26,9 @@ from lazyrag.kv.cache import CacheManager
 from lazyrag.kv.identity import KVIdentity
 from lazyrag.model.attention import make_attention_backend
 from lazyrag.model.llama import LlamaArgs, LlamaModel, build_rope
-from lazyrag.model.parallel import check_divisible, local_args, shard_hf_state_dict
-from lazyrag.model.loader import check_llama_config, fingerprint, load_checkpoint, resolve_model_source
+from lazyrag.model.parallel import check_divisible, local_args, shard_hf_state_dict, shard_tensor
+from lazyrag.model.loader import (check_llama_config, fingerprint, load_checkpoint, load_config, load_sharded,
+                                  resolve_model_source)
 from lazyrag.prompt import ChunkFinder, PromptBuilder, PromptLayout, check_chunks, check_layout, check_text
 
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>")
@@ -154,28 +155,51 @@ class LazyEngine:
     @classmethod
     def _load(cls, cfg: EngineConfig) -> "LazyEngine":
         source = resolve_model_source(cfg.model)
-        hf_model, tokenizer = load_checkpoint(source, cfg.dtype)
-        return cls.from_hf(hf_model, tokenizer, model_name=source.name, config=cfg, _spawn_workers=True)
+        if cfg.tensor_parallel_size == 1:
+            hf_model, tokenizer = load_checkpoint(source, cfg.dtype)
+            return cls.from_hf(hf_model, tokenizer, model_name=source.name, config=cfg)
+        import lazyrag.engine.tensor_parallel as tensor_parallel
+
+        config = load_config(source)
+        args = LlamaArgs.from_hf(config)
+        check_divisible(args, cfg.tensor_parallel_size)  # before any process starts
+        tp, workers = tensor_parallel.start(cls, cfg)  # every rank joins first, then all load their shards at once
+        try:
+            config, tokenizer, state, fp = load_sharded(source, cfg.dtype, lambda name, t: shard_tensor(name, t, args, tp))
+        except BaseException:
+            tensor_parallel.abandon_start(workers)
+            raise
+        return cls._assemble(config, tokenizer, state, fp, source.name, cfg, tp, workers)
 
     @classmethod
-    def from_hf(cls, hf_model, tokenizer, model_name: str = "model", config: EngineConfig | None = None, *,
-                _spawn_workers: bool = False, **fields) -> "LazyEngine":
-        """Wrap an already-loaded transformers ``LlamaForCausalLM`` (its weights are copied)."""
+    def from_hf(cls, hf_model, tokenizer, model_name: str = "model", config: EngineConfig | None = None, **fields) -> "LazyEngine":
+        """Wrap an already-loaded transformers ``LlamaForCausalLM`` (its weights are copied). With
+        ``tensor_parallel_size=N`` only under torchrun (every rank passes its own copy of the model)."""
         cfg = config.with_changes(**fields) if config is not None else EngineConfig(**fields)
         check_llama_config(hf_model.config)
         state = {k: v.detach().to(cfg.dtype) for k, v in hf_model.state_dict().items()}
         fp = fingerprint(hf_model.config, state, cfg.dtype)  # of the whole model: every rank's, and TP=1's
-        args, tp, workers = LlamaArgs.from_hf(hf_model.config), None, []
+        tp, workers = None, []
         if cfg.tensor_parallel_size > 1:
             import lazyrag.engine.tensor_parallel as tensor_parallel
 
-            check_divisible(args, cfg.tensor_parallel_size)  # before any process starts
-            if not (tensor_parallel.launched_by_torchrun() or _spawn_workers):
+            args = LlamaArgs.from_hf(hf_model.config)
+            check_divisible(args, cfg.tensor_parallel_size)
+            if not tensor_parallel.launched_by_torchrun():
                 raise ValueError("from_hf cannot start tensor-parallel workers for a model already in memory (they load it "
                                  "themselves): use LazyEngine.from_pretrained(path, tensor_parallel_size=N), or start every "
                                  "rank with torchrun --nproc-per-node N.")
             tp, workers = tensor_parallel.start(cls, cfg)
-            state, args = shard_hf_state_dict(state, args, tp), local_args(args, tp.size)
+            state = shard_hf_state_dict(state, args, tp)
+        return cls._assemble(hf_model.config, tokenizer, state, fp, model_name, cfg, tp, workers)
+
+    @classmethod
+    def _assemble(cls, hf_config, tokenizer, state: dict, fp: str, model_name: str, cfg: EngineConfig,
+                  tp=None, workers=()) -> "LazyEngine":
+        """The engine over ``state`` (transformers' names; under tensor parallelism this rank's shard)."""
+        args = LlamaArgs.from_hf(hf_config)
+        if tp is not None:
+            args = local_args(args, tp.size)
             if cfg.device.type == "cuda":
                 cfg.device = torch.device("cuda", tp.local_rank)
         with torch.device("meta"):
@@ -184,10 +208,12 @@ class LazyEngine:
         model.load_hf_state_dict(state)
         if model.args.tie_word_embeddings:
             model.lm_head.weight = model.embed.weight
-        engine = cls(model.eval(), hf_model.config, tokenizer, cfg, fp, model_name)
-        if tp is not None:
-            return tensor_parallel.attach(engine, tp, workers)  # returns on rank 0 only
-        return engine
+        engine = cls(model.eval(), hf_config, tokenizer, cfg, fp, model_name)
+        if tp is None:
+            return engine
+        import lazyrag.engine.tensor_parallel as tensor_parallel
+
+        return tensor_parallel.attach(engine, tp, list(workers))  # returns on rank 0 only
 
     @classmethod
     def from_config(cls, hf_config, tokenizer=None, seed: int = 0, **fields) -> "LazyEngine":

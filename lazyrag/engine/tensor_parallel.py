@@ -3,11 +3,12 @@
 Start-up. ``torchrun --nproc-per-node N -m lazyrag.cli ...`` starts N processes with RANK / WORLD_SIZE
 set; ``LazyEngine.from_pretrained(..., tensor_parallel_size=N)`` in a plain process starts the N - 1
 workers itself (``python -m lazyrag.engine.tensor_parallel SPEC``, MASTER_ADDR 127.0.0.1 on a free
-port) and is rank 0. Either way every rank loads the checkpoint, calls ``init_process_group`` (gloo on
-CPU, NCCL on CUDA; the rendezvous waits up to START_TIMEOUT_S for the slowest load), makes a 1-D
-``DeviceMesh`` over a group whose collectives are bounded by ``tensor_parallel_timeout_s``, and keeps
-its shard (model/parallel.py). Rank 0 returns the engine; on the other ranks ``from_pretrained`` never
-returns: they serve rank 0 until it stops, then exit.
+port) and is rank 0. Either way every rank calls ``init_process_group`` (gloo on CPU, NCCL on CUDA),
+makes a 1-D ``DeviceMesh`` over a group whose collectives are bounded by ``tensor_parallel_timeout_s``,
+then reads only its shard of the checkpoint (``loader.load_sharded``: one tensor at a time from
+safetensors), and waits at a barrier for the slowest load (start-up waits are bounded by START_TIMEOUT_S;
+rank 0 fails at once if a worker it spawned exits). Rank 0 returns the engine; on the other ranks
+``from_pretrained`` never returns: they serve rank 0 until it stops, then exit.
 
 Keeping the ranks in step (SGLang's design: every TP rank runs the scheduler, rather than vLLM's
 driver shipping each runner call). Every rank runs the whole engine over its shard: scheduler,
@@ -45,6 +46,7 @@ import tempfile
 import threading
 import time
 from datetime import timedelta
+from typing import Callable
 
 import torch
 
@@ -53,8 +55,8 @@ from lazyrag.model.parallel import TensorParallel, TensorParallelError
 
 log = logging.getLogger(__name__)
 
-# the rendezvous waits for every rank to load the checkpoint (minutes for a 70B-class model); the collectives
-# after it are bounded by EngineConfig.tensor_parallel_timeout_s
+# start-up waits (the rendezvous, then the barrier after every rank's load: minutes for a 70B-class model); the
+# collectives after it are bounded by EngineConfig.tensor_parallel_timeout_s
 START_TIMEOUT_S = 900.0
 PARENT_ENV = "LAZYRAG_TP_PARENT"  # set in the workers from_pretrained spawns: they exit when their parent is gone
 
@@ -126,33 +128,62 @@ def _join(size: int, rank: int, local_rank: int, device_type: str, timeout_s: fl
 
 
 def _rendezvous(workers: list[subprocess.Popen], **init) -> None:
-    """``init_process_group``; while it waits for the other ranks, a worker this process spawned that exits
-    (a failed load) fails the start at once instead of at the start-up timeout."""
     import torch.distributed as dist
 
+    _watching(workers, "joined", lambda: dist.init_process_group(**init))
+
+
+def _watching(workers: list[subprocess.Popen], what: str, wait: Callable[[], None]) -> None:
+    """Run ``wait`` (a start-up collective bounded by START_TIMEOUT_S); a worker this process spawned that
+    exits meanwhile (a failed load) fails it at once instead of at the timeout."""
     if not workers:
-        dist.init_process_group(**init)
+        wait()
         return
     errors: list[BaseException] = []
 
-    def join():
+    def run():
         try:
-            dist.init_process_group(**init)
+            wait()
         except BaseException as e:
             errors.append(e)
 
-    joining = threading.Thread(target=join, name="lazyrag-tp-rendezvous", daemon=True)
-    joining.start()
-    while joining.is_alive():
-        joining.join(0.2)
-        if joining.is_alive() and any(w.poll() is not None for w in workers):
-            raise TensorParallelError("a worker exited before every rank had joined")
+    waiting = threading.Thread(target=run, name="lazyrag-tp-start", daemon=True)
+    waiting.start()
+    while waiting.is_alive():
+        waiting.join(0.2)
+        if waiting.is_alive() and any(w.poll() is not None for w in workers):
+            raise TensorParallelError(f"a worker exited before every rank had {what}")
     if errors:
         raise errors[0]
 
 
+def abandon_start(workers: list[subprocess.Popen]) -> None:
+    """A start that failed after joining (a rank could not load its shard): kill the workers this process
+    spawned and leave the group, so the caller's error is all that remains."""
+    import torch.distributed as dist
+
+    for w in workers:
+        w.kill()
+        w.wait()
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a peer is gone mid-collective: nothing left to tear down cleanly
+            pass
+
+
 def attach(engine, tp: TensorParallel, workers: list[subprocess.Popen]):
-    """Rank 0: the engine, driving the others. Any other rank: serve rank 0 until it stops, then exit."""
+    """Rank 0: the engine, driving the others. Any other rank: serve rank 0 until it stops, then exit.
+    First every rank waits for the others to have loaded their shards (a load takes minutes for a large model;
+    the engine's collectives after it are bounded by its own timeout)."""
+    import torch.distributed as dist
+
+    try:
+        _watching(workers, "loaded its shard", dist.barrier)  # the default group: START_TIMEOUT_S
+    except BaseException as e:
+        abandon_start(workers)
+        raise TensorParallelError(f"tensor-parallel rank {tp.rank}: not every rank loaded its shard ({e}); see the "
+                                  "other ranks' output for why (a missing file, out of memory?)") from e
     if tp.rank == 0:
         engine.tp_driver = Driver(engine, tp, workers, engine.config.tensor_parallel_timeout_s)
         return engine
@@ -327,6 +358,8 @@ def serve(engine, tp: TensorParallel) -> int:
     """Apply rank 0's commands to this rank's engine until it says stop (0) or is lost (1)."""
     if os.environ.get(PARENT_ENV):
         threading.Thread(target=_watch_parent, args=(int(os.environ[PARENT_ENV]),), daemon=True).start()
+        # a terminal's Ctrl-C reaches the whole process group: rank 0 stops this worker (or its exit does)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     s, requests = engine.scheduler, {}
     while True:
         box = [None]

@@ -9,6 +9,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -133,21 +134,78 @@ def _quiet_gguf_bar(quiet: bool):
         module.tqdm = original
 
 
-def fingerprint(config, state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> str:
+class Fingerprint:
     """A stable id of (architecture, weights, KV dtype): cached KV is valid only for the same one.
 
     Hashes every tensor's name and shape and a strided sample of its values, so it is fast
-    for 8B checkpoints and still changes when any tensor is retrained.
+    for 8B checkpoints and still changes when any tensor is retrained. Tensors are added one at a
+    time in name order, so a loader that streams a checkpoint (``load_sharded``) gets the id of the
+    whole model without holding it.
     """
-    h = hashlib.sha256()
-    cfg = config.to_dict()
-    for volatile in ("transformers_version", "_name_or_path", "torch_dtype", "dtype"):
-        cfg.pop(volatile, None)
-    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
-    h.update(str(dtype).encode())
-    for name in sorted(state_dict):
-        t = state_dict[name].detach().flatten()
+
+    def __init__(self, config, dtype: torch.dtype):
+        self._h = hashlib.sha256()
+        cfg = config.to_dict()
+        for volatile in ("transformers_version", "_name_or_path", "torch_dtype", "dtype"):
+            cfg.pop(volatile, None)
+        self._h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+        self._h.update(str(dtype).encode())
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        t = tensor.detach().flatten()
         step = max(1, t.numel() // 4096)
-        h.update(f"{name}:{tuple(state_dict[name].shape)}".encode())
-        h.update(t[::step].float().cpu().numpy().tobytes())
-    return h.hexdigest()[:32]
+        self._h.update(f"{name}:{tuple(tensor.shape)}".encode())
+        self._h.update(t[::step].float().cpu().numpy().tobytes())
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()[:32]
+
+
+def fingerprint(config, state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> str:
+    """``Fingerprint`` of a whole state dict (names in sorted order)."""
+    fp = Fingerprint(config, dtype)
+    for name in sorted(state_dict):
+        fp.add(name, state_dict[name])
+    return fp.hexdigest()
+
+
+def load_sharded(source: ModelSource, dtype: torch.dtype, keep: Callable[[str, torch.Tensor], torch.Tensor]):
+    """(config, tokenizer, this rank's state dict, the whole model's fingerprint) for tensor parallelism:
+    ``keep(name, tensor)`` is the slice a rank holds. A safetensors folder is read one tensor at a time
+    (host memory: the shard plus one whole tensor, not the model); a GGUF, which transformers must
+    dequantise whole, is loaded whole and then sliced. The fingerprint equals the one-process engine's,
+    so stores and caches made at any size match."""
+    from transformers import AutoTokenizer
+
+    config = load_config(source)
+    if source.gguf_file:
+        hf, tokenizer = load_checkpoint(source, dtype)
+        state = {k: v.detach().to(dtype) for k, v in hf.state_dict().items()}
+        del hf
+        return config, tokenizer, {k: keep(k, v) for k, v in state.items()}, fingerprint(config, state, dtype)
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):  # the names transformers' model has (and so its state dict, which TP=1 hashes)
+        names = sorted(AutoModelForCausalLM.from_config(config).state_dict())
+    files = sorted(source.folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{source.folder} has config.json but no *.safetensors; lazyrag reads safetensors checkpoints.")
+    handle = {name: h for h in (safe_open(str(f), framework="pt") for f in files) for name in h.keys()}
+    stored = {name: name for name in handle}
+    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in stored:
+        stored["lm_head.weight"] = "model.embed_tokens.weight"  # transformers' state dict names the tied tensor twice
+    missing = [n for n in names if stored.get(n) not in handle]
+    if missing:
+        raise ModelLoadError(f"{source.folder}'s safetensors lack {len(missing)} of the model's tensors "
+                             f"(e.g. {missing[0]}); is the checkpoint complete?")
+    fp, state = Fingerprint(config, dtype), {}
+    for name in names:
+        whole = handle[stored[name]].get_tensor(stored[name]).to(dtype)
+        fp.add(name, whole)
+        part = keep(name, whole)
+        # a row slice is a view of the whole tensor: copy it, so the whole one is freed before the next is read
+        shares = part.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+        state[name] = part.clone() if shares and part.numel() < whole.numel() else part
+    tokenizer = AutoTokenizer.from_pretrained(source.folder)
+    return config, tokenizer, state, fp.hexdigest()

@@ -83,27 +83,27 @@ def local_args(args, size: int):
                    intermediate_size=args.intermediate_size // size)
 
 
-def shard_hf_state_dict(sd: dict[str, torch.Tensor], args, tp: TensorParallel) -> dict[str, torch.Tensor]:
-    """This rank's slices of a transformers Llama state dict (names unchanged; ``args``: the full model's).
+def shard_tensor(name: str, t: torch.Tensor, args, tp: TensorParallel) -> torch.Tensor:
+    """This rank's slice of one tensor of a transformers Llama state dict (``args``: the full model's).
     Row-parallel biases are kept on rank 0 only (zeros elsewhere), so the all-reduce adds them once."""
+    parts = name.split(".")
+    proj, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
     d = args.head_dim
-    q_lo, q_hi = tp.head_range(args.num_heads)
-    kv_lo, kv_hi = tp.head_range(args.num_kv_heads)
-    i_lo, i_hi = tp.head_range(args.intermediate_size)
-    rows = {"q_proj": (q_lo * d, q_hi * d), "k_proj": (kv_lo * d, kv_hi * d), "v_proj": (kv_lo * d, kv_hi * d),
-            "gate_proj": (i_lo, i_hi), "up_proj": (i_lo, i_hi)}
-    cols = {"o_proj": (q_lo * d, q_hi * d), "down_proj": (i_lo, i_hi)}
-    out = {}
-    for name, t in sd.items():
-        parts = name.split(".")
-        proj, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
-        if proj in rows:  # column-parallel: output rows (and the bias) sliced
-            lo, hi = rows[proj]
-            t = t[lo:hi]
-        elif proj in cols and kind == "weight":  # row-parallel: input columns sliced
-            lo, hi = cols[proj]
-            t = t[:, lo:hi]
-        elif proj in cols and kind == "bias" and tp.rank != 0:
-            t = torch.zeros_like(t)
-        out[name] = t.contiguous()
-    return out
+    if proj in ("q_proj", "o_proj"):
+        lo, hi = (r * d for r in tp.head_range(args.num_heads))
+    elif proj in ("k_proj", "v_proj"):
+        lo, hi = (r * d for r in tp.head_range(args.num_kv_heads))
+    elif proj in ("gate_proj", "up_proj", "down_proj"):
+        lo, hi = tp.head_range(args.intermediate_size)
+    else:
+        return t  # embeddings, norms, lm_head: replicated
+    if proj not in ("o_proj", "down_proj"):  # column-parallel: output rows (and the bias) sliced
+        return t[lo:hi].contiguous()
+    if kind == "weight":  # row-parallel: input columns sliced
+        return t[:, lo:hi].contiguous()
+    return t if tp.rank == 0 else torch.zeros_like(t)
+
+
+def shard_hf_state_dict(sd: dict[str, torch.Tensor], args, tp: TensorParallel) -> dict[str, torch.Tensor]:
+    """This rank's slices of a whole transformers Llama state dict (names unchanged)."""
+    return {name: shard_tensor(name, t, args, tp) for name, t in sd.items()}

@@ -139,6 +139,35 @@ def test_a_store_is_built_by_one_process():
         check_store_writer(Sharded())
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["own-lm-head", "tied-embeddings"])
+def test_a_rank_reads_only_its_shard_and_gets_the_whole_models_fingerprint(tiny_folder, tmp_path, tied):
+    """``load_sharded`` streams a safetensors folder: the slices equal the whole state dict's, none keeps a whole
+    tensor alive, and the fingerprint is the one-process engine's (so stores and caches match at any size)."""
+    from transformers import LlamaForCausalLM
+
+    from lazyrag.model.llama import LlamaArgs
+    from lazyrag.model.loader import fingerprint, load_checkpoint, load_sharded, resolve_model_source
+    from lazyrag.model.parallel import TensorParallel, shard_hf_state_dict, shard_tensor
+
+    torch.manual_seed(5)
+    LlamaForCausalLM(tiny_llama_config(tie_word_embeddings=tied, attention_bias=True)).save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # a tokenizer beside the weights, as checkpoints have
+        (tmp_path / name).write_bytes((tiny_folder / name).read_bytes())
+    source = resolve_model_source(str(tmp_path))
+    hf, _ = load_checkpoint(source, torch.float32)
+    whole = {k: v.detach() for k, v in hf.state_dict().items()}
+    args = LlamaArgs.from_hf(hf.config)
+    for rank in (0, 1):
+        tp = TensorParallel(2, rank, None)
+        config, _, state, fp = load_sharded(source, torch.float32, lambda n, t: shard_tensor(n, t, args, tp))
+        assert fp == fingerprint(hf.config, whole, torch.float32)
+        expected = shard_hf_state_dict(whole, args, tp)
+        assert state.keys() == expected.keys()
+        for name, t in state.items():
+            assert torch.equal(t, expected[name]), name
+            assert t.untyped_storage().nbytes() == t.nbytes, name  # a copy of the slice, not a view of the whole
+
+
 # -- 2 gloo processes ----------------------------------------------------------------------------
 
 @pytest.mark.slow

@@ -43,6 +43,7 @@ def main(model: str, out: str, tp: int, mode: str) -> None:
         while engine.has_unfinished_requests():
             engine.step()
         res["batch"] = [r.result().text for r in reqs]
+        res["fingerprint"] = engine.fingerprint  # the whole model's at any size: stores and caches match
         torch.save(res, out)
     elif mode == "idle":
         first = engine.generate(QUESTION, CHUNKS, max_new_tokens=4, ignore_eos=True).text
