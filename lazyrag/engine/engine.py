@@ -94,6 +94,15 @@ class RequestStream:
             self.engine._abandon(self.request, wait)
 
 
+def _rank_args(args: LlamaArgs, tp, cfg: EngineConfig) -> LlamaArgs:
+    """The model's args, or under tensor parallelism this rank's shard of them; a rank's GPU is cuda:LOCAL_RANK."""
+    if tp is None:
+        return args
+    if cfg.device.type == "cuda":
+        cfg.device = torch.device("cuda", tp.local_rank)
+    return local_args(args, tp.size)
+
+
 class LazyEngine:
     """One model, one paged KV pool, one cache of position-free chunk KV, and a continuous-batching
     scheduler that plans each request with its strategy (``SamplingParams.strategy``)."""
@@ -163,7 +172,7 @@ class LazyEngine:
         config = load_config(source)
         args = LlamaArgs.from_hf(config)
         check_divisible(args, cfg.tensor_parallel_size)  # before any process starts
-        tp, workers = tensor_parallel.start(cls, cfg)  # every rank joins first, then all load their shards at once
+        tp, workers = tensor_parallel.start(cfg, (cls._load, (cfg,), {}))  # every rank joins, then all load their shards
         try:
             config, tokenizer, state, fp = load_sharded(source, cfg.dtype, lambda name, t: shard_tensor(name, t, args, tp))
         except BaseException:
@@ -189,7 +198,7 @@ class LazyEngine:
                 raise ValueError("from_hf cannot start tensor-parallel workers for a model already in memory (they load it "
                                  "themselves): use LazyEngine.from_pretrained(path, tensor_parallel_size=N), or start every "
                                  "rank with torchrun --nproc-per-node N.")
-            tp, workers = tensor_parallel.start(cls, cfg)
+            tp, workers = tensor_parallel.start(cfg)
             state = shard_hf_state_dict(state, args, tp)
         return cls._assemble(hf_model.config, tokenizer, state, fp, model_name, cfg, tp, workers)
 
@@ -197,11 +206,7 @@ class LazyEngine:
     def _assemble(cls, hf_config, tokenizer, state: dict, fp: str, model_name: str, cfg: EngineConfig,
                   tp=None, workers=()) -> "LazyEngine":
         """The engine over ``state`` (transformers' names; under tensor parallelism this rank's shard)."""
-        args = LlamaArgs.from_hf(hf_config)
-        if tp is not None:
-            args = local_args(args, tp.size)
-            if cfg.device.type == "cuda":
-                cfg.device = torch.device("cuda", tp.local_rank)
+        args = _rank_args(LlamaArgs.from_hf(hf_config), tp, cfg)
         with torch.device("meta"):
             model = LlamaModel(args, tp)
         model = model.to_empty(device=cfg.device).to(cfg.dtype)
@@ -217,15 +222,27 @@ class LazyEngine:
 
     @classmethod
     def from_config(cls, hf_config, tokenizer=None, seed: int = 0, **fields) -> "LazyEngine":
-        """Random weights for a Llama config: for benchmarks, where speed does not depend on values."""
+        """Random weights for a Llama config: for benchmarks, where speed does not depend on values. With
+        ``tensor_parallel_size=N`` each rank makes only its shard (the same seed on every rank, so the
+        replicated weights agree); a 70B shape needs no checkpoint and no host copy of the whole model."""
         cfg = EngineConfig(**fields)
         check_llama_config(hf_config)
+        args, tp, workers = LlamaArgs.from_hf(hf_config), None, []
+        if cfg.tensor_parallel_size > 1:
+            import lazyrag.engine.tensor_parallel as tensor_parallel
+
+            check_divisible(args, cfg.tensor_parallel_size)
+            tp, workers = tensor_parallel.start(cfg, (cls.from_config, (hf_config, tokenizer, seed), fields))
+        args = _rank_args(args, tp, cfg)
         torch.manual_seed(seed)
         with torch.device(cfg.device):
-            model = LlamaModel(LlamaArgs.from_hf(hf_config)).to(cfg.dtype)
+            model = LlamaModel(args, tp).to(cfg.dtype)
         for p in model.parameters():
             torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
-        return cls(model.eval(), hf_config, tokenizer, cfg, f"random-{seed}", "random")
+        engine = cls(model.eval(), hf_config, tokenizer, cfg, f"random-{seed}", "random")
+        if tp is None:
+            return engine
+        return tensor_parallel.attach(engine, tp, workers)  # returns on rank 0 only
 
     def _end_tokens(self) -> set[int]:
         ids = set()

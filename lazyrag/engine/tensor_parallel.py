@@ -73,10 +73,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(engine_class, config) -> tuple[TensorParallel, list[subprocess.Popen]]:
+def start(config, build=None) -> tuple[TensorParallel, list[subprocess.Popen]]:
     """Join the tensor-parallel group of ``config.tensor_parallel_size`` ranks: the launcher's (torchrun, or
-    the worker processes this module spawns), or as rank 0 of a new one whose workers are spawned here, each
-    loading ``engine_class._load(config)`` (the class travels in the spec, so this module imports no engine)."""
+    the worker processes this module spawns), or as rank 0 of a new one whose workers are spawned here.
+    ``build`` = (function, args, kwargs), picklable: what each spawned worker calls to make its engine (the
+    same call as rank 0's; it travels in the spec, so this module imports no engine). None: torchrun only."""
     size, timeout = config.tensor_parallel_size, config.tensor_parallel_timeout_s
     if launched_by_torchrun():
         world = int(os.environ["WORLD_SIZE"])
@@ -85,10 +86,13 @@ def start(engine_class, config) -> tuple[TensorParallel, list[subprocess.Popen]]
                              f"--nproc-per-node {size} or tensor_parallel_size={world}.")
         rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
         return _join(size, rank, local, config.device.type, timeout, None), []
+    if build is None:
+        raise ValueError("this engine cannot start its tensor-parallel workers itself: start every rank with "
+                         f"torchrun --nproc-per-node {size}.")
     port = _free_port()
     fd, spec = tempfile.mkstemp(prefix="lazyrag-tp-", suffix=".pkl")
     with os.fdopen(fd, "wb") as f:
-        pickle.dump((engine_class, config), f)
+        pickle.dump(build, f)
     workers = []
     try:
         for rank in range(1, size):
@@ -396,8 +400,8 @@ def serve(engine, tp: TensorParallel) -> int:
 def main(argv: list[str]) -> int:
     """A worker that ``start`` spawned: load the engine its spec describes (which serves, then exits)."""
     with open(argv[0], "rb") as f:
-        engine_class, config = pickle.load(f)
-    engine_class._load(config)  # on a rank > 0 this serves rank 0, then exits the process
+        build, args, kwargs = pickle.load(f)
+    build(*args, **kwargs)  # on a rank > 0 this serves rank 0, then exits the process
     return 1  # not reached
 
 

@@ -233,3 +233,22 @@ def test_torchrun_and_the_cli_flag_answer_as_one_process(tiny_folder):
         assert p.stderr.count("chunks hit 0, missed 1") == 1, (name, p.stderr[-3000:])  # rank 0 alone reports
         answers[name] = p.stdout.strip()
     assert answers["one"] and answers["flag"] == answers["one"] and answers["torchrun"] == answers["one"]
+
+
+@pytest.mark.slow
+def test_the_tensor_parallel_benchmark_runs_small_on_cpu(tmp_path):
+    """``benchmarks/tensor_parallel.py`` (the multi-GPU run's script) end to end on gloo: random weights made per
+    rank by ``from_config``, a row per size with its timings and the weight-read floor of one rank's shard."""
+    out = tmp_path / "tp.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tensor_parallel.py"), "--shape", "tiny", "--device",
+                        "cpu", "--sizes", "1,2", "--reps", "2", "--decode-tokens", "4", "--doc-tokens", "32",
+                        "--out", str(out)], env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["tensor_parallel_size"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["ttft_ms"] > 0 and r["decode_ms_per_token"] > 0 and len(r["ttft_all_ms"]) == 2
+    # a rank of two holds half of each layer's projections: fewer bytes to read than the whole model
+    assert rows[1]["weight_bytes_per_rank"] < rows[0]["weight_bytes_per_rank"]
+    assert "TTFT vs first" in p.stdout
