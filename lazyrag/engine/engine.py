@@ -94,6 +94,27 @@ class RequestStream:
             self.engine._abandon(self.request, wait)
 
 
+def _join_group(args: LlamaArgs, cfg: EngineConfig, build=None):
+    """(None, []) for one process; else the split checked (before any process starts) and this process in the
+    tensor-parallel group: (its ``TensorParallel``, the workers it spawned). ``build``: what a spawned worker calls."""
+    if cfg.tensor_parallel_size == 1:
+        return None, []
+    import lazyrag.engine.tensor_parallel as tensor_parallel
+
+    check_divisible(args, cfg.tensor_parallel_size)
+    return tensor_parallel.start(cfg, build)
+
+
+def _attached(engine: "LazyEngine", tp, workers) -> "LazyEngine":
+    """The engine of one process as it is; under tensor parallelism rank 0's, driving the others (on any other
+    rank this serves rank 0 and exits)."""
+    if tp is None:
+        return engine
+    import lazyrag.engine.tensor_parallel as tensor_parallel
+
+    return tensor_parallel.attach(engine, tp, list(workers))
+
+
 def _rank_args(args: LlamaArgs, tp, cfg: EngineConfig) -> LlamaArgs:
     """The model's args, or under tensor parallelism this rank's shard of them; a rank's GPU is cuda:LOCAL_RANK."""
     if tp is None:
@@ -167,15 +188,14 @@ class LazyEngine:
         if cfg.tensor_parallel_size == 1:
             hf_model, tokenizer = load_checkpoint(source, cfg.dtype)
             return cls.from_hf(hf_model, tokenizer, model_name=source.name, config=cfg)
-        import lazyrag.engine.tensor_parallel as tensor_parallel
-
         config = load_config(source)
         args = LlamaArgs.from_hf(config)
-        check_divisible(args, cfg.tensor_parallel_size)  # before any process starts
-        tp, workers = tensor_parallel.start(cfg, (cls._load, (cfg,), {}))  # every rank joins, then all load their shards
+        tp, workers = _join_group(args, cfg, (cls._load, (cfg,), {}))  # every rank joins, then all load their shards
         try:
-            config, tokenizer, state, fp = load_sharded(source, cfg.dtype, lambda name, t: shard_tensor(name, t, args, tp))
+            tokenizer, state, fp = load_sharded(source, config, cfg.dtype, lambda name, t: shard_tensor(name, t, args, tp))
         except BaseException:
+            import lazyrag.engine.tensor_parallel as tensor_parallel
+
             tensor_parallel.abandon_start(workers)
             raise
         return cls._assemble(config, tokenizer, state, fp, source.name, cfg, tp, workers)
@@ -188,17 +208,16 @@ class LazyEngine:
         check_llama_config(hf_model.config)
         state = {k: v.detach().to(cfg.dtype) for k, v in hf_model.state_dict().items()}
         fp = fingerprint(hf_model.config, state, cfg.dtype)  # of the whole model: every rank's, and TP=1's
-        tp, workers = None, []
         if cfg.tensor_parallel_size > 1:
             import lazyrag.engine.tensor_parallel as tensor_parallel
 
-            args = LlamaArgs.from_hf(hf_model.config)
-            check_divisible(args, cfg.tensor_parallel_size)
             if not tensor_parallel.launched_by_torchrun():
                 raise ValueError("from_hf cannot start tensor-parallel workers for a model already in memory (they load it "
                                  "themselves): use LazyEngine.from_pretrained(path, tensor_parallel_size=N), or start every "
                                  "rank with torchrun --nproc-per-node N.")
-            tp, workers = tensor_parallel.start(cfg)
+        args = LlamaArgs.from_hf(hf_model.config)
+        tp, workers = _join_group(args, cfg)
+        if tp is not None:
             state = shard_hf_state_dict(state, args, tp)
         return cls._assemble(hf_model.config, tokenizer, state, fp, model_name, cfg, tp, workers)
 
@@ -213,12 +232,7 @@ class LazyEngine:
         model.load_hf_state_dict(state)
         if model.args.tie_word_embeddings:
             model.lm_head.weight = model.embed.weight
-        engine = cls(model.eval(), hf_config, tokenizer, cfg, fp, model_name)
-        if tp is None:
-            return engine
-        import lazyrag.engine.tensor_parallel as tensor_parallel
-
-        return tensor_parallel.attach(engine, tp, list(workers))  # returns on rank 0 only
+        return _attached(cls(model.eval(), hf_config, tokenizer, cfg, fp, model_name), tp, workers)
 
     @classmethod
     def from_config(cls, hf_config, tokenizer=None, seed: int = 0, **fields) -> "LazyEngine":
@@ -227,22 +241,15 @@ class LazyEngine:
         replicated weights agree); a 70B shape needs no checkpoint and no host copy of the whole model."""
         cfg = EngineConfig(**fields)
         check_llama_config(hf_config)
-        args, tp, workers = LlamaArgs.from_hf(hf_config), None, []
-        if cfg.tensor_parallel_size > 1:
-            import lazyrag.engine.tensor_parallel as tensor_parallel
-
-            check_divisible(args, cfg.tensor_parallel_size)
-            tp, workers = tensor_parallel.start(cfg, (cls.from_config, (hf_config, tokenizer, seed), fields))
+        args = LlamaArgs.from_hf(hf_config)
+        tp, workers = _join_group(args, cfg, (cls.from_config, (hf_config, tokenizer, seed), fields))
         args = _rank_args(args, tp, cfg)
         torch.manual_seed(seed)
         with torch.device(cfg.device):
             model = LlamaModel(args, tp).to(cfg.dtype)
         for p in model.parameters():
             torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
-        engine = cls(model.eval(), hf_config, tokenizer, cfg, f"random-{seed}", "random")
-        if tp is None:
-            return engine
-        return tensor_parallel.attach(engine, tp, workers)  # returns on rank 0 only
+        return _attached(cls(model.eval(), hf_config, tokenizer, cfg, f"random-{seed}", "random"), tp, workers)
 
     def _end_tokens(self) -> set[int]:
         ids = set()

@@ -101,9 +101,8 @@ def start(config, build=None) -> tuple[TensorParallel, list[subprocess.Popen]]:
             workers.append(subprocess.Popen([sys.executable, "-m", "lazyrag.engine.tensor_parallel", spec], env=env))
         tp = _join(size, 0, 0, config.device.type, timeout, f"tcp://127.0.0.1:{port}", workers)
     except BaseException as e:
-        for w in workers:
-            w.kill()
-        dead = [f"rank {i + 1} exited with code {w.wait()}" for i, w in enumerate(workers)]
+        abandon_start(workers)
+        dead = [f"rank {i + 1} exited with code {w.returncode}" for i, w in enumerate(workers)]
         raise TensorParallelError(f"could not start the {size} tensor-parallel ranks ({e}); workers: {', '.join(dead)}") from e
     finally:
         # the workers read the spec before they join, so it can go once every rank has joined (or failed)

@@ -169,20 +169,20 @@ def fingerprint(config, state_dict: dict[str, torch.Tensor], dtype: torch.dtype)
     return fp.hexdigest()
 
 
-def load_sharded(source: ModelSource, dtype: torch.dtype, keep: Callable[[str, torch.Tensor], torch.Tensor]):
-    """(config, tokenizer, this rank's state dict, the whole model's fingerprint) for tensor parallelism:
+def load_sharded(source: ModelSource, config, dtype: torch.dtype, keep: Callable[[str, torch.Tensor], torch.Tensor]):
+    """(tokenizer, this rank's state dict, the whole model's fingerprint) for tensor parallelism (``config``:
+    ``load_config(source)``'s):
     ``keep(name, tensor)`` is the slice a rank holds. A safetensors folder is read one tensor at a time
     (host memory: the shard plus one whole tensor, not the model); a GGUF, which transformers must
     dequantise whole, is loaded whole and then sliced. The fingerprint equals the one-process engine's,
     so stores and caches made at any size match."""
     from transformers import AutoTokenizer
 
-    config = load_config(source)
     if source.gguf_file:
         hf, tokenizer = load_checkpoint(source, dtype)
         state = {k: v.detach().to(dtype) for k, v in hf.state_dict().items()}
         del hf
-        return config, tokenizer, {k: keep(k, v) for k, v in state.items()}, fingerprint(config, state, dtype)
+        return tokenizer, {k: keep(k, v) for k, v in state.items()}, fingerprint(config, state, dtype)
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
@@ -208,4 +208,4 @@ def load_sharded(source: ModelSource, dtype: torch.dtype, keep: Callable[[str, t
         shares = part.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
         state[name] = part.clone() if shares and part.numel() < whole.numel() else part
     tokenizer = AutoTokenizer.from_pretrained(source.folder)
-    return config, tokenizer, state, fp.hexdigest()
+    return tokenizer, state, fp.hexdigest()

@@ -159,7 +159,7 @@ def test_a_rank_reads_only_its_shard_and_gets_the_whole_models_fingerprint(tiny_
     args = LlamaArgs.from_hf(hf.config)
     for rank in (0, 1):
         tp = TensorParallel(2, rank, None)
-        config, _, state, fp = load_sharded(source, torch.float32, lambda n, t: shard_tensor(n, t, args, tp))
+        _, state, fp = load_sharded(source, hf.config, torch.float32, lambda n, t: shard_tensor(n, t, args, tp))
         assert fp == fingerprint(hf.config, whole, torch.float32)
         expected = shard_hf_state_dict(whole, args, tp)
         assert state.keys() == expected.keys()
