@@ -9,7 +9,10 @@ per set).
     python benchmarks/quality_sets.py RUN.json [RUN.json ...] --out OUT.json [--select FILE]
 
 Several reports of one set and split (e.g. a later run with the chosen strategy added) are merged by
-question; a strategy is paired with full on the questions both answered (a failed request is none).
+question; a strategy is paired with full on the questions both answered (a failed request is none). A report
+whose engine encoded chunks without the encoding passage (``"encoding_passage": "none"``, and every report
+written before issue 30 added it) names its strategies ``NAME@none``, full excepted (the passage changes no
+full prefill), so the two encodings are told apart when reports of both are merged.
 
 ``--select FILE``: the selection rule, fixed before any report split was run (issue 30): among the
 strategies other than full and lazy whose recomputed share is at most ``--max-recompute`` (15%) on
@@ -58,7 +61,7 @@ def choose(table: dict[str, dict[str, dict]], max_recompute: float, reference: s
     ``recomputed_pct_of_chunk_tokens``); returns the winner (None if no strategy qualifies) and each
     candidate's mean differences."""
     sets = list(table)
-    common = set.intersection(*(set(rows) for rows in table.values())) - {reference, "lazy"}
+    common = set.intersection(*(set(rows) for rows in table.values())) - {reference, "lazy", "lazy@none"}
     means = {}
     for s in sorted(common):
         if all(table[d][s]["recomputed_pct_of_chunk_tokens"] <= max_recompute for d in sets):
@@ -91,15 +94,17 @@ def main() -> None:
             raise SystemExit(f"{path} has no per-question scores (written by an older lazyrag eval)")
         name = f"{run['dataset']} ({run.get('split', 'all')})"
         by_s, lost = answers.setdefault(name, {}), failed.setdefault(name, {})
-        for s, m in run["scores"].items():
-            errors = {int(i) for i in run.get("errors", {}).get(s, {})}
+        plain = run.get("encoding_passage", "none") == "none"
+        for s0, m in run["scores"].items():
+            errors = {int(i) for i in run.get("errors", {}).get(s0, {})}
+            s = f"{s0}@none" if plain and s0 != args.reference else s0
             mine = by_s.setdefault(s, {})
             for i, q in enumerate(run["questions"]):
                 if i in errors:
                     lost.setdefault(s, set()).add(q)
                 elif q not in mine:
                     mine[q] = (m["acc"][i], m["f1"][i])
-            recomputed.setdefault(name, {}).setdefault(s, run["summary"][s]["recomputed_pct_of_chunk_tokens"])
+            recomputed.setdefault(name, {}).setdefault(s, run["summary"][s0]["recomputed_pct_of_chunk_tokens"])
         meta.setdefault(name, {"files": [], "commands": []})
         meta[name]["files"].append(str(path))
         meta[name]["commands"].append(run.get("command"))

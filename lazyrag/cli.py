@@ -77,6 +77,23 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)")
 
 
+def _passage_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--encoding-passage", default=None, choices=["default", "none"],
+                   help="what chunks are encoded after besides the prompt's prefix: default = a neutral passage (their KV "
+                        "then reads as if another document came first: closer to full prefill), none = the prefix alone "
+                        "(stores built before passages existed). Part of a store's identity: with --store, the store's "
+                        "choice unless given (default: default)")
+
+
+def _passage(args) -> dict:
+    """Engine keyword for ``--encoding-passage``; unset with an opened ``--store``, the store's choice."""
+    choice = getattr(args, "encoding_passage", None)
+    store = getattr(args, "store", None)
+    if choice is None and store is not None and hasattr(store, "manifest"):
+        choice = "default" if store.manifest.passage_ids else "none"
+    return {"encoding_passage": None} if choice == "none" else {}
+
+
 def _tensor_parallel_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=None,
                    help="split the model over N processes (its KV heads and MLP across ranks); this process starts the "
@@ -114,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Answer one question over the given chunks and stream the answer.\n"
                                      "Chunks come from --chunk (repeatable) and/or --chunks-file (paragraphs separated by blank lines).")
     _model_args(ask)
+    _passage_arg(ask)
     _tensor_parallel_arg(ask)
     ask.add_argument("question")
     ask.add_argument("--chunk", action="append", default=[], help="a chunk of context text (repeat for more)")
@@ -160,6 +178,7 @@ def add_precache_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--embedder", default=DEFAULT_EMBEDDER, help=f"sentence-transformers model folder (default: {DEFAULT_EMBEDDER}, embedded)")
     p.add_argument("--limit", type=int, default=None, help="read only the first N documents (quick runs)")
     p.add_argument("--system", default=None, help="system prompt encoded before every chunk (must match the engine that reads the store)")
+    _passage_arg(p)
     p.add_argument("--kv-budget", type=int, default=None, help="bytes of the engine's KV pool while encoding (default: 1 GiB on CPU)")
     p.add_argument("--stored-kv-dtype", default="auto", choices=STORED_KV_DTYPES,
                    help="how the store keeps KV: auto = 16 bits (float16 from a float32 engine, else the engine's dtype); "
@@ -229,6 +248,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, streaming, metrics)",
                        description=SERVE_HELP, epilog=SERVE_EPILOG, formatter_class=HelpFormatter)
     _model_args(p)
+    _passage_arg(p)
     _tensor_parallel_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s; 0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
@@ -265,6 +285,7 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="answer quality of the strategies side by side on NQ, HotpotQA, SQuAD, 2WikiMultihopQA or MuSiQue",
                        description=quality.__doc__, formatter_class=HelpFormatter)
     p.add_argument("--dataset", choices=quality.DATASETS, default="nq", help="which benchmark")
+    _passage_arg(p)
     p.add_argument("--data", type=Path, default=None,
                    help="the dataset file (default: ../shared/data/... for nq and hotpotqa, benchmarks/data/NAME/ for the others)")
     p.add_argument("--split", choices=quality.SPLITS, default="all",
@@ -562,7 +583,7 @@ def _ask(args) -> int:
     if args.chunks_file:  # checked before the model loads (_check_ask)
         chunks += [p.strip() for p in args.chunks_file.read_text().split("\n\n") if p.strip()]
     # under torchrun every rank but 0 serves rank 0 inside from_pretrained and exits there: only rank 0 prints
-    engine = LazyEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, **_tensor_parallel(args))
+    engine = LazyEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, **_passage(args), **_tensor_parallel(args))
     if args.store is not None:
         from lazyrag.store.retriever import Retriever
 
@@ -594,7 +615,7 @@ def _precache(args) -> int:
                             args.embedder, args.limit, args.system, progress=not args.quiet,
                             verify=args.verify, overwrite=args.overwrite, stored_kv_dtype=args.stored_kv_dtype)
     engine = LazyEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
-                                        system_prompt=args.system or DEFAULT_SYSTEM_PROMPT, **kw)
+                                        system_prompt=args.system or DEFAULT_SYSTEM_PROMPT, **_passage(args), **kw)
     print(precache(engine, config, documents=documents).summary())  # StoreError / ValueError are reported by main
     return 0
 
@@ -606,7 +627,8 @@ def _serve(args) -> int:
     from lazyrag.server import ServerConfig, run_server
 
     kw = {"kv_budget": args.kv_budget} if args.kv_budget else {}
-    engine = LazyEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, **kw, **_tensor_parallel(args))
+    engine = LazyEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, **kw, **_passage(args),
+                                        **_tensor_parallel(args))
     retriever = None
     if args.store is not None:
         from lazyrag.store.retriever import Retriever
@@ -629,7 +651,7 @@ def _serve_replicas(args) -> int:
               "max_pending": args.max_pending}
     if args.served_model_name:
         server["model_name"] = args.served_model_name
-    spec = ReplicaSpec(model=args.model, device=args.device, dtype=args.dtype, kv_budget=args.kv_budget,
+    spec = ReplicaSpec(model=args.model, device=args.device, dtype=args.dtype, kv_budget=args.kv_budget, **_passage(args),
                        store=None if args.store is None else str(args.store.path), server=server)
     print(f"lazyrag serve: {args.replicas} replicas ({args.router} routing) at http://{args.host}:{args.port}/v1; "
           "GET /routing shows each replica's state; Ctrl-C stops them", file=sys.stderr)
@@ -671,7 +693,7 @@ def _run(args) -> int:
         from lazyrag.eval import run_eval
 
         args.out.parent.mkdir(parents=True, exist_ok=True)  # the checkpoint is written there from the first batch
-        return run_eval(args)
+        return run_eval(args, _passage(args))
     if args.command == "precache":
         done = _finished_store(args)
         if done:

@@ -401,7 +401,8 @@ def _device_name(device) -> str:
     return f"cuda ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
 
 
-def run_eval(args) -> int:
+def run_eval(args, engine_options: dict | None = None) -> int:
+    """``lazyrag eval``; ``engine_options``: EngineConfig fields the command line set (``--encoding-passage``)."""
     from tqdm import tqdm
 
     from lazyrag.engine import EngineConfig, LazyEngine, SchedulerConfig
@@ -425,7 +426,7 @@ def run_eval(args) -> int:
             return 0
     # every request of a batch (questions x strategies) runs as one continuous batch
     engine_kwargs = dict(model=args.model, device=args.device, dtype=args.dtype,
-                         scheduler=SchedulerConfig(max_running=max(64, args.batch * len(strategies))))
+                         scheduler=SchedulerConfig(max_running=max(64, args.batch * len(strategies))), **(engine_options or {}))
     if args.kv_budget is not None:
         engine_kwargs["kv_budget"] = int(args.kv_budget * (1 << 30))
     if args.eager:
@@ -440,7 +441,7 @@ def run_eval(args) -> int:
     model_name = resolve_model_source(args.model).name
     run = {"dataset": args.dataset, "data": path.name, "n": args.n, "split": args.split, "seed": args.seed, "strategies": strategies,
            "max_new_tokens": args.max_new_tokens, "model": model_name, "device": config.device.type,
-           "dtype": str(config.dtype).replace("torch.", ""),
+           "dtype": str(config.dtype).replace("torch.", ""), "encoding_passage": "default" if config.encoding_passage else "none",
            **({"distractors": args.distractors} if args.dataset == "nq" else {"shuffle": args.shuffle}),
            **({"store": str(args.store), "k": args.k} if args.store is not None else {}),
            **({"skip_answered": sorted(p.name for p in args.skip_answered)} if getattr(args, "skip_answered", None) else {})}
@@ -483,7 +484,7 @@ def run_eval(args) -> int:
             return 1
     result = summarize(per)
     result.update({"dataset": args.dataset, "split": args.split, "n": done, "n_asked": len(items), "model": model_name, "device": _device_name(config.device),
-                   "dtype": str(config.dtype).replace("torch.", ""),
+                   "dtype": str(config.dtype).replace("torch.", ""), "encoding_passage": run["encoding_passage"],
                    "workers": args.workers, "resumed": len(items) - len(todo),
                    "command": "lazyrag " + " ".join(sys.argv[1:]), "seconds": time.time() - t,
                    "mode": "retrieval" if args.store is not None else "oracle"})

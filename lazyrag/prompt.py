@@ -17,6 +17,15 @@ DEFAULT_SYSTEM_PROMPT = (
     "Answer briefly, in a few words."
 )
 CONTEXT_HEADER = "Documents:\n\n"
+# Every chunk is encoded after the prefix and this passage, so that its KV is computed as if it followed another
+# document, as four of five chunks do in a full prefill; requests never read the passage (its KV is rotated away,
+# engine/reuse.py). Made-up prose about nothing a question asks, in the register of retrieved passages. Measured
+# (issue 30, benchmarks/NOTES.md "The encoding passage"): lazy's KL to full prefill halved at no recompute.
+DEFAULT_ENCODING_PASSAGE = (
+    "Harlow Fen is a wetland on the lower course of the River Aske. It was drained in part during the eighteenth "
+    "century, when a pumping station and several miles of embankment were built, and the land was farmed until the "
+    "1950s. Today it is a nature reserve known for its reed beds and wading birds."
+)
 _SPLIT = "\u2063LAZYRAG_USER_CONTENT\u2063"
 
 
@@ -111,9 +120,10 @@ def check_layout(layout: "PromptLayout", vocab_size: int) -> None:
 class PromptBuilder:
     """Splits the model's chat template around the user's content to find the segments."""
 
-    def __init__(self, tokenizer, system_prompt: str = DEFAULT_SYSTEM_PROMPT):
+    def __init__(self, tokenizer, system_prompt: str = DEFAULT_SYSTEM_PROMPT, encoding_passage: str | None = DEFAULT_ENCODING_PASSAGE):
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
+        self.encoding_passage = encoding_passage or None
         self._bos = self._needs_bos()
 
     def _needs_bos(self) -> list[int]:
@@ -145,6 +155,10 @@ class PromptBuilder:
     def prefix_ids(self, system: str | None = None) -> list[int]:
         head, _ = self.template_parts(system or self.system_prompt)
         return self._with_bos(self.encode(head + CONTEXT_HEADER))
+
+    def passage_ids(self) -> list[int]:
+        """Token ids of the encoding passage chunks are encoded after (besides the prefix); [] for none."""
+        return self.encode_chunk(self.encoding_passage) if self.encoding_passage else []
 
     def question_text(self, question: str) -> str:
         return f"Question: {question.strip()}"

@@ -78,6 +78,29 @@ def engine(engine_and_hf):
     return engine_and_hf[0]
 
 
+@pytest.fixture(scope="session")
+def plain_default_engine(default_hf):
+    """The default model with chunks encoded after the prompt's prefix alone (``encoding_passage=None``): a chunk's
+    cached KV is then exactly what a full prefill computes for it when it comes first."""
+    from lazyrag.engine import LazyEngine
+
+    hf, tokenizer = default_hf
+    return LazyEngine.from_hf(hf, tokenizer, device="cpu", kv_budget=128 << 20, encoding_passage=None)
+
+
+@pytest.fixture(scope="session")
+def plain_tiny_engine(tiny_hf, default_hf):
+    from lazyrag.engine import LazyEngine
+
+    return LazyEngine.from_hf(tiny_hf, default_hf[1], device="cpu", kv_budget=64 << 20, encoding_passage=None)
+
+
+@pytest.fixture(params=["default", "tiny"])
+def plain_engine(request):
+    """``engine``'s two models without the encoding passage."""
+    return request.getfixturevalue(f"plain_{request.param}_engine")
+
+
 # -- corpus store fixtures (issue 4) ---------------------------------------------------------
 
 @pytest.fixture(scope="session")

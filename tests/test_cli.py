@@ -137,6 +137,20 @@ def test_strategy_names_checked_without_torch_are_the_engine_s():
     assert tuple(STRATEGIES) == STRATEGY_NAMES
 
 
+def test_encoding_passage_follows_the_store_unless_given():
+    from argparse import Namespace
+    from types import SimpleNamespace
+
+    from lazyrag.cli import _passage
+
+    old, new = (SimpleNamespace(manifest=SimpleNamespace(passage_ids=ids)) for ids in ([], [1, 2, 3]))
+    assert _passage(Namespace(encoding_passage=None, store=old)) == {"encoding_passage": None}  # built before passages
+    assert _passage(Namespace(encoding_passage=None, store=new)) == {}
+    assert _passage(Namespace(encoding_passage="default", store=old)) == {}  # asked for: the store then refuses, saying why
+    assert _passage(Namespace(encoding_passage="none")) == {"encoding_passage": None}
+    assert _passage(Namespace(encoding_passage=None, store=None)) == {}
+
+
 def test_k_is_capped_before_anything_loads():
     for args in (["ask", "q", "--k", "2147483648"], ["ask", "q", "--k", "0"], ["eval", "--k", "100000"]):
         r = probe(*args)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from lazyrag.kv.cache import CacheConfig
-from lazyrag.prompt import DEFAULT_SYSTEM_PROMPT
+from lazyrag.prompt import DEFAULT_ENCODING_PASSAGE, DEFAULT_SYSTEM_PROMPT
 
 DEFAULT_KV_BUDGET = {"cpu": 1 << 30, "cuda": 8 << 30}
 
@@ -29,6 +29,9 @@ class EngineConfig:
     block_size: int = 16  # tokens per KV block
     attention: str | None = None  # "triton" | "torch"; None: triton on cuda, torch on cpu
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
+    # text every chunk is encoded after, past the prompt's prefix, so its KV is computed as if another document came
+    # first (prompt.py); part of every chunk's cache key and of a store's identity. None: chunks follow the prefix alone
+    encoding_passage: str | None = DEFAULT_ENCODING_PASSAGE
     cuda_graphs: bool | None = None  # None: on with cuda + triton
     compile_elementwise: bool | None = None  # None: on with cuda
     # norms and silu*up as Triton kernels (kernels/elementwise.py), replacing the compiled ones; None: on with cuda + triton

@@ -161,9 +161,10 @@ class LazyEngine:
         if config.cuda_graphs:
             # padding tokens of captured shapes write their K/V here; no sequence reads it
             self.runner.enable_cuda_graphs(scratch_block=pool.allocate(1)[0])
-        self.prompts = PromptBuilder(tokenizer, config.system_prompt) if tokenizer is not None else None
+        self.prompts = PromptBuilder(tokenizer, config.system_prompt, config.encoding_passage) if tokenizer is not None else None
         self.chunk_finder = ChunkFinder()  # texts of known chunks, to find them inside free-form prompts
-        self.scheduler = Scheduler(self.runner, self.cache, Planner(self.cache, self.runner, model_fingerprint),
+        passage_ids = self.prompts.passage_ids() if self.prompts is not None else []
+        self.scheduler = Scheduler(self.runner, self.cache, Planner(self.cache, self.runner, model_fingerprint, passage_ids),
                                    tokenizer, self._end_tokens(), config.scheduler)
         self._lock = threading.Lock()  # held by whichever thread steps the scheduler (or touches the cache)
         self._stepping_thread: int | None = None  # ident of the thread inside ``step``, if any
@@ -294,7 +295,7 @@ class LazyEngine:
         # the model's KV heads, not this rank's share: a store holds every head, and each rank reads its own
         return KVIdentity(self.fingerprint, self.model_name, str(shape.dtype).replace("torch.", ""), shape.block_size,
                           shape.num_layers, shape.num_kv_heads * self.tensor_parallel_size, shape.head_dim, system, list(prefix_ids),
-                          self.scheduler.planner["lazy"].prefix_key(prefix_ids))
+                          self.scheduler.planner["lazy"].prefix_key(prefix_ids), list(self.scheduler.planner.passage_ids))
 
     # -- prompts --------------------------------------------------------------------------
 

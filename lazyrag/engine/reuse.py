@@ -36,13 +36,18 @@ class EncodeJob:
     start: int
     context: list[Placement]
     kind: SegmentKind = SegmentKind.CHUNK
+    # positions its K is rotated back by once encoded (the encoding passage's length): the segment then starts
+    # where a chunk encoded right after the prefix would, so requests read it as if the passage were not there
+    rebase: int = 0
 
 
 class Strategy:
     name = "base"
 
-    def __init__(self, cache: CacheManager, runner: ModelRunner, fingerprint: str, ahead: dict | None = None):
+    def __init__(self, cache: CacheManager, runner: ModelRunner, fingerprint: str, ahead: dict | None = None,
+                 passage_ids: list[int] = ()):
         self.cache, self.runner, self.fingerprint = cache, runner, fingerprint
+        self.passage_ids = list(passage_ids)  # the encoding passage chunks are encoded after (prompt.py)
         # chunk key -> segment that the scheduler's step encoded ahead for the requests it admits
         # (Planner.encode_ahead); the first plan that needs one takes it as its own miss
         self.ahead: dict[str, Segment] = {} if ahead is None else ahead
@@ -78,7 +83,18 @@ class Strategy:
         return prefix_key(self.fingerprint, prefix_ids)
 
     def chunk_key(self, prefix_ids: list[int], chunk_ids: list[int]) -> str:
-        return chunk_key(self.fingerprint, prefix_ids, chunk_ids)
+        return chunk_key(self.fingerprint, prefix_ids, chunk_ids, self.passage_ids)
+
+    def encoding_context(self, enc_ids: list[int], plan: Plan, prefix: Segment | None = None) -> Segment:
+        """What a missing chunk is encoded after: the encoding prefix and, if the engine has one, the encoding
+        passage (one segment, cached like a prefix); pinned. ``prefix``: the encoding prefix's segment, if held."""
+        if prefix is not None and not self.passage_ids:
+            return prefix
+        return self.prefix_segment(list(enc_ids) + self.passage_ids, plan, own=False)
+
+    def chunk_job(self, key: str, ids: list[int], context: Segment) -> EncodeJob:
+        """Encode a chunk right after ``context`` (``encoding_context``), rebased over the passage."""
+        return EncodeJob(key, ids, context.num_tokens, [Placement(context, 0)], rebase=len(self.passage_ids))
 
     def encode(self, jobs: list[EncodeJob], plan: Plan | None = None, keep: bool = True) -> list[Segment]:
         """Compute each job's KV into fresh blocks, in batches, and cache (pinned) the segments.
@@ -100,8 +116,10 @@ class Strategy:
                 for s in seqs:
                     self.cache.pool.decref(s.blocks)
                 raise
+            for rebase in {j.rebase for j in batch} - {0}:
+                self.runner.rotate_k([b for j, s in zip(batch, seqs) if j.rebase == rebase for b in s.blocks], -rebase)
             for j, s in zip(batch, seqs):
-                seg = Segment(j.key, s.blocks, len(j.ids), j.start, kind=j.kind)
+                seg = Segment(j.key, s.blocks, len(j.ids), j.start - j.rebase, kind=j.kind)
                 if keep:
                     seg = self.cache.put(seg)
                 else:
@@ -143,25 +161,27 @@ class Strategy:
         alone, neither looked up nor cached. ``keys``: the chunks' keys, if the caller has them.
         """
         enc_ids = layout.encoding_prefix
-        shared = enc_ids == layout.prefix_ids
-        encoding = self.prefix_segment(enc_ids, plan, own=shared)
-        prefix = encoding if shared else self.prefix_segment(layout.prefix_ids, plan)
+        prefix = self.prefix_segment(layout.prefix_ids, plan)
         keys = keys if keys is not None else [self.chunk_key(enc_ids, c) for c in layout.chunk_ids]
         found: dict[str, Segment] = {}
-        jobs, ahead_missed = [], set()
+        jobs, ahead_missed, context = [], set(), None
         for key, ids in zip(keys, layout.chunk_ids):
             if key in found or any(j.key == key for j in jobs) or (only is not None and key not in only):
                 continue
             early = self.ahead.pop(key, None) if keep else None
+            seg = early if early is not None else self.cache.get(key) if keep else None
+            if (early is not None or seg is None) and context is None:
+                # what a miss is encoded after, at the first miss (one encoded ahead too, so that its stats read
+                # as if the request had encoded it): a request whose chunks all hit never needs it
+                context = self.encoding_context(enc_ids, plan, prefix if enc_ids == layout.prefix_ids else None)
             if early is not None:  # this request's miss, encoded in the step's batch
                 plan.pinned.append(self.cache.pin(early))
                 plan.tokens_encoded_ahead += early.num_tokens
                 found[key] = early
                 ahead_missed.add(key)
                 continue
-            seg = self.cache.get(key) if keep else None
             if seg is None:
-                jobs.append(EncodeJob(key, ids, len(enc_ids), [Placement(encoding, 0)]))
+                jobs.append(self.chunk_job(key, ids, context))
             else:
                 found[key] = seg
                 plan.pinned.append(seg)
@@ -195,9 +215,9 @@ class LazyStitching(Strategy):
 
     name = "lazy"
 
-    def __init__(self, cache, runner, fingerprint, ahead: dict | None = None, recompute_first: int = 0, blend: float = 0.0, blend_select: str = "global",
-                 blend_budget: str = "global", attn_from: float = 0.0):
-        super().__init__(cache, runner, fingerprint, ahead)
+    def __init__(self, cache, runner, fingerprint, ahead: dict | None = None, passage_ids: list[int] = (), recompute_first: int = 0,
+                 blend: float = 0.0, blend_select: str = "global", blend_budget: str = "global", attn_from: float = 0.0):
+        super().__init__(cache, runner, fingerprint, ahead, passage_ids)
         self.recompute_first, self.blend, self.blend_select = recompute_first, blend, blend_select
         self.blend_budget, self.attn_from = blend_budget, attn_from
         assert blend_select in BLEND_SELECTIONS and blend_budget in BLEND_BUDGETS and 0 <= attn_from < 1
@@ -375,14 +395,16 @@ assert set(STRATEGIES) == set(STRATEGY_NAMES), "lazyrag/strategy_names.py lists 
 class Planner:
     """The strategies by name over one cache and one model runner; ``lazy:...`` variants are made on first use."""
 
-    def __init__(self, cache: CacheManager, runner: ModelRunner, fingerprint: str):
+    def __init__(self, cache: CacheManager, runner: ModelRunner, fingerprint: str, passage_ids: list[int] = ()):
         self.cache, self.runner, self.fingerprint = cache, runner, fingerprint
+        self.passage_ids = list(passage_ids)
         self.ahead: dict[str, Segment] = {}  # shared by every strategy (Strategy.ahead)
-        self._by_name: dict[str, Strategy] = {n: cls(cache, runner, fingerprint, self.ahead) for n, cls in STRATEGIES.items()}
+        self._by_name: dict[str, Strategy] = {n: cls(cache, runner, fingerprint, self.ahead, self.passage_ids)
+                                              for n, cls in STRATEGIES.items()}
 
     def __getitem__(self, name: str) -> Strategy:
         if name not in self._by_name:
-            self._by_name[name] = LazyStitching(self.cache, self.runner, self.fingerprint, self.ahead,
+            self._by_name[name] = LazyStitching(self.cache, self.runner, self.fingerprint, self.ahead, self.passage_ids,
                                                 **lazy_options(check_strategy(name)))
         return self._by_name[name]
 
@@ -398,17 +420,17 @@ class Planner:
         try:
             for layout in layouts:
                 enc = layout.encoding_prefix
-                prefix = lazy.cache.pin_resident(lazy.prefix_key(enc))
-                if prefix is None:
+                context = lazy.cache.pin_resident(lazy.prefix_key(enc + lazy.passage_ids))
+                if context is None:
                     continue
-                holder.pinned.append(prefix)
+                holder.pinned.append(context)
                 for ids in layout.chunk_ids:
                     key = lazy.chunk_key(enc, ids)
                     if key in seen or self.cache.held_anywhere(key):
                         continue
                     seen.add(key)
                     self.cache.get(key)  # the miss the request's own lookup would count (None: held nowhere)
-                    jobs.append(EncodeJob(key, ids, len(enc), [Placement(prefix, 0)]))
+                    jobs.append(lazy.chunk_job(key, ids, context))
             if jobs:
                 self.ahead.update((seg.key, seg) for seg in lazy.encode(jobs, holder))
         except BaseException:

@@ -185,7 +185,16 @@ class ModelRunner:
         assert len(dst_blocks) == len(src.blocks)
         s = torch.tensor(src.blocks, device=self.device)
         d = torch.tensor(dst_blocks, device=self.device)
-        k = self.pool.k[:, s].float()  # [L, nb, bs, Hkv, D]
-        k = apply_rotary(k, self.rope_cos[delta], self.rope_sin[delta])
-        self.pool.k[:, d] = k.to(self.pool.k.dtype)
+        self.pool.k[:, d] = self._rotated_k(s, delta)
         self.pool.v[:, d] = self.pool.v[:, s]
+
+    @torch.inference_mode()
+    def rotate_k(self, blocks: list[int], delta: int) -> None:
+        """Re-rotate the K of ``blocks`` in place, ``delta`` positions later (earlier if negative)."""
+        b = torch.tensor(blocks, device=self.device)
+        self.pool.k[:, b] = self._rotated_k(b, delta)
+
+    def _rotated_k(self, blocks: torch.Tensor, delta: int) -> torch.Tensor:
+        k = self.pool.k[:, blocks].float()  # [L, nb, bs, Hkv, D]
+        sign = 1 if delta >= 0 else -1  # a rotation by -d: cos(d), -sin(d)
+        return apply_rotary(k, self.rope_cos[abs(delta)], sign * self.rope_sin[abs(delta)]).to(self.pool.k.dtype)

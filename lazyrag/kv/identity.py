@@ -2,8 +2,9 @@
 encoded after. KV made under one identity is useless under another (a corpus store checks it).
 
 The content-key rule is here too: a chunk's cache key is ``content_key(model fingerprint, "chunk", prefix ids,
-chunk ids)`` and the shared prefix's ``content_key(model fingerprint, "prefix", prefix ids)`` (``chunk_key`` and
-``prefix_key``); the keys of stores on disk were made by it, so it must not change."""
+chunk ids)``, with ``"after", passage ids`` appended when it was encoded after an encoding passage too, and the
+shared prefix's ``content_key(model fingerprint, "prefix", prefix ids)`` (``chunk_key`` and ``prefix_key``); the
+keys of stores on disk were made by it, so it must not change."""
 from __future__ import annotations
 
 import hashlib
@@ -24,6 +25,7 @@ class KVIdentity:
     system_prompt: str
     prefix_ids: list[int]  # the shared encoding prefix every chunk is encoded after
     prefix_key: str
+    passage_ids: list[int]  # the encoding passage chunks are encoded after, past the prefix ([] for none)
 
 
 def content_key(*parts) -> str:
@@ -95,7 +97,9 @@ def prefix_key(fingerprint: str, prefix_ids: list[int]) -> str:
     return _content_keys(fingerprint, "prefix", prefix_ids)
 
 
-def chunk_key(fingerprint: str, prefix_ids: list[int], chunk_ids: list[int]) -> str:
-    """The cache key of a chunk's KV: its token ids, encoded after ``prefix_ids``, under the model with this
-    fingerprint (its position in a prompt is no part of it: the KV is position-free)."""
+def chunk_key(fingerprint: str, prefix_ids: list[int], chunk_ids: list[int], passage_ids: list[int] = ()) -> str:
+    """The cache key of a chunk's KV: its token ids, encoded after ``prefix_ids`` (and ``passage_ids``), under the
+    model with this fingerprint (its position in a prompt is no part of it: the KV is position-free)."""
+    if passage_ids:
+        return _content_keys(fingerprint, "chunk", prefix_ids, chunk_ids, "after", passage_ids)
     return _content_keys(fingerprint, "chunk", prefix_ids, chunk_ids)

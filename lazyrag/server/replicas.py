@@ -26,6 +26,8 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
+from lazyrag.prompt import DEFAULT_ENCODING_PASSAGE
+
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the handlers' annotations here
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -41,6 +43,7 @@ class ReplicaSpec:
     device: str | None = None
     dtype: str | None = None
     kv_budget: int | None = None
+    encoding_passage: str | None = DEFAULT_ENCODING_PASSAGE  # EngineConfig's
     store: str | None = None  # a corpus store path every replica can read
     server: dict = field(default_factory=dict)  # ServerConfig fields (model_name set from the engine if absent)
 
@@ -90,7 +93,8 @@ class LazyragReplica:
 
         spec = ReplicaSpec(**spec)
         kw = {"kv_budget": spec.kv_budget} if spec.kv_budget else {}
-        self.engine = LazyEngine.from_pretrained(spec.model, device=spec.device, dtype=spec.dtype, **kw)
+        self.engine = LazyEngine.from_pretrained(spec.model, device=spec.device, dtype=spec.dtype,
+                                                 encoding_passage=spec.encoding_passage, **kw)
         retriever = None
         if spec.store is not None:
             from lazyrag.store.retriever import Retriever
@@ -104,7 +108,7 @@ class LazyragReplica:
     def identity(self) -> dict:
         """What the front needs to compute this replica's chunk keys: the model fingerprint and encoding prefix."""
         prompts = self.engine._require_prompts()
-        return {"fingerprint": self.engine.fingerprint, "prefix_ids": prompts.prefix_ids(),
+        return {"fingerprint": self.engine.fingerprint, "prefix_ids": prompts.prefix_ids(), "passage_ids": prompts.passage_ids(),
                 "model_name": self.engine.model_name, "held": list(self.engine.cache._segments)}
 
     def kv_events(self) -> list[tuple[str, str]]:
@@ -138,7 +142,8 @@ class ChunkKeys:
         tokenizer = AutoTokenizer.from_pretrained(source.folder, **source.kwargs())
         self.prompts = PromptBuilder(tokenizer, system_prompt or DEFAULT_SYSTEM_PROMPT)
         self.prefix_ids = list(identity["prefix_ids"])
-        self._keys = Strategy(None, None, identity["fingerprint"])  # the planner's own key rule, no cache needed
+        # the planner's own key rule, no cache needed
+        self._keys = Strategy(None, None, identity["fingerprint"], passage_ids=identity["passage_ids"])
 
     def __call__(self, documents: list[str]) -> list[str]:
         return [self._keys.chunk_key(self.prefix_ids, self.prompts.encode_chunk(d)) for d in documents]

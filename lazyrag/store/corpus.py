@@ -130,7 +130,8 @@ class StoreManifest(KVIdentity):
     created: float = field(default_factory=time.time)
 
     # what must agree between a store and the engine reading it (and between runs of one build)
-    KV_FIELDS = ("layout_version", "model_fingerprint", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "prefix_ids")
+    KV_FIELDS = ("layout_version", "model_fingerprint", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "prefix_ids",
+                 "passage_ids")
     BUILD_FIELDS = KV_FIELDS + ("embedder", "chunk_tokens", "overlap", "chunks_per_shard", "system_prompt", "stored_kv_dtype")
 
     def differences(self, other: "StoreManifest", fields: tuple[str, ...]) -> list[str]:
@@ -325,6 +326,14 @@ class CorpusStore(Tier):
                 f"The store at {self.path} was encoded after the system prompt {_short(m.system_prompt)} but the engine "
                 f"uses {_short(identity.system_prompt)}; the prompt prefix is part of every chunk's KV. Create the "
                 f"engine with system_prompt=store.manifest.system_prompt, or rebuild the store with lazyrag precache --system."
+            )
+        if identity.passage_ids != m.passage_ids:
+            built = f"after an encoding passage of {len(m.passage_ids)} tokens" if m.passage_ids else "without an encoding passage"
+            uses = f"one of {len(identity.passage_ids)} tokens" if identity.passage_ids else "none"
+            raise StoreMismatch(
+                f"The store at {self.path} was encoded {built}, but the engine uses {uses}; the passage is part of every "
+                f"chunk's KV. Create the engine with the store's passage (encoding_passage=None, or `--encoding-passage none`, "
+                f"for a store built without one), or rebuild the store with this engine: {rebuild_command(self.path, m, '--overwrite')}"
             )
         want = engine_manifest(identity, embedder=m.embedder, embed_dim=m.embed_dim, chunk_tokens=m.chunk_tokens,
                                overlap=m.overlap, chunks_per_shard=m.chunks_per_shard)
@@ -599,6 +608,8 @@ def read_manifest(path: Path) -> StoreManifest:
     """The store's manifest; StoreError (with what to do) if it is not a readable manifest."""
     try:
         data = json.loads((Path(path) / MANIFEST).read_text())
+        if isinstance(data, dict):  # a store built before encoding passages: its chunks follow the prefix alone
+            data.setdefault("passage_ids", [])
         known = set(StoreManifest.__dataclass_fields__)
         return StoreManifest(**{k: v for k, v in data.items() if k in known})
     except (OSError, ValueError, TypeError, AttributeError) as e:  # unreadable, not JSON, not an object, fields missing

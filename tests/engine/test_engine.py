@@ -67,7 +67,9 @@ def test_cached_chunk_is_reused_at_a_new_position_without_recompute(engine):
     assert again.stats.tokens_reused == layout.num_tokens - len(layout.question_ids)
 
 
-def test_one_chunk_lazy_equals_full(engine):
+def test_one_chunk_lazy_equals_full(plain_engine):
+    """Without the encoding passage a lone chunk's cached KV is full prefill's (with it, test_encoding_passage.py)."""
+    engine = plain_engine
     layout = engine.build_prompt(QUESTION, [CHUNKS[1]])
     lazy = engine.layout_logits(layout, "lazy")
     full = engine.layout_logits(layout, "full")
@@ -119,12 +121,13 @@ def test_pool_blocks_are_returned_after_requests(engine):
     assert all(s.pins == 0 for s in engine.cache._segments.values())
 
 
-def test_recomputing_chunk_heads_in_context(engine):
+def test_recomputing_chunk_heads_in_context(plain_engine):
     """lazy:first=K recomputes each chunk's first K tokens attending to the chunks before it.
 
-    With two chunks and K covering them, that is exactly a full prefill: the first chunk's
-    cached KV already saw everything before it, and the second is recomputed in context.
+    With two chunks and K covering them, that is exactly a full prefill: without the encoding passage
+    the first chunk's cached KV already saw everything before it, and the second is recomputed in context.
     """
+    engine = plain_engine
     chunks = CHUNKS[:2]
     layout = engine.build_prompt(QUESTION, chunks)
     full = engine.layout_logits(layout, "full")

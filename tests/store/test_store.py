@@ -158,6 +158,20 @@ def test_mismatched_store_is_refused_with_what_to_do(default_engine, store_path,
     assert not any(isinstance(t, CorpusStore) for t in default_engine.cache.tiers)
 
 
+def test_store_from_before_encoding_passages_is_refused_with_what_to_do(default_engine, store_path, tmp_path):
+    """A manifest without ``passage_ids`` (stores built before issue 30) reads as chunks encoded after the prefix
+    alone; an engine with the passage refuses it and says how to read it or rebuild it."""
+    path = tmp_path / "old"
+    shutil.copytree(store_path, path)
+    manifest = json.loads((path / MANIFEST).read_text())
+    assert manifest.pop("passage_ids") == default_engine.prompts.passage_ids()
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    assert CorpusStore.open(path).manifest.passage_ids == []
+    with pytest.raises(StoreMismatch, match="(?s)without an encoding passage.*--encoding-passage none.*precache"):
+        default_engine.attach_store(path)
+    assert not any(isinstance(t, CorpusStore) for t in default_engine.cache.tiers)
+
+
 def test_other_system_prompt_is_refused(default_engine, store_path):
     store = CorpusStore.open(store_path)
     old = default_engine.prompts.system_prompt
@@ -219,7 +233,9 @@ def test_tampered_row_is_recomputed_with_correct_logits(default_engine, stores_b
     finally:
         default_engine.cache.tiers.remove(store)
         default_engine.cache.clear()
-    assert recomputed == sum(len(ids) for ids, r in zip(layout.chunk_ids, (a, b)) if r.id in bad)  # those chunks only
+    # those chunks only, and once what they are encoded after (the prefix and the encoding passage: in no store)
+    context = len(layout.encoding_prefix) + len(default_engine.prompts.passage_ids())
+    assert recomputed == context + sum(len(ids) for ids, r in zip(layout.chunk_ids, (a, b)) if r.id in bad)
     assert "does not match its row digest" in caplog.text and "--verify" in caplog.text
     torch.testing.assert_close(got, expected, **LOGITS_TOL)
 
