@@ -97,7 +97,7 @@ def main() -> None:
         plain = run.get("encoding_passage", "none") == "none"
         for s0, m in run["scores"].items():
             errors = {int(i) for i in run.get("errors", {}).get(s0, {})}
-            s = f"{s0}@none" if plain and s0 != args.reference else s0
+            s = f"{s0}@none" if plain and s0 != "full" else s0  # full prefill reads no cached chunk
             mine = by_s.setdefault(s, {})
             for i, q in enumerate(run["questions"]):
                 if i in errors:
