@@ -251,8 +251,9 @@ def test_llama_index_openai_like_reuses_chunks_found_in_the_prompt(server, adapt
     from llama_index.core.llms import ChatMessage
     from llama_index.llms.openai_like import OpenAILike
 
+    # temperature=0: greedy, as the engine's answer below (OpenAILike samples at 0.1 unless told)
     common = dict(model=MODEL, api_base=f"{server.url}/v1", api_key="unused", context_window=8192, max_tokens=16,
-                  max_retries=0, timeout=120)
+                  max_retries=0, timeout=120, temperature=0.0)
     context = "\n\n".join(TINY_DOCS.values())
     llm = OpenAILike(is_chat_model=False, **common)
     for question in ["Which city does the Grand Canal link with Hangzhou?", "Where was Paganini born?"]:
