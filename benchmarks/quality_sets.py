@@ -10,9 +10,11 @@ per set).
 
 Several reports of one set and split (e.g. a later run with the chosen strategy added) are merged by
 question; a strategy is paired with full on the questions both answered (a failed request is none). A report
-whose engine encoded chunks without the encoding passage (``"encoding_passage": "none"``, and every report
-written before issue 30 added it) names its strategies ``NAME@none``, full excepted (the passage changes no
-full prefill), so the two encodings are told apart when reports of both are merged.
+whose engine encoded chunks other than after the default encoding passage names its strategies
+``NAME@ENCODING``, full excepted (the passage changes no full prefill), so encodings are told apart when reports
+of several are merged: ``@none`` without a passage (``"encoding_passage": "none"``, and every report written
+before issue 30 added it), ``@one`` after the one-document passage that was the default at 8693e4f, ``@custom-...``
+after a passage of the user's.
 
 ``--select FILE``: the selection rule, fixed before any report split was run (issue 30): among the
 strategies other than full and lazy whose recomputed share is at most ``--max-recompute`` (15%) on
@@ -94,10 +96,10 @@ def main() -> None:
             raise SystemExit(f"{path} has no per-question scores (written by an older lazyrag eval)")
         name = f"{run['dataset']} ({run.get('split', 'all')})"
         by_s, lost = answers.setdefault(name, {}), failed.setdefault(name, {})
-        plain = run.get("encoding_passage", "none") == "none"
+        encoding = run.get("encoding_passage", "none")
         for s0, m in run["scores"].items():
             errors = {int(i) for i in run.get("errors", {}).get(s0, {})}
-            s = f"{s0}@none" if plain and s0 != "full" else s0  # full prefill reads no cached chunk
+            s = f"{s0}@{encoding}" if encoding != "default" and s0 != "full" else s0  # full prefill reads no cached chunk
             mine = by_s.setdefault(s, {})
             for i, q in enumerate(run["questions"]):
                 if i in errors:

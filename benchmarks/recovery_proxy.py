@@ -8,7 +8,7 @@ tokens, chunk tokens recomputed and compute (selection passes included), in % of
 
 A variant is a strategy, run by an engine that encodes chunks after the prompt's prefix and the encoding passage
 (``lazy``: the default since issue 30, prompt.py's DEFAULT_ENCODING_PASSAGE), or after the prefix alone
-(``lazy@none``: ``encoding_passage=None``, the engine before it).
+(``lazy@none``: ``encoding_passage=None``, the engine before it), or after the first of the passage's three documents alone (``lazy@one``).
 
     .venv/bin/python benchmarks/recovery_proxy.py --n 16 [--sets nq,hotpotqa,squad,2wiki,musique]
         [--variants lazy,lazy@none,...] [--out benchmarks/results/recovery_proxy_cpu.json]
@@ -31,7 +31,11 @@ from lazyrag.engine.runner import SeqState  # noqa: E402
 from lazyrag.eval import DATASETS, default_data, load_dataset  # noqa: E402
 from lazyrag.kv.block_pool import blocks_for  # noqa: E402
 
-ENCODINGS = {"passage": {}, "none": {"encoding_passage": None}}  # engine options
+from lazyrag.prompt import DEFAULT_ENCODING_PASSAGE  # noqa: E402
+
+# ``@one``: the first of the default passage's three documents alone (71 tokens), the default of 8693e4f.
+ENCODINGS = {"passage": {}, "none": {"encoding_passage": None},
+             "one": {"encoding_passage": DEFAULT_ENCODING_PASSAGE.split("\n\n")[0]}}  # engine options
 DEFAULT = ["lazy@none", "lazy", "lazy+recover@none", "lazy+recover", "lazy:blend=0.15:select=attn@none",
            "lazy:blend=0.15:select=attn"]
 

@@ -78,20 +78,34 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _passage_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--encoding-passage", default=None, choices=["default", "none"],
-                   help="what chunks are encoded after besides the prompt's prefix: default = a neutral passage (their KV "
-                        "then reads as if another document came first: closer to full prefill), none = the prefix alone "
-                        "(stores built before passages existed). Part of a store's identity: with --store, the store's "
-                        "choice unless given (default: default)")
+    p.add_argument("--encoding-passage", default=None, metavar="default|none|FILE",
+                   help="what chunks are encoded after besides the prompt's prefix: default = three short neutral documents "
+                        "(a chunk's KV then reads as if other documents came first: closer to full prefill), none = the "
+                        "prefix alone (stores built before passages existed), or a text file's contents (documents "
+                        "separated by blank lines). Part of a store's identity: with --store, the store's unless given "
+                        "(default: default)")
 
 
 def _passage(args) -> dict:
-    """Engine keyword for ``--encoding-passage``; unset with an opened ``--store``, the store's choice."""
+    """Engine keyword for ``--encoding-passage``; unset with an opened ``--store``, the store's passage."""
     choice = getattr(args, "encoding_passage", None)
     store = getattr(args, "store", None)
     if choice is None and store is not None and hasattr(store, "manifest"):
-        choice = "default" if store.manifest.passage_ids else "none"
-    return {"encoding_passage": None} if choice == "none" else {}
+        m = store.manifest
+        if not m.passage_ids:
+            return {"encoding_passage": None}
+        return {"encoding_passage": m.encoding_passage} if m.encoding_passage else {}  # no text kept: the store says what to do
+    if choice in (None, "default"):
+        return {}
+    if choice == "none":
+        return {"encoding_passage": None}
+    path = Path(choice)
+    if not path.is_file():
+        raise SystemExit(f"--encoding-passage {choice}: not default, none or a text file")
+    text = path.read_text().strip()
+    if not text:
+        raise SystemExit(f"--encoding-passage {choice}: the file is empty (use none for no passage)")
+    return {"encoding_passage": text}
 
 
 def _tensor_parallel_arg(p: argparse.ArgumentParser) -> None:

@@ -407,6 +407,7 @@ def run_eval(args, engine_options: dict | None = None) -> int:
 
     from lazyrag.engine import EngineConfig, LazyEngine, SchedulerConfig
     from lazyrag.model.loader import resolve_model_source
+    from lazyrag.prompt import passage_label
 
     path = args.data or default_data(args.dataset)
     if not path.is_file():
@@ -441,7 +442,7 @@ def run_eval(args, engine_options: dict | None = None) -> int:
     model_name = resolve_model_source(args.model).name
     run = {"dataset": args.dataset, "data": path.name, "n": args.n, "split": args.split, "seed": args.seed, "strategies": strategies,
            "max_new_tokens": args.max_new_tokens, "model": model_name, "device": config.device.type,
-           "dtype": str(config.dtype).replace("torch.", ""), "encoding_passage": "default" if config.encoding_passage else "none",
+           "dtype": str(config.dtype).replace("torch.", ""), "encoding_passage": passage_label(config.encoding_passage),
            **({"distractors": args.distractors} if args.dataset == "nq" else {"shuffle": args.shuffle}),
            **({"store": str(args.store), "k": args.k} if args.store is not None else {}),
            **({"skip_answered": sorted(p.name for p in args.skip_answered)} if getattr(args, "skip_answered", None) else {})}

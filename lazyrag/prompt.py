@@ -7,6 +7,7 @@ so a chunk's token ids never depend on its neighbours and its KV can be reused a
 """
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -17,16 +18,31 @@ DEFAULT_SYSTEM_PROMPT = (
     "Answer briefly, in a few words."
 )
 CONTEXT_HEADER = "Documents:\n\n"
-# Every chunk is encoded after the prefix and this passage, so that its KV is computed as if it followed another
-# document, as four of five chunks do in a full prefill; requests never read the passage (its KV is rotated away,
-# engine/reuse.py). Made-up prose about nothing a question asks, in the register of retrieved passages. Measured
-# (issue 30, benchmarks/NOTES.md "The encoding passage"): lazy's KL to full prefill halved at no recompute.
-DEFAULT_ENCODING_PASSAGE = (
+# Every chunk is encoded after the prefix and this passage, so that its KV is computed as if other documents came
+# first, as they do for four of five chunks in a full prefill; requests never read the passage (its KV is rotated
+# away, engine/reuse.py). Made-up prose about nothing a question asks, in the register of retrieved passages: three
+# short documents, about a full prefill's mean distance from a chunk back to the prefix. Measured (issue 30,
+# benchmarks/NOTES.md "The encoding passage"): lazy's KL to full prefill about halved at no recompute; three
+# documents beat one on every set.
+DEFAULT_ENCODING_PASSAGE = "\n\n".join([
     "Harlow Fen is a wetland on the lower course of the River Aske. It was drained in part during the eighteenth "
     "century, when a pumping station and several miles of embankment were built, and the land was farmed until the "
-    "1950s. Today it is a nature reserve known for its reed beds and wading birds."
-)
+    "1950s. Today it is a nature reserve known for its reed beds and wading birds.",
+    "The Corran Line was a narrow-gauge railway that carried slate from the quarries above Tallow Bridge to the "
+    "harbour at Penmere. It opened in 1871 with two steam locomotives, added a passenger service in the 1890s, and "
+    "closed when the last quarry shut. Parts of the trackbed are now a footpath.",
+    "Maren Osk was a painter of coastal scenes who worked mostly in watercolour. She trained in a provincial art "
+    "school, exhibited in small galleries for thirty years, and kept notebooks of tides and weather beside her "
+    "sketches. A collection of her work is held by a regional museum.",
+])
 _SPLIT = "\u2063LAZYRAG_USER_CONTENT\u2063"
+
+
+def passage_label(passage: str | None) -> str:
+    """How reports name an engine's encoding passage: none, default, or custom-<first 8 hex of its sha256>."""
+    if not passage:
+        return "none"
+    return "default" if passage == DEFAULT_ENCODING_PASSAGE else "custom-" + hashlib.sha256(passage.encode()).hexdigest()[:8]
 
 
 @dataclass

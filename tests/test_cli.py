@@ -137,18 +137,29 @@ def test_strategy_names_checked_without_torch_are_the_engine_s():
     assert tuple(STRATEGIES) == STRATEGY_NAMES
 
 
-def test_encoding_passage_follows_the_store_unless_given():
+def test_encoding_passage_follows_the_store_unless_given(tmp_path):
     from argparse import Namespace
     from types import SimpleNamespace
 
     from lazyrag.cli import _passage
 
-    old, new = (SimpleNamespace(manifest=SimpleNamespace(passage_ids=ids)) for ids in ([], [1, 2, 3]))
+    def store(ids, text):
+        return SimpleNamespace(manifest=SimpleNamespace(passage_ids=ids, encoding_passage=text))
+
+    old, mine, untold = store([], ""), store([1, 2, 3], "A made-up town."), store([1, 2, 3], "")
     assert _passage(Namespace(encoding_passage=None, store=old)) == {"encoding_passage": None}  # built before passages
-    assert _passage(Namespace(encoding_passage=None, store=new)) == {}
+    assert _passage(Namespace(encoding_passage=None, store=mine)) == {"encoding_passage": "A made-up town."}
+    assert _passage(Namespace(encoding_passage=None, store=untold)) == {}  # the default; the store refuses it if it differs
     assert _passage(Namespace(encoding_passage="default", store=old)) == {}  # asked for: the store then refuses, saying why
     assert _passage(Namespace(encoding_passage="none")) == {"encoding_passage": None}
     assert _passage(Namespace(encoding_passage=None, store=None)) == {}
+    text = tmp_path / "passage.txt"
+    text.write_text("  First made-up document.\n\nSecond one.\n")
+    assert _passage(Namespace(encoding_passage=str(text))) == {"encoding_passage": "First made-up document.\n\nSecond one."}
+    (tmp_path / "empty.txt").write_text("\n")
+    for bad, says in ((tmp_path / "missing.txt", "not default, none or a text file"), (tmp_path / "empty.txt", "empty")):
+        with pytest.raises(SystemExit, match=says):
+            _passage(Namespace(encoding_passage=str(bad)))
 
 
 def test_k_is_capped_before_anything_loads():

@@ -295,7 +295,8 @@ class LazyEngine:
         # the model's KV heads, not this rank's share: a store holds every head, and each rank reads its own
         return KVIdentity(self.fingerprint, self.model_name, str(shape.dtype).replace("torch.", ""), shape.block_size,
                           shape.num_layers, shape.num_kv_heads * self.tensor_parallel_size, shape.head_dim, system, list(prefix_ids),
-                          self.scheduler.planner["lazy"].prefix_key(prefix_ids), list(self.scheduler.planner.passage_ids))
+                          self.scheduler.planner["lazy"].prefix_key(prefix_ids), list(self.scheduler.planner.passage_ids),
+                          prompts.encoding_passage or "")
 
     # -- prompts --------------------------------------------------------------------------
 

@@ -26,6 +26,7 @@ class KVIdentity:
     prefix_ids: list[int]  # the shared encoding prefix every chunk is encoded after
     prefix_key: str
     passage_ids: list[int]  # the encoding passage chunks are encoded after, past the prefix ([] for none)
+    encoding_passage: str  # its text ("" for none): what an engine is given to read a store (passage_ids decide)
 
 
 def content_key(*parts) -> str:

@@ -330,10 +330,16 @@ class CorpusStore(Tier):
         if identity.passage_ids != m.passage_ids:
             built = f"after an encoding passage of {len(m.passage_ids)} tokens" if m.passage_ids else "without an encoding passage"
             uses = f"one of {len(identity.passage_ids)} tokens" if identity.passage_ids else "none"
+            if not m.passage_ids:
+                how = "encoding_passage=None, or `--encoding-passage none`"
+            elif m.encoding_passage:
+                how = "encoding_passage=store.manifest.encoding_passage; `lazyrag ask/serve --store` take it themselves"
+            else:  # built by a version that kept only the passage's ids
+                how = "the store does not keep the passage's text: rebuild it"
             raise StoreMismatch(
                 f"The store at {self.path} was encoded {built}, but the engine uses {uses}; the passage is part of every "
-                f"chunk's KV. Create the engine with the store's passage (encoding_passage=None, or `--encoding-passage none`, "
-                f"for a store built without one), or rebuild the store with this engine: {rebuild_command(self.path, m, '--overwrite')}"
+                f"chunk's KV. Create the engine with the store's passage ({how}), or rebuild the store with this engine: "
+                f"{rebuild_command(self.path, m, '--overwrite')}"
             )
         want = engine_manifest(identity, embedder=m.embedder, embed_dim=m.embed_dim, chunk_tokens=m.chunk_tokens,
                                overlap=m.overlap, chunks_per_shard=m.chunks_per_shard)
@@ -610,6 +616,7 @@ def read_manifest(path: Path) -> StoreManifest:
         data = json.loads((Path(path) / MANIFEST).read_text())
         if isinstance(data, dict):  # a store built before encoding passages: its chunks follow the prefix alone
             data.setdefault("passage_ids", [])
+            data.setdefault("encoding_passage", "")  # before the text was kept too: only passage_ids tell
         known = set(StoreManifest.__dataclass_fields__)
         return StoreManifest(**{k: v for k, v in data.items() if k in known})
     except (OSError, ValueError, TypeError, AttributeError) as e:  # unreadable, not JSON, not an object, fields missing

@@ -165,9 +165,15 @@ def test_store_from_before_encoding_passages_is_refused_with_what_to_do(default_
     shutil.copytree(store_path, path)
     manifest = json.loads((path / MANIFEST).read_text())
     assert manifest.pop("passage_ids") == default_engine.prompts.passage_ids()
+    assert manifest.pop("encoding_passage") == default_engine.config.encoding_passage  # what ask/serve --store adopt
     (path / MANIFEST).write_text(json.dumps(manifest))
     assert CorpusStore.open(path).manifest.passage_ids == []
     with pytest.raises(StoreMismatch, match="(?s)without an encoding passage.*--encoding-passage none.*precache"):
+        default_engine.attach_store(path)
+    # built by the version that kept the passage's ids and not its text (the one-document default of 8693e4f)
+    manifest.update(passage_ids=default_engine.prompts.passage_ids()[:71])
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(StoreMismatch, match="(?s)passage of 71 tokens.*does not keep the passage's text: rebuild.*precache"):
         default_engine.attach_store(path)
     assert not any(isinstance(t, CorpusStore) for t in default_engine.cache.tiers)
 
