@@ -7,6 +7,7 @@ and the mean over the sets. Writes OUT.json and OUT.png (one group of bars per s
 per set).
 
     python benchmarks/quality_sets.py RUN.json [RUN.json ...] --out OUT.json [--select FILE]
+        [--reference NAME] [--strategies A,B,...] [--common]
 
 Several reports of one set and split (e.g. a later run with the chosen strategy added) are merged by
 question; a strategy is paired with full on the questions both answered (a failed request is none). A report
@@ -81,6 +82,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", type=Path, help="lazyrag eval reports (JSON with per-question scores)")
     ap.add_argument("--reference", default="full")
+    ap.add_argument("--strategies", help="comma-separated: only these (and the reference) are tabled")
+    ap.add_argument("--common", action="store_true", help="pair every strategy on the same questions: those that "
+                    "all of them and the reference answered (e.g. to compare two encodings where one run lost some)")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--select", type=Path, default=None, help="write the chosen recovery's name here")
     ap.add_argument("--max-recompute", type=float, default=15.0, help="percent of chunk tokens, on every set")
@@ -112,7 +116,17 @@ def main() -> None:
         meta[name]["commands"].append(run.get("command"))
         meta[name]["device"] = run.get("device")
     table = {}
-    for name, by_s in answers.items():
+    for name, every in answers.items():
+        by_s = every
+        if args.strategies:
+            keep = [args.reference] + [s for s in args.strategies.split(",") if s != args.reference]
+            missing = [s for s in keep if s not in by_s]
+            if missing:
+                raise SystemExit(f"{name}: no answers of {', '.join(missing)} (there: {', '.join(by_s)})")
+            by_s = {s: by_s[s] for s in keep}
+        if args.common:
+            both = set.intersection(*(set(m) for m in by_s.values()))
+            by_s = {s: {q: a for q, a in m.items() if q in both} for s, m in by_s.items()}
         ref = by_s[args.reference]
         rows = {}
         for s, mine in by_s.items():
@@ -122,8 +136,8 @@ def main() -> None:
                              args.reference)[s]
             rows[s]["recomputed_pct_of_chunk_tokens"] = recomputed[name][s]
         table[name] = rows
-        unanswered = {q for s, qs in failed[name].items() for q in qs if q not in by_s[s]}  # failed in every run
-        asked = set().union(*by_s.values()) | unanswered
+        unanswered = {q for s, qs in failed[name].items() for q in qs if q not in every[s]}  # failed in every run
+        asked = set().union(*every.values()) | unanswered
         meta[name].update(n=len(set.intersection(*(set(m) for m in by_s.values()))), asked=len(asked),
                           failed_left_out=len(unanswered))
         if unanswered:
