@@ -96,8 +96,9 @@ async def test_cancelled_async_stream_gives_everything_back(tiny_engine):
 def test_a_full_pool_queues_requests_and_an_impossible_one_fails_alone(tiny_hf, default_hf):
     from lazyrag.engine import LazyEngine
 
-    # 48 blocks of 16 tokens: the chunks and one long answer fit, two long answers do not
-    engine = LazyEngine.from_hf(tiny_hf, default_hf[1], device="cpu", kv_budget=48 * 8192,
+    # 48 blocks of 16 tokens: the chunks and one long answer fit, two long answers do not (without the encoding
+    # passage, whose context segment would take a third of so small a pool while chunks are encoded)
+    engine = LazyEngine.from_hf(tiny_hf, default_hf[1], device="cpu", kv_budget=48 * 8192, encoding_passage=None,
                                 scheduler=SchedulerConfig(max_running=8))
     assert engine.cache.pool.num_blocks == 48
     layouts = random_layouts(engine, 2, seed=6)
