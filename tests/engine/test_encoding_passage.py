@@ -26,8 +26,9 @@ def test_chunk_kv_is_the_chunk_encoded_after_the_passage_rotated_back(default_en
     _, ref = plain_default_engine.encode_chunks([chunk], prefix + passage, read=True)
     k_late, v_ref = ref[plain_default_engine.chunk_key(chunk, prefix + passage)]
     f = len(passage)
-    torch.testing.assert_close(v, v_ref)
-    # two compute paths (rotated back once, against computed there): fp32 rounding apart, more with a longer passage
+    # two compute paths (the passage's KV cached then read, against one prefix computed in a piece; K also rotated
+    # back once): fp32 rounding apart, more with a longer passage and on other CPUs' BLAS kernels
+    torch.testing.assert_close(v, v_ref, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(k, apply_rotary(k_late, plain_default_engine.runner.rope_cos[f], -plain_default_engine.runner.rope_sin[f]),
                                rtol=1e-4, atol=1e-4)
     assert rel_err(k, k_late) > 1e-2  # the rotation did something
