@@ -407,7 +407,7 @@ def run_eval(args, engine_options: dict | None = None) -> int:
 
     from lazyrag.engine import EngineConfig, LazyEngine, SchedulerConfig
     from lazyrag.model.loader import resolve_model_source
-    from lazyrag.prompt import passage_label
+    from lazyrag.prompt import passage_label, passage_sha256
 
     path = args.data or default_data(args.dataset)
     if not path.is_file():
@@ -443,6 +443,7 @@ def run_eval(args, engine_options: dict | None = None) -> int:
     run = {"dataset": args.dataset, "data": path.name, "n": args.n, "split": args.split, "seed": args.seed, "strategies": strategies,
            "max_new_tokens": args.max_new_tokens, "model": model_name, "device": config.device.type,
            "dtype": str(config.dtype).replace("torch.", ""), "encoding_passage": passage_label(config.encoding_passage),
+           "encoding_passage_sha256": passage_sha256(config.encoding_passage),  # a resume under another default's text is refused
            **({"distractors": args.distractors} if args.dataset == "nq" else {"shuffle": args.shuffle}),
            **({"store": str(args.store), "k": args.k} if args.store is not None else {}),
            **({"skip_answered": sorted(p.name for p in args.skip_answered)} if getattr(args, "skip_answered", None) else {})}

@@ -42,7 +42,12 @@ def passage_label(passage: str | None) -> str:
     """How reports name an engine's encoding passage: none, default, or custom-<first 8 hex of its sha256>."""
     if not passage:
         return "none"
-    return "default" if passage == DEFAULT_ENCODING_PASSAGE else "custom-" + hashlib.sha256(passage.encode()).hexdigest()[:8]
+    return "default" if passage == DEFAULT_ENCODING_PASSAGE else "custom-" + passage_sha256(passage)[:8]
+
+
+def passage_sha256(passage: str | None) -> str:
+    """The passage's text as a hash (empty for none): what a label cannot tell apart, e.g. two releases' defaults."""
+    return hashlib.sha256(passage.encode()).hexdigest() if passage else ""
 
 
 @dataclass

@@ -86,6 +86,14 @@ def test_an_interrupted_eval_resumes_where_it_stopped(tmp_path, monkeypatch, cap
     other = ["eval", *(x for k, v in options.items() for x in (k, "full,lazy" if k == "--strategies" else v))]
     assert main(other + ["--resume"]) == 2  # other strategies: refused, nothing run
     assert "differs in strategies" in capsys.readouterr().err and len(seen) == 1
+    # a file written under another text of the default passage (an older release's) says so, though both read "default"
+    header, *done = partial.read_text().splitlines()
+    run = json.loads(header)
+    assert run["encoding_passage"] == "default" and len(run["encoding_passage_sha256"]) == 64
+    partial.write_text("\n".join([json.dumps({**run, "encoding_passage_sha256": "0" * 64}), *done]) + "\n")
+    assert main(args + ["--resume"]) == 2
+    assert "differs in encoding_passage_sha256" in capsys.readouterr().err and len(seen) == 1
+    partial.write_text("\n".join([header, *done]) + "\n")
 
     monkeypatch.setattr(quality, "_score_group", lambda engine, group, *rest: (seen.append(group[0]["question"]), real(engine, group, *rest))[1])
     assert main(args + ["--resume"]) == 0
