@@ -316,8 +316,7 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
                         "recomputed in context), lazy:blend=R (CacheBlend: the fraction R of chunk tokens whose KV deviates "
                         "most; add :select=S to choose otherwise: chunk = R of each chunk, attn = by the question's attention, "
                         "attn_dev = deviation x attention, gradual = CacheBlend's 2-stage filter; :budget=chunk = R of each chunk; "
-                        ":attn_from=F = the question's attention from depth F of the layers on; :upto=U:stop_kl=K = rounds "
-                        "of R up to U while a round moves the question's next-token distribution by K nats or more), or both, "
+                        ":attn_from=F = the question's attention from depth F of the layers on), or both, "
                         "e.g. lazy:first=4:blend=0.12:select=attn_dev")
     p.add_argument("--max-new-tokens", type=int, default=32, help="tokens per answer")
     p.add_argument("--batch", type=int, default=4, help="questions whose requests (all strategies) run as one batch "

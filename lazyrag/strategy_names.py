@@ -17,14 +17,12 @@ BLEND_BUDGETS = ("global", "chunk")
 def lazy_options(name: str) -> dict:
     """LazyStitching's keyword arguments from a strategy name: ``lazy:first=16``, ``lazy:blend=0.15``,
     ``lazy:blend=0.15:select=chunk``, ``lazy:first=16:blend=0.1``, ``lazy:blend=0.15:select=attn:budget=chunk``,
-    ``lazy:blend=0.15:select=attn_dev:attn_from=0.5``, ``lazy:blend=0.05:select=attn_dev:upto=0.3:stop_kl=0.02``."""
+    ``lazy:blend=0.15:select=attn_dev:attn_from=0.5``."""
     usage = (f"Bad strategy {name!r}: write lazy:first=K (K a positive number of tokens), lazy:blend=R (R the fraction "
              "of chunk tokens to recompute, in (0, 1]; add :select=S to choose them otherwise: chunk (R of each chunk), "
              "attn (by the question's attention), attn_dev, gradual; :budget=chunk to take R of each chunk rather "
              "than of all chunk tokens; with attn or attn_dev, :attn_from=F to count the question's attention from "
-             "the layer at depth F in [0, 1) on; with attn or attn_dev, :upto=U:stop_kl=K to recompute in rounds of R up to U "
-             "in all, stopping once a round moved the question's next-token distribution by less than K nats), or "
-             "both, e.g. lazy:first=16:blend=0.1.")
+             "the layer at depth F in [0, 1) on), or both, e.g. lazy:first=16:blend=0.1.")
     if name == RECOVER:
         name = RECOVER_AS
     opts = {}
@@ -41,19 +39,13 @@ def lazy_options(name: str) -> dict:
                 opts["blend_budget"] = value
             elif key == "attn_from" and "attn_from" not in opts and 0 <= float(value) < 1:
                 opts["attn_from"] = float(value)
-            elif key == "upto" and "blend_upto" not in opts and 0 < float(value) <= 1:
-                opts["blend_upto"] = float(value)
-            elif key == "stop_kl" and "stop_kl" not in opts and float(value) >= 0:
-                opts["stop_kl"] = float(value)
             else:
                 raise ValueError(usage)
         except ValueError:
             raise ValueError(usage) from None
     if not opts or (opts.keys() & {"blend_select", "blend_budget", "attn_from"} and "blend" not in opts):
         raise ValueError(usage)
-    if opts.keys() & {"attn_from", "blend_upto"} and opts.get("blend_select") not in ("attn", "attn_dev"):
-        raise ValueError(usage)
-    if ("blend_upto" in opts) != ("stop_kl" in opts) or opts.get("blend_upto", 1) < opts.get("blend", 0):
+    if "attn_from" in opts and opts.get("blend_select") not in ("attn", "attn_dev"):
         raise ValueError(usage)
     return opts
 

@@ -48,9 +48,6 @@ class Blend:
     selected: torch.Tensor  # [S] indices into the chunk tokens (prompt order) recomputed in every layer
     deviation: torch.Tensor  # [C] each chunk token's K/V deviation at the selection layer
     cost: float  # in tokens through the whole model: all chunk tokens ran layer 0, the selected ones every layer
-    # [V] log-probs of the token after the question over the context as it was before this blend (its question pass);
-    # None without one (selections by deviation alone)
-    question_logp: torch.Tensor | None = None
 
 
 class PlacedContext:
@@ -127,11 +124,10 @@ GRADUAL_FACTOR = 2.0
 
 @torch.inference_mode()
 def question_attention(runner: ModelRunner, ctx: PlacedContext, question: list[int], start: int,
-                       layers: tuple[int, int] | None = None) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+                       layers: tuple[int, int] | None = None) -> tuple[torch.Tensor, int]:
     """[N]: the attention each context token gets from the question run over the context as cached, summed over
-    heads and question tokens in layers [lo, hi); the number of layers the question ran through; and, when it
-    ran through all of them, the log-probs [V] of the token after it (None otherwise). The gathered layers are
-    kept in ``ctx`` for the recompute that follows."""
+    heads and question tokens in layers [lo, hi); and the number of layers the question ran through. The
+    gathered layers are kept in ``ctx`` for the recompute that follows."""
     model, dev, ops = runner.model, runner.device, DENSE_OPS
     L, n_ctx = len(model.layers), len(ctx)
     lo, hi = layers or (0, L)
@@ -155,10 +151,7 @@ def question_attention(runner: ModelRunner, ctx: PlacedContext, question: list[i
         x = block.after_attention(x, block.attn.output(o.flatten(1)), ops)
     if model.tp is not None:  # each rank summed its own heads: the score is over all of them
         model.tp.all_reduce(score)
-    logp = None
-    if hi == L:  # the hidden states are whole on every rank (all-reduced), lm_head is replicated
-        logp = model.logits(ops.rms_norm(x[-1:], model.norm.weight, model.norm.eps))[0].log_softmax(-1)
-    return score, hi, logp
+    return score, hi
 
 
 @torch.inference_mode()
@@ -174,9 +167,6 @@ def selective_recompute(
     question_start: int = 0,
     per_chunk: bool = False,
     attn_from: float = 0.0,
-    deviation: torch.Tensor | None = None,
-    done: torch.Tensor | None = None,
-    proceed: Callable[[torch.Tensor], bool] | None = None,
 ) -> Blend:
     """Blend the placements whose token ``ids`` are given (``None``: read as cached, e.g. the prefix).
 
@@ -185,10 +175,6 @@ def selective_recompute(
     ``question`` (token ids) and where it starts; their attention counts from layer ``attn_from * L`` on.
     ``per_chunk``: ``ratio`` of each chunk's tokens, not of all chunk tokens.
     ``allocate(n)`` gives n fresh blocks for the private copies; the caller owns and frees them.
-    A later round of ``recompute_in_rounds`` passes what the first one found: ``deviation`` [C] (the layer-1
-    deviations, which no recompute changes: layer 0's K/V are exact, so the tokens are chosen before layer 0),
-    ``done`` [C] (bool: the chunk tokens already recomputed, never chosen again) and ``proceed`` (given the
-    question's log-probs over the context as it is, False ends the round before anything is recomputed).
     """
     assert selection in SELECTIONS, selection
     pool, model, dev, ops = runner.pool, runner.model, runner.device, DENSE_OPS
@@ -205,30 +191,22 @@ def selective_recompute(
     chunk_ids = torch.tensor([ids[i][j] for i, j in zip(owner[chunk_pos].tolist(), offset[chunk_pos].tolist())], device=dev)
     chunk_of, forced = owner[chunk_pos], offset[chunk_pos] < first
     cost = 0.0  # in tokens through the whole model
-    attn = logp = None
+    attn = None
     if selection in ("attn", "attn_dev"):
         assert question, "selection by the question's attention needs the question"
-        score, ran, logp = question_attention(runner, ctx, question, question_start, (int(attn_from * L), L))
+        score, ran = question_attention(runner, ctx, question, question_start, (int(attn_from * L), L))
         attn, cost = score[chunk_pos.to(dev)].cpu(), len(question) * ran / L
-        if proceed is not None and not proceed(logp):
-            return Blend(list(placed), torch.zeros(0, dtype=torch.int64), deviation, _counted(runner, cost), logp)
-    if done is not None:
-        forced = forced & ~done
     sel_layer = min(SELECTION_LAYER, L - 1)
-    # (layer, tokens kept there, "dev": by the deviation there, or the score [C] to choose by before the layer runs)
-    if deviation is not None:  # known from an earlier round
-        assert done is not None and attn is not None
-        prior = deviation * attn if selection == "attn_dev" else attn.clone()
-        stages = [(0, ratio, prior.masked_fill(done, float("-inf")))]
-    elif selection == "attn":
-        stages = [(0, ratio, attn)]
+    # (layer, tokens kept there, score from the deviation there or None: the attention, before the layer runs)
+    if selection == "attn":
+        stages = [(0, ratio, None)]
     elif selection == "gradual" and sel_layer + 1 < L:
         stages = [(sel_layer, min(1.0, GRADUAL_FACTOR * ratio), "dev"), (sel_layer + 1, ratio, "dev")]
     else:
         stages = [(sel_layer, ratio, "dev")]
     cur = torch.arange(C)  # the chunk tokens (indices into the C) still running
     x = model.embed(chunk_ids)  # [C, H]
-    deviation = torch.zeros(C) if deviation is None else deviation
+    deviation = torch.zeros(C)
     fresh = []  # (layer, cur then, k, v): the fresh K/V of layers >= 1, written once the final tokens are known
 
     def keep(score: torch.Tensor, r: float) -> torch.Tensor:
@@ -245,13 +223,13 @@ def selective_recompute(
     sel, cos, sin, mask = running(cur)
     for layer, block in enumerate(layers):
         stage = next((s for s in stages if s[0] == layer), None)
-        if stage is not None and isinstance(stage[2], torch.Tensor):  # chosen before the layer runs: the dropped tokens cost nothing
-            rows_kept = keep(stage[2], stage[1])
+        if stage is not None and stage[2] is None:  # chosen before the layer runs: the dropped tokens cost nothing
+            rows_kept = keep(attn, stage[1])
             cur, x = cur[rows_kept], x[rows_kept.to(dev)]
             sel, cos, sin, mask = running(cur)
         kc, vc = ctx.layer(layer)  # [N, Hkv, D] fp32, as cached
         q, k, v = block.attn.project(block.attn_input(x, ops), cos, sin, ops, runner.rope_scaling)
-        if stage is not None and isinstance(stage[2], str):
+        if stage is not None and stage[2] == "dev":
             d = kv_deviation(k, v, kc[sel], vc[sel])
             if model.tp is not None:  # over this rank's KV heads: summed, every rank picks the same tokens
                 model.tp.all_reduce(d)
@@ -277,7 +255,7 @@ def selective_recompute(
         o = attend(q[None], kc[None], vc[None], mask[None], model.sm_scale)[0].to(x.dtype)
         x = block.after_attention(x, block.attn.output(o.flatten(1)), ops)  # [S, H]
     if not len(cur):
-        return Blend(list(placed), torch.zeros(0, dtype=torch.int64), deviation, _counted(runner, cost), logp)
+        return Blend(list(placed), torch.zeros(0, dtype=torch.int64), deviation, _counted(runner, cost))
     # the tokens are known: their private copies, and their fresh K/V of every layer in one write
     context, slots = _private_copies(pool, placed, owner[chunk_pos[cur]], offset[chunk_pos[cur]], allocate)
     if fresh:
@@ -287,38 +265,7 @@ def selective_recompute(
         k = torch.stack([kk[r] for (_, _, kk, _), r in zip(fresh, rows)]).float()  # [L', S, Hkv, D]
         v = torch.stack([vv[r] for (_, _, _, vv), r in zip(fresh, rows)])
         pool.write_layers([lay for lay, _, _, _ in fresh], slots, apply_rotary(k, *back), v)
-    return Blend(context, cur, deviation, _counted(runner, cost), logp)
-
-
-def recompute_in_rounds(runner: ModelRunner, placed: list[Placement], ids: list[list[int] | None], step: float,
-                        upto: float, stop_kl: float, allocate: Callable[[int], list[int]], **options) -> Blend:
-    """Selective recompute in rounds of ``step`` (a share of the chunk tokens, as ``ratio``), up to ``upto`` in all,
-    stopped once the question's next-token distribution has settled: each round after the first starts with the
-    question's pass over the context as the last round left it (the attention selection's own pass, so the check
-    costs nothing more), and ends there if KL(now || before that round) < ``stop_kl`` nats. A question whose answer
-    the first tokens already fixed stops early; one still moving gets more. ``options``: selective_recompute's,
-    whose ``selection`` must read the question (attn, attn_dev). Returns one Blend: every round's tokens, their
-    cost, and the last distribution seen."""
-    assert options.get("selection") in ("attn", "attn_dev") and 0 < step <= upto <= 1 and stop_kl >= 0
-    b = selective_recompute(runner, placed, ids, step, allocate, **options)
-    C = len(b.deviation)
-    done = torch.zeros(C, dtype=torch.bool)
-    done[b.selected] = True
-    cost, before = b.cost, b.question_logp
-
-    def moving(now: torch.Tensor) -> bool:
-        nonlocal before
-        kl = float((now.exp() * (now - before)).sum())
-        before = now
-        return kl >= stop_kl
-
-    while len(b.selected) and int(done.sum()) < round(upto * C):
-        share = min(step, upto - float(done.float().mean()))
-        b = selective_recompute(runner, b.context, ids, share, allocate, deviation=b.deviation, done=done,
-                                proceed=moving, **options)
-        cost += b.cost
-        done[b.selected] = True
-    return Blend(b.context, done.nonzero()[:, 0], b.deviation, cost, before)
+    return Blend(context, cur, deviation, _counted(runner, cost))
 
 
 def _counted(runner: ModelRunner, cost: float) -> float:

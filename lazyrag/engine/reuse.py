@@ -209,24 +209,18 @@ class LazyStitching(Strategy):
       is computed again (CacheBlend, engine/blend.py); ``blend_select`` says how the tokens are chosen
       (engine/blend.py SELECTIONS: by deviation over all chunks or per chunk, by the question's
       attention, ...), ``blend_budget`` whether the fraction is of all chunk tokens or of each chunk, and
-      ``attn_from`` from which depth (a fraction of the layers) the question's attention is counted;
-      with ``blend_upto``, ``blend`` is a round's share and rounds go on up to that share in all while the
-      question's next-token distribution still moves by ``stop_kl`` nats or more (engine/blend.py
-      ``recompute_in_rounds``).
+      ``attn_from`` from which depth (a fraction of the layers) the question's attention is counted.
       With both, the heads are recomputed on top of the fraction.
     """
 
     name = "lazy"
 
     def __init__(self, cache, runner, fingerprint, ahead: dict | None = None, passage_ids: list[int] = (), recompute_first: int = 0,
-                 blend: float = 0.0, blend_select: str = "global", blend_budget: str = "global", attn_from: float = 0.0,
-                 blend_upto: float = 0.0, stop_kl: float = 0.0):
+                 blend: float = 0.0, blend_select: str = "global", blend_budget: str = "global", attn_from: float = 0.0):
         super().__init__(cache, runner, fingerprint, ahead, passage_ids)
         self.recompute_first, self.blend, self.blend_select = recompute_first, blend, blend_select
         self.blend_budget, self.attn_from = blend_budget, attn_from
-        self.blend_upto, self.stop_kl = blend_upto, stop_kl
         assert blend_select in BLEND_SELECTIONS and blend_budget in BLEND_BUDGETS and 0 <= attn_from < 1
-        assert not blend_upto or (blend <= blend_upto <= 1 and blend_select in ("attn", "attn_dev") and stop_kl >= 0)
         options = [f"first={recompute_first}"] * bool(recompute_first) + [f"blend={blend:g}"] * bool(blend)
         if blend and self.blend_select != "global":
             options.append(f"select={self.blend_select}")
@@ -234,8 +228,6 @@ class LazyStitching(Strategy):
             options.append(f"budget={self.blend_budget}")
         if blend and self.attn_from:
             options.append(f"attn_from={self.attn_from:g}")
-        if blend and self.blend_upto:
-            options += [f"upto={self.blend_upto:g}", f"stop_kl={self.stop_kl:g}"]
         if options:
             self.name = "lazy:" + ":".join(options)
 
@@ -256,20 +248,17 @@ class LazyStitching(Strategy):
 
     def _blend(self, placed: list[Placement], layout: PromptLayout, plan: Plan) -> list[Placement]:
         """Recompute the most-deviating chunk tokens (and the heads) in context into private copies of their blocks."""
-        from lazyrag.engine.blend import recompute_in_rounds, selective_recompute
+        from lazyrag.engine.blend import selective_recompute
 
         def allocate(n: int) -> list[int]:
             blocks = self.cache.allocate(n)
             plan.owned_blocks.extend(blocks)  # release(plan) frees them with the request, even if this fails midway
             return blocks
 
-        options = dict(first=self.recompute_first, selection=self.blend_select, per_chunk=self.blend_budget == "chunk",
-                       attn_from=self.attn_from, question=list(layout.question_ids), question_start=layout.question_start)
-        ids = [None, *layout.chunk_ids]
-        if self.blend_upto:
-            b = recompute_in_rounds(self.runner, placed, ids, self.blend, self.blend_upto, self.stop_kl, allocate, **options)
-        else:
-            b = selective_recompute(self.runner, placed, ids, self.blend, allocate, **options)
+        b = selective_recompute(self.runner, placed, [None, *layout.chunk_ids], self.blend, allocate,
+                                first=self.recompute_first, selection=self.blend_select,
+                                per_chunk=self.blend_budget == "chunk", attn_from=self.attn_from,
+                                question=list(layout.question_ids), question_start=layout.question_start)
         plan.tokens_recomputed, plan.recompute_cost = len(b.selected), b.cost
         return b.context
 
