@@ -12,13 +12,15 @@ import argparse
 import glob
 import json
 
+from lazyrag.eval import failed_requests
+
 
 def full_answers(patterns: list[str], name: str) -> dict[str, str]:
     """question -> full prefill's answer over the reports matching ``patterns`` ({set} = ``name``), first one wins."""
     out = {}
     for path in sorted(p for pattern in patterns for p in glob.glob(pattern.format(set=name))):
         run = json.load(open(path))
-        failed = {int(i) for i in run.get("errors", {}).get("full", {})}
+        failed = failed_requests(run, "full")
         for i, (q, a) in enumerate(zip(run["questions"], run["answers"]["full"])):
             if i not in failed:
                 out.setdefault(q, a)

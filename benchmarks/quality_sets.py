@@ -29,6 +29,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from lazyrag.eval import failed_requests
+
 
 def paired(scores: dict[str, dict[str, list[float]]], reference: str = "full") -> dict[str, dict]:
     """Per strategy: mean accuracy and F1 (points) and their paired difference from ``reference``, with its
@@ -102,7 +104,7 @@ def main() -> None:
         by_s, lost = answers.setdefault(name, {}), failed.setdefault(name, {})
         encoding = run.get("encoding_passage", "none")
         for s0, m in run["scores"].items():
-            errors = {int(i) for i in run.get("errors", {}).get(s0, {})}
+            errors = failed_requests(run, s0)
             s = f"{s0}@{encoding}" if encoding != "default" and s0 != "full" else s0  # full prefill reads no cached chunk
             mine = by_s.setdefault(s, {})
             for i, q in enumerate(run["questions"]):

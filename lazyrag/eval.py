@@ -262,6 +262,12 @@ class Checkpoint:
         return {s: [self.rows[i][s] for i in sorted(self.rows)] for s in strategies}
 
 
+def failed_requests(run: dict, strategy: str) -> set[int]:
+    """The question indices whose request for ``strategy`` failed in an eval report (``run``, its JSON): they
+    have no answer, and pairing or resuming leaves them out."""
+    return {int(i) for i in run.get("errors", {}).get(strategy, {})}
+
+
 def answered_questions(reports: list[Path], strategies: list[str]) -> set[str]:
     """The questions that every one of ``strategies`` answered, without a failed request, in some report
     of ``reports`` (``lazyrag eval`` JSON; a strategy's answer may come from another report than another's)."""
@@ -271,7 +277,7 @@ def answered_questions(reports: list[Path], strategies: list[str]) -> set[str]:
         if "scores" not in run:
             raise ValueError(f"{path} has no per-question scores (written by an older lazyrag eval)")
         for s in have.keys() & run["scores"].keys():
-            failed = {int(i) for i in run.get("errors", {}).get(s, {})}
+            failed = failed_requests(run, s)
             have[s].update(q for i, q in enumerate(run["questions"]) if i not in failed)
     return set.intersection(*have.values())
 
