@@ -276,6 +276,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=256, help="max_tokens of requests that give none (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="temperature of requests that give none (default: %(default)s, greedy)")
     p.add_argument("--kv-budget", type=int, default=None, help="bytes of the paged KV pool (default: 1 GiB on CPU, 8 GiB on CUDA)")
+    p.add_argument("--host-gb", type=float, default=0.0, metavar="GB",
+                   help="a host-RAM tier below the GPU pool (GiB, page-locked): chunk KV evicted from the pool, or not "
+                        "admitted for want of room, waits there and comes back by a copy instead of an encode (default: none)")
     p.add_argument("--max-pending", type=int, default=256, help="generations in flight before new requests get HTTP 503 (default: %(default)s)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ requests (default: no key)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"], help="uvicorn's log level")
@@ -494,6 +497,8 @@ def _check_serve(args) -> None:
         raise UsageError(f"--k must be in 1-{MAX_K}; --max-tokens and --max-pending must be positive.")
     if not 0 <= args.temperature <= 100:
         raise UsageError("--temperature must be in [0, 100] (0 = greedy).")
+    if not args.host_gb >= 0:
+        raise UsageError(f"--host-gb must be a number of GiB of at least 0 (0 = no host tier); got {args.host_gb}.")
     try:
         import fastapi, prometheus_client, uvicorn  # noqa: F401, E401
     except ImportError as e:
@@ -641,6 +646,8 @@ def _serve(args) -> int:
     from lazyrag.server import ServerConfig, run_server
 
     kw = {"kv_budget": args.kv_budget} if args.kv_budget else {}
+    if args.host_gb:
+        kw["cache"] = _host_cache(args.host_gb)
     engine = LazyEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, **kw, **_passage(args),
                                         **_tensor_parallel(args))
     retriever = None
@@ -658,6 +665,12 @@ def _serve(args) -> int:
     return 0
 
 
+def _host_cache(host_gb: float):
+    from lazyrag.kv.cache import CacheConfig
+
+    return CacheConfig(host_bytes=int(host_gb * (1 << 30)))
+
+
 def _serve_replicas(args) -> int:
     from lazyrag.server.replicas import ReplicaSpec, run
 
@@ -666,7 +679,8 @@ def _serve_replicas(args) -> int:
     if args.served_model_name:
         server["model_name"] = args.served_model_name
     spec = ReplicaSpec(model=args.model, device=args.device, dtype=args.dtype, kv_budget=args.kv_budget, **_passage(args),
-                       store=None if args.store is None else str(args.store.path), server=server)
+                       store=None if args.store is None else str(args.store.path), server=server,
+                       host_bytes=int(args.host_gb * (1 << 30)))
     print(f"lazyrag serve: {args.replicas} replicas ({args.router} routing) at http://{args.host}:{args.port}/v1; "
           "GET /routing shows each replica's state; Ctrl-C stops them", file=sys.stderr)
     run(spec, args.replicas, args.router, args.host, args.port, args.ray_address)

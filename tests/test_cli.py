@@ -58,6 +58,8 @@ def test_serve_checks_its_arguments_before_loading_the_model():
     assert r.returncode == 2 and "--port" in r.stderr and "no torch" in r.stdout
     r = probe("serve", "--strategy", "nope")
     assert r.returncode == 2 and "no torch" in r.stdout
+    r = probe("serve", "--host-gb", "-1")
+    assert r.returncode == 2 and "--host-gb" in r.stderr and "no torch" in r.stdout
     r = run("serve", "--help")
     assert r.returncode == 0 and "/v1/chat/completions" in r.stdout and "documents" in r.stdout
 

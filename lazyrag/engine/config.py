@@ -15,6 +15,9 @@ DEFAULT_KV_BUDGET = {"cpu": 1 << 30, "cuda": 8 << 30}
 class SchedulerConfig:
     max_running: int = 64  # sequences in flight (decoding) at once
     max_prefill_tokens: int = 8192  # new tokens in one prefill batch (a longer single prompt still runs alone)
+    # the chunks that a step's requests miss are encoded together, in one batched forward before the step's prefill
+    # (the cache changes as if each request encoded its own); False: each request encodes its misses as it is planned
+    batch_encodes: bool = True
     # launch each greedy decode step on the previous step's tokens while they are still on the device, so the
     # host's work overlaps the device's (vLLM's async scheduling); None: on with cuda
     async_scheduling: bool | None = None

@@ -109,7 +109,7 @@ class Plan:
     tokens_recomputed: int = 0  # chunk tokens computed again in context (quality recovery)
     recompute_cost: float = 0.0  # its compute, in tokens through the whole model (blend: selection included)
     prefix_tokens_reused: int = 0  # the request's prefix tokens whose KV was found cached (not encoded now)
-    # its missed chunks' tokens that the scheduler's step encoded ahead, batched with other requests' (its prefill)
+    # its misses' tokens left to the step's encode batch (computed with other requests' misses, counted as its own)
     tokens_encoded_ahead: int = 0
 
 

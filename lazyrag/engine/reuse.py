@@ -12,7 +12,11 @@
   applies the offset (LazyAttention).
 
 A strategy turns a prompt layout into a plan: the placed segments the new tokens attend
-to, and the new tokens themselves. Misses are encoded (or copied) while planning.
+to, and the new tokens themselves. Misses are encoded (or copied) while planning, except
+while the scheduler plans a step (``EncodeBatch``): then a plain ``lazy`` plan only looks up,
+allocates and records its misses (the cache changes exactly as if they were encoded one
+request at a time), and the step's misses are computed together in one batched forward
+before the step's prefill.
 """
 from __future__ import annotations
 
@@ -41,19 +45,111 @@ class EncodeJob:
     rebase: int = 0
 
 
+@dataclass(eq=False)
+class _Pending:
+    job: EncodeJob
+    seq: SeqState
+    segment: Segment
+
+
+class EncodeBatch:
+    """The misses of the requests a step plans, computed together before the step's prefill (SGLang's and
+    vLLM's shape: looking up only looks up, the work goes into the step's forward).
+
+    While ``open``, a deferring plan's encode allocates the blocks, puts the segment in the cache and pins it
+    as it would after computing it, so evictions, admissions and hits are those of the one-at-a-time path;
+    the KV itself is computed at ``flush``. The batch holds one more pin on every pending segment, so none
+    is evicted (or demoted to a tier) before its KV exists. Any plan that reads KV while planning
+    (copies, recomputation) flushes first (``Strategy.plan``). A job that fails alone (once the batched
+    forward failed) leaves its segment out of the cache and its key in ``failed``: the plans that pinned it
+    must fail."""
+
+    def __init__(self, cache: CacheManager, runner: ModelRunner):
+        self.cache, self.runner = cache, runner
+        self.open = False
+        self.pending: list[_Pending] = []
+        self.failed: set[int] = set()  # id() of segments whose KV could not be computed
+        self.tokens_flushed = 0  # tokens the flushes ran through the model (counted for their own requests)
+
+    def begin(self) -> None:
+        assert not self.open and not self.pending, "an encode batch is already open"
+        self.open, self.failed = True, set()
+
+    def end(self) -> None:
+        """Compute what is pending and close the batch (``failed`` stays readable until the next ``begin``)."""
+        try:
+            self.flush()
+        finally:
+            self.open = False
+
+    def defer(self, job: EncodeJob, seq: SeqState, seg: Segment) -> None:
+        self.cache.pin(seg)
+        self.pending.append(_Pending(job, seq, seg))
+
+    def flush(self) -> None:
+        """Compute every pending job: prefixes first (chunks are encoded after them), in batches of
+        ENCODE_BATCH_TOKENS; a failing batch is run again one job at a time."""
+        pending, self.pending = self.pending, []
+        try:
+            for wave in ([p for p in pending if p.job.kind != SegmentKind.CHUNK], [p for p in pending if p.job.kind == SegmentKind.CHUNK]):
+                batch: list[_Pending] = []
+                for p in wave:
+                    if batch and sum(len(q.job.ids) for q in batch) + len(p.job.ids) > ENCODE_BATCH_TOKENS:
+                        self._run(batch)
+                        batch = []
+                    batch.append(p)
+                if batch:
+                    self._run(batch)
+        finally:
+            for p in pending:
+                self.cache.unpin(p.segment)
+
+    def _run(self, batch: list[_Pending]) -> None:
+        batch = [p for p in batch if not self._depends_on_failed(p)]
+        try:
+            _compute(self.runner, [(p.job, p.seq) for p in batch])
+            self.tokens_flushed += sum(len(p.job.ids) for p in batch)
+            return
+        except Exception:
+            if len(batch) == 1:
+                self._fail(batch[0])
+                return
+        for p in batch:
+            p.seq.num_written, p.seq.next_pos = 0, p.job.start
+            self._run([p])
+
+    def _depends_on_failed(self, p: _Pending) -> bool:
+        if any(id(c.segment) in self.failed for c in p.job.context):
+            self._fail(p)
+            return True
+        return False
+
+    def _fail(self, p: _Pending) -> None:
+        self.failed.add(id(p.segment))
+        self.cache.discard(p.segment)
+
+
+def _compute(runner: ModelRunner, work: list[tuple[EncodeJob, SeqState]]) -> None:
+    """Run the jobs' tokens into their blocks (one forward), then rotate each one's K back over its rebase."""
+    runner.prefill([s for _, s in work], [j.ids for j, _ in work], logits=False)
+    for rebase in {j.rebase for j, _ in work} - {0}:
+        runner.rotate_k([b for j, s in work if j.rebase == rebase for b in s.blocks], -rebase)
+
+
 class Strategy:
     name = "base"
+    defers = False  # its plans read no KV while planning: their misses may be computed in the step's batch
 
-    def __init__(self, cache: CacheManager, runner: ModelRunner, fingerprint: str, ahead: dict | None = None,
+    def __init__(self, cache: CacheManager, runner: ModelRunner, fingerprint: str, batch: EncodeBatch | None = None,
                  passage_ids: list[int] = ()):
         self.cache, self.runner, self.fingerprint = cache, runner, fingerprint
         self.passage_ids = list(passage_ids)  # the encoding passage chunks are encoded after (prompt.py)
-        # chunk key -> segment that the scheduler's step encoded ahead for the requests it admits
-        # (Planner.encode_ahead); the first plan that needs one takes it as its own miss
-        self.ahead: dict[str, Segment] = {} if ahead is None else ahead
+        self.batch = batch if batch is not None else EncodeBatch(cache, runner)  # shared by a planner's strategies
 
     def plan(self, layout: PromptLayout) -> Plan:
         """The request's plan; if making it fails, what it pinned or allocated so far is given back."""
+        if self.batch.open and not self.defers:
+            self.flush()  # it may read KV that earlier plans of the step left to compute
         plan = Plan(context=[], new_ids=[], new_start=0)
         try:
             self._plan(layout, plan)
@@ -61,6 +157,12 @@ class Strategy:
             self.release(plan)
             raise
         return plan
+
+    def flush(self, plan: Plan | None = None) -> None:
+        """Compute the step's pending encodes now; raise if one that ``plan`` pinned failed."""
+        self.batch.flush()
+        if plan is not None and any(id(seg) in self.batch.failed for seg in plan.pinned):
+            raise RuntimeError("encoding one of the request's chunks failed")
 
     def release(self, plan: Plan) -> None:
         """Unpin the plan's segments and free its own blocks (when its request ends)."""
@@ -85,39 +187,41 @@ class Strategy:
     def chunk_key(self, prefix_ids: list[int], chunk_ids: list[int]) -> str:
         return chunk_key(self.fingerprint, prefix_ids, chunk_ids, self.passage_ids)
 
-    def encoding_context(self, enc_ids: list[int], plan: Plan, prefix: Segment | None = None) -> Segment:
+    def encoding_context(self, enc_ids: list[int], plan: Plan, prefix: Segment | None = None, defer: bool = False) -> Segment:
         """What a missing chunk is encoded after: the encoding prefix and, if the engine has one, the encoding
         passage (one segment, cached like a prefix); pinned. ``prefix``: the encoding prefix's segment, if held."""
         if prefix is not None and not self.passage_ids:
             return prefix
-        return self.prefix_segment(list(enc_ids) + self.passage_ids, plan, own=False)
+        return self.prefix_segment(list(enc_ids) + self.passage_ids, plan, own=False, defer=defer)
 
     def chunk_job(self, key: str, ids: list[int], context: Segment) -> EncodeJob:
         """Encode a chunk right after ``context`` (``encoding_context``), rebased over the passage."""
         return EncodeJob(key, ids, context.num_tokens, [Placement(context, 0)], rebase=len(self.passage_ids))
 
-    def encode(self, jobs: list[EncodeJob], plan: Plan | None = None, keep: bool = True) -> list[Segment]:
+    def encode(self, jobs: list[EncodeJob], plan: Plan | None = None, keep: bool = True, defer: bool = False) -> list[Segment]:
         """Compute each job's KV into fresh blocks, in batches, and cache (pinned) the segments.
 
         With ``plan``, each segment is recorded in ``plan.pinned`` as soon as it exists, so a
         failure part-way (e.g. the pool is full) still lets the plan give everything back.
         ``keep=False``: the segments are not cached (transient, freed when unpinned).
+        ``defer``: while the step's encode batch is open, the KV is computed at its flush
+        (its tokens counted in ``plan.tokens_encoded_ahead``).
         """
         bs = self.cache.pool.shape.block_size
         segments, batch = [], []
+        defer = defer and self.batch.open
 
         def flush():
             seqs = []
             try:
                 for j in batch:
                     seqs.append(SeqState(context=j.context, blocks=self.cache.allocate(blocks_for(len(j.ids), bs)), next_pos=j.start))
-                self.runner.prefill(seqs, [j.ids for j in batch], logits=False)
+                if not defer:
+                    _compute(self.runner, list(zip(batch, seqs)))
             except BaseException:
                 for s in seqs:
                     self.cache.pool.decref(s.blocks)
                 raise
-            for rebase in {j.rebase for j in batch} - {0}:
-                self.runner.rotate_k([b for j, s in zip(batch, seqs) if j.rebase == rebase for b in s.blocks], -rebase)
             for j, s in zip(batch, seqs):
                 seg = Segment(j.key, s.blocks, len(j.ids), j.start - j.rebase, kind=j.kind)
                 if keep:
@@ -127,6 +231,10 @@ class Strategy:
                 segments.append(seg)
                 if plan is not None:
                     plan.pinned.append(seg)
+                if defer:
+                    self.batch.defer(j, s, seg)
+                    if plan is not None:
+                        plan.tokens_encoded_ahead += len(j.ids)
             batch.clear()
 
         for job in jobs:
@@ -138,56 +246,48 @@ class Strategy:
             flush()
         return segments
 
-    def prefix_segment(self, ids: list[int], plan: Plan, own: bool = True) -> Segment:
+    def prefix_segment(self, ids: list[int], plan: Plan, own: bool = True, defer: bool = False) -> Segment:
         """A context-free segment at position 0 (a prompt's prefix): looked up, else computed; pinned.
         ``own``: it is the request's prefix (not only the one its chunks were encoded after), so a hit
         counts in ``plan.prefix_tokens_reused``."""
         key = self.prefix_key(ids)
         seg = self.cache.get(key)
         if seg is None:
-            return self.encode([EncodeJob(key, ids, 0, [], kind=SegmentKind.PREFIX)], plan)[0]
+            return self.encode([EncodeJob(key, ids, 0, [], kind=SegmentKind.PREFIX)], plan, defer=defer)[0]
         plan.pinned.append(seg)
         if own:
             plan.prefix_tokens_reused = len(ids)
         return seg
 
     def base_segments(self, layout: PromptLayout, plan: Plan, keep: bool = True, only: set[str] | None = None,
-                      keys: list[str] | None = None) -> tuple[Segment, dict[str, Segment]]:
+                      keys: list[str] | None = None, defer: bool = False) -> tuple[Segment, dict[str, Segment]]:
         """The request's prefix and each distinct chunk encoded after the encoding prefix. All pinned.
 
         Chunks are encoded after the *encoding* prefix (usually the same as the request's
         prefix; a LlamaIndex prompt has its own), so their KV and key never depend on the request.
         ``only``: just these chunk keys. ``keep=False``: the chunks are encoded for this request
         alone, neither looked up nor cached. ``keys``: the chunks' keys, if the caller has them.
+        ``defer``: misses are computed in the step's encode batch (``EncodeBatch``), if one is open.
         """
         enc_ids = layout.encoding_prefix
-        prefix = self.prefix_segment(layout.prefix_ids, plan)
+        prefix = self.prefix_segment(layout.prefix_ids, plan, defer=defer)
         keys = keys if keys is not None else [self.chunk_key(enc_ids, c) for c in layout.chunk_ids]
         found: dict[str, Segment] = {}
-        jobs, ahead_missed, context = [], set(), None
+        jobs, context = [], None
         for key, ids in zip(keys, layout.chunk_ids):
             if key in found or any(j.key == key for j in jobs) or (only is not None and key not in only):
                 continue
-            early = self.ahead.pop(key, None) if keep else None
-            seg = early if early is not None else self.cache.get(key) if keep else None
-            if (early is not None or seg is None) and context is None:
-                # what a miss is encoded after, at the first miss (one encoded ahead too, so that its stats read
-                # as if the request had encoded it): a request whose chunks all hit never needs it
-                context = self.encoding_context(enc_ids, plan, prefix if enc_ids == layout.prefix_ids else None)
-            if early is not None:  # this request's miss, encoded in the step's batch
-                plan.pinned.append(self.cache.pin(early))
-                plan.tokens_encoded_ahead += early.num_tokens
-                found[key] = early
-                ahead_missed.add(key)
-                continue
+            seg = self.cache.get(key) if keep else None
             if seg is None:
+                if context is None:  # what a miss is encoded after: a request whose chunks all hit never needs it
+                    context = self.encoding_context(enc_ids, plan, prefix if enc_ids == layout.prefix_ids else None, defer)
                 jobs.append(self.chunk_job(key, ids, context))
             else:
                 found[key] = seg
                 plan.pinned.append(seg)
-        for seg in self.encode(jobs, plan, keep):
+        for seg in self.encode(jobs, plan, keep, defer):
             found[seg.key] = seg
-        missed = {j.key for j in jobs} | ahead_missed
+        missed = {j.key for j in jobs}
         plan.chunks_missed = sum(key in missed for key in keys)
         plan.chunks_hit = len(keys) - plan.chunks_missed
         return prefix, {k: found[k] for k in keys if k in found}
@@ -215,9 +315,10 @@ class LazyStitching(Strategy):
 
     name = "lazy"
 
-    def __init__(self, cache, runner, fingerprint, ahead: dict | None = None, passage_ids: list[int] = (), recompute_first: int = 0,
-                 blend: float = 0.0, blend_select: str = "global", blend_budget: str = "global", attn_from: float = 0.0):
-        super().__init__(cache, runner, fingerprint, ahead, passage_ids)
+    def __init__(self, cache, runner, fingerprint, batch: EncodeBatch | None = None, passage_ids: list[int] = (),
+                 recompute_first: int = 0, blend: float = 0.0, blend_select: str = "global", blend_budget: str = "global",
+                 attn_from: float = 0.0):
+        super().__init__(cache, runner, fingerprint, batch, passage_ids)
         self.recompute_first, self.blend, self.blend_select = recompute_first, blend, blend_select
         self.blend_budget, self.attn_from = blend_budget, attn_from
         assert blend_select in BLEND_SELECTIONS and blend_budget in BLEND_BUDGETS and 0 <= attn_from < 1
@@ -230,15 +331,19 @@ class LazyStitching(Strategy):
             options.append(f"attn_from={self.attn_from:g}")
         if options:
             self.name = "lazy:" + ":".join(options)
+        # its misses join the step's encode batch; a recovering variant computes them before it recomputes
+        self.defers = True
 
     def _plan(self, layout: PromptLayout, plan: Plan) -> None:
         plan.new_ids, plan.new_start = list(layout.question_ids), layout.question_start
         keys = [self.chunk_key(layout.encoding_prefix, c) for c in layout.chunk_ids]  # hashed once
-        prefix, chunks = self.base_segments(layout, plan, keys=keys)
+        prefix, chunks = self.base_segments(layout, plan, keys=keys, defer=True)
         placed = [Placement(prefix, 0)]
         for start, key in zip(layout.chunk_starts(), keys):
             seg = chunks[key]
             placed.append(Placement(seg, start - seg.start))
+        if (self.blend or self.recompute_first) and self.batch.open:
+            self.flush(plan)  # recovery reads the chunks' KV
         if self.blend:
             placed = self._blend(placed, layout, plan)
         elif self.recompute_first:
@@ -398,47 +503,12 @@ class Planner:
     def __init__(self, cache: CacheManager, runner: ModelRunner, fingerprint: str, passage_ids: list[int] = ()):
         self.cache, self.runner, self.fingerprint = cache, runner, fingerprint
         self.passage_ids = list(passage_ids)
-        self.ahead: dict[str, Segment] = {}  # shared by every strategy (Strategy.ahead)
-        self._by_name: dict[str, Strategy] = {n: cls(cache, runner, fingerprint, self.ahead, self.passage_ids)
+        self.batch = EncodeBatch(cache, runner)  # the step's deferred encodes, shared by every strategy
+        self._by_name: dict[str, Strategy] = {n: cls(cache, runner, fingerprint, self.batch, self.passage_ids)
                                               for n, cls in STRATEGIES.items()}
 
     def __getitem__(self, name: str) -> Strategy:
         if name not in self._by_name:
-            self._by_name[name] = LazyStitching(self.cache, self.runner, self.fingerprint, self.ahead, self.passage_ids,
+            self._by_name[name] = LazyStitching(self.cache, self.runner, self.fingerprint, self.batch, self.passage_ids,
                                                 **lazy_options(check_strategy(name)))
         return self._by_name[name]
-
-    def encode_ahead(self, layouts: list[PromptLayout]) -> Plan:
-        """Encode the chunks of ``layouts`` that neither the pool nor a tier holds, all in one batched encode
-        (a forward per ENCODE_BATCH_TOKENS tokens) rather than a forward per request; each request's plan
-        then takes its chunks from ``ahead`` as its own misses, so its stats read as if it had encoded them.
-        A layout whose encoding prefix the pool lacks is left to its request. Returns the plan that holds
-        them until ``end_ahead``."""
-        lazy = self["lazy"]
-        holder = Plan(context=[], new_ids=[], new_start=0)
-        jobs, seen = [], set()
-        try:
-            for layout in layouts:
-                enc = layout.encoding_prefix
-                context = lazy.cache.pin_resident(lazy.prefix_key(enc + lazy.passage_ids))
-                if context is None:
-                    continue
-                holder.pinned.append(context)
-                for ids in layout.chunk_ids:
-                    key = lazy.chunk_key(enc, ids)
-                    if key in seen or self.cache.held_anywhere(key):
-                        continue
-                    seen.add(key)
-                    self.cache.get(key)  # the miss the request's own lookup would count (None: held nowhere)
-                    jobs.append(lazy.chunk_job(key, ids, context))
-            if jobs:
-                self.ahead.update((seg.key, seg) for seg in lazy.encode(jobs, holder))
-        except BaseException:
-            self.end_ahead(holder)
-            raise
-        return holder
-
-    def end_ahead(self, holder: Plan) -> None:
-        """Give back what ``encode_ahead`` held; chunks no plan took stay cached (or go, if transient)."""
-        self.ahead.clear()
-        self["lazy"].release(holder)

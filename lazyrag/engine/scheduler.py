@@ -27,7 +27,6 @@ again one request at a time to find them. ``step`` itself never raises for a req
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections import deque
@@ -38,7 +37,7 @@ import torch
 
 from lazyrag.engine.config import SchedulerConfig
 from lazyrag.engine.request import Request, TokenLogprob
-from lazyrag.engine.reuse import LazyStitching, Planner
+from lazyrag.engine.reuse import Planner
 from lazyrag.engine.runner import ModelRunner, SeqState
 from lazyrag.engine.sampling import Detokenizer, sample, token_logprobs
 from lazyrag.kv.block_pool import OutOfBlocks
@@ -161,30 +160,26 @@ class Scheduler:
             self._finish(req, "abort")
 
     def _admit(self) -> list[Request]:
-        """Plan waiting requests in arrival order while the batch, the token budget and the pool allow."""
-        holder = self._encode_ahead()
-        try:
+        """Plan waiting requests in arrival order while the batch, the token budget and the pool allow; the
+        chunks they miss are computed together, in the step's encode batch (engine/reuse.py ``EncodeBatch``),
+        before their prefill. A request whose chunk could not be encoded fails alone."""
+        batch = self.planner.batch
+        if not self.config.batch_encodes:
             return self._admit_planned()
-        finally:
-            if holder is not None:
-                self.planner.end_ahead(holder)
-
-    def _encode_ahead(self):
-        """The cold chunks of the lazy requests this step may admit, encoded in one batch (Planner.encode_ahead)
-        instead of one forward per request; None where there is nothing to batch. A failure here is no
-        request's: each request then encodes its own misses (and fails alone if it must)."""
+        batch.begin()
         try:
-            layouts, tokens = [], 0
-            for req in itertools.islice(self.waiting, max(0, self.config.max_running - len(self.running))):
-                tokens += len(req.layout.question_ids)
-                if layouts and tokens > self.config.max_prefill_tokens:
-                    break
-                if not req.aborted and req.layout.chunk_ids and isinstance(self.planner[req.params.strategy], LazyStitching):
-                    layouts.append(req.layout)
-            return self.planner.encode_ahead(layouts) if len(layouts) >= 2 else None
-        except Exception as e:
-            log.debug("lazyrag: encoding the step's cold chunks in one batch failed (%s); each request encodes its own", e)
-            return None
+            admitted = self._admit_planned()
+        finally:
+            batch.end()
+        if not batch.failed:
+            return admitted
+        ok = []
+        for req in admitted:
+            if any(id(seg) in batch.failed for seg in req.plan.pinned):
+                self._fail(req, RuntimeError("encoding one of the request's chunks failed"))
+            else:
+                ok.append(req)
+        return ok
 
     def _admit_planned(self) -> list[Request]:
         batch: list[Request] = []
@@ -226,7 +221,7 @@ class Scheduler:
         """Look up, load or encode the prompt's segments and allocate the request's own blocks."""
         shape = self.pool.shape
         strategy, stats = self.planner[req.params.strategy], req.stats
-        forwarded0 = self.runner.tokens_forwarded
+        forwarded0, flushed0 = self.runner.tokens_forwarded, self.planner.batch.tokens_flushed
         t0 = self.clock()
         stats.queue_s = t0 - req.arrival
         plan = strategy.plan(req.layout)
@@ -240,7 +235,9 @@ class Scheduler:
             raise
         req.plan = plan
         stats.plan_s = self.clock() - t0
-        stats.tokens_prefilled = self.runner.tokens_forwarded - forwarded0 + len(plan.new_ids) + plan.tokens_encoded_ahead
+        # its own forwards while planning (not the step's batched encodes it flushed) and its share of that batch
+        own_forwarded = self.runner.tokens_forwarded - forwarded0 - (self.planner.batch.tokens_flushed - flushed0)
+        stats.tokens_prefilled = own_forwarded + len(plan.new_ids) + plan.tokens_encoded_ahead
         stats.chunks_hit, stats.chunks_missed, stats.tokens_context = plan.chunks_hit, plan.chunks_missed, plan.tokens_context
         stats.tokens_recomputed, stats.recompute_cost = plan.tokens_recomputed, plan.recompute_cost
         encoded = stats.tokens_prefilled - len(plan.new_ids) - plan.tokens_recomputed  # chunks (and prefix) missed and encoded now

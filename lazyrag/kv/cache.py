@@ -57,6 +57,7 @@ class Segment:
     hits: int = 0
     cost: float = 0.0  # what recomputing it would cost (relative FLOPs); 0 = let the manager estimate
     transient: bool = False  # not kept by the cache: its blocks are freed when the last pin goes
+    spill: bool = False  # transient for want of room on the device: it goes to a tier when the last pin goes
 
 
 @dataclass(frozen=True)
@@ -146,13 +147,19 @@ class CacheManager:
         # tensor parallelism: this rank's KV heads [lo, hi) of the model's; KV of every head (a corpus store's)
         # is sliced to them where it enters the pool. None: the pool holds every head.
         self.kv_heads: tuple[int, int] | None = None
-        self.tiers: list[Tier] = list(tiers or [])
-        if self.config.host_bytes:
-            self.tiers.append(HostTier(self.config.host_bytes))
-        if self.config.disk_dir:
-            self.tiers.append(DiskTier(self.config.disk_dir, self.config.disk_bytes or 1 << 62))
+        self._configured_tiers = self._tiers_of(self.config)  # the host and disk tiers the config asks for
+        self.tiers: list[Tier] = list(tiers or []) + self._configured_tiers
         if self.tiers and pool.device.type == "meta":
             raise ValueError("A pool on the meta device holds no values, so it cannot have host or disk tiers.")
+
+    @staticmethod
+    def _tiers_of(config: CacheConfig) -> list[Tier]:
+        tiers: list[Tier] = []
+        if config.host_bytes:
+            tiers.append(HostTier(config.host_bytes))
+        if config.disk_dir:
+            tiers.append(DiskTier(config.disk_dir, config.disk_bytes or 1 << 62))
+        return tiers
 
     def subscribe(self, callback) -> None:
         """Call ``callback(event, key)`` whenever a segment enters the pool (``"stored"``) or leaves it
@@ -182,11 +189,19 @@ class CacheManager:
         self.budget_bytes = pool_bytes if config.budget_bytes is None else min(config.budget_bytes, pool_bytes)
 
     def reconfigure(self, config: CacheConfig) -> None:
-        """Start over under another policy, admission filter or budget: every unpinned segment leaves the pool."""
+        """Start over under another policy, admission filter, budget or host / disk tier: every unpinned segment
+        leaves the pool, and the tiers the old config made are replaced by new, empty ones (a disk tier's folder
+        is read again); tiers added otherwise (a corpus store) stay."""
+        if (config.host_bytes or config.disk_dir) and self.pool.device.type == "meta":
+            raise ValueError("A pool on the meta device holds no values, so it cannot have host or disk tiers.")
         with self._lock:
             self.clear()
             assert not self._segments, "reconfigured while requests hold segments"
             self._apply(config)
+            others = [t for t in self.tiers if all(t is not c for c in self._configured_tiers)]  # e.g. corpus stores
+            self._configured_tiers = self._tiers_of(config)
+            self.tiers = self._configured_tiers + others  # host RAM and disk before a store: the faster first
+            self.stored_format = resolve_stored_dtype(config.stored_kv_dtype, self.pool.shape.dtype)
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -257,9 +272,11 @@ class CacheManager:
             seg.pins += int(pin)
             if seg.key in self._segments or not self._make_room(seg):
                 seg.transient = True
+                # the device had no room, but a tier may: it goes there once its last user is done with it
+                seg.spill = seg.key not in self._segments and self._demotable(seg)
                 self.stats.rejected += 1
                 if seg.pins == 0:
-                    self.pool.decref(seg.blocks)
+                    self._free_transient(seg)
                 return seg
             self._segments[seg.key] = seg
             self._cached_blocks += len(seg.blocks)
@@ -324,12 +341,36 @@ class CacheManager:
         """Whether the pool or a tier holds ``key`` (nothing counted or loaded)."""
         return key in self._segments or any(key in tier for tier in self.tiers)
 
+    def discard(self, seg: Segment) -> None:
+        """Take a segment whose KV is wrong out of the cache at once, pinned or not: no lookup finds it again,
+        and its blocks go when its last pin does (nothing is demoted)."""
+        with self._lock:
+            if self._segments.get(seg.key) is seg:
+                self.policy.remove(seg.key)
+                del self._segments[seg.key]
+                self._cached_blocks -= len(seg.blocks)
+                self._publish("removed", seg.key)
+            seg.spill = False
+            if not seg.transient:
+                seg.transient = True
+                if seg.pins == 0:
+                    self.pool.decref(seg.blocks)
+
     def unpin(self, seg: Segment) -> None:
         with self._lock:
             assert seg.pins > 0, "unpinned a segment that was not pinned"
             seg.pins -= 1
             if seg.transient and seg.pins == 0:
-                self.pool.decref(seg.blocks)
+                self._free_transient(seg)
+
+    def _free_transient(self, seg: Segment) -> None:
+        if seg.spill:
+            seg.spill = False
+            try:
+                self._demote(seg)
+            except Exception:  # a tier that cannot take it (say, out of host memory): the KV is recomputed when asked for
+                log.warning("lazyrag: spilling segment %s to a tier failed", seg.key[:12], exc_info=True)
+        self.pool.decref(seg.blocks)
 
     def available_blocks(self) -> int:
         """Blocks an allocation could get now: free ones and those of unpinned cached segments."""
@@ -395,13 +436,17 @@ class CacheManager:
             padded[:, :n] = src
             dst[:, idx] = padded.view(L, len(blocks), bs, *src.shape[2:]).to(self.pool.device, non_blocking=True)
 
+    def _demotable(self, seg: Segment) -> bool:
+        return seg.kind in self.config.demote_kinds and any(t.writable for t in self.tiers)
+
     def _demote(self, seg: Segment) -> None:
-        if seg.kind not in self.config.demote_kinds or not any(t.writable for t in self.tiers):
+        if not self._demotable(seg):
             return
         if any(seg.key in t for t in self.tiers):
             return  # a lower tier (e.g. a corpus store) already has it
         k, v = self.read_kv(seg, self.pool.device)  # encoded where it is: fewer bytes cross to the host
-        pending = [TierEntry.encoded(seg.key, k, v, self.stored_format, seg.start, seg.kind, seg.cost)]
+        pinned = any(getattr(t, "pins_memory", False) for t in self.tiers if t.writable)
+        pending = [TierEntry.encoded(seg.key, k, v, self.stored_format, seg.start, seg.kind, seg.cost, pinned)]
         for tier in self.tiers:
             if not tier.writable or not pending:
                 continue

@@ -34,9 +34,10 @@ class TierEntry:
 
     @classmethod
     def encoded(cls, key: str, k: torch.Tensor, v: torch.Tensor, fmt: str, start: int, kind: str = "chunk",
-                cost: float = 0.0) -> "TierEntry":
-        """The segment ``k, v [L, T, H_kv, D]`` (any device) encoded as ``fmt`` (resolved, kv/codec.py), kept on CPU."""
-        return cls(key, {n: t.cpu() for n, t in codec.encode(k, v, fmt).items()}, start, str(kind), cost)
+                cost: float = 0.0, pinned: bool = False) -> "TierEntry":
+        """The segment ``k, v [L, T, H_kv, D]`` (any device) encoded as ``fmt`` (resolved, kv/codec.py), kept on CPU;
+        ``pinned``: in page-locked memory, copied there straight from the device (one copy, not two)."""
+        return cls(key, {n: to_host(t, pinned) for n, t in codec.encode(k, v, fmt).items()}, start, str(kind), cost)
 
     def decode(self, dtype: torch.dtype, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         return codec.decode(self.tensors, dtype, device)
@@ -48,6 +49,15 @@ class TierEntry:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors.values())
+
+
+def to_host(t: torch.Tensor, pinned: bool = False) -> torch.Tensor:
+    """``t`` in CPU memory, page-locked if ``pinned`` (a CUDA tensor is copied once, into the page-locked buffer)."""
+    if not pinned or (t.device.type == "cpu" and t.is_pinned()):
+        return t.cpu()
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t)
+    return out
 
 
 class CorruptKV(RuntimeError):
@@ -135,7 +145,7 @@ class HostTier(Tier):
         self._entries: OrderedDict[str, TierEntry] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
-        self._pin = torch.cuda.is_available()
+        self.pins_memory = torch.cuda.is_available()  # page-locked entries: copies to and from the GPU run async
 
     @property
     def nbytes(self) -> int:
@@ -157,9 +167,9 @@ class HostTier(Tier):
     def put(self, entry):
         if entry.nbytes > self.budget_bytes:
             return [entry]
-        if self._pin and not entry.tensors["k"].is_pinned():
-            entry = TierEntry(entry.key, {n: t.pin_memory() for n, t in entry.tensors.items()}, entry.start, entry.kind,
-                              entry.cost)
+        if self.pins_memory and not all(t.is_pinned() for t in entry.tensors.values()):
+            entry = TierEntry(entry.key, {n: to_host(t, pinned=True) for n, t in entry.tensors.items()}, entry.start,
+                              entry.kind, entry.cost)
         out = []
         with self._lock:
             if entry.key in self._entries:

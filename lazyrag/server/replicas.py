@@ -45,6 +45,7 @@ class ReplicaSpec:
     kv_budget: int | None = None
     encoding_passage: str | None = DEFAULT_ENCODING_PASSAGE  # EngineConfig's
     store: str | None = None  # a corpus store path every replica can read
+    host_bytes: int = 0  # each replica's host-RAM tier below its GPU pool (CacheConfig.host_bytes)
     server: dict = field(default_factory=dict)  # ServerConfig fields (model_name set from the engine if absent)
 
 
@@ -93,6 +94,10 @@ class LazyragReplica:
 
         spec = ReplicaSpec(**spec)
         kw = {"kv_budget": spec.kv_budget} if spec.kv_budget else {}
+        if spec.host_bytes:
+            from lazyrag.kv.cache import CacheConfig
+
+            kw["cache"] = CacheConfig(host_bytes=spec.host_bytes)
         self.engine = LazyEngine.from_pretrained(spec.model, device=spec.device, dtype=spec.dtype,
                                                  encoding_passage=spec.encoding_passage, **kw)
         retriever = None

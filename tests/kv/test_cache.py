@@ -316,3 +316,40 @@ def test_cache_report_per_tier_and_prefix_vs_chunk_reuse(tmp_path):
     assert host_row["evictions"] >= 1  # the host tier held two: the third pushed one down to disk
     assert report["lookups"] == 6 and report["misses"] == 1 and report["hit_rate"] == 5 / 6
     assert report["reuse"] == {"prefix": {"hits": 1, "tokens": 8}, "chunk": {"hits": 4, "tokens": 32}}
+
+
+def test_a_segment_the_budget_had_no_room_for_spills_to_the_host_tier_when_its_last_user_is_done():
+    cache = make(num_blocks=8, budget_bytes=2 * BPB, host_bytes=1 << 20, stored_kv_dtype="float32")
+    k, v = rand_kv(8, seed=3)
+    resident = add(cache, "resident", pin=True)  # fills the budget and stays in use
+    spilled = add(cache, "new", pin=True, fill=(k, v))
+    assert spilled.transient and spilled.spill and "new" not in cache
+    cache.unpin(spilled)  # its request ends: the KV goes to the host, its blocks back to the pool
+    assert cache.pool.num_free == 8 - len(resident.blocks)
+    cache.unpin(resident)
+    seg = cache.get("new")  # promoted from the host, bit-exact (float32 kept)
+    assert seg is not None and cache.stats.tier_hits == 1
+    k2, v2 = cache.read_kv(seg)
+    assert torch.equal(k2, k) and torch.equal(v2, v)
+
+
+def test_a_discarded_segment_is_never_found_again_nor_demoted():
+    cache = make(num_blocks=8, host_bytes=1 << 20)
+    seg = add(cache, "bad", pin=True)
+    cache.discard(seg)
+    assert "bad" not in cache and cache.get("bad") is None
+    cache.unpin(seg)
+    assert cache.pool.num_free == 8 and cache.stats.demotions == 0 and not any("bad" in t for t in cache.tiers)
+
+
+def test_reconfigure_replaces_the_host_tier_it_made_and_keeps_one_added_later(tmp_path):
+    cache = make(num_blocks=8)
+    store = DiskTier(tmp_path / "store", 1 << 20)
+    cache.add_tier(store)
+    cache.reconfigure(CacheConfig(host_bytes=1 << 20))
+    assert [t.name for t in cache.tiers] == ["host", "disk"] and cache.tiers[1] is store
+    add(cache, "a")
+    cache.reconfigure(CacheConfig())  # "a" went down to the host tier, which goes with the config that made it
+    assert cache.tiers == [store] and cache.get("a") is None
+    with pytest.raises(ValueError, match="meta"):
+        CacheManager(BlockPool(SHAPE, 4, torch.device("meta"))).reconfigure(CacheConfig(host_bytes=1 << 20))

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Issue 41's device check, old tree against this one in the same call (one part a call, each under 10 minutes):
+#   PART=a bash benchmarks/serving_gpu.sh OLD_TREE   # e2e_gpu.py new then old; the old tree's 1 GB closed loop (lazy)
+#   PART=b bash benchmarks/serving_gpu.sh            # this tree's 1 GB closed loop: every peer, lazy with and without the batched encode
+#   PART=c bash benchmarks/serving_gpu.sh            # this tree, 1 GB plus a host-RAM tier holding the corpus: closed loop, 2 req/s
+# OLD_TREE: `git archive <commit> | tar -x -C .snap`, carried. Writes to $OUT (or benchmarks/results): e2e_h100_serving_{new,old}.json,
+# serving_h100_old.json, serving_h100_1gb.json, serving_h100_host.json and their logs.
+set -u
+part=${PART:-a}
+OUT=$(cd "${OUT:-benchmarks/results}" && pwd)
+new=$(pwd)
+export PYTHONUNBUFFERED=1 LAZYRAG_KERNEL_AUTOTUNE=0
+install() { (cd "$1" && python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1) || { echo "install of $1 failed"; exit 3; }; }
+python3 -c "import torch, triton; print(torch.cuda.get_device_name(), 'triton', triton.__version__, 'torch', torch.__version__)"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
+loop="--budget 1 --throughput-requests 160 --concurrency 16"
+case $part in
+a)
+  old=${1:?old tree}
+  for side in new old; do
+    tree=$new; [ "$side" = old ] && tree=$old
+    install "$tree"
+    (cd "$tree" && timeout 170 python3 benchmarks/e2e_gpu.py --reps 10 --out "$OUT/e2e_h100_serving_$side.json") \
+        > "$OUT/e2e_h100_serving_${side}_log.txt" 2>&1 || echo "e2e $side exited $?"
+    grep "lazyrag TTFT\|lazyrag decode\|transformers full" "$OUT/e2e_h100_serving_${side}_log.txt" | sed "s/^/$side: /"
+  done
+  (cd "$old" && timeout 230 python3 benchmarks/serving.py --experiments throughput $loop --uniform-strategies lazy \
+      --out "$OUT/serving_h100_old.json") > "$OUT/serving_h100_old_log.txt" 2>&1 || echo "old serving exited $?"
+  grep "^throughput\|^model" "$OUT/serving_h100_old_log.txt"
+  install "$new" ;;
+b)
+  install "$new"
+  timeout 560 python3 benchmarks/serving.py --experiments throughput $loop --unbatched \
+      --strategies position_aware,position_aware:rerotate,reorder+prefix,lazy --out "$OUT/serving_h100_1gb.json" 2>&1 \
+      | grep -v "Warning\|warn" | tee "$OUT/serving_h100_1gb_log.txt" | grep "^throughput\|^model\|^wrote" ;;
+c)
+  install "$new"
+  timeout 560 python3 benchmarks/serving.py --experiments host $loop --host-gb ${HOST_GB:-40} --rate 2 --requests 60 \
+      --strategies position_aware,position_aware:rerotate,reorder+prefix,lazy --out "$OUT/serving_h100_host.json" 2>&1 \
+      | grep -v "Warning\|warn" | tee "$OUT/serving_h100_host_log.txt" | grep "^host\|^model\|^wrote" ;;
+esac
