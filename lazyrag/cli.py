@@ -200,7 +200,8 @@ def add_precache_parser(subparsers) -> argparse.ArgumentParser:
                         "(default: %(default)s)")
     p.add_argument("--verify", action="store_true", help="check every stored chunk (KV, key, start, text) against its digest "
                                                           "first; corrupt shards are rebuilt, and the index rewritten")
-    p.add_argument("--overwrite", action="store_true", help="delete an existing store at --out and build from scratch")
+    p.add_argument("--overwrite", action="store_true", help="delete the store at --out and build from scratch (only the "
+                   "store's own files: a folder holding anything else is refused and left as it is)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
@@ -412,6 +413,9 @@ def _check_precache(args) -> None:
         raise UsageError("--limit must be a positive number of documents.")
     if args.chunks_per_shard <= 0:
         raise UsageError("--chunks-per-shard must be positive.")
+    from lazyrag.store.corpus import check_new_store_folder
+
+    check_new_store_folder(Path(args.out), args.overwrite)  # someone else's folder: refused before the model loads
 
 
 def _llama_index_folders(inputs: list[str]) -> set[str]:
@@ -457,11 +461,13 @@ def _finished_store(args) -> str | None:
     """A summary if ``--out`` already holds a finished build of these inputs and options, so rerunning
     the command returns at once instead of loading the model to find nothing to do."""
     from lazyrag.prompt import DEFAULT_SYSTEM_PROMPT
-    from lazyrag.store.corpus import MANIFEST, read_manifest
+    from lazyrag.store.corpus import INDEX, KV_DIR, MANIFEST, TABLE, read_manifest, rebuild_interrupted
 
     out = Path(args.out)
-    if args.overwrite or args.verify or not (out / MANIFEST).is_file():
+    if args.overwrite or args.verify or not (out / MANIFEST).is_file() or rebuild_interrupted(out):
         return None
+    if not all((out / name).exists() for name in (TABLE, INDEX, KV_DIR)):
+        return None  # files deleted under a finished manifest: the build makes them again
     m = read_manifest(out)
     asked = {"chunk_tokens": args.chunk_tokens, "overlap": args.overlap, "chunks_per_shard": args.chunks_per_shard,
              "index_kind": args.index, "embedder": args.embedder or DEFAULT_EMBEDDER,
@@ -545,11 +551,12 @@ def store_report(path: Path) -> dict:
     """What ``lazyrag cache --store`` shows: read from the manifest and the folder, no model, no index load."""
     import time
 
-    from lazyrag.store.corpus import KV_DIR, read_manifest
+    from lazyrag.store.corpus import KV_DIR, read_manifest, rebuild_interrupted
 
     m = read_manifest(path)
     kv_bytes = _folder_bytes(path / KV_DIR)
-    return {"store": str(path), "status": m.status, "model": m.model_name, "model_fingerprint": m.model_fingerprint,
+    status = "half deleted by an interrupted precache --overwrite: rerun it" if rebuild_interrupted(path) else m.status
+    return {"store": str(path), "status": status, "model": m.model_name, "model_fingerprint": m.model_fingerprint,
             "dtype": m.dtype, "stored_kv_dtype": m.stored_kv_dtype, "kv_shape": f"{m.num_layers} layers x {m.num_kv_heads} KV heads x {m.head_dim}",
             "block_size": m.block_size, "entries": m.num_chunks, "tokens": m.num_tokens,
             "prefix_tokens": len(m.prefix_ids), "kv_bytes": kv_bytes, "bytes_on_disk": _folder_bytes(path),

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Iterator
 
 from lazyrag.store.corpus import (LAYOUT_VERSION, MANIFEST, PREFIX_ID, ChunkRow, CorpusStore, StoreError, check_new_store_folder,
-                                  clear_store, engine_manifest, read_manifest, writer_lock)
+                                  clear_store, engine_manifest, read_manifest, rebuild_interrupted, writer_lock)
 from lazyrag.store.retriever import DEFAULT_EMBEDDER, embed, load_embedder
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class PrecacheConfig:
     system: str | None = None  # system prompt of the encoding prefix (default: the engine's)
     progress: bool = True
     verify: bool = False  # check every stored chunk against its digest first; rebuild the bad shards
-    overwrite: bool = False  # delete the store at ``out`` and build from scratch
+    overwrite: bool = False  # delete the store at ``out`` (its own files only: see corpus.clear_store) and build from scratch
     # how the shards keep KV (kv/codec.py): auto (16 bits) | float32 (the engine's KV exactly) | bfloat16 | float16 | int8
     stored_kv_dtype: str = "auto"
 
@@ -252,7 +252,9 @@ def precache(engine, config: PrecacheConfig, embedder=None, documents=None) -> P
     "llama_index:docstore"). The same documents in the same order resume a build; more appended extend it.
 
     Holds the store's writer lock throughout: a concurrent run on the same ``out`` waits,
-    then resumes (and so encodes only what the first one left undone).
+    then resumes (and so encodes only what the first one left undone). ``config.overwrite`` deletes
+    the store's own files first, refusing a folder that holds anything else (``corpus.clear_store``);
+    any run finishes an interrupted overwrite.
     """
     t0 = time.perf_counter()
     out = Path(config.out)
@@ -264,7 +266,8 @@ def precache(engine, config: PrecacheConfig, embedder=None, documents=None) -> P
         raise StoreError(f"No documents found in {', '.join(config.inputs)}.")
     identity = engine.kv_identity(config.system)  # raises for an engine without a tokenizer
     if config.chunk_tokens is None:
-        stored = read_manifest(out).chunk_tokens if (out / MANIFEST).is_file() and not config.overwrite else None
+        resumed = (out / MANIFEST).is_file() and not config.overwrite and not rebuild_interrupted(out)
+        stored = read_manifest(out).chunk_tokens if resumed else None
         config = replace(config, chunk_tokens=whole_document_chunk_tokens(
             docs, engine.prompts, identity.block_size, engine.max_context - len(identity.prefix_ids), stored))
     chunks = chunk_documents(docs, engine.prompts, config.chunk_tokens, config.overlap, identity.block_size)
@@ -278,9 +281,10 @@ def precache(engine, config: PrecacheConfig, embedder=None, documents=None) -> P
                                chunk_tokens=config.chunk_tokens, overlap=config.overlap,
                                chunks_per_shard=config.chunks_per_shard, index_kind=config.index,
                                stored_kv_dtype=config.stored_kv_dtype)
-    check_new_store_folder(out)  # before a lock file goes into someone else's folder
+    check_new_store_folder(out, config.overwrite)  # before a lock file goes into someone else's folder
     with writer_lock(out):
-        if config.overwrite:
+        # an interrupted --overwrite is finished by any run: the store it was deleting is half gone
+        if config.overwrite or rebuild_interrupted(out):
             clear_store(out)
         corrupt = _verify(out) if config.verify else []
         store = CorpusStore.create_or_resume(out, manifest)

@@ -5,11 +5,13 @@ Layout of a store folder (``LAYOUT_VERSION`` 3)::
     manifest.json        what the KV is valid for (model fingerprint, dtype, block size,
                          encoding prefix and system prompt), the embedder, the chunking
                          parameters, ``status`` ("building" until the first index is written),
-                         and the published generation: ``num_chunks`` and the index's sha256
+                         and the published generation: ``num_chunks``, the index's sha256 and
+                         the chunk table's ``table_id``
     chunks.sqlite        one row per chunk: id, content key, source document, text, token
                          count, start position, KV shard, row digest, embedding, metadata and
                          ``row_check`` (a sha256 over all of them); plus one row (id -1, kind
-                         "prefix") for the shared encoding prefix
+                         "prefix") for the shared encoding prefix; table ``store_meta`` holds
+                         the table's ``table_id`` (a uuid drawn when the table is created)
     index.faiss          inner-product index over the normalised embeddings; FAISS ids = chunk ids
     kv/shard-NNNNNN.safetensors
                          tensors "<id>.k" and "<id>.v": ``[layers, tokens, H_kv, D]``, UNPADDED (block
@@ -17,14 +19,19 @@ Layout of a store folder (``LAYOUT_VERSION`` 3)::
                          says (kv/codec.py: 16 bits by default; int8 adds "<id>.k_scale", "<id>.v_scale";
                          float32 is the engine's KV exactly); read back in the engine's dtype
     .precache.lock       held by the ``precache`` run writing the store (one writer at a time)
+    .precache.rebuilding there only while ``precache --overwrite`` deletes the store (see below)
 
 A row's digest is a sha256 over the model fingerprint, the row's id, key, kind, start,
 token count, document and text, the stored tensors' shapes and dtypes, and their bytes
 (``row_digest``): KV is only ever served under the key, at the start position and for the
 model it was computed for. A row's ``row_check`` covers every field (the digest included), so a
 reader checks what it shows (text, doc_id, metadata) without reading KV; the manifest's
-``index_sha256`` ties the index to the store. Shard names are confined to ``kv/``, and ``kv/``
-to the store.
+``index_sha256`` ties the index to the store, its ``table_id`` the chunk table: a reader checks the
+table's id when it connects and again in every statement that reads rows, so a table copied from
+another store is refused at ``open``, and a reader whose store was rebuilt (``--overwrite``) after it
+opened it fails with what to do instead of pairing its index with the new table's rows. (A store
+built before table ids is read unchecked, with a warning; any ``precache`` run on it adds one.)
+Shard names are confined to ``kv/``, and ``kv/`` to the store.
 
 Generations: a reader serves the chunks the manifest it read counts (ids below ``num_chunks``)
 with the index whose sha256 it names. A ``precache`` extending a finished store adds rows and
@@ -40,6 +47,15 @@ bucket mounted with s3fs / gcsfuse); one ``lazyrag precache`` writes it, beforeh
 Every file is written to a temp name and renamed; a shard's rows are inserted in one
 sqlite transaction after its file is in place, so an interrupted build leaves only whole
 shards behind and resumes from the first missing one.
+
+``--overwrite`` (``clear_store``) deletes only what a store writes (the names above, the shard
+names in ``kv/``, temp files of those), and only in a folder it can tell is a store (a manifest that
+reads as ours; for a damaged one, our chunk table or KV shards) holding nothing else: a folder with
+anyone else's file, or a manifest that is not ours, is refused and left as it is. It first writes
+``.precache.rebuilding``, then deletes the data, then the manifest, then the marker. Killed at any
+point, the folder holds the marker (readers refuse it, saying a rebuild was interrupted; the next
+``precache`` run, with or without ``--overwrite``, finishes the deletion and builds) or nothing but
+the lock (a new build).
 
 The KV is what the engine's lazy strategy computes for the chunk (same prefix, same positions,
 same dtype; another batch composition may differ in the last bits), then rounded to the stored
@@ -59,6 +75,7 @@ import re
 import sqlite3
 import threading
 import time
+import uuid
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -75,6 +92,7 @@ log = logging.getLogger(__name__)
 
 LAYOUT_VERSION = 3  # 3: rows also carry a check over every field, the manifest the index's sha256 (2: KV digests only)
 MANIFEST, TABLE, INDEX, KV_DIR, LOCK = "manifest.json", "chunks.sqlite", "index.faiss", "kv", ".precache.lock"
+REBUILDING = ".precache.rebuilding"  # an --overwrite is deleting the store (clear_store)
 PREFIX_ID = -1
 
 _SCHEMA = """
@@ -93,8 +111,14 @@ CREATE TABLE IF NOT EXISTS chunks (
     row_check TEXT NOT NULL DEFAULT ''
 )
 """
+_META_SCHEMA = "CREATE TABLE IF NOT EXISTS store_meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)"
+_TABLE_ID = "(SELECT value FROM store_meta WHERE name = 'table_id')"
 
-_STORE_FILES = (MANIFEST, TABLE, INDEX)
+_STORE_FILES = (MANIFEST, TABLE, INDEX, REBUILDING)  # what atomic_write_bytes writes (its temp files are ours too)
+_TABLE_FILES = (TABLE, TABLE + "-journal", TABLE + "-wal", TABLE + "-shm")  # sqlite's own files beside the table
+_OWN_FILES = (MANIFEST, INDEX, REBUILDING, LOCK, *_TABLE_FILES)  # every file a store writes outside kv/
+# any of these in a manifest.json says it is lazyrag's (damaged or not); a JSON object with none is someone else's
+_MANIFEST_KEYS = frozenset({"model_fingerprint", "layout_version", "embedder", "chunks_per_shard"})
 _SHARD_FILE = re.compile(r"^(prefix|shard-\d{6}(-\d{6})?)\.safetensors$")
 
 
@@ -106,8 +130,25 @@ class StoreMismatch(StoreError):
     """The store was made for another model, dtype, block size, prefix or layout."""
 
 
-class _IndexOfAnotherGeneration(StoreError):
-    """index.faiss does not match the manifest's checksum (damaged, replaced, or a writer is publishing a new one)."""
+class _AnotherGeneration(StoreError):
+    """A file does not belong to the generation the manifest read publishes (damaged, replaced, or a writer is
+    publishing a new one: ``open`` reads again, once)."""
+
+
+class _IndexOfAnotherGeneration(_AnotherGeneration):
+    """index.faiss does not match the manifest's checksum."""
+
+
+class _TableOfAnotherGeneration(_AnotherGeneration):
+    """chunks.sqlite does not carry the manifest's ``table_id`` (``found``: the one it carries)."""
+
+    def __init__(self, message: str, found: str):
+        super().__init__(message)
+        self.found = found
+
+
+class _NotAStoreManifest(StoreError):
+    """manifest.json is a JSON object of someone else's (a web app's, say)."""
 
 
 @dataclass
@@ -125,6 +166,7 @@ class StoreManifest(KVIdentity):
     num_chunks: int = 0
     num_tokens: int = 0
     index_sha256: str = ""  # of index.faiss, checked whenever it is read
+    table_id: str = ""  # the id chunks.sqlite carries (its store_meta row); "" for stores built before table ids
     stored_kv_dtype: str = "float32"  # how the shards keep KV (kv/codec.py; a manifest without it: float32, as computed)
     sources: list[str] = field(default_factory=list)
     created: float = field(default_factory=time.time)
@@ -220,6 +262,12 @@ class CorpusStore(Tier):
         if not read_only:
             with self._table_errors(), self._db() as db:
                 db.execute(_SCHEMA)
+                db.execute(_META_SCHEMA)
+                # a new table (a new store, a rebuild, one deleted by hand) gets an id of its own, never the old
+                # manifest's: a reader holding the old index then refuses it. A writer publishes the table it
+                # writes (``finish`` indexes its rows), so it adopts an existing table's id.
+                db.execute("INSERT OR IGNORE INTO store_meta VALUES ('table_id', ?)", (uuid.uuid4().hex,))
+                manifest.table_id = db.execute(f"SELECT {_TABLE_ID}").fetchone()[0]
         self._keys = dict(self._sql(f"SELECT key, id FROM chunks WHERE 1{self._visible()}"))
         self.bad: set[int] = set()  # chunk ids whose KV failed its digest this session
 
@@ -239,19 +287,44 @@ class CorpusStore(Tier):
         deadline = time.monotonic() + 60
         while True:
             manifest = cls._published_manifest(path)
-            store = cls(path, manifest, limit=manifest.num_chunks, read_only=True)  # rows a writer adds now are not served
             try:
+                store = cls(path, manifest, limit=manifest.num_chunks, read_only=True)  # rows a writer adds now are not served
                 store.check_files()
-                return store
-            except _IndexOfAnotherGeneration:
-                # the manifest and index.faiss of two generations: a precache publishing a new one writes the
-                # index, then the manifest. Read both again once it has; a damaged index stays refused.
-                if time.monotonic() > deadline or (read_manifest(path) == manifest and not build_in_progress(path)):
+                break
+            except _AnotherGeneration as e:
+                # the manifest and index.faiss (or chunks.sqlite) of two generations: a precache publishing a new
+                # one writes the index, then the manifest. Read both again once it has; a damaged or replaced file
+                # stays refused.
+                if time.monotonic() > deadline or cls._still_published(path, manifest):
+                    if isinstance(e, _TableOfAnotherGeneration):  # at open: not a rebuild since, a replaced table
+                        raise StoreError(
+                            f"{path}: {TABLE} is not the chunk table {MANIFEST} published (its table id is {e.found}, the "
+                            f"manifest names {manifest.table_id}): it was replaced, e.g. copied from another store, so the "
+                            f"store is refused. Repair it with `{rebuild_command(path, manifest, '--verify')}` (it checks "
+                            f"every row against the store's KV, rebuilds what does not match and rewrites the index), or "
+                            f"rebuild it with --overwrite or into a new --out folder.") from None
                     raise
                 time.sleep(0.02)
+        if not manifest.table_id:
+            log.warning("%s was built before chunk tables carried an id, so a %s replaced by another store's would not be "
+                        "noticed; `%s` adds one (it encodes no chunk again)", path, TABLE, rebuild_command(path, manifest, "--verify"))
+        return store
+
+    @staticmethod
+    def _still_published(path: Path, manifest: StoreManifest) -> bool:
+        """Whether ``manifest`` is still the store's, with no writer at work: a mismatch found now is damage."""
+        try:
+            return read_manifest(path) == manifest and not build_in_progress(path) and not (path / REBUILDING).exists()
+        except StoreError:
+            return False
 
     @classmethod
     def _published_manifest(cls, path: Path) -> StoreManifest:
+        if (path / REBUILDING).exists():
+            if build_in_progress(path):
+                raise StoreError(f"{path} is being rebuilt right now by lazyrag precache --overwrite; open it once that finishes.")
+            raise StoreError(f"{path} is half deleted: a lazyrag precache --overwrite was interrupted. Rerun that command "
+                             "(or the same command without --overwrite: either finishes the rebuild), then open it.")
         if not (path / MANIFEST).is_file():
             raise StoreError(f"{path} is not a lazyrag store (no {MANIFEST}); build one with: lazyrag precache CORPUS --out {path}")
         manifest = read_manifest(path)
@@ -274,6 +347,9 @@ class CorpusStore(Tier):
         Call it holding ``writer_lock(path)``: two builds of one store would both do the full work."""
         path = Path(path)
         publish = True
+        if (path / REBUILDING).exists():  # precache clears such a folder first; never resume a half-deleted store
+            raise StoreError(f"{path} is half deleted by an interrupted lazyrag precache --overwrite; rerun lazyrag precache "
+                             "(with or without --overwrite): it finishes the rebuild.")
         if (path / MANIFEST).is_file():
             old = read_manifest(path)
             diff = old.differences(manifest, StoreManifest.BUILD_FIELDS)
@@ -407,6 +483,8 @@ class CorpusStore(Tier):
         table = self.path / TABLE
         if not self.read_only:
             return sqlite3.connect(table, timeout=60)
+        if not table.is_file():  # ``open`` saw it: deleted since (a rebuild), not damaged
+            raise self._other_table("none: the file is gone")
         db = sqlite3.connect(table.resolve().as_uri() + "?mode=ro", uri=True, timeout=60)
         if table.with_name(TABLE + "-journal").exists():
             # a killed writer's journal: only a writable connection rolls it back (a read-only one cannot read
@@ -415,8 +493,26 @@ class CorpusStore(Tier):
                 db.execute("SELECT 1 FROM sqlite_master LIMIT 1").fetchall()
             except sqlite3.OperationalError:
                 db.close()
-                return sqlite3.connect(table, timeout=60)
+                db = sqlite3.connect(table, timeout=60)
+        if self.manifest.table_id:  # each thread's connection may reach a file other than the one ``open`` checked
+            try:
+                found = db.execute(f"SELECT {_TABLE_ID}").fetchone()[0]
+            except sqlite3.OperationalError as e:
+                if "no such table" not in str(e):
+                    raise
+                found = None
+            if found != self.manifest.table_id:
+                db.close()
+                raise self._other_table(found or "none")
         return db
+
+    def _other_table(self, found: str) -> _TableOfAnotherGeneration:
+        return _TableOfAnotherGeneration(
+            f"{self.path}: {TABLE} is not the chunk table of the store this process opened (its table id is {found}, "
+            f"the manifest read at open names {self.manifest.table_id}), so none of its rows is served with the index "
+            f"read then. If the store was rebuilt (lazyrag precache --overwrite) since, open it again (restart "
+            f"`lazyrag serve`); otherwise the table was replaced: repair the store with "
+            f"`{rebuild_command(self.path, self.manifest, '--verify')}`.", found)
 
     @contextmanager
     def _table_errors(self):
@@ -457,11 +553,16 @@ class CorpusStore(Tier):
 
     def _read_rows(self, ids: list[int] | None, with_embeddings: bool = False) -> tuple[list, list[int]]:
         """The rows (or ``(row, embedding)`` pairs), and the ids of those that fail their ``row_check``."""
-        columns = f"SELECT {_COLUMNS}, embedding, row_check FROM chunks"
+        # the table's id read in the same statement as the rows (under one sqlite read lock, so both come from one
+        # file): a connection made before the table was replaced is checked on every read, not only when it connected
+        table_id = self.manifest.table_id
+        columns = f"SELECT {_COLUMNS}, embedding, row_check{', ' + _TABLE_ID if table_id else ''} FROM chunks"
         if ids is None:
             found = self._sql(f"{columns} WHERE kind = 'chunk'{self._visible()} ORDER BY id")
         else:
             found = self._sql(f"{columns} WHERE id IN ({','.join('?' * len(ids))}){self._visible()}", [int(i) for i in ids])
+        if table_id and found and found[0][12] != table_id:
+            raise self._other_table(found[0][12] or "none")
         out, bad = [], []
         for r in found:
             try:
@@ -611,15 +712,22 @@ class CorpusStore(Tier):
 
 
 def read_manifest(path: Path) -> StoreManifest:
-    """The store's manifest; StoreError (with what to do) if it is not a readable manifest."""
+    """The store's manifest; StoreError (with what to do) if it is not a readable manifest, _NotAStoreManifest
+    if it is someone else's."""
     try:
         data = json.loads((Path(path) / MANIFEST).read_text())
+        if isinstance(data, dict) and not _MANIFEST_KEYS & data.keys():
+            raise _NotAStoreManifest(
+                f"{path} is not a lazyrag store: its {MANIFEST} is not a lazyrag manifest (it has none of its fields), so "
+                f"lazyrag leaves the folder alone, --overwrite included. Build a store into an empty or new folder: "
+                f"lazyrag precache CORPUS --out NEW_FOLDER")
         if isinstance(data, dict):  # a store built before encoding passages: its chunks follow the prefix alone
             data.setdefault("passage_ids", [])
             data.setdefault("encoding_passage", "")  # before the text was kept too: only passage_ids tell
         known = set(StoreManifest.__dataclass_fields__)
         return StoreManifest(**{k: v for k, v in data.items() if k in known})
     except (OSError, ValueError, TypeError, AttributeError) as e:  # unreadable, not JSON, not an object, fields missing
+        # --overwrite is safe to name: it deletes only a store's own files, in a folder that shows it is a store
         raise StoreError(f"{path}: {MANIFEST} is damaged ({type(e).__name__}: {e}), so the store cannot be used. "
                          f"Rebuild it with `{rebuild_command(Path(path), None, '--overwrite')}` or into a new --out folder.") from e
 
@@ -645,14 +753,87 @@ def _write_failed(path: Path, e: Exception) -> str:
 
 # -- one writer at a time -------------------------------------------------------------------
 
-def check_new_store_folder(path: Path) -> None:
-    """Refuse to build a store into a folder that holds other things than what a build killed before
-    its first manifest was written leaves (the lock file, an empty ``kv/``, our temp files)."""
+def check_new_store_folder(path: Path, overwrite: bool = False) -> None:
+    """Refuse to build into a folder that is not a store's (a manifest of someone else's; without a manifest,
+    other things than what a build killed before its first manifest write leaves: the lock file, an empty
+    ``kv/``, our temp files) or, to rebuild (``overwrite``, or an interrupted one), a folder that
+    ``check_overwritable`` refuses. Called before the lock file goes into the folder."""
     path = Path(path)
-    if path.exists() and not path.is_dir():
+    if not path.exists():
+        return
+    if not path.is_dir():
         raise StoreError(f"{path} is a file, not a folder; pick an empty or new --out folder.")
-    if path.exists() and not (path / MANIFEST).is_file() and not half_built_store(path):
+    if overwrite or (path / REBUILDING).is_file():
+        check_overwritable(path)
+    elif (path / MANIFEST).is_file():
+        read_manifest(path)  # someone else's or damaged: refused, saying what to do
+    elif not half_built_store(path):
+        if not _foreign_entries(path) and _looks_like_a_store(path):
+            raise StoreError(f"{path} holds a store's files but no {MANIFEST}: a rebuild (--overwrite) was interrupted. "
+                             "Rerun the command with --overwrite to finish it (it deletes only the store's own files), "
+                             "or pick a new --out folder.")
         raise StoreError(f"{path} exists and is not a lazyrag store; pick an empty or new --out folder.")
+
+
+def check_overwritable(path: Path) -> None:
+    """Raise StoreError unless ``--overwrite`` may delete ``path``'s contents: every entry is one a store
+    writes, and the folder shows it is a store (a manifest that reads as ours, or, damaged or gone, our
+    rebuild marker, chunk table or KV shards; or only what a build killed before its first manifest leaves)."""
+    path = Path(path)
+    ours = False
+    if (path / MANIFEST).is_file():
+        try:
+            read_manifest(path)
+            ours = True
+        except _NotAStoreManifest:
+            raise
+        except StoreError:
+            pass  # damaged: the rest of the folder has to show it is a store
+    foreign = _foreign_entries(path)
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        if (path / MANIFEST).is_file():
+            raise StoreError(f"{path} holds {shown} besides a store's files. --overwrite deletes only a store's own files "
+                             f"and never anything else, so it leaves this folder as it is: move those out of {path}, or "
+                             "pick an empty or new --out folder.")
+        raise StoreError(f"{path} exists and is not a lazyrag store: it holds {shown}, which a store does not write. "
+                         "--overwrite deletes only a store's own files, so it leaves this folder as it is: pick an empty "
+                         "or new --out folder.")
+    if not (ours or half_built_store(path) or _looks_like_a_store(path)):
+        raise StoreError(f"{path}: nothing in it shows it is a lazyrag store ({MANIFEST} is damaged or missing, and "
+                         f"there is no chunk table or KV shard), so --overwrite deletes nothing. Pick an empty or new "
+                         "--out folder.")
+
+
+def _foreign_entries(path: Path) -> list[str]:
+    """What in a store folder no store writer made (links included: a writer makes none)."""
+    out = []
+    for p in sorted(path.iterdir()):
+        if p.name == KV_DIR and p.is_dir() and not p.is_symlink():
+            out += [f"{KV_DIR}/{q.name}" for q in sorted(p.iterdir())
+                    if not (_our_temp_file(q, True) or (q.is_file() and not q.is_symlink() and _SHARD_FILE.match(q.name)))]
+        elif not (_our_temp_file(p, False) or (p.is_file() and not p.is_symlink() and p.name in _OWN_FILES)):
+            out.append(p.name + ("/" if p.is_dir() else ""))
+    return out
+
+
+def _looks_like_a_store(path: Path) -> bool:
+    """Whether a folder whose manifest is damaged or gone is a store's: our rebuild marker, KV shards, or our chunk table."""
+    kv = path / KV_DIR
+    if (path / REBUILDING).is_file() or (kv.is_dir() and any(_SHARD_FILE.match(q.name) for q in kv.iterdir())):
+        return True
+    table = path / TABLE
+    if not table.is_file():
+        return False
+    try:
+        db = sqlite3.connect(table.resolve().as_uri() + "?mode=ro", uri=True)
+        try:
+            found = db.execute("SELECT sql FROM sqlite_master WHERE type = 'table' AND name = 'chunks'").fetchone()
+        finally:
+            db.close()
+    except sqlite3.Error:
+        return False
+    return found is not None and "row_check" in found[0]
 
 
 def _our_temp_file(p: Path, in_kv: bool) -> bool:
@@ -732,25 +913,45 @@ def build_in_progress(path: Path) -> bool:
     return False
 
 
-def clear_store(path: Path) -> None:
-    """Delete a store's files for a rebuild (``--overwrite``), keeping the lock file its writer holds."""
-    import shutil
+def rebuild_interrupted(path: Path) -> bool:
+    """Whether an ``--overwrite`` is deleting the store, or was stopped doing so (the one answer holding the writer lock)."""
+    return (Path(path) / REBUILDING).is_file()
 
+
+def clear_store(path: Path) -> None:
+    """Delete a store's files for a rebuild (``--overwrite``), keeping the lock file its writer holds; call it
+    holding the writer lock. StoreError, deleting nothing, for a folder ``check_overwritable`` refuses.
+
+    The marker goes first and the manifest last but for the marker: wherever this stops, the folder holds the
+    marker (readers refuse it as half deleted; the next precache run finishes this) or only the lock."""
     path = Path(path)
     if not path.exists():
         return
-    if not (path / MANIFEST).is_file():
-        if half_built_store(path):  # killed before its first manifest: only our own files to delete
-            remove_stale_temp_files(path)
-            return
-        raise StoreError(f"{path} is not a lazyrag store (no {MANIFEST}); not deleting it. Pick an empty or new --out folder.")
-    for p in path.iterdir():
-        if p.name == LOCK:
-            continue
+    check_overwritable(path)
+    marker = path / REBUILDING
+    if not marker.is_file():
+        _write(marker, json.dumps({"overwrite_started": time.time()}).encode())
+    for name in (INDEX, *reversed(_TABLE_FILES)):
+        _delete(path / name)
+    kv = path / KV_DIR
+    if kv.is_dir():
+        for p in sorted(kv.iterdir()):  # every one a shard or temp file of ours: check_overwritable saw to it
+            _delete(p)
+        _delete(kv)
+    remove_stale_temp_files(path)
+    _delete(path / MANIFEST)
+    _delete(marker)
+
+
+def _delete(p: Path) -> None:
+    try:
         if p.is_dir() and not p.is_symlink():
-            shutil.rmtree(p)
+            p.rmdir()
         else:
-            p.unlink()
+            p.unlink(missing_ok=True)
+    except OSError as e:
+        raise StoreError(f"cannot delete {p} ({e.strerror or e}); fix that, then rerun the same lazyrag precache "
+                         "command: it finishes the rebuild.") from e
 
 
 # -- the FAISS index ------------------------------------------------------------------------

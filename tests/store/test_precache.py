@@ -337,3 +337,268 @@ def test_a_rebuild_command_naming_in_memory_documents_says_to_rerun_the_python_c
     assert main(["precache", "llama_index:docstore", "--out", str(tmp_path / "store"), "--verify"]) == 2
     err = capsys.readouterr().err
     assert "precache_store" in err and "verify=True" in err and "Traceback" not in err
+
+
+# -- --overwrite deletes only a store's own files; an interrupted one is finished; one chunk table per reader -------
+# (the tiny random model: what is checked does not depend on the model)
+
+OTHER_DOCS = {  # five other one-chunk documents: a store of them has as many rows as one of TINY_DOCS
+    "fertilization.md": "Human fertilization is the union of a human egg and sperm, usually in the ampulla of the fallopian tube.",
+    "kelp.md": "Giant kelp forests grow along cool coasts, where the algae can rise more than forty metres from the sea floor.",
+    "abacus.md": "The abacus was used for arithmetic in Mesopotamia, China and Rome long before written numerals spread.",
+    "saffron.txt": "Saffron is picked by hand from the stigmas of the crocus flower, which makes it the dearest spice.",
+    "pharos.txt": "The Lighthouse of Alexandria stood on the island of Pharos and guided ships into the harbour for centuries.",
+}
+CURIE = "Which prizes did Marie Curie win?"
+
+
+@pytest.fixture
+def other_corpus(tmp_path):
+    folder = tmp_path / "other-corpus"
+    folder.mkdir()
+    for name, text in OTHER_DOCS.items():
+        (folder / name).write_text(text)
+    return folder
+
+
+@pytest.fixture
+def precache_cli(tiny_engine, embedder, monkeypatch):
+    """``lazyrag precache ARGS --quiet`` in this process, on the tiny engine; its exit status."""
+    import lazyrag.store.build as build
+    from lazyrag.cli import main
+    from lazyrag.engine import LazyEngine
+
+    monkeypatch.setattr(LazyEngine, "from_pretrained", classmethod(lambda cls, *a, **kw: tiny_engine))
+    monkeypatch.setattr(build, "load_embedder", lambda name: embedder)
+    return lambda *args: main(["precache", *map(str, args), "--quiet"])
+
+
+def _tree(folder):
+    """Every path under ``folder`` and a file's bytes: what must stay as it was."""
+    return {str(p.relative_to(folder)): p.read_bytes() if p.is_file() else None for p in Path(folder).rglob("*")}
+
+
+def _as_finished_by_the_cli(out):
+    """The manifest naming the model as `lazyrag precache` names the default one (as the tiny engine is served
+    here): a plain rerun would take its "already finished; nothing to do" shortcut if it trusted the manifest."""
+    from lazyrag.model.loader import resolve_model_source
+
+    manifest = json.loads((out / MANIFEST).read_text())
+    (out / MANIFEST).write_text(json.dumps({**manifest, "model_name": resolve_model_source(None).name}))
+
+
+WEB_MANIFEST = json.dumps({"name": "Weather", "short_name": "Weather", "start_url": "/", "display": "standalone",
+                           "icons": [{"src": "icon-192.png", "sizes": "192x192", "type": "image/png"}]})
+
+
+@pytest.mark.parametrize("files,says", [
+    ({"manifest.json": WEB_MANIFEST, "index.html": "<!doctype html><title>Weather</title>", "static/app.js": "go()"},
+     "not a lazyrag manifest"),
+    ({"manifest.json": WEB_MANIFEST}, "not a lazyrag manifest"),
+    ({"manifest.json": "{ not JSON", "notes.txt": "keep me"}, "notes.txt"),
+    ({"manifest.json": "{ not JSON"}, "nothing in it shows it is a lazyrag store"),
+], ids=["web-app", "web-manifest-alone", "garbage-manifest-and-a-file", "garbage-manifest-alone"])
+def test_overwrite_leaves_a_folder_that_is_not_a_store_alone(precache_cli, tiny_corpus, tmp_path, capsys, files, says):
+    from lazyrag.store import StoreError
+
+    folder = tmp_path / "app"
+    for name, text in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(text)
+    before = _tree(folder)
+    assert precache_cli(tiny_corpus, "--out", folder, "--overwrite") == 2
+    err = capsys.readouterr().err
+    assert says in err and ("new --out folder" in err or "NEW_FOLDER" in err), err
+    assert "Traceback" not in err
+    assert _tree(folder) == before  # nothing deleted, and no lock file left in it
+    if "not a lazyrag manifest" in says:  # nothing sends the user to --overwrite (or reads the folder as a damaged store)
+        assert precache_cli(tiny_corpus, "--out", folder) == 2
+        for err in (capsys.readouterr().err, str(pytest.raises(StoreError, CorpusStore.open, folder).value)):
+            assert "is not a lazyrag store" in err and "damaged" not in err, err
+        assert _tree(folder) == before
+
+
+@pytest.mark.parametrize("user_file,shown", [("notes.txt", "notes.txt"), ("kv/notes.txt", "kv/notes.txt"),
+                                             ("backup/chunks.sqlite", "backup/"), (".manifest.json.tmp", ".manifest.json.tmp")])
+def test_overwrite_refuses_a_store_folder_holding_anything_else(precache_cli, tiny_corpus, tmp_path, capsys, user_file, shown):
+    out = tmp_path / "store"
+    assert precache_cli(tiny_corpus, "--out", out) == 0
+    (out / user_file).parent.mkdir(exist_ok=True)
+    (out / user_file).write_text("keep me")
+    before = _tree(out)
+    capsys.readouterr()
+    assert precache_cli(tiny_corpus, "--out", out, "--overwrite") == 2
+    err = capsys.readouterr().err
+    assert f"holds {shown} besides a store's files" in err and "move those out" in err, err
+    assert _tree(out) == before
+    assert len(CorpusStore.open(out)) == 5  # the store itself still serves
+
+
+def test_the_command_a_damaged_manifest_names_rebuilds_the_store(precache_cli, tiny_corpus, tmp_path, capsys):
+    import re
+    import shlex
+
+    from lazyrag.store import StoreError
+
+    out = tmp_path / "store"
+    assert precache_cli(tiny_corpus, "--out", out) == 0
+    (out / MANIFEST).write_text('{"model_fingerprint": "3f')  # truncated
+    with pytest.raises(StoreError, match="damaged") as refused:
+        CorpusStore.open(out)
+    command = shlex.split(re.search(r"`(lazyrag precache .*?)`", str(refused.value))[1])
+    assert command[-1] == "--overwrite"
+    capsys.readouterr()
+    assert precache_cli(*[str(tiny_corpus) if a == "CORPUS" else a for a in command[2:]]) == 0
+    assert "encoded 5 chunks" in capsys.readouterr().out
+    assert len(CorpusStore.open(out)) == 5 and CorpusStore.open(out).verify() == []
+
+
+class _Killed(BaseException):
+    """What kill -9 does to precache at that point (nothing after it runs)."""
+
+
+@pytest.mark.parametrize("rerun", ["plain", "overwrite"])
+@pytest.mark.parametrize("killed_at", ["index.faiss", "kv", MANIFEST, ".precache.rebuilding"],
+                         ids=["before-any-data", "before-kv-folder", "before-manifest", "before-marker"])
+def test_an_interrupted_overwrite_is_finished_by_the_next_run(precache_cli, tiny_corpus, tmp_path, capsys, monkeypatch,
+                                                              killed_at, rerun):
+    import lazyrag.store.corpus as corpus
+    from lazyrag.store import StoreError
+
+    out = tmp_path / "store"
+    assert precache_cli(tiny_corpus, "--out", out) == 0
+    _as_finished_by_the_cli(out)
+    delete = corpus._delete
+
+    def killed_before(path):
+        if path.name == killed_at:
+            raise _Killed()
+        delete(path)
+
+    monkeypatch.setattr(corpus, "_delete", killed_before)
+    with pytest.raises(_Killed):
+        precache_cli(tiny_corpus, "--out", out, "--overwrite")
+    monkeypatch.setattr(corpus, "_delete", delete)
+    with pytest.raises(StoreError, match="half deleted.*interrupted.*Rerun"):
+        CorpusStore.open(out)  # what readers see meanwhile: no half-deleted store served, whatever the manifest says
+    capsys.readouterr()
+    assert precache_cli(tiny_corpus, "--out", out, *(["--overwrite"] if rerun == "overwrite" else [])) == 0
+    said = capsys.readouterr().out
+    assert "encoded 5 chunks" in said and "nothing to do" not in said, said
+    store = CorpusStore.open(out)
+    assert len(store) == 5 and store.verify() == [] and not (out / ".precache.rebuilding").exists()
+
+
+def test_a_store_an_older_overwrite_left_without_its_manifest_is_rebuilt_by_overwrite(precache_cli, tiny_corpus, tmp_path,
+                                                                                     capsys):
+    out = tmp_path / "store"
+    assert precache_cli(tiny_corpus, "--out", out) == 0
+    (out / MANIFEST).unlink()  # killed after deleting the manifest, before kv/ (the order of lazyrag before the marker)
+    before = _tree(out)
+    capsys.readouterr()
+    assert precache_cli(tiny_corpus, "--out", out) == 2  # a plain rerun deletes nothing: it says what will
+    err = capsys.readouterr().err
+    assert "no manifest.json" in err and "--overwrite" in err, err
+    assert _tree(out) == before
+    assert precache_cli(tiny_corpus, "--out", out, "--overwrite") == 0
+    assert "encoded 5 chunks" in capsys.readouterr().out
+    assert len(CorpusStore.open(out)) == 5
+
+
+def test_a_finished_manifest_whose_files_are_gone_is_not_called_done(precache_cli, tiny_corpus, tmp_path, capsys):
+    import shutil
+
+    out = tmp_path / "store"
+    assert precache_cli(tiny_corpus, "--out", out) == 0
+    _as_finished_by_the_cli(out)
+    for name in (TABLE, "index.faiss"):  # killed before it reached the manifest (the order of lazyrag before the marker)
+        (out / name).unlink()
+    shutil.rmtree(out / "kv")
+    capsys.readouterr()
+    assert precache_cli(tiny_corpus, "--out", out) == 0
+    said = capsys.readouterr().out
+    assert "already a finished store" not in said and "encoded 5 chunks" in said, said
+    assert len(CorpusStore.open(out)) == 5 and CorpusStore.open(out).verify() == []
+
+
+def test_a_store_rebuilt_under_an_open_reader_is_never_served_mixed(tiny_engine, tiny_corpus, other_corpus, embedder, tmp_path):
+    """`lazyrag serve --store S` (engine.attach_store: CorpusStore.open) while `lazyrag precache --overwrite --out S`
+    rebuilds S from other documents: the server's index is the old one, the table the new one. A request answers
+    from the store it opened or fails saying to open it again; never the new table's row under an old id."""
+    from lazyrag.store import StoreError
+    from lazyrag.store.retriever import Retriever
+
+    out = tmp_path / "store"
+    _tiny_build(tiny_engine, tiny_corpus, out, embedder)
+    served = CorpusStore.open(out)  # as engine.attach_store opens it for `lazyrag serve --store`
+    retriever = Retriever(served, embedder)
+    opened = {r.id: r.text for r in served.rows()}
+    assert "Nobel" in retriever.retrieve(CURIE, 1)[0].text
+    assert _tiny_build(tiny_engine, other_corpus, out, embedder, overwrite=True).chunks_encoded == 5
+
+    def request():  # on a thread of its own, as a server's worker: a new sqlite connection
+        got = []
+        thread = threading.Thread(target=lambda: got.append(_answer(retriever)))
+        thread.start()
+        thread.join()
+        return got[0]
+
+    for got in (_answer(retriever), request(), request()):
+        if isinstance(got, StoreError):
+            assert "open it again" in str(got), got
+        else:  # the snapshot opened: its rows under its ids
+            assert all(h.text == opened[h.id] for h in got), [h.text for h in got]
+    assert isinstance(request(), StoreError)  # a new connection reaches the new table: refused, not mixed
+    reopened = Retriever(out, embedder).retrieve(CURIE, 5)  # opened again: the new store, whole
+    assert sorted(h.text for h in reopened) == sorted(OTHER_DOCS.values())
+
+
+def _answer(retriever):
+    from lazyrag.store import StoreError
+
+    try:
+        return retriever.retrieve(CURIE, 5)
+    except StoreError as e:
+        return e
+
+
+def test_a_chunk_table_copied_from_another_store_is_refused_with_what_to_do(tiny_engine, tiny_corpus, other_corpus, embedder,
+                                                                            tmp_path):
+    import shutil
+
+    from lazyrag.store import StoreError
+    from lazyrag.store.retriever import Retriever
+
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    _tiny_build(tiny_engine, tiny_corpus, mine, embedder)
+    _tiny_build(tiny_engine, other_corpus, other, embedder)
+    assert len(CorpusStore.open(mine)) == len(CorpusStore.open(other)) == 5
+    shutil.copyfile(other / TABLE, mine / TABLE)  # the same row count: the index still holds as many vectors
+    for refused in (lambda: CorpusStore.open(mine), lambda: Retriever(mine, embedder), lambda: tiny_engine.attach_store(mine)):
+        with pytest.raises(StoreError, match=rf"(?s){TABLE} is not the chunk table.*replaced.*precache .*--out {mine} --verify"):
+            refused()
+    report = _tiny_build(tiny_engine, tiny_corpus, mine, embedder, verify=True)  # what the message says to do
+    assert set(report.corrupt) - {-1} == {0, 1, 2, 3, 4} and report.chunks_encoded == 5  # -1: the prefix, if it differs
+    hit = Retriever(mine, embedder).retrieve(CURIE, 1)[0]
+    assert hit.doc_id == "curie.md" and "Nobel" in hit.text
+
+
+def test_a_store_from_before_table_ids_is_served_and_any_precache_run_gives_it_one(tiny_engine, tiny_corpus, embedder,
+                                                                                  tmp_path, caplog):
+    from lazyrag.store.retriever import Retriever
+
+    out = tmp_path / "store"
+    _tiny_build(tiny_engine, tiny_corpus, out, embedder)
+    manifest = json.loads((out / MANIFEST).read_text())
+    del manifest["table_id"]
+    (out / MANIFEST).write_text(json.dumps(manifest))
+    db = sqlite3.connect(out / TABLE)
+    db.execute("DROP TABLE store_meta")
+    db.commit()
+    db.close()
+    with caplog.at_level("WARNING", logger="lazyrag.store"):
+        assert "Nobel" in Retriever(out, embedder).retrieve(CURIE, 1)[0].text  # served as before
+    assert "before chunk tables carried an id" in caplog.text and "--verify" in caplog.text
+    assert _tiny_build(tiny_engine, tiny_corpus, out, embedder, verify=True).chunks_encoded == 0  # what the warning says
+    table_id = sqlite3.connect(out / TABLE).execute("SELECT value FROM store_meta WHERE name = 'table_id'").fetchone()[0]
+    assert CorpusStore.open(out).manifest.table_id == table_id != ""
