@@ -77,6 +77,16 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)")
 
 
+def _adapter_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--adapter", default=None, metavar="FOLDER",
+                   help="a LoRA adapter from `lazyrag tune`, merged into the model at load (the model's fingerprint then "
+                        "differs: stores and caches of the base model are refused for it)")
+
+
+def _adapter(args) -> dict:
+    return {"adapter": args.adapter} if getattr(args, "adapter", None) else {}
+
+
 def _passage_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--encoding-passage", default=None, metavar="default|none|FILE",
                    help="what chunks are encoded after besides the prompt's prefix: default = three short neutral documents "
@@ -145,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
                          description="Answer one question over the given chunks and stream the answer.\n"
                                      "Chunks come from --chunk (repeatable) and/or --chunks-file (paragraphs separated by blank lines).")
     _model_args(ask)
+    _adapter_arg(ask)
     _passage_arg(ask)
     _tensor_parallel_arg(ask)
     ask.add_argument("question")
@@ -168,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_cache_parser(sub)
     add_eval_parser(sub)
     add_serve_parser(sub)
+    add_tune_parser(sub)
     for p in sub.choices.values():
         p.add_argument("-v", "--verbose", action="store_true", help="show model-loading progress bars and library logs")
         p.add_argument("--debug", action="store_true", help="on an error, show the full traceback too")
@@ -181,6 +193,7 @@ def add_precache_parser(subparsers) -> argparse.ArgumentParser:
                                              "LlamaIndex persisted (docstore.json)")
     p.add_argument("--out", required=True, help="store folder (created, or resumed if it holds an unfinished build)")
     p.add_argument("--model", default=None, help="local Llama folder or .gguf file; default: the embedded SmolLM2-135M-Instruct")
+    _adapter_arg(p)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="model and KV dtype: float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA); "
                                                   "the store only serves engines with the same dtype")
@@ -263,6 +276,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, streaming, metrics)",
                        description=SERVE_HELP, epilog=SERVE_EPILOG, formatter_class=HelpFormatter)
     _model_args(p)
+    _adapter_arg(p)
     _passage_arg(p)
     _tensor_parallel_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s; 0.0.0.0 for every interface)")
@@ -294,6 +308,59 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--ray-address", default=None,
                    help="with --replicas: join this Ray cluster ('auto' for the one `ray start` made here) instead of "
                         "starting Ray on this machine")
+    return p
+
+
+TUNE_HELP = """\
+Adapt a model so that its answers over chunks encoded on their own (the lazy strategy: cached
+chunk KV read at any position, no recompute) match its answers over a full prefill.
+
+It distils the model to itself: for prompts drawn from the tune parts of the QA sets (the
+question's own passages plus distractors of the same set: 5, 10 or 20 passages, shuffled) it
+takes the base model's greedy full-prefill answer, then trains a LoRA adapter (or, --method
+full, every weight) to minimise KL(base full || tuned lazy) + --full-weight x KL(base full ||
+tuned full) over the answer tokens. No labels, and the report parts the README's quality
+table is measured on are never read. The lazy pass computes exactly what the engine computes.
+
+Progress bar, a checkpoint every --save-every steps, and resume after a kill: rerun the same
+command. The KL on held-out tune prompts is printed as it goes and kept in OUT/log.jsonl.
+Then: lazyrag ask|serve|precache|eval ... --adapter OUT.
+"""
+
+TUNE_EPILOG = """\
+examples:
+  lazyrag tune --out adapters/smollm2-lazy                       # the embedded model, LoRA, 1000 steps (GPU)
+  lazyrag tune --out adapters/smollm2-lazy --max-steps 5 --device cpu     # a few steps on the CPU
+  lazyrag tune --model ~/models/Llama-3.1-8B-Instruct --out adapters/llama-lazy --sets nq,hotpotqa
+  lazyrag ask "Who discovered penicillin?" --chunk "..." --adapter adapters/smollm2-lazy
+"""
+
+
+def add_tune_parser(sub) -> argparse.ArgumentParser:
+    from lazyrag import eval as quality
+
+    p = sub.add_parser("tune", help="adapt a model to answer over cached chunks (lazy) as over a full prefill",
+                       description=TUNE_HELP, epilog=TUNE_EPILOG, formatter_class=HelpFormatter)
+    p.add_argument("--model", default=None, help="local Llama folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--out", type=Path, required=True, help="the adapter folder to write (a checkpoint inside it while it runs)")
+    p.add_argument("--method", default="lora", choices=["lora", "full"], help="a LoRA adapter, or every weight (default: %(default)s)")
+    p.add_argument("--max-steps", type=int, default=1000, help="training steps (default: %(default)s)")
+    p.add_argument("--prompts-per-step", type=int, default=8, help="prompts in a step's batch (default: %(default)s)")
+    p.add_argument("--passages", default="5,10,20", help="passages per training prompt, drawn per prompt (default: %(default)s)")
+    p.add_argument("--sets", default=",".join(quality.DATASETS), help="QA sets whose tune parts are read (default: %(default)s)")
+    p.add_argument("--data", action="append", default=[], metavar="SET=FILE", help="a set's file where not the default (repeatable)")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default: 2e-4 for LoRA, 2e-5 for full)")
+    p.add_argument("--lora-rank", type=int, default=8, help="LoRA rank (default: %(default)s)")
+    p.add_argument("--full-weight", type=float, default=0.25,
+                   help="weight of KL(base full || tuned full), which keeps full prefill and plain chat as they were (default: %(default)s)")
+    p.add_argument("--answer-tokens", type=int, default=32, help="teacher answers are cut at this many tokens (default: %(default)s)")
+    p.add_argument("--eval-every", type=int, default=100, help="steps between KL reports on held-out prompts (default: %(default)s)")
+    p.add_argument("--save-every", type=int, default=100, help="steps between checkpoints (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and distractors (default: %(default)s)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
+                   help="stop after this long: checkpoint and write the adapter as far as it got (rerun to go on)")
+    _passage_arg(p)
     return p
 
 
@@ -332,6 +399,7 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
                    help="each worker's paged KV pool, GiB (default: 8 on cuda, 1 on cpu); lower it to run more workers")
     p.add_argument("--seed", type=int, default=0, help="seed of the question sample and the distractors")
     p.add_argument("--model", default=None, help="local Llama folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    _adapter_arg(p)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                    help="start no new batch after this long; score and report the questions done so far")
@@ -599,7 +667,45 @@ def _cache(args) -> int:
     return 0
 
 
-CHECKS = {"cache": _check_cache, "demo": _check_demo, "ask": _check_ask, "precache": _check_precache, "eval": _check_eval, "serve": _check_serve}
+def _tune_config(args):
+    from lazyrag.prompt import DEFAULT_ENCODING_PASSAGE
+    from lazyrag.tune import TuneConfig
+
+    passage = _passage(args).get("encoding_passage", DEFAULT_ENCODING_PASSAGE)
+    data = dict(item.split("=", 1) for item in args.data)
+    return TuneConfig(model=args.model, out=str(args.out), method=args.method, max_steps=args.max_steps,
+                      prompts_per_step=args.prompts_per_step, passages=tuple(int(x) for x in args.passages.split(",")),
+                      sets=tuple(args.sets.split(",")), data=data, learning_rate=args.lr, lora_rank=args.lora_rank,
+                      lora_alpha=2 * args.lora_rank, full_weight=args.full_weight, answer_tokens=args.answer_tokens,
+                      eval_every=args.eval_every, save_every=args.save_every, seed=args.seed, device=args.device,
+                      encoding_passage=passage, progress=True, time_limit=args.time_limit)
+
+
+def _check_tune(args) -> None:
+    _check_model(args.model)
+    if any("=" not in item for item in args.data):
+        raise UsageError("--data takes SET=FILE, e.g. --data squad=squad_dev.jsonl.gz")
+    try:
+        if any(int(x) < 1 for x in args.passages.split(",")):
+            raise ValueError
+    except ValueError:
+        raise UsageError(f"--passages takes positive whole numbers separated by commas; got {args.passages!r}") from None
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        raise UsageError("lazyrag tune needs peft: pip install 'lazyrag[tune]'.") from None
+    _tune_config(args)  # the config's own checks (sets, steps, method) before the model loads
+
+
+def _tune(args) -> int:
+    from lazyrag.tune import tune
+
+    print(tune(_tune_config(args)).summary())
+    return 0
+
+
+CHECKS = {"cache": _check_cache, "demo": _check_demo, "ask": _check_ask, "precache": _check_precache, "eval": _check_eval,
+          "serve": _check_serve, "tune": _check_tune}
 
 
 def _ask(args) -> int:
@@ -609,7 +715,8 @@ def _ask(args) -> int:
     if args.chunks_file:  # checked before the model loads (_check_ask)
         chunks += [p.strip() for p in args.chunks_file.read_text().split("\n\n") if p.strip()]
     # under torchrun every rank but 0 serves rank 0 inside from_pretrained and exits there: only rank 0 prints
-    engine = LazyEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, **_passage(args), **_tensor_parallel(args))
+    engine = LazyEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, **_adapter(args), **_passage(args),
+                                        **_tensor_parallel(args))
     if args.store is not None:
         from lazyrag.store.retriever import Retriever
 
@@ -640,7 +747,7 @@ def _precache(args) -> int:
     config = PrecacheConfig(list(args.inputs), args.out, args.chunk_tokens, args.overlap, args.chunks_per_shard, args.index,
                             args.embedder, args.limit, args.system, progress=not args.quiet,
                             verify=args.verify, overwrite=args.overwrite, stored_kv_dtype=args.stored_kv_dtype)
-    engine = LazyEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype,
+    engine = LazyEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, **_adapter(args),
                                         system_prompt=args.system or DEFAULT_SYSTEM_PROMPT, **_passage(args), **kw)
     print(precache(engine, config, documents=documents).summary())  # StoreError / ValueError are reported by main
     return 0
@@ -655,8 +762,8 @@ def _serve(args) -> int:
     kw = {"kv_budget": args.kv_budget} if args.kv_budget else {}
     if args.host_gb:
         kw["cache"] = _host_cache(args.host_gb)
-    engine = LazyEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, **kw, **_passage(args),
-                                        **_tensor_parallel(args))
+    engine = LazyEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, **kw, **_adapter(args),
+                                        **_passage(args), **_tensor_parallel(args))
     retriever = None
     if args.store is not None:
         from lazyrag.store.retriever import Retriever
@@ -687,7 +794,7 @@ def _serve_replicas(args) -> int:
         server["model_name"] = args.served_model_name
     spec = ReplicaSpec(model=args.model, device=args.device, dtype=args.dtype, kv_budget=args.kv_budget, **_passage(args),
                        store=None if args.store is None else str(args.store.path), server=server,
-                       host_bytes=int(args.host_gb * (1 << 30)))
+                       host_bytes=int(args.host_gb * (1 << 30)), adapter=args.adapter)
     print(f"lazyrag serve: {args.replicas} replicas ({args.router} routing) at http://{args.host}:{args.port}/v1; "
           "GET /routing shows each replica's state; Ctrl-C stops them", file=sys.stderr)
     run(spec, args.replicas, args.router, args.host, args.port, args.ray_address)
@@ -739,7 +846,10 @@ def _run(args) -> int:
         return _serve(args)
     if args.command == "cache":
         return _cache(args)
+    if args.command == "tune":
+        return _tune(args)
     return _ask(args)
+
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -432,7 +432,7 @@ def run_eval(args, engine_options: dict | None = None) -> int:
             print("nothing left to score: no report written")
             return 0
     # every request of a batch (questions x strategies) runs as one continuous batch
-    engine_kwargs = dict(model=args.model, device=args.device, dtype=args.dtype,
+    engine_kwargs = dict(model=args.model, device=args.device, dtype=args.dtype, adapter=getattr(args, "adapter", None),
                          scheduler=SchedulerConfig(max_running=max(64, args.batch * len(strategies))), **(engine_options or {}))
     if args.kv_budget is not None:
         engine_kwargs["kv_budget"] = int(args.kv_budget * (1 << 30))

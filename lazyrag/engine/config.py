@@ -26,6 +26,7 @@ class SchedulerConfig:
 @dataclass
 class EngineConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct; or a local Llama folder or .gguf file
+    adapter: str | None = None  # a LoRA adapter folder (``lazyrag tune``) merged into the model at load
     device: str | torch.device | None = None  # None: cuda when available, else cpu
     dtype: str | torch.dtype | None = None  # None: bfloat16 on cuda, float32 on cpu
     kv_budget: int | None = None  # bytes of the paged KV pool; None: 8 GiB on cuda, 1 GiB on cpu

@@ -46,6 +46,7 @@ class ReplicaSpec:
     encoding_passage: str | None = DEFAULT_ENCODING_PASSAGE  # EngineConfig's
     store: str | None = None  # a corpus store path every replica can read
     host_bytes: int = 0  # each replica's host-RAM tier below its GPU pool (CacheConfig.host_bytes)
+    adapter: str | None = None  # EngineConfig's: a LoRA adapter merged at load
     server: dict = field(default_factory=dict)  # ServerConfig fields (model_name set from the engine if absent)
 
 
@@ -98,7 +99,7 @@ class LazyragReplica:
             from lazyrag.kv.cache import CacheConfig
 
             kw["cache"] = CacheConfig(host_bytes=spec.host_bytes)
-        self.engine = LazyEngine.from_pretrained(spec.model, device=spec.device, dtype=spec.dtype,
+        self.engine = LazyEngine.from_pretrained(spec.model, device=spec.device, dtype=spec.dtype, adapter=spec.adapter,
                                                  encoding_passage=spec.encoding_passage, **kw)
         retriever = None
         if spec.store is not None:

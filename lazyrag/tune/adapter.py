@@ -1,0 +1,49 @@
+"""Loading what ``lazyrag tune`` made: a peft LoRA adapter merged into its base model at load.
+
+The merged weights are what the engine fingerprints, so KV, caches and corpus stores made with the base model
+are refused for the tuned one, and the reverse (the store's error says what to do). An adapter records the
+base it was tuned from (``lazyrag_tune.json``); another base is refused, since a LoRA only means something on
+the weights it was trained against.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+TUNE_FILE = "lazyrag_tune.json"
+
+
+def base_id(hf_model) -> str:
+    """The base model's identity as an adapter records it: its fingerprint in bfloat16, whatever dtype it was
+    loaded in (a float32 and a bfloat16 load of one checkpoint agree)."""
+    from lazyrag.model.loader import fingerprint
+
+    state = {k: v.detach().to(torch.bfloat16) for k, v in hf_model.state_dict().items()}
+    return fingerprint(hf_model.config, state, torch.bfloat16)
+
+
+def read_record(path: str | Path) -> dict:
+    """What ``lazyrag tune`` wrote about the adapter in ``path`` ({} for a peft adapter made elsewhere)."""
+    f = Path(path) / TUNE_FILE
+    return json.loads(f.read_text()) if f.is_file() else {}
+
+
+def apply_adapter(hf_model, path: str | Path):
+    """``hf_model`` with the LoRA adapter in ``path`` merged into its weights (a plain transformers model again)."""
+    path = Path(path)
+    if not (path / "adapter_config.json").is_file():
+        hint = (" It holds a whole model: pass it as the model instead (--model / from_pretrained(path))."
+                if (path / "config.json").is_file() else "")
+        raise ValueError(f"{path} is not a LoRA adapter (no adapter_config.json); make one with `lazyrag tune --out {path}`.{hint}")
+    try:
+        from peft import PeftModel
+    except ImportError:
+        raise ImportError("Loading an adapter needs peft: pip install 'lazyrag[tune]'.") from None
+    record = read_record(path)
+    if record.get("base_id") and record["base_id"] != base_id(hf_model):
+        raise ValueError(f"The adapter in {path} was tuned from {record.get('base_model', 'another model')} (base "
+                         f"{record['base_id'][:12]}), not from the model being loaded: load it on that model "
+                         "(--model), or tune one for this model with `lazyrag tune --model ...`.")
+    return PeftModel.from_pretrained(hf_model, str(path)).merge_and_unload()
