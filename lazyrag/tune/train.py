@@ -155,7 +155,8 @@ class Tuner:
         c = self.config
         engine = LazyEngine.from_hf(self.base, self.tokenizer, model_name=self.model_name, device=self.device,
                                     dtype=torch.bfloat16 if self.device.type == "cuda" else torch.float32,
-                                    system_prompt=c.system_prompt, encoding_passage=c.encoding_passage)
+                                    system_prompt=c.system_prompt, encoding_passage=c.encoding_passage,
+                                    cuda_graphs=False, compile_elementwise=False)  # a one-off batch job: no capture or compile
         eos = self.tokenizer.eos_token_id
         params = SamplingParams(max_new_tokens=c.answer_tokens, strategy="full")
         bar = tqdm(total=len(missing), desc="teacher answers", unit="prompt", disable=not c.progress)
