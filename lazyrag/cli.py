@@ -377,6 +377,10 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
                    help="tune: the 30%% of each set that methods are chosen on; report: the other 70%%, which results quote")
     p.add_argument("--n", type=int, default=100, help="questions")
     p.add_argument("--distractors", type=int, default=4, help="nq: random passages besides the gold one")
+    p.add_argument("--passages", type=int, default=None, metavar="N",
+                   help="every question over N passages: its own, then distractors from other questions of the same set "
+                        "and split, shuffled (nq: the gold one and N - 1 random others); e.g. 10 or 20, where encoding "
+                        "chunks on their own costs most (default: each set's own)")
     p.add_argument("--shuffle", action="store_true", help="hotpotqa, squad, 2wiki, musique: shuffle the paragraphs")
     p.add_argument("--store", type=Path, default=None,
                    help="nq retrieval mode: chunks are the top --k of this corpus store (lazyrag precache), not gold + distractors")
@@ -515,6 +519,8 @@ def _check_eval(args) -> None:
     _check_model(args.model)
     if args.n <= 0 or args.batch <= 0 or args.workers <= 0 or args.max_new_tokens <= 0 or (args.kv_budget or 1) <= 0:
         raise UsageError("--n, --batch, --workers, --max-new-tokens and --kv-budget must be positive.")
+    if args.passages is not None and (args.passages < 1 or args.store is not None):
+        raise UsageError("--passages must be at least 1, and takes no --store (retrieval chooses the passages there).")
     _check_k(args.k)
     for name in args.strategies.split(","):
         check_strategy(name)

@@ -125,6 +125,22 @@ def load_chunked(path: Path, n: int, shuffle: bool, seed: int, split: str = "all
     return items
 
 
+def with_passages(items: list[dict], pool: list[dict], passages: int, seed: int) -> list[dict]:
+    """Each item with distractors from ``pool``'s other items (the same set and split) added up to ``passages``
+    chunks, then shuffled: the many-passage setting, where independent encoding costs the most. An item that has
+    ``passages`` or more already keeps its own."""
+    rng = random.Random(f"passages:{seed}")
+    chunks = list(dict.fromkeys(c for it in pool for c in it["chunks"]))
+    out = []
+    for it in items:
+        own = set(it["chunks"])
+        extra = rng.sample([c for c in chunks if c not in own], max(0, min(passages - len(own), len(chunks) - len(own))))
+        mixed = list(it["chunks"]) + extra
+        rng.shuffle(mixed)
+        out.append({**it, "chunks": mixed})
+    return out
+
+
 def load_nq(path: Path, n: int, distractors: int, seed: int, split: str = "all") -> list[dict]:
     with gzip.open(path, "rt") as f:
         rows = [json.loads(line) for line in f]
@@ -170,8 +186,9 @@ def evaluate(engine, items: list[dict], strategies: list[str], max_new_tokens: i
 
 def score(engine, items: list[dict], strategies: list[str], max_new_tokens: int, batch_items: int,
           on_group=None, deadline: float | None = None) -> dict[str, list[dict]]:
-    """Each strategy's scored answer to each item, in item order. ``batch_items`` items' requests (all
-    strategies) run as one continuous batch, which decodes several times faster than one request at a time.
+    """Each strategy's scored answer to each item, in item order. ``batch_items`` items' requests run as one
+    continuous batch per strategy, which decodes several times faster than one request at a time, and keeps a
+    question's answer independent of the other strategies compared in the run.
     ``on_group(first, rows)`` gets each group's rows as it finishes (``first``: its first item's index).
     Past ``deadline`` (``time.monotonic()``) no new batch starts: the items scored so far are returned."""
     per = {s: [] for s in strategies}
@@ -197,10 +214,14 @@ def _score_group(engine, group: list[dict], strategies: list[str], max_new_token
     except Exception as e:  # each request encodes its own misses, so a bad chunk fails its requests alone
         print(f"warning: encoding the batch's chunks failed ({type(e).__name__}: {e}); each request encodes its own",
               file=sys.stderr)
-    requests = [[engine.add_request(layout, SamplingParams(max_new_tokens, strategy=s)) for s in strategies]
-                for layout in layouts]
-    while engine.has_unfinished_requests():
-        engine.step()
+    # one strategy a batch: a question's answer then never depends on which other strategies were compared in the
+    # same run (bf16 batched matmuls round by batch shape), only on its group of questions (--batch and the seed)
+    by_strategy = []
+    for s in strategies:
+        by_strategy.append([engine.add_request(layout, SamplingParams(max_new_tokens, strategy=s)) for layout in layouts])
+        while engine.has_unfinished_requests():
+            engine.step()
+    requests = [list(reqs) for reqs in zip(*by_strategy)]
     for item, reqs in zip(group, requests):
         for s, req in zip(strategies, reqs):
             try:
@@ -420,8 +441,13 @@ def run_eval(args, engine_options: dict | None = None) -> int:
         where = "../shared/data" if args.dataset in ("nq", "hotpotqa") else f"benchmarks/data/{args.dataset} of the repository"
         print(f"error: {path} not found; pass --data (this dataset lives in {where})", file=sys.stderr)
         return 2
+    passages = getattr(args, "passages", None)
+    distractors = passages - 1 if passages and args.dataset == "nq" else args.distractors
     items = load_dataset(args.dataset, path, args.n, split=args.split, seed=args.seed, shuffle=args.shuffle,
-                         distractors=args.distractors)
+                         distractors=distractors)
+    if passages and args.dataset != "nq":
+        pool = load_dataset(args.dataset, path, 1 << 30, split=args.split, seed=args.seed)
+        items = with_passages(items, pool, passages, args.seed)
     strategies = args.strategies.split(",")
     if getattr(args, "skip_answered", None):
         answered = answered_questions(args.skip_answered, strategies)
@@ -431,7 +457,7 @@ def run_eval(args, engine_options: dict | None = None) -> int:
         if not items:
             print("nothing left to score: no report written")
             return 0
-    # every request of a batch (questions x strategies) runs as one continuous batch
+    # a batch's questions run as one continuous batch per strategy (_score_group)
     engine_kwargs = dict(model=args.model, device=args.device, dtype=args.dtype, adapter=getattr(args, "adapter", None),
                          scheduler=SchedulerConfig(max_running=max(64, args.batch * len(strategies))), **(engine_options or {}))
     if args.kv_budget is not None:
@@ -450,7 +476,8 @@ def run_eval(args, engine_options: dict | None = None) -> int:
            "max_new_tokens": args.max_new_tokens, "model": model_name, "device": config.device.type,
            "dtype": str(config.dtype).replace("torch.", ""), "encoding_passage": passage_label(config.encoding_passage),
            "encoding_passage_sha256": passage_sha256(config.encoding_passage),  # a resume under another default's text is refused
-           **({"distractors": args.distractors} if args.dataset == "nq" else {"shuffle": args.shuffle}),
+           **({"distractors": distractors} if args.dataset == "nq" else {"shuffle": args.shuffle}),
+           **({"passages": passages} if passages else {}),
            **({"store": str(args.store), "k": args.k} if args.store is not None else {}),
            **({"skip_answered": sorted(p.name for p in args.skip_answered)} if getattr(args, "skip_answered", None) else {})}
     try:

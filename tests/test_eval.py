@@ -182,3 +182,38 @@ def test_eval_refuses_a_missing_skip_answered_report_before_loading_the_model(tm
 
     assert main(["eval", "--dataset", "squad", "--skip-answered", str(tmp_path / "none.json")]) == 2
     assert "--skip-answered" in capsys.readouterr().err
+
+
+def test_many_passages_pad_each_question_with_other_questions_passages():
+    from lazyrag.eval import with_passages
+
+    items = [{"question": f"q{i}", "answers": ["a"], "chunks": [f"own {i} a", f"own {i} b"]} for i in range(6)]
+    padded = with_passages(items[:2], items, 5, seed=0)
+    for item, out in zip(items, padded):
+        assert len(out["chunks"]) == 5 and set(item["chunks"]) <= set(out["chunks"])
+        assert len(set(out["chunks"])) == 5, "no passage twice"
+    assert padded == with_passages(items[:2], items, 5, seed=0), "the same seed, the same prompts"
+    assert [len(o["chunks"]) for o in with_passages(items[:1], items, 20, seed=0)] == [12], "as many as the set has"
+    assert with_passages(items[:1], items, 1, seed=0)[0]["chunks"] in (items[0]["chunks"], items[0]["chunks"][::-1])
+
+
+def test_an_answer_does_not_depend_on_the_other_strategies_in_the_run(tiny_engine, monkeypatch):
+    """Each strategy's requests run as their own batch, so a question's batch (and, in bf16, its rounding) is the
+    same whichever strategies a run compares."""
+    from lazyrag.engine.scheduler import Scheduler
+    from lazyrag.eval import score
+
+    batches = []
+    prefill = Scheduler._prefill
+
+    def recording(self, batch):
+        batches.append({r.params.strategy for r in batch})
+        return prefill(self, batch)
+
+    monkeypatch.setattr(Scheduler, "_prefill", recording)
+    items = [{"question": f"Which river is in note {i}?", "answers": ["Orinoco"],
+              "chunks": ["The Orinoco flows through Venezuela.", f"Note {i} is about rivers."]} for i in range(3)]
+    alone = score(tiny_engine, items, ["lazy"], 6, batch_items=3)["lazy"]
+    together = score(tiny_engine, items, ["full", "lazy", "position_aware"], 6, batch_items=3)["lazy"]
+    assert all(len(b) == 1 for b in batches), batches
+    assert [r["answer"] for r in alone] == [r["answer"] for r in together]
