@@ -764,6 +764,7 @@ def _serve(args) -> int:
         return _serve_replicas(args)
     from lazyrag.engine import LazyEngine
     from lazyrag.server import ServerConfig, run_server
+    from lazyrag.server.app import model_aliases
 
     kw = {"kv_budget": args.kv_budget} if args.kv_budget else {}
     if args.host_gb:
@@ -777,7 +778,7 @@ def _serve(args) -> int:
         retriever = Retriever(engine.attach_store(args.store))
     config = ServerConfig(model_name=args.served_model_name or engine.model_name, max_tokens=args.max_tokens,
                           temperature=args.temperature, strategy=args.strategy, k=args.k, max_pending=args.max_pending,
-                          api_key=args.api_key)
+                          api_key=args.api_key, aliases=() if args.served_model_name else model_aliases(engine.model_name))
     print(f"lazyrag serve: {config.model_name} on {engine.device} at http://{args.host}:{args.port}/v1 "
           f"(default strategy {config.strategy}{', store ' + str(args.store.path) if args.store is not None else ''})",
           file=sys.stderr)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator
@@ -41,6 +42,16 @@ class ServerConfig:
     k: int = 5  # chunks retrieved per chat request when a store is attached
     max_pending: int = 256  # generations in flight before new requests get 503
     api_key: str | None = None  # when set, requests need ``Authorization: Bearer <key>``
+    aliases: tuple[str, ...] = ()  # other ids accepted as ``model`` (model_aliases: the file's stem, say)
+
+
+def model_aliases(model_name: str) -> tuple[str, ...]:
+    """Ids a client may send for a model served under its file or folder name: without ``.gguf`` and without a
+    quantisation suffix (``SmolLM2-135M-Instruct.Q4_1.gguf`` is also ``SmolLM2-135M-Instruct.Q4_1`` and
+    ``SmolLM2-135M-Instruct``, as the README and the model card name it)."""
+    stem = re.sub(r"\.gguf$", "", model_name, flags=re.IGNORECASE)
+    base = re.sub(r"[.-](?:[QF]\d+(?:_[A-Z0-9]+)*|BF16|F16|F32)$", "", stem, flags=re.IGNORECASE)
+    return tuple(dict.fromkeys(n for n in (stem, base) if n and n != model_name))
 
 
 class APIError(Exception):
@@ -111,7 +122,7 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
     # -- requests into the engine ----------------------------------------------------------------
 
     def _check(body: _Common) -> None:
-        if body.model is not None and body.model not in (config.model_name,):
+        if body.model is not None and body.model not in (config.model_name, *config.aliases):
             raise APIError(404, f"The model {body.model!r} does not exist here; this server serves "
                                 f"{config.model_name!r} (GET /v1/models).", "invalid_request_error", "model")
         bad = body.unsupported()

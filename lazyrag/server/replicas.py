@@ -91,7 +91,7 @@ class LazyragReplica:
 
     def __init__(self, spec: dict):
         from lazyrag.engine import LazyEngine
-        from lazyrag.server.app import ServerConfig, create_app
+        from lazyrag.server.app import ServerConfig, create_app, model_aliases
 
         spec = ReplicaSpec(**spec)
         kw = {"kv_budget": spec.kv_budget} if spec.kv_budget else {}
@@ -106,7 +106,9 @@ class LazyragReplica:
             from lazyrag.store.retriever import Retriever
 
             retriever = Retriever(self.engine.attach_store(spec.store))
-        config = ServerConfig(**{"model_name": self.engine.model_name, **spec.server})
+        named = "model_name" in spec.server  # --served-model-name: that id alone, as vLLM does
+        config = ServerConfig(**{"model_name": self.engine.model_name, "aliases": () if named else model_aliases(self.engine.model_name),
+                                 **spec.server})
         self.app = create_app(self.engine, config, retriever)
         self._events: deque = deque()
         self.engine.cache.subscribe(lambda event, key: self._events.append((event, key)))

@@ -348,3 +348,11 @@ def test_logprobs_and_penalties_in_openai_format(client, adapter_engine):
     freq = client.chat.completions.create(model=MODEL, messages=repeat, max_tokens=16, frequency_penalty=2.0,
                                           presence_penalty=1.0, extra_body=off)
     assert freq.choices[0].message.content != greedy.choices[0].message.content
+
+
+def test_a_gguf_served_under_its_file_name_also_answers_to_the_model_s_name():
+    from lazyrag.server.app import model_aliases
+
+    assert "SmolLM2-135M-Instruct" in model_aliases("SmolLM2-135M-Instruct.Q4_1.gguf")  # the README's snippet sends this
+    assert model_aliases("Llama-3.1-8B-Instruct") == ()
+    assert model_aliases("x.Q4_K_M.gguf") == ("x.Q4_K_M", "x")
