@@ -308,7 +308,7 @@ def test_engine_config_resolves_every_default_in_one_place(device):
     assert (cfg.cuda_graphs, cfg.gemv, cfg.triton_elementwise, cfg.compile_elementwise) == (on_cuda,) * 4
     assert cfg.fused_kv_store == on_cuda and cfg.skinny_gemm is False and cfg.scheduler.async_scheduling == on_cuda
     assert cfg.short_prefill_blas == ("cublaslt" if on_cuda else None)
-    unresolved = [f for f in ("model",) if getattr(cfg, f) is None]  # the model is None until loaded: the embedded one
+    unresolved = [f for f in ("model", "adapter") if getattr(cfg, f) is None]  # the embedded model until loaded; no adapter
     assert [f for f in cfg.__dataclass_fields__ if getattr(cfg, f) is None and f not in unresolved] == (
         [] if on_cuda else ["short_prefill_blas"])  # torch's own BLAS choice on CPU
     mine = EngineConfig(device=device, attention="torch", cuda_graphs=False, gemv=True, skinny_gemm=True)
