@@ -522,7 +522,8 @@ def run_eval(args, engine_options: dict | None = None) -> int:
                    "dtype": str(config.dtype).replace("torch.", ""), "encoding_passage": run["encoding_passage"],
                    "workers": args.workers, "resumed": len(items) - len(todo),
                    "command": "lazyrag " + " ".join(sys.argv[1:]), "seconds": time.time() - t,
-                   "mode": "retrieval" if args.store is not None else "oracle"})
+                   "mode": "retrieval" if args.store is not None else "oracle", "passages": passages,
+                   "adapter": getattr(args, "adapter", None)})
     print(f"\n{args.dataset} ({args.split}), n={done}, {model_name} on {result['device']}, {result['dtype']}, "
           f"{result['seconds']:.0f} s")
     width = max(18, *(len(s) + 2 for s in strategies))
