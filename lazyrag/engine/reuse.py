@@ -118,6 +118,11 @@ class EncodeBatch:
             p.seq.num_written, p.seq.next_pos = 0, p.job.start
             self._run([p])
 
+    def check(self, plan: Plan) -> None:
+        """Raise if the KV of a segment ``plan`` pinned could not be computed (its request must fail)."""
+        if any(id(seg) in self.failed for seg in plan.pinned):
+            raise RuntimeError("encoding one of the request's chunks failed")
+
     def _depends_on_failed(self, p: _Pending) -> bool:
         if any(id(c.segment) in self.failed for c in p.job.context):
             self._fail(p)
@@ -161,8 +166,8 @@ class Strategy:
     def flush(self, plan: Plan | None = None) -> None:
         """Compute the step's pending encodes now; raise if one that ``plan`` pinned failed."""
         self.batch.flush()
-        if plan is not None and any(id(seg) in self.batch.failed for seg in plan.pinned):
-            raise RuntimeError("encoding one of the request's chunks failed")
+        if plan is not None:
+            self.batch.check(plan)
 
     def release(self, plan: Plan) -> None:
         """Unpin the plan's segments and free its own blocks (when its request ends)."""
@@ -314,6 +319,7 @@ class LazyStitching(Strategy):
     """
 
     name = "lazy"
+    defers = True  # its misses join the step's encode batch; a recovering variant computes them before it recomputes
 
     def __init__(self, cache, runner, fingerprint, batch: EncodeBatch | None = None, passage_ids: list[int] = (),
                  recompute_first: int = 0, blend: float = 0.0, blend_select: str = "global", blend_budget: str = "global",
@@ -331,8 +337,6 @@ class LazyStitching(Strategy):
             options.append(f"attn_from={self.attn_from:g}")
         if options:
             self.name = "lazy:" + ":".join(options)
-        # its misses join the step's encode batch; a recovering variant computes them before it recomputes
-        self.defers = True
 
     def _plan(self, layout: PromptLayout, plan: Plan) -> None:
         plan.new_ids, plan.new_start = list(layout.question_ids), layout.question_start

@@ -175,10 +175,11 @@ class Scheduler:
             return admitted
         ok = []
         for req in admitted:
-            if any(id(seg) in batch.failed for seg in req.plan.pinned):
-                self._fail(req, RuntimeError("encoding one of the request's chunks failed"))
-            else:
+            try:
+                batch.check(req.plan)
                 ok.append(req)
+            except RuntimeError as e:
+                self._fail(req, e)
         return ok
 
     def _admit_planned(self) -> list[Request]:

@@ -328,28 +328,12 @@ class CacheManager:
             seg.pins += 1
             return seg
 
-    def pin_resident(self, key: str) -> Segment | None:
-        """The pool's segment under ``key``, pinned, or None; a look-ahead, not a lookup: nothing counted,
-        nothing promoted from a tier."""
-        with self._lock:
-            seg = self._segments.get(key)
-            if seg is not None:
-                seg.pins += 1
-            return seg
-
-    def held_anywhere(self, key: str) -> bool:
-        """Whether the pool or a tier holds ``key`` (nothing counted or loaded)."""
-        return key in self._segments or any(key in tier for tier in self.tiers)
-
     def discard(self, seg: Segment) -> None:
         """Take a segment whose KV is wrong out of the cache at once, pinned or not: no lookup finds it again,
         and its blocks go when its last pin does (nothing is demoted)."""
         with self._lock:
             if self._segments.get(seg.key) is seg:
-                self.policy.remove(seg.key)
-                del self._segments[seg.key]
-                self._cached_blocks -= len(seg.blocks)
-                self._publish("removed", seg.key)
+                self._unindex(seg)
             seg.spill = False
             if not seg.transient:
                 seg.transient = True
@@ -396,12 +380,16 @@ class CacheManager:
             assert seg.pins == 0, "evicting a pinned segment"
             self._demote(seg)
             self.policy.evicted(key)
-            self.policy.remove(key)
-            del self._segments[key]
-            self._cached_blocks -= len(seg.blocks)
+            self._unindex(seg)
             self.pool.decref(seg.blocks)
             self.stats.evictions += 1
-            self._publish("removed", key)
+
+    def _unindex(self, seg: Segment) -> None:
+        """No lookup finds ``seg`` any more, and its blocks no longer count against the budget (caller holds the lock)."""
+        self.policy.remove(seg.key)
+        del self._segments[seg.key]
+        self._cached_blocks -= len(seg.blocks)
+        self._publish("removed", seg.key)
 
     def clear(self) -> None:
         """Drop every unpinned segment from the device pool (tiers keep what they hold)."""

@@ -18,10 +18,13 @@ TUNE_FILE = "lazyrag_tune.json"
 def base_id(hf_model) -> str:
     """The base model's identity as an adapter records it: its fingerprint in bfloat16, whatever dtype it was
     loaded in (a float32 and a bfloat16 load of one checkpoint agree)."""
-    from lazyrag.model.loader import fingerprint
+    from lazyrag.model.loader import Fingerprint
 
-    state = {k: v.detach().to(torch.bfloat16) for k, v in hf_model.state_dict().items()}
-    return fingerprint(hf_model.config, state, torch.bfloat16)
+    state = hf_model.state_dict()
+    fp = Fingerprint(hf_model.config, torch.bfloat16)
+    for name in sorted(state):  # fingerprint()'s order, one tensor cast at a time: no second copy of the model
+        fp.add(name, state[name].detach().to(torch.bfloat16))
+    return fp.hexdigest()
 
 
 def read_record(path: str | Path) -> dict:
