@@ -125,20 +125,23 @@ def load_chunked(path: Path, n: int, shuffle: bool, seed: int, split: str = "all
     return items
 
 
+def mix_in(own, pool: list[str], passages: int, rng: random.Random) -> list[str]:
+    """``own`` chunks plus distractors drawn from ``pool`` up to ``passages`` in all (``own`` kept whatever its
+    length), shuffled: the one rule for many-passage prompts, in evals and in ``lazyrag tune``'s training prompts."""
+    mine = set(own)
+    others = [c for c in pool if c not in mine]
+    mixed = list(own) + rng.sample(others, max(0, min(len(others), passages - len(own))))
+    rng.shuffle(mixed)
+    return mixed
+
+
 def with_passages(items: list[dict], pool: list[dict], passages: int, seed: int) -> list[dict]:
     """Each item with distractors from ``pool``'s other items (the same set and split) added up to ``passages``
     chunks, then shuffled: the many-passage setting, where independent encoding costs the most. An item that has
     ``passages`` or more already keeps its own."""
     rng = random.Random(f"passages:{seed}")
     chunks = list(dict.fromkeys(c for it in pool for c in it["chunks"]))
-    out = []
-    for it in items:
-        own = set(it["chunks"])
-        extra = rng.sample([c for c in chunks if c not in own], max(0, min(passages - len(own), len(chunks) - len(own))))
-        mixed = list(it["chunks"]) + extra
-        rng.shuffle(mixed)
-        out.append({**it, "chunks": mixed})
-    return out
+    return [{**it, "chunks": mix_in(it["chunks"], chunks, passages, rng)} for it in items]
 
 
 def load_nq(path: Path, n: int, distractors: int, seed: int, split: str = "all") -> list[dict]:

@@ -64,8 +64,4 @@ class PromptSampler:
         order = list(range(len(self.questions)))
         random.Random(f"{self.seed}:epoch:{epoch}").shuffle(order)
         q = self.questions[order[at]]
-        want = max(len(q.passages), rng.choice(self.passages))
-        others = [p for p in self.pool[q.dataset] if p not in q.passages]
-        chunks = list(q.passages) + rng.sample(others, min(len(others), want - len(q.passages)))
-        rng.shuffle(chunks)
-        return q.question, chunks
+        return q.question, quality.mix_in(q.passages, self.pool[q.dataset], rng.choice(self.passages), rng)
