@@ -6,8 +6,9 @@
 #   call N (carry .model/N .whl .data):         bash benchmarks/device_model.sh stage && bash benchmarks/quality_gpu.sh SECONDS "STRATEGIES" [SETS]
 #   more calls, same command, while still warm:   the evals resume (--resume) where the last call stopped
 # SETS, space-separated: "nq" and "hotpotqa" are the whole sets as issue 14 ran them (NQ_WORKERS, HP_WORKERS);
-# NAME:SPLIT:N[:WORKERS] is N questions of one split (tune or report) of any set lazyrag eval knows, e.g.
-# "nq:tune:240:4 squad:tune:240:3" (nq and hotpotqa read .data, the others benchmarks/data; HotpotQA shuffled).
+# NAME:SPLIT:N[:WORKERS[:PASSAGES]] is N questions of one split (tune or report) of any set lazyrag eval knows, e.g.
+# "nq:tune:240:4 squad:report:120:2:20" (nq and hotpotqa read .data, the others benchmarks/data; HotpotQA shuffled;
+# PASSAGES: eval --passages). ADAPTER=FOLDER: every eval of the call with that adapter (tags end in _tuned).
 # Here, beforehand: `bash benchmarks/device_model.sh cut 40` (.model/0..2); .whl/ the gguf wheel
 # (device README); .data/ a copy of ../shared/data (hotpotqa_dev_500.jsonl may travel gzip'd), and in
 # .data/partial/ the *.partial.jsonl of an earlier machine, if the runs are to go on from there; or SKIP_FROM=DIR
@@ -24,10 +25,12 @@ budget=${1:?seconds}; strategies=${2:?strategies}; sets=${3:-"nq hotpotqa"}
 start=$(date +%s)
 M=$(bash benchmarks/device_model.sh join)
 [ -f .data/hotpotqa_dev_500.jsonl ] || gunzip -k .data/hotpotqa_dev_500.jsonl.gz
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+if [ -z "${INSTALLED:-}" ]; then  # INSTALLED=1: a caller that runs several of these at once installed already
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
+fi
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1  # the worker processes share the cores
 export LAZYRAG_KERNEL_AUTOTUNE=0  # each worker would autotune the kernels again: the default configs
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
 nvidia-smi --query-gpu=index,name,memory.used --format=csv
 Q=/tmp/q
 mkdir -p "$Q"
@@ -58,9 +61,11 @@ for d in $sets; do
     nq) run nq "${NQ_WORKERS:-4}" 32 --dataset nq --n 2655 $(data_of nq) & tags+=(nq) ;;
     hotpotqa) run hotpotqa "${HP_WORKERS:-2}" 16 --dataset hotpotqa --n 500 $(data_of hotpotqa) & tags+=(hotpotqa) ;;
     *:*:*)
-      IFS=: read -r name split n workers <<< "$d"
-      run "${name}_${split}" "${workers:-2}" "${SPLIT_BATCH:-12}" --dataset "$name" --split "$split" --n "$n" $(data_of "$name") $(skip_of "$name" "$split") &
-      tags+=("${name}_${split}") ;;
+      IFS=: read -r name split n workers passages <<< "$d"
+      tag="${name}_${split}${passages:+_p$passages}${ADAPTER:+_tuned}"
+      run "$tag" "${workers:-2}" "${SPLIT_BATCH:-12}" --dataset "$name" --split "$split" --n "$n" $(data_of "$name") \
+        $(skip_of "$name" "$split") ${passages:+--passages "$passages"} ${ADAPTER:+--adapter "$ADAPTER"} &
+      tags+=("$tag") ;;
     *) echo "unknown set $d" >&2; exit 2 ;;
   esac
 done

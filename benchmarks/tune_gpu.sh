@@ -1,41 +1,85 @@
 #!/usr/bin/env bash
-# `lazyrag tune` of the embedded model on the GPU machine, then base vs tuned answers on report questions.
+# `lazyrag tune` of the embedded model on the GPU machine, then base vs tuned answers on the report parts.
 # The GGUF travels in parts (benchmarks/device_model.sh): calls 1..N-1 (carry .model/K) `bash benchmarks/device_model.sh stage`;
 # the last call (carry .model/N .whl .data):
-#   bash benchmarks/device_model.sh stage && bash benchmarks/tune_gpu.sh TRAIN_SECONDS EVAL_SECONDS [MAX_STEPS]
-# .whl: the gguf wheel; .data: ../shared/data's NQ file and HotpotQA (gzip'd). Writes $OUT/tune_gpu.tgz (the adapter,
-# its log.jsonl and lazyrag_tune.json, the eval reports and logs) and prints the KL and accuracy lines.
-# Eval: NQ report questions with 9 distractors (10 passages), the same seed for both models, so the questions and
-# passages are paired: base model (full, lazy, lazy+recover), tuned model (full, lazy).
+#   bash benchmarks/device_model.sh stage && bash benchmarks/tune_gpu.sh train SECONDS
+# then, next call on the still-warm machine (carry .whl .data):
+#   bash benchmarks/tune_gpu.sh eval SECONDS "SETS"      # SETS as quality_gpu.sh's NAME:SPLIT:N:WORKERS:PASSAGES
+# train: CONFIGS (default below: two learning rates) are LoRA settings trained side by side, one process each, on the one GPU; each
+# first runs 20 steps to time a step, then resumes with as many steps as fit in SECONDS (the cosine schedule ends
+# there). The config with the lowest held-out KL (tuned lazy vs base full, on tune-part prompts) becomes
+# /tmp/t/adapter. eval: quality_gpu.sh twice at once on the same questions: the base model (BASE_STRATEGIES) and
+# the tuned one (TUNED_STRATEGIES). Everything comes back in $OUT/tune_gpu.tgz and $OUT/quality_gpu.tgz.
 set -u
-train=${1:?train seconds}; evals=${2:?eval seconds}; steps=${3:-3000}
-M=$(bash benchmarks/device_model.sh join) || exit 1
+mode=${1:?train or eval}; budget=${2:?seconds}
+start=$(date +%s)
+M=${MODEL:-$(bash benchmarks/device_model.sh join)} || exit 1  # MODEL: another checkpoint
 [ -f .data/hotpotqa_dev_500.jsonl ] || gunzip -k .data/hotpotqa_dev_500.jsonl.gz
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 LAZYRAG_KERNEL_AUTOTUNE=0
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || { echo "install failed"; exit 3; }
-python3 -c "import torch, peft, transformers; print(torch.cuda.get_device_name(), 'peft', peft.__version__, 'transformers', transformers.__version__)"
 T=/tmp/t; mkdir -p $T
-trap 'tar czf "$OUT/tune_gpu.tgz" -C "$T" . 2>/dev/null || true' EXIT
+if [ "$mode" = eval ]; then
+  sets=${3:?sets}
+  export INSTALLED=1
+  bash benchmarks/quality_gpu.sh "$budget" "${BASE_STRATEGIES:-full,lazy,lazy+recover}" "$sets" > $T/eval_base.txt 2>&1 &
+  ADAPTER=$T/adapter bash benchmarks/quality_gpu.sh "$budget" "${TUNED_STRATEGIES:-full,lazy,lazy+recover}" "$sets" > $T/eval_tuned.txt 2>&1 &
+  wait
+  grep -h "accuracy\|^ *full\|^ *lazy\|exited" $T/eval_base.txt $T/eval_tuned.txt | head -80
+  exit 0
+fi
+python3 -c "import torch, peft, transformers; print(torch.cuda.get_device_name(), 'peft', peft.__version__, 'transformers', transformers.__version__)"
+trap 'tar czf "$OUT/tune_gpu.tgz" -C "$T" --exclude=checkpoint --exclude=.checkpoint.old --exclude=teacher_answers.jsonl . 2>/dev/null || true' EXIT
 data="--data nq=.data/nq_open_oracle_2655.jsonl.gz --data hotpotqa=.data/hotpotqa_dev_500.jsonl"
-timeout $((train + 60)) python3 -m lazyrag.cli tune --model "$M" --out $T/adapter $data --max-steps "$steps" \
-    --time-limit "$train" --eval-every 100 --save-every 100 --prompts-per-step ${PROMPTS:-8} ${TUNE_ARGS:-} > $T/tune_log.txt 2>&1 \
-    || echo "tune exited $?"
-grep -v "it/s\]\|step/s" $T/tune_log.txt | tail -5
-python3 - <<'PY'
-import json
-for line in open("/tmp/t/adapter/log.jsonl"):
-    r = json.loads(line)
-    if "tuned_lazy" in r:
-        print({k: round(v, 4) if isinstance(v, float) else v for k, v in r.items() if k in ("step", "base_lazy", "tuned_lazy", "tuned_full", "kl_lazy")})
+CONFIGS=${CONFIGS:-"r8_lr4e-4:--lora-rank=8:--lr=4e-4 r8_lr1.5e-3:--lora-rank=8:--lr=1.5e-3"}
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # two trainings share the GPU; their peaks differ by step
+one() {  # name options...: 20 steps to time a step, then as many as fit in the budget
+  local name=$1; shift
+  local out=$T/$name opts=("$@") steps
+  tune() {  # steps seconds
+    timeout $(( $2 + 90 )) python3 -m lazyrag.cli tune --model "$M" --out $out $data --max-steps "$1" --time-limit "$2" \
+      --eval-every 100 --save-every 50 --prompts-per-step ${PROMPTS:-8} "${opts[@]}" >> $T/${name}_log.txt 2>&1 \
+      || echo "$name: tune exited $?"
+  }
+  tune 20 $(( budget - ($(date +%s) - start) - 30 ))
+  steps=$(python3 - "$out/log.jsonl" $(( budget - ($(date +%s) - start) )) <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if '"seconds"' in l]
+per_step = ((rows[-1]["seconds"] - rows[0]["seconds"]) / (len(rows) - 1) if len(rows) > 1
+            else rows[0]["seconds"] / rows[0]["step"])
+left = float(sys.argv[2]) - 75  # the reload, the last held-out KL and the save
+print(max(20, rows[-1]["step"] + int(left / per_step)), f"{per_step:.3f}")
 PY
-ev() {  # tag seconds [options]
-  local tag=$1 secs=$2; shift 2
-  timeout $((secs + 60)) python3 -m lazyrag.cli eval --dataset nq --split report --n ${EVAL_N:-400} --distractors 9 \
-      --data .data/nq_open_oracle_2655.jsonl.gz --device cuda --dtype float32 --eager --batch 32 --max-new-tokens 16 \
-      --model "$M" --time-limit "$secs" --out $T/eval_$tag.json "$@" > $T/eval_${tag}_log.txt 2>&1 || echo "eval $tag exited $?"
-  grep -i "accuracy\|^strategy\|^full\|^lazy" $T/eval_${tag}_log.txt | head -8 | sed "s/^/$tag: /"
+)
+  [ -n "$steps" ] || { echo "$name: no steps timed"; return; }
+  echo "$name: ${steps#* } s/step -> ${steps% *} steps"
+  tune "${steps% *}" $(( budget - ($(date +%s) - start) - 15 ))
 }
-half=$((evals / 2))
-ev base $half --strategies full,lazy,lazy+recover
-ev tuned $half --strategies full,lazy --adapter $T/adapter
+for c in $CONFIGS; do
+  IFS=: read -r name o1 o2 <<< "$c"
+  one "$name" "$o1" "$o2" &
+done
+wait
+python3 - <<'PY'
+import json, pathlib, shutil
+best = None
+for d in sorted(pathlib.Path("/tmp/t").iterdir()):
+    log = d / "log.jsonl"
+    if not log.is_file():
+        continue
+    rows = [json.loads(l) for l in open(log)]
+    dev = [r for r in rows if "tuned_lazy" in r]
+    base = next((r["base_lazy"] for r in rows if "base_lazy" in r), None)
+    if not dev:
+        continue
+    last = dev[-1]
+    print(f"{d.name}: step {last['step']}, KL lazy base {base:.4f} -> tuned {last['tuned_lazy']:.4f}, tuned full {last['tuned_full']:.4f}")
+    for r in dev:
+        print(f"   step {r['step']}: lazy {r['tuned_lazy']:.4f} full {r['tuned_full']:.4f}")
+    if (d / "adapter_config.json").is_file() and (best is None or last["tuned_lazy"] < best[1]):
+        best = (d, last["tuned_lazy"])
+if best:
+    shutil.rmtree("/tmp/t/adapter", ignore_errors=True)
+    shutil.copytree(best[0], "/tmp/t/adapter", ignore=shutil.ignore_patterns("checkpoint", ".checkpoint*", "teacher_answers.jsonl"))
+    print("adapter:", best[0].name)
+PY

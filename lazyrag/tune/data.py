@@ -13,6 +13,7 @@ import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import lazyrag.eval as quality
 
@@ -49,9 +50,10 @@ class PromptSampler:
     """Deterministic prompts: the ``i``-th draw depends on the seed and ``i`` alone, so a resumed run draws what
     the interrupted one would have."""
 
-    def __init__(self, questions: list[Question], passages: tuple[int, ...], seed: int):
+    def __init__(self, questions: list[Question], passages: tuple[int, ...], seed: int,
+                 too_long: Callable[[str, list[str]], bool] | None = None):
         assert questions, "no training questions"
-        self.questions, self.passages, self.seed = questions, tuple(passages), seed
+        self.questions, self.passages, self.seed, self.too_long = questions, tuple(passages), seed, too_long
         self.pool: dict[str, list[str]] = {}
         for q in questions:
             self.pool.setdefault(q.dataset, []).extend(q.passages)
@@ -64,4 +66,11 @@ class PromptSampler:
         order = list(range(len(self.questions)))
         random.Random(f"{self.seed}:epoch:{epoch}").shuffle(order)
         q = self.questions[order[at]]
-        return q.question, quality.mix_in(q.passages, self.pool[q.dataset], rng.choice(self.passages), rng)
+        chunks = quality.mix_in(q.passages, self.pool[q.dataset], rng.choice(self.passages), rng)
+        own = set(q.passages)
+        while self.too_long is not None and self.too_long(q.question, chunks):  # over the context: fewer distractors, then fewer passages
+            distractors = [k for k, c in enumerate(chunks) if c not in own] or list(range(1, len(chunks)))
+            if not distractors:
+                break
+            del chunks[distractors[-1]]
+        return q.question, chunks

@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 TEACHER_FILE = "teacher_answers.jsonl"
+TEACHER_BLOCK = 25  # steps whose teacher answers are generated together
+TEACHER_KV_BYTES = 2 << 30  # the teacher engine's KV pool: room for a block's prompts beside training
 CHECKPOINT = "checkpoint"
 # fields that may change between a run and its resume (the rest must match, or the resume is refused)
 RESUMABLE = {"max_steps", "progress", "eval_every", "save_every", "out", "device", "time_limit"}
@@ -126,40 +128,66 @@ class Tuner:
         questions = [q for name in c.sets for q in load_questions(name, c.data.get(name))]
         train = [q for q in questions if not is_dev(q.question)]
         dev = [q for q in questions if is_dev(q.question)]
-        self.sampler = PromptSampler(train, c.passages, c.seed)
-        self.dev_sampler = PromptSampler(dev or train, c.passages, c.seed + 1)
+        self.sampler = PromptSampler(train, c.passages, c.seed, self.too_long)
+        self.dev_sampler = PromptSampler(dev or train, c.passages, c.seed + 1, self.too_long)
+        self._answers: dict[str, list[int]] | None = None
+        self._engine = None
+
+    def too_long(self, question: str, chunks: list[str]) -> bool:
+        """Whether the prompt and its answer overrun the model's context (the sampler then drops distractors)."""
+        layout = self.prompts.build(question, chunks)
+        n = max(len(layout.prefix_ids), len(layout.encoding_prefix)) + sum(map(len, layout.chunk_ids)) + len(layout.question_ids)
+        return n + self.config.answer_tokens > self.base.config.max_position_embeddings
+
+    def train_draws(self, first_step: int, end_step: int) -> list[tuple[str, tuple[str, list[str]]]]:
+        n = self.config.prompts_per_step
+        return [(f"train:{s}:{j}", self.sampler.draw(s * n + j)) for s in range(first_step, min(end_step, self.config.max_steps))
+                for j in range(n)]
 
     # -- teacher answers: the base model's greedy full prefill, by the engine, once ---------------------------
 
     def teacher_answers(self, draws: list[tuple[str, tuple[str, list[str]]]]) -> dict[str, list[int]]:
-        """{draw id: answer token ids} for every draw, from the file where they are kept (computed where missing)."""
+        """{draw id: answer token ids} for ``draws`` and every draw answered before, from the file where they are
+        kept; the missing ones are generated now (a run answers one block of steps at a time, so a time limit
+        never waits for answers to steps it will not reach)."""
         path = self.out / TEACHER_FILE
-        known: dict[str, list[int]] = {}
-        if path.is_file():
-            for line in path.read_text().splitlines():
-                try:
-                    row = json.loads(line)
-                    known[row["id"]] = row["answer"]
-                except (json.JSONDecodeError, KeyError):
-                    break  # a line cut short by a kill: the rest is computed again
-        missing = [(i, d) for i, d in draws if i not in known]
+        if self._answers is None:
+            self._answers = {}
+            if path.is_file():
+                for line in path.read_text().splitlines():
+                    try:
+                        row = json.loads(line)
+                        self._answers[row["id"]] = row["answer"]
+                    except (json.JSONDecodeError, KeyError):
+                        break  # a line cut short by a kill: the rest is computed again
+        missing = [(i, d) for i, d in draws if i not in self._answers]
         if missing:
-            self._generate(missing, known, path)
-        return known
+            self._generate(missing, self._answers, path)
+        return self._answers
+
+    def _teacher_engine(self):
+        """The base model's engine, made once, before an adapter wraps the model (its weights are copies)."""
+        if self._engine is None:
+            from lazyrag.engine import LazyEngine
+
+            c = self.config
+            self._engine = LazyEngine.from_hf(
+                self.base, self.tokenizer, model_name=self.model_name, device=self.device,
+                dtype=torch.bfloat16 if self.device.type == "cuda" else torch.float32,
+                system_prompt=c.system_prompt, encoding_passage=c.encoding_passage, kv_budget=TEACHER_KV_BYTES,
+                cuda_graphs=False, compile_elementwise=False)  # a batch job beside training: no capture or compile
+        return self._engine
 
     def _generate(self, missing, known: dict, path: Path) -> None:
         from tqdm import tqdm
 
-        from lazyrag.engine import LazyEngine, SamplingParams
+        from lazyrag.engine import SamplingParams
 
         c = self.config
-        engine = LazyEngine.from_hf(self.base, self.tokenizer, model_name=self.model_name, device=self.device,
-                                    dtype=torch.bfloat16 if self.device.type == "cuda" else torch.float32,
-                                    system_prompt=c.system_prompt, encoding_passage=c.encoding_passage,
-                                    cuda_graphs=False, compile_elementwise=False)  # a one-off batch job: no capture or compile
+        engine = self._teacher_engine()
         eos = self.tokenizer.eos_token_id
         params = SamplingParams(max_new_tokens=c.answer_tokens, strategy="full")
-        bar = tqdm(total=len(missing), desc="teacher answers", unit="prompt", disable=not c.progress)
+        bar = tqdm(total=len(missing), desc="teacher answers", unit="prompt", disable=not c.progress, leave=False)
         with open(path, "a") as f:
             for at in range(0, len(missing), 64):
                 group = missing[at : at + 64]
@@ -174,9 +202,6 @@ class Tuner:
                 f.flush()
                 bar.update(len(group))
         bar.close()
-        del engine
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
 
     # -- the model being tuned ---------------------------------------------------------------------------------
 
@@ -284,10 +309,9 @@ class Tuner:
             done = json.loads(finished.read_text())
             if done.get("identity") == c.identity() and done.get("steps", 0) >= c.max_steps:
                 return TuneResult(self.out, done["steps"], 0.0, done.get("dev_kl", {}))
-        draws = [(f"train:{s}:{j}", self.sampler.draw(s * c.prompts_per_step + j))
-                 for s in range(c.max_steps) for j in range(c.prompts_per_step)]
         dev_draws = [(f"dev:{j}", self.dev_sampler.draw(j)) for j in range(c.dev_prompts)]
-        answers = self.teacher_answers(draws + dev_draws)
+        self._teacher_engine()  # before the adapter wraps the base model
+        answers = self.teacher_answers(dev_draws)
         student = self.build_student()
         params = [p for p in student.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=c.learning_rate, weight_decay=0.0)
@@ -312,7 +336,9 @@ class Tuner:
                     self._log(history[-1])
                 self.checkpoint(student, optimizer, scheduler, step, history)
                 break
-            batch = self.examples(draws[step * c.prompts_per_step : (step + 1) * c.prompts_per_step], answers)
+            if f"train:{step}:0" not in answers:
+                answers = self.teacher_answers(self.train_draws(step, step + TEACHER_BLOCK))
+            batch = self.examples(self.train_draws(step, step + 1), answers)
             with self._autocast():
                 t = self.teacher_logits(student, full_logits, batch)
                 loss_lazy = kl_to(t, lazy_logits(student, batch, self.passage_ids))
@@ -327,7 +353,7 @@ class Tuner:
             bar.update(1)
             bar.set_postfix(kl_lazy=f"{loss_lazy.item():.4f}", kl_full=f"{loss_full.item():.4f}")
             row = {"step": step, "loss": loss.item(), "kl_lazy": loss_lazy.item(), "kl_full": loss_full.item(),
-                   "lr": scheduler.get_last_lr()[0]}
+                   "lr": scheduler.get_last_lr()[0], "seconds": round(time.perf_counter() - t0, 2)}
             if dev and (step % c.eval_every == 0 or step == c.max_steps):
                 row.update(self.dev_kl(student, dev))
             history.append(row)
@@ -335,6 +361,9 @@ class Tuner:
             if step % c.save_every == 0 or step == c.max_steps:
                 self.checkpoint(student, optimizer, scheduler, step, history)
         bar.close()
+        self._engine = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
         if step < c.max_steps:
             log.info("lazyrag tune stopped at step %d of %d (time limit); rerun to go on", step, c.max_steps)
         last_dev = next((h for h in reversed(history) if "tuned_lazy" in h), {})
