@@ -68,32 +68,47 @@ def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
+def _layer(layer, x, cos, sin, mask, past_k, past_v):
+    """One decoder layer: ``x [B, T, hidden]`` -> (its output, this layer's new K and V ``[B, Hkv, T, D]``)."""
+    attn = layer.self_attn
+    B, T, _ = x.shape
+    hd = attn.head_dim
+    h = layer.input_layernorm(x)
+    q = attn.q_proj(h).view(B, T, -1, hd).transpose(1, 2)  # [B, H, T, D]
+    k = attn.k_proj(h).view(B, T, -1, hd).transpose(1, 2)  # [B, Hkv, T, D]
+    v = attn.v_proj(h).view(B, T, -1, hd).transpose(1, 2)
+    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    new_k, new_v = k, v
+    if past_k is not None:
+        k, v = torch.cat((past_k, k), dim=2), torch.cat((past_v, v), dim=2)
+    groups = q.shape[1] // k.shape[1]
+    o = F.scaled_dot_product_attention(q, _repeat_kv(k, groups), _repeat_kv(v, groups), attn_mask=mask,
+                                       is_causal=mask is None, scale=attn.scaling)
+    x = x + attn.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+    x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return x, new_k, new_v
+
+
 def _layers(model, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
             past: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
     """Run ``x [B, T, hidden]`` through every layer; returns the last hidden states and each layer's new (K, V)
     ``[B, Hkv, T, D]`` (K rotated at ``positions``). ``past``: each layer's context K/V ``[B, Hkv, N, D]``,
     attended to before the new tokens; ``mask [B, 1, T, N + T]``: True where a token may attend; None: plain
-    causal (right padding needs no mask: no real token sees a later one), which flash attention runs."""
-    decoder, layers, _, _, rotary = _modules(model)
+    causal (right padding needs no mask: no real token sees a later one), which flash attention runs.
+    With gradients on, each layer's activations are recomputed in the backward pass instead of kept (a step of
+    eight 20-passage prompts would otherwise hold tens of GB)."""
+    from torch.utils.checkpoint import checkpoint
+
+    _, layers, _, _, rotary = _modules(model)
     cos, sin = _rope(rotary, x, positions)
     new_kv = []
     for i, layer in enumerate(layers):
-        attn = layer.self_attn
-        B, T, _ = x.shape
-        hd = attn.head_dim
-        h = layer.input_layernorm(x)
-        q = attn.q_proj(h).view(B, T, -1, hd).transpose(1, 2)  # [B, H, T, D]
-        k = attn.k_proj(h).view(B, T, -1, hd).transpose(1, 2)  # [B, Hkv, T, D]
-        v = attn.v_proj(h).view(B, T, -1, hd).transpose(1, 2)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        pk, pv = past[i] if past is not None else (None, None)
+        if torch.is_grad_enabled():
+            x, k, v = checkpoint(_layer, layer, x, cos, sin, mask, pk, pv, use_reentrant=False)
+        else:
+            x, k, v = _layer(layer, x, cos, sin, mask, pk, pv)
         new_kv.append((k, v))
-        if past is not None:
-            k, v = torch.cat((past[i][0], k), dim=2), torch.cat((past[i][1], v), dim=2)
-        groups = q.shape[1] // k.shape[1]
-        o = F.scaled_dot_product_attention(q, _repeat_kv(k, groups), _repeat_kv(v, groups), attn_mask=mask,
-                                           is_causal=mask is None, scale=attn.scaling)
-        x = x + attn.o_proj(o.transpose(1, 2).reshape(B, T, -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
     return x, new_kv
 
 
