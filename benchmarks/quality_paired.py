@@ -5,7 +5,8 @@ at n = 500 mostly cancels in the difference).
 
     python benchmarks/quality_paired.py --dataset nq --n 500 RUN.json [RUN.json ...] --out OUT.json
 
-Runs are matched by question (JSON written since the runs list their questions) or, for older
+A run made with ``--adapter`` (JSON field ``adapter``) shows as "tuned STRATEGY", so base and tuned runs of
+the same questions pair up. Runs are matched by question (JSON written since the runs list their questions) or, for older
 JSON, by position in the item list that --dataset/--n/--seed rebuild. Writes OUT.json and OUT.png.
 """
 import argparse
@@ -37,8 +38,9 @@ def main() -> None:
         run = json.loads(path.read_text())
         questions = run.get("questions") or [it["question"] for it in items[: run["n"]]]
         for s, texts in run["answers"].items():
-            answers[s] = dict(zip(questions, texts))
-            recomputed[s] = run["summary"][s]["recomputed_pct_of_chunk_tokens"]
+            label = f"tuned {s}" if run.get("adapter") else s  # a tuned model's run beside the base model's
+            answers[label] = dict(zip(questions, texts))
+            recomputed[label] = run["summary"][s]["recomputed_pct_of_chunk_tokens"]
     common = [q for q in answers[args.reference] if q in golds and all(q in by_q for by_q in answers.values())]
     scores = {s: {"acc": [accuracy(by_q[q], golds[q]) for q in common], "f1": [f1(by_q[q], golds[q]) for q in common]}
               for s, by_q in answers.items()}

@@ -78,13 +78,16 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 
 def _adapter_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--adapter", default=None, metavar="FOLDER",
+    p.add_argument("--adapter", default=None, metavar="FOLDER|embedded|none",
                    help="a LoRA adapter from `lazyrag tune`, merged into the model at load (the model's fingerprint then "
-                        "differs: stores and caches of the base model are refused for it)")
+                        "differs: stores and caches of the base model are refused for it); `embedded`: the one shipped "
+                        "for the embedded model, tuned so that `lazy` answers more like a full prefill (needs peft: "
+                        "pip install 'lazyrag[tune]'); none (the default): the model as it is")
 
 
 def _adapter(args) -> dict:
-    return {"adapter": args.adapter} if getattr(args, "adapter", None) else {}
+    adapter = getattr(args, "adapter", None)
+    return {"adapter": adapter} if adapter and adapter.lower() != "none" else {}
 
 
 def _passage_arg(p: argparse.ArgumentParser) -> None:

@@ -39,6 +39,10 @@ for name in sorted(installed - {"lazyrag.__main__"}):
     importlib.import_module(name)
 print(f"imported {len(installed) - 1} modules from {site}")
 assert (Path(lazyrag.__file__).parent / "data" / "demo_corpus.json").is_file(), "package data missing"
+from lazyrag.tune.adapter import EMBEDDED_FOLDER  # noqa: E402
+
+assert {"adapter_config.json", "adapter_model.safetensors", "lazyrag_tune.json"} <= {p.name for p in EMBEDDED_FOLDER.iterdir()}, \
+    "the embedded adapter is missing from the wheel"
 
 from lazyrag import LazyEngine  # noqa: E402
 

@@ -26,7 +26,7 @@ class SchedulerConfig:
 @dataclass
 class EngineConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct; or a local Llama folder or .gguf file
-    adapter: str | None = None  # a LoRA adapter folder (``lazyrag tune``) merged into the model at load
+    adapter: str | None = None  # a LoRA adapter folder (``lazyrag tune``) merged at load; "embedded": the shipped one
     device: str | torch.device | None = None  # None: cuda when available, else cpu
     dtype: str | torch.dtype | None = None  # None: bfloat16 on cuda, float32 on cpu
     kv_budget: int | None = None  # bytes of the paged KV pool; None: 8 GiB on cuda, 1 GiB on cpu
@@ -58,6 +58,8 @@ class EngineConfig:
     defaulted: tuple[str, ...] = field(default=(), repr=False, compare=False)
 
     def __post_init__(self):
+        if self.adapter is not None and str(self.adapter).lower() == "none":
+            self.adapter = None
         self.defaulted = tuple(f for f in _RESOLVED if getattr(self, f) is None) + (
             ("async_scheduling",) if self.scheduler.async_scheduling is None else ())
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if self.device is None else torch.device(self.device)

@@ -191,11 +191,11 @@ class LazyEngine:
                 raise ValueError("An adapter is merged into the whole model at load, which tensor parallelism does not "
                                  "hold in one process: merge it into a model folder first (peft's merge_and_unload, then "
                                  "save_pretrained) and pass that folder as the model.")
-            from lazyrag.tune.adapter import apply_adapter
+            from lazyrag.tune.adapter import adapter_folder, apply_adapter
 
             hf_model, tokenizer = load_checkpoint(source, torch.float32)  # merged in float32, then cast once
             hf_model = apply_adapter(hf_model, cfg.adapter)
-            return cls.from_hf(hf_model, tokenizer, model_name=f"{source.name}+{Path(cfg.adapter).name}", config=cfg)
+            return cls.from_hf(hf_model, tokenizer, model_name=f"{source.name}+{adapter_folder(cfg.adapter).name}", config=cfg)
         if cfg.tensor_parallel_size == 1:
             hf_model, tokenizer = load_checkpoint(source, cfg.dtype)
             return cls.from_hf(hf_model, tokenizer, model_name=source.name, config=cfg)

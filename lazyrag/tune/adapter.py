@@ -13,6 +13,13 @@ from pathlib import Path
 import torch
 
 TUNE_FILE = "lazyrag_tune.json"
+EMBEDDED = "embedded"  # the adapter shipped for the embedded default model (SmolLM2-135M-Instruct)
+EMBEDDED_FOLDER = Path(__file__).resolve().parent.parent / "data" / "adapters" / "smollm2-135m-instruct-lazy"
+
+
+def adapter_folder(adapter: str | Path) -> Path:
+    """The folder of ``adapter``: a path, or ``"embedded"`` for the one shipped with the package."""
+    return EMBEDDED_FOLDER if str(adapter) == EMBEDDED else Path(adapter)
 
 
 def base_id(hf_model) -> str:
@@ -34,8 +41,9 @@ def read_record(path: str | Path) -> dict:
 
 
 def apply_adapter(hf_model, path: str | Path):
-    """``hf_model`` with the LoRA adapter in ``path`` merged into its weights (a plain transformers model again)."""
-    path = Path(path)
+    """``hf_model`` with the LoRA adapter in ``path`` (or ``"embedded"``) merged into its weights (a plain
+    transformers model again)."""
+    path = adapter_folder(path)
     if not (path / "adapter_config.json").is_file():
         hint = (" It holds a whole model: pass it as the model instead (--model / from_pretrained(path))."
                 if (path / "config.json").is_file() else "")

@@ -137,3 +137,19 @@ def test_an_adapter_is_refused_on_another_base_model(tiny_folder, tmp_path, defa
         LazyEngine.from_pretrained(str(tmp_path / "other"), adapter=str(tmp_path / "a"), device="cpu", kv_budget=16 << 20)
     with pytest.raises(ValueError, match="not a LoRA adapter"):
         LazyEngine.from_pretrained(str(tiny_folder / "model"), adapter=str(tmp_path / "other"), device="cpu")
+
+
+def test_the_embedded_adapter_is_tuned_from_the_embedded_model_and_merges(default_hf):
+    import copy
+
+    from lazyrag.engine.config import EngineConfig
+    from lazyrag.tune.adapter import EMBEDDED, adapter_folder, apply_adapter, base_id, read_record
+
+    hf, _ = default_hf
+    record = read_record(adapter_folder(EMBEDDED))
+    assert record["base_id"] == base_id(hf)  # not refused on the model it ships with
+    assert record["dev_kl"]["tuned_lazy"] < record["dev_kl"]["base_lazy"]
+    merged = apply_adapter(copy.deepcopy(hf), EMBEDDED)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.allclose(merged.state_dict()[name], hf.state_dict()[name])
+    assert EngineConfig(adapter="none").adapter is None and EngineConfig(adapter="embedded").adapter == "embedded"
