@@ -299,6 +299,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                         "admitted for want of room, waits there and comes back by a copy instead of an encode (default: none)")
     p.add_argument("--max-pending", type=int, default=256, help="generations in flight before new requests get HTTP 503 (default: %(default)s)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ requests (default: no key)")
+    p.add_argument("--no-pasted-context", dest="pasted_context", action="store_false",
+                   help="reuse only chunks sent as `documents` or already known; by default the paragraphs pasted into a "
+                        "prompt (a LangChain or LlamaIndex RAG prompt's retrieved texts) are cached on first sight and "
+                        "reused in any order from the next request on")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"], help="uvicorn's log level")
     p.add_argument("--replicas", type=int, default=1,
                    help="engines behind the one endpoint, each its own process (Ray Serve; pip install 'lazyrag[replicas]'). "
@@ -781,7 +785,8 @@ def _serve(args) -> int:
         retriever = Retriever(engine.attach_store(args.store))
     config = ServerConfig(model_name=args.served_model_name or engine.model_name, max_tokens=args.max_tokens,
                           temperature=args.temperature, strategy=args.strategy, k=args.k, max_pending=args.max_pending,
-                          api_key=args.api_key, aliases=() if args.served_model_name else model_aliases(engine.model_name))
+                          api_key=args.api_key, aliases=() if args.served_model_name else model_aliases(engine.model_name),
+                          pasted_context=args.pasted_context)
     print(f"lazyrag serve: {config.model_name} on {engine.device} at http://{args.host}:{args.port}/v1 "
           f"(default strategy {config.strategy}{', store ' + str(args.store.path) if args.store is not None else ''})",
           file=sys.stderr)
@@ -799,7 +804,7 @@ def _serve_replicas(args) -> int:
     from lazyrag.server.replicas import ReplicaSpec, run
 
     server = {"max_tokens": args.max_tokens, "temperature": args.temperature, "strategy": args.strategy, "k": args.k,
-              "max_pending": args.max_pending}
+              "max_pending": args.max_pending, "pasted_context": args.pasted_context}
     if args.served_model_name:
         server["model_name"] = args.served_model_name
     spec = ReplicaSpec(model=args.model, device=args.device, dtype=args.dtype, kv_budget=args.kv_budget, **_passage(args),

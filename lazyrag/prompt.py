@@ -8,6 +8,7 @@ so a chunk's token ids never depend on its neighbours and its KV can be reused a
 from __future__ import annotations
 
 import hashlib
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -241,6 +242,35 @@ class PromptBuilder:
             question_ids=self.question_ids(question, system),
             chunk_texts=list(chunks),
         )
+
+
+PASTED_MIN_CHARS = 80  # a shorter paragraph (a heading, a "Question: ..." line) is not worth a cache entry
+# a line that only separates: LlamaIndex's "---------------------" around the context, "=====", "***", "###"
+_SEPARATOR_LINE = re.compile(r"^\s*([-=_*#~])\1{2,}\s*$")
+_HEADING_LINE = re.compile(r"^\s*[\w ]{1,40}:\s*$")  # "Context:", "Documents:" right above the first passage
+
+
+def pasted_passages(text: str, keep_last: bool = True, min_chars: int = PASTED_MIN_CHARS) -> list[str]:
+    """The passages a user pasted into ``text``: its paragraphs, split where RAG prompts split retrieved texts
+    (blank lines, as LangChain's stuffing chains and LlamaIndex's context join them; separator lines such
+    as LlamaIndex's dashes; heading lines such as "Context:"), of at least ``min_chars`` characters.
+
+    ``keep_last=False`` leaves the last paragraph out: in a message that ends with the question (every stock
+    RAG template's last user turn, or a raw completion prompt) that paragraph holds it, and it must be
+    computed in context, after the passages, not encoded on its own.
+    """
+    paragraphs, lines = [], []
+    for line in text.split("\n"):
+        if line.strip() and not _SEPARATOR_LINE.match(line) and not _HEADING_LINE.match(line):
+            lines.append(line)
+        elif lines:
+            paragraphs.append("\n".join(lines).strip())
+            lines = []
+    if lines:
+        paragraphs.append("\n".join(lines).strip())
+    if not keep_last:
+        paragraphs = paragraphs[:-1]
+    return [p for p in dict.fromkeys(paragraphs) if len(p) >= min_chars]
 
 
 class ChunkFinder:

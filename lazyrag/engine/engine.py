@@ -29,7 +29,7 @@ from lazyrag.model.llama import LlamaArgs, LlamaModel, build_rope
 from lazyrag.model.parallel import check_divisible, local_args, shard_hf_state_dict, shard_tensor
 from lazyrag.model.loader import (check_llama_config, fingerprint, load_checkpoint, load_config, load_sharded,
                                   resolve_model_source)
-from lazyrag.prompt import ChunkFinder, PromptBuilder, PromptLayout, check_chunks, check_layout, check_text
+from lazyrag.prompt import ChunkFinder, PromptBuilder, PromptLayout, check_chunks, check_layout, check_text, pasted_passages
 
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>")
 
@@ -332,6 +332,23 @@ class LazyEngine:
         """Make chunk texts findable inside free-form prompts (``layout_from_text``), e.g. retrieved nodes."""
         for text in texts:
             self.chunk_finder.add(text)
+
+    def register_pasted(self, prompt: "str | list[dict]") -> int:
+        """Make the passages pasted into a prompt reusable, as if they had come as chunks: a raw prompt (its
+        last paragraph, the question, left out) or chat messages (the paragraphs of user and system messages,
+        but the question paragraph of the last user message and a system message's first, its instructions).
+        From then on ``layout_from_text`` finds them in any prompt, in any order, and their KV is computed
+        once. Returns how many passages the prompt held (known or new)."""
+        if isinstance(prompt, str):
+            passages = pasted_passages(prompt, keep_last=False)
+        else:
+            users = [i for i, m in enumerate(prompt) if m.get("role") == "user"]
+            last = users[-1] if users else -1
+            passages = [p for i, m in enumerate(prompt) if m.get("role") in ("user", "system") and isinstance(m.get("content"), str)
+                        for p in pasted_passages(m["content"], keep_last=i != last)[m.get("role") == "system":]]
+        # a paragraph around a chunk known already (a store's, say) would hide it: that chunk is reused as it is
+        self.register_chunks(p for p in passages if not self.chunk_finder.find(p))
+        return len(passages)
 
     def layout_from_text(self, text: str) -> PromptLayout:
         """Lay out a finished prompt (chat template applied), reusing every known chunk found in it.

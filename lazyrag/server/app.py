@@ -43,6 +43,7 @@ class ServerConfig:
     max_pending: int = 256  # generations in flight before new requests get 503
     api_key: str | None = None  # when set, requests need ``Authorization: Bearer <key>``
     aliases: tuple[str, ...] = ()  # other ids accepted as ``model`` (model_aliases: the file's stem, say)
+    pasted_context: bool = True  # passages pasted into prompts (no ``documents`` field) are cached and reused
 
 
 def model_aliases(model_name: str) -> tuple[str, ...]:
@@ -179,6 +180,8 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
             raise APIError(400, "messages hold no user message: nothing to answer.", param="messages")
         last = users[-1]
         documents = body.document_texts()
+        if documents is None and config.pasted_context:
+            engine.register_pasted(messages)
         text = engine.render_chat(messages)
         # retrieve when asked to, or by default when a store is attached and the text holds no known chunk
         if documents is None and (body.retrieve or (body.retrieve is None and retriever is not None
@@ -195,6 +198,8 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
             documents = await _retrieved(prompt, body.k or config.k)
         if documents:  # the prompt is the question of the engine's RAG prompt, as engine.generate(prompt, documents)
             return engine.layout_from_text(engine.render_chat([{"role": "user", "content": _with_documents(prompt, documents)}]))
+        if config.pasted_context:
+            engine.register_pasted(prompt)
         return engine.layout_from_text(prompt)  # raw text: known chunks inside it are still reused
 
     async def _submit(layouts: list, body: _Common, max_tokens: int | None) -> list["RequestStream"]:

@@ -356,3 +356,106 @@ def test_a_gguf_served_under_its_file_name_also_answers_to_the_model_s_name():
     assert "SmolLM2-135M-Instruct" in model_aliases("SmolLM2-135M-Instruct.Q4_1.gguf")  # the README's snippet sends this
     assert model_aliases("Llama-3.1-8B-Instruct") == ()
     assert model_aliases("x.Q4_K_M.gguf") == ("x.Q4_K_M", "x")
+
+
+# Texts no store or earlier test holds: a RAG app's retrieved passages, pasted into its prompts
+PASTED = [
+    "The Velmar Observatory stands on a basalt ridge above the town of Ostrava Nova and houses a 2.4 metre telescope.",
+    "Keldon Bridge, a stone arch over the river Imbe, was rebuilt in 1794 after a spring flood carried off its centre span.",
+    "The Sorrel Company of weavers kept its guild hall in Market Lane until 1911, when the hall became a public library.",
+    "Lake Ormund freezes most winters; its ice road links the fishing villages of Hesk and Varo for about six weeks.",
+    "The painter Ilse Carrow spent her last twenty years in Tarn Hollow, painting the same orchard in every season.",
+]
+PASTED_QUESTIONS = ["Where does the Velmar Observatory stand?", "When was Keldon Bridge rebuilt?",
+                    "Where was the Sorrel Company's guild hall?", "Which villages does the ice road link?",
+                    "Where did Ilse Carrow spend her last years?"]
+
+
+@pytest.fixture
+def own_chunk_finder(adapter_engine):
+    """The passages these tests paste (and LlamaIndex's template paragraphs) stay out of the shared engine's
+    chunk finder after them: other modules' tests count the chunks of the same templates."""
+    from lazyrag.prompt import ChunkFinder
+
+    saved, adapter_engine.chunk_finder = adapter_engine.chunk_finder, ChunkFinder()
+    yield
+    adapter_engine.chunk_finder = saved
+
+
+def _cached_prompt_tokens(server) -> float:
+    text = httpx.get(f"{server.url}/metrics").text
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith("lazyrag_cached_prompt_tokens_total")))
+
+
+def _context_tokens(engine, passages) -> int:
+    return sum(len(engine.prompts.encode_chunk(p)) for p in passages)
+
+
+def test_a_stock_langchain_stuffing_chain_reuses_pasted_passages_in_any_order(server, adapter_engine, own_chunk_finder):
+    from langchain_core.documents import Document
+    from langchain_core.output_parsers import StrOutputParser
+    from langchain_core.prompts import ChatPromptTemplate
+    from langchain_openai import ChatOpenAI
+
+    # LangChain's RAG tutorial as written: the context in the system message, documents joined by blank lines
+    llm = ChatOpenAI(base_url=f"{server.url}/v1", api_key="unused", model=MODEL, temperature=0, max_tokens=12, max_retries=0)
+    prompt = ChatPromptTemplate.from_messages([
+        ("system", "You are an assistant for question-answering tasks. Use the following pieces of retrieved context "
+                   "to answer the question. If you don't know the answer, say that you don't know.\n\n{context}"),
+        ("human", "{question}")])
+    chain = prompt | llm | StrOutputParser()
+    context_tokens = _context_tokens(adapter_engine, PASTED)
+    for i, question in enumerate(PASTED_QUESTIONS):
+        docs = [Document(page_content=p) for p in PASTED[i:] + PASTED[:i]]  # every question its own order
+        context = "\n\n".join(d.page_content for d in docs)
+        before = _cached_prompt_tokens(server)
+        answer = chain.invoke({"context": context, "question": question})
+        reused = _cached_prompt_tokens(server) - before
+        if i:
+            assert reused >= 0.8 * context_tokens, (i, reused, context_tokens)
+        # the same text from Python, its passages known as chunks: the same greedy answer
+        messages = [{"role": m.type.replace("human", "user"), "content": m.content}
+                    for m in prompt.invoke({"context": context, "question": question}).messages]
+        text = adapter_engine.render_chat(messages)
+        from lazyrag.engine import SamplingParams
+
+        same = adapter_engine.submit(adapter_engine.layout_from_text(text), SamplingParams(12, strategy="lazy+recover")).result()
+        assert answer == same.text
+
+
+def test_a_llama_index_query_engine_over_openai_like_reuses_pasted_passages(server, adapter_engine, own_chunk_finder):
+    from llama_index.core.query_engine import RetrieverQueryEngine
+    from llama_index.core.retrievers import BaseRetriever
+    from llama_index.core.schema import NodeWithScore, TextNode
+    from llama_index.llms.openai_like import OpenAILike
+
+    class Shuffled(BaseRetriever):  # what a vector store would return: the same passages, ranked anew per question
+        turn = 0
+
+        def _retrieve(self, query_bundle):
+            i, Shuffled.turn = Shuffled.turn, Shuffled.turn + 1
+            order = PASTED[::-1][i:] + PASTED[::-1][:i]
+            return [NodeWithScore(node=TextNode(text=t), score=1.0 - k / 10) for k, t in enumerate(order)]
+
+    llm = OpenAILike(model=MODEL, api_base=f"{server.url}/v1", api_key="unused", context_window=8192, max_tokens=12,
+                     max_retries=0, timeout=120, temperature=0.0, is_chat_model=True)
+    engine = RetrieverQueryEngine.from_args(Shuffled(), llm=llm)
+    context_tokens = _context_tokens(adapter_engine, PASTED)
+    for i, question in enumerate(PASTED_QUESTIONS):
+        before = _cached_prompt_tokens(server)
+        response = engine.query(question)
+        assert str(response).strip()
+        if i:
+            assert _cached_prompt_tokens(server) - before >= 0.8 * context_tokens
+
+
+def test_pasted_passages_split_where_rag_prompts_split():
+    from lazyrag.prompt import pasted_passages
+
+    llama_index = ("Context information is below.\n---------------------\n" + "\n\n".join(PASTED[:3])
+                   + "\n---------------------\nGiven the context information and not prior knowledge, answer the query.\n"
+                   "Query: Where does the Velmar Observatory stand, and what does it house?\nAnswer: ")
+    assert pasted_passages(llama_index, keep_last=False) == PASTED[:3]  # the query's paragraph stays the question
+    assert pasted_passages("Short line.\n\n" + PASTED[0] + "\n\n***\n" + PASTED[1]) == PASTED[:2]
+    assert pasted_passages(PASTED[0], keep_last=False) == []
+    assert pasted_passages("Context:\n" + PASTED[0] + "\n\nQuestion: where?") == [PASTED[0]]
