@@ -4,7 +4,7 @@ Each retrieved chunk's KV cache is computed once, stored once, and reused at any
 of any prompt; the positional rotation (RoPE) for its actual place is applied lazily inside
 the attention kernels.
 """
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # CHANGELOG.md says what each version changed
 
 
 _PUBLIC = ("LazyEngine", "EngineConfig", "SamplingParams", "SchedulerConfig", "GenerationResult")

@@ -6,6 +6,7 @@ import os
 import sys
 from pathlib import Path
 
+from lazyrag import __version__
 from lazyrag.defaults import DEFAULT_EMBEDDER, MAX_K, QUIET_GGUF_ENV
 from lazyrag.kv.formats import STORED_KV_DTYPES, resolve_stored_dtype
 from lazyrag.strategy_names import check_strategy
@@ -137,6 +138,7 @@ def _tensor_parallel(args) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lazyrag", description=DESCRIPTION, epilog=EPILOG, formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"lazyrag {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     demo = sub.add_parser("demo", help="offline demo: cached chunks, answers of full / lazy / recovery marked right or wrong, TTFT",
