@@ -43,6 +43,12 @@ from lazyrag.tune.adapter import EMBEDDED_FOLDER  # noqa: E402
 
 assert {"adapter_config.json", "adapter_model.safetensors", "lazyrag_tune.json"} <= {p.name for p in EMBEDDED_FOLDER.iterdir()}, \
     "the embedded adapter is missing from the wheel"
+dist = distribution("lazyrag")
+assert dist.version == lazyrag.__version__, f"metadata version {dist.version} != lazyrag.__version__ {lazyrag.__version__}"
+assert (Path(lazyrag.__file__).parent / "py.typed").is_file(), "py.typed missing: type checkers would treat lazyrag as untyped"
+assert any(Path(str(f)).name == "LICENSE" for f in dist.files or []), "the LICENSE file is not in the wheel"
+assert any(r.replace(" ", "").startswith("lazyrag[retrieval];") and "llama-index" in r for r in dist.requires or []), \
+    f"the llama-index extra does not bring retrieval: {dist.requires}"
 
 from lazyrag import LazyEngine  # noqa: E402
 
