@@ -299,7 +299,11 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--host-gb", type=float, default=0.0, metavar="GB",
                    help="a host-RAM tier below the GPU pool (GiB, page-locked): chunk KV evicted from the pool, or not "
                         "admitted for want of room, waits there and comes back by a copy instead of an encode (default: none)")
-    p.add_argument("--max-pending", type=int, default=256, help="generations in flight before new requests get HTTP 503 (default: %(default)s)")
+    p.add_argument("--max-pending", type=int, default=256,
+                   help="generations in flight before new requests get HTTP 503; a request's n choices times its prompts "
+                        "count, reserved before any retrieval or tokenizing (default: %(default)s)")
+    p.add_argument("--max-request-mb", type=float, default=8.0, metavar="MB",
+                   help="a larger request body gets HTTP 413 before it is read (default: %(default)s)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ requests (default: no key)")
     p.add_argument("--no-pasted-context", dest="pasted_context", action="store_false",
                    help="reuse only chunks sent as `documents` or already known; by default the paragraphs pasted into a "
@@ -582,8 +586,8 @@ def _check_serve(args) -> None:
     _check_model(args.model)
     if not 0 < args.port < 65536:
         raise UsageError(f"--port {args.port} must be in 1-65535.")
-    if not 0 < args.k <= MAX_K or args.max_tokens <= 0 or args.max_pending <= 0:
-        raise UsageError(f"--k must be in 1-{MAX_K}; --max-tokens and --max-pending must be positive.")
+    if not 0 < args.k <= MAX_K or args.max_tokens <= 0 or args.max_pending <= 0 or not args.max_request_mb > 0:
+        raise UsageError(f"--k must be in 1-{MAX_K}; --max-tokens, --max-pending and --max-request-mb must be positive.")
     if not 0 <= args.temperature <= 100:
         raise UsageError("--temperature must be in [0, 100] (0 = greedy).")
     if not args.host_gb >= 0:
@@ -787,6 +791,7 @@ def _serve(args) -> int:
         retriever = Retriever(engine.attach_store(args.store))
     config = ServerConfig(model_name=args.served_model_name or engine.model_name, max_tokens=args.max_tokens,
                           temperature=args.temperature, strategy=args.strategy, k=args.k, max_pending=args.max_pending,
+                          max_request_bytes=int(args.max_request_mb * (1 << 20)),
                           api_key=args.api_key, aliases=() if args.served_model_name else model_aliases(engine.model_name),
                           pasted_context=args.pasted_context)
     print(f"lazyrag serve: {config.model_name} on {engine.device} at http://{args.host}:{args.port}/v1 "
@@ -806,7 +811,8 @@ def _serve_replicas(args) -> int:
     from lazyrag.server.replicas import ReplicaSpec, run
 
     server = {"max_tokens": args.max_tokens, "temperature": args.temperature, "strategy": args.strategy, "k": args.k,
-              "max_pending": args.max_pending, "pasted_context": args.pasted_context}
+              "max_pending": args.max_pending, "pasted_context": args.pasted_context,
+              "max_request_bytes": int(args.max_request_mb * (1 << 20))}
     if args.served_model_name:
         server["model_name"] = args.served_model_name
     spec = ReplicaSpec(model=args.model, device=args.device, dtype=args.dtype, kv_budget=args.kv_budget, **_passage(args),

@@ -44,6 +44,7 @@ class ServerConfig:
     api_key: str | None = None  # when set, requests need ``Authorization: Bearer <key>``
     aliases: tuple[str, ...] = ()  # other ids accepted as ``model`` (model_aliases: the file's stem, say)
     pasted_context: bool = True  # passages pasted into prompts (no ``documents`` field) are cached and reused
+    max_request_bytes: int = 8 << 20  # a larger request body gets 413 before it is read into memory
 
 
 def model_aliases(model_name: str) -> tuple[str, ...]:
@@ -59,6 +60,57 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param = status, message, type_, param
+
+
+class _Gate:
+    """Pure ASGI middleware: the API key, the request-size limit and the per-status request counter.
+
+    Not ``@app.middleware("http")``: Starlette's BaseHTTPMiddleware hands the endpoint a ``receive`` on which
+    ``Request.is_disconnected()`` never turns true, so a non-streaming client that hung up went on generating.
+    """
+
+    def __init__(self, app, config: ServerConfig, metrics: ServerMetrics, error):
+        self.app, self.config, self.metrics, self.error = app, config, metrics, error
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path, headers = scope["path"], dict(scope["headers"])
+        status = [500]
+
+        async def answer(code: int, message: str, type_: str):
+            status[0] = code
+            await self.error(code, message, type_)(scope, receive, send)
+
+        try:
+            key = self.config.api_key
+            if key and path.startswith("/v1/") and headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {key}":
+                return await answer(401, "Missing or wrong API key: send the header 'Authorization: Bearer <key>' "
+                                         "(lazyrag serve --api-key).", "authentication_error")
+            limit = self.config.max_request_bytes
+            too_large = (f"The request body is over {limit} bytes (lazyrag serve --max-request-mb): send fewer or "
+                         "shorter documents, or retrieve them from a store (--store).")
+            declared = headers.get(b"content-length", b"").decode("latin-1")
+            if declared.isdigit() and int(declared) > limit:
+                return await answer(413, too_large, "invalid_request_error")
+            received = [0]
+
+            async def counted_receive():  # a chunked body declares no length: count it as it arrives
+                message = await receive()
+                if message["type"] == "http.request":
+                    received[0] += len(message.get("body", b""))
+                    if received[0] > limit:  # FastAPI lets an HTTPException out of its body parsing as it is
+                        raise StarletteHTTPException(413, too_large)
+                return message
+
+            async def send_status(message):
+                if message["type"] == "http.response.start":
+                    status[0] = message["status"]
+                await send(message)
+
+            await self.app(scope, counted_receive, send_status)
+        finally:
+            self.metrics.requests.labels(path, str(status[0])).inc()
 
 
 def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever | None" = None) -> FastAPI:
@@ -93,16 +145,7 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
     async def _internal_error(request: Request, e: Exception):
         return _error(500, f"Internal error ({type(e).__name__}): {e}", "server_error")
 
-    @app.middleware("http")
-    async def _count_and_authorize(request: Request, call_next):
-        if config.api_key and request.url.path.startswith("/v1/"):
-            if request.headers.get("authorization", "") != f"Bearer {config.api_key}":
-                metrics.requests.labels(request.url.path, "401").inc()
-                return _error(401, "Missing or wrong API key: send the header 'Authorization: Bearer <key>' "
-                                   "(lazyrag serve --api-key).", "authentication_error")
-        response = await call_next(request)
-        metrics.requests.labels(request.url.path, str(response.status_code)).inc()
-        return response
+    app.add_middleware(_Gate, config=config, metrics=metrics, error=_error)
 
     # -- plain endpoints ------------------------------------------------------------------------
 
@@ -122,7 +165,9 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
 
     # -- requests into the engine ----------------------------------------------------------------
 
-    def _check(body: _Common) -> None:
+    def _check(body: _Common, generations: int) -> None:
+        """Refuse what is wrong with the request before any work; else reserve its generations under
+        --max-pending (released by _done, or by _release when the request fails before it is submitted)."""
         if body.model is not None and body.model not in (config.model_name, *config.aliases):
             raise APIError(404, f"The model {body.model!r} does not exist here; this server serves "
                                 f"{config.model_name!r} (GET /v1/models).", "invalid_request_error", "model")
@@ -130,9 +175,14 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
         if bad:
             raise APIError(400, f"Not supported by lazyrag serve: {', '.join(bad)}. Leave them out.", "invalid_request_error",
                            bad[0].split()[0])
-        if pending[0] + body.n > config.max_pending:
-            raise APIError(503, f"The server has {pending[0]} generations in flight (--max-pending {config.max_pending}); "
-                                "retry shortly.", "server_overloaded")
+        if pending[0] + generations > config.max_pending:
+            raise APIError(503, f"The server has {pending[0]} generations in flight and the request asks for "
+                                f"{generations} (--max-pending {config.max_pending}); retry shortly, or ask for fewer.",
+                           "server_overloaded")
+        pending[0] += generations
+
+    def _release(generations: int) -> None:
+        pending[0] -= generations
 
     def _params(body: _Common, max_tokens: int | None, num_prompt_tokens: int, choice: int):
         from lazyrag.engine import SamplingParams
@@ -154,7 +204,7 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
                                   top_k=-1 if body.top_k is None else body.top_k,
                                   repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
                                   presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
-                                  logprobs=body.engine_logprobs())
+                                  logprobs=body.engine_logprobs(), ignore_eos=bool(body.ignore_eos))
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
@@ -180,27 +230,39 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
             raise APIError(400, "messages hold no user message: nothing to answer.", param="messages")
         last = users[-1]
         documents = body.document_texts()
-        if documents is None and config.pasted_context:
-            engine.register_pasted(messages)
-        text = engine.render_chat(messages)
-        # retrieve when asked to, or by default when a store is attached and the text holds no known chunk
-        if documents is None and (body.retrieve or (body.retrieve is None and retriever is not None
-                                                    and not engine.chunk_finder.find(text))):
-            documents = await _retrieved(messages[last]["content"], body.k or config.k)
-        if documents:
-            messages[last] = {"role": "user", "content": _with_documents(messages[last]["content"], documents)}
+
+        def rendered() -> tuple[str, bool]:  # tokenizer and chunk-finder work, here and below: off the event loop
+            if documents is None and config.pasted_context:
+                engine.register_pasted(messages)
             text = engine.render_chat(messages)
-        return engine.layout_from_text(text)
+            return text, retriever is not None and bool(engine.chunk_finder.find(text))
+
+        text, holds_known = await asyncio.to_thread(rendered)
+        # retrieve when asked to, or by default when a store is attached and the text holds no known chunk
+        if documents is None and (body.retrieve or (body.retrieve is None and retriever is not None and not holds_known)):
+            documents = await _retrieved(messages[last]["content"], body.k or config.k)
+
+        def laid_out():
+            if not documents:
+                return engine.layout_from_text(text)
+            messages[last] = {"role": "user", "content": _with_documents(messages[last]["content"], documents)}
+            return engine.layout_from_text(engine.render_chat(messages))
+
+        return await asyncio.to_thread(laid_out)
 
     async def _completion_layout(prompt: str, body: CompletionRequest):
         documents = body.document_texts()
         if documents is None and body.retrieve:
             documents = await _retrieved(prompt, body.k or config.k)
-        if documents:  # the prompt is the question of the engine's RAG prompt, as engine.generate(prompt, documents)
-            return engine.layout_from_text(engine.render_chat([{"role": "user", "content": _with_documents(prompt, documents)}]))
-        if config.pasted_context:
-            engine.register_pasted(prompt)
-        return engine.layout_from_text(prompt)  # raw text: known chunks inside it are still reused
+
+        def laid_out():
+            if documents:  # the prompt is the question of the engine's RAG prompt, as engine.generate(prompt, documents)
+                return engine.layout_from_text(engine.render_chat([{"role": "user", "content": _with_documents(prompt, documents)}]))
+            if config.pasted_context:
+                engine.register_pasted(prompt)
+            return engine.layout_from_text(prompt)  # raw text: known chunks inside it are still reused
+
+        return await asyncio.to_thread(laid_out)
 
     async def _submit(layouts: list, body: _Common, max_tokens: int | None) -> list["RequestStream"]:
         """One engine request per choice (a prompt's ``n`` choices, or one per prompt of a completion batch)."""
@@ -211,10 +273,10 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
         except BaseException as e:
             for s in streams:  # the choices already queued do not run without the others
                 s.close(wait=False)
+            _release(len(layouts))
             if isinstance(e, ValueError):
                 raise APIError(400, str(e)) from None
             raise
-        pending[0] += len(streams)
         return streams
 
     def _done(streams: list["RequestStream"]) -> None:
@@ -339,11 +401,14 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request):
-        _check(body)
+        _check(body, body.n)
         try:
             layout = await _chat_layout(body)
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
+        except BaseException as e:
+            _release(body.n)
+            if isinstance(e, ValueError):
+                raise APIError(400, str(e), param="messages") from None
+            raise
         streams = await _submit([layout] * body.n, body, body.max_completion_tokens or body.max_tokens)
         rid, created = new_id("chatcmpl"), now()
         head = {"id": rid, "created": created, "model": config.model_name}
@@ -367,11 +432,14 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
         prompts = body.prompts()
         if not prompts:
             raise APIError(400, "prompt is an empty list: send a string or a list of strings.", param="prompt")
-        _check(body)
+        _check(body, len(prompts) * body.n)
         try:
             layouts = [await _completion_layout(p, body) for p in prompts]
-        except ValueError as e:
-            raise APIError(400, str(e), param="prompt") from None
+        except BaseException as e:
+            _release(len(prompts) * body.n)
+            if isinstance(e, ValueError):
+                raise APIError(400, str(e), param="prompt") from None
+            raise
         streams = await _submit([lay for lay in layouts for _ in range(body.n)], body, body.max_tokens)
         rid, created = new_id("cmpl"), now()
         head = {"id": rid, "created": created, "model": config.model_name}

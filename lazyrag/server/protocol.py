@@ -40,6 +40,7 @@ class _Common(BaseModel):
     top_k: int | None = Field(default=None, ge=-1, description="keep the k most likely tokens; -1 or 0 = all")
     repetition_penalty: float | None = Field(default=None, gt=0, le=100, allow_inf_nan=False,
                                              description="HF / vLLM repetition penalty over prompt and answer tokens; 1 = off")
+    ignore_eos: bool | None = Field(default=None, description="keep generating past end-of-turn tokens up to max_tokens")
     # no-op unless set: refused with a clear message otherwise
     logit_bias: dict | None = None
     # lazyrag's own

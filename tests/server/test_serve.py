@@ -190,7 +190,7 @@ def test_bad_requests_get_openai_errors(server, client):
 def test_overload_and_api_key_answer_503_and_401(adapter_engine):
     from lazyrag.server import ServerConfig, create_app
 
-    running = Running(create_app(adapter_engine, ServerConfig(MODEL, max_pending=1, api_key="sesame")))
+    running = Running(create_app(adapter_engine, ServerConfig(MODEL, max_pending=1, api_key="sesame", max_request_bytes=4096)))
     try:
         denied = openai.OpenAI(base_url=f"{running.url}/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
@@ -200,6 +200,21 @@ def test_overload_and_api_key_answer_503_and_401(adapter_engine):
             ok.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=2)
         assert e.value.status_code == 503
         assert ok.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2).choices
+        # a completions batch counts each prompt's choices: two prompts are two generations, over the limit of 1
+        with pytest.raises(openai.InternalServerError) as e:
+            ok.completions.create(model=MODEL, prompt=["Say hi.", "Say ho."], max_tokens=2)
+        assert e.value.status_code == 503 and "asks for 2" in e.value.message
+        assert ok.completions.create(model=MODEL, prompt=["Say hi."], max_tokens=2).choices  # the refusal reserved nothing
+        # bodies over --max-request-mb: 413 from the declared length, and from a chunked body as it arrives
+        auth = {"authorization": "Bearer sesame", "content-type": "application/json"}
+        big = json.dumps({"model": MODEL, "prompt": "x" * 5000}).encode()
+        r = httpx.post(f"{running.url}/v1/completions", content=big, headers=auth)
+        assert r.status_code == 413 and "--max-request-mb" in r.json()["error"]["message"]
+        r = httpx.post(f"{running.url}/v1/completions", content=iter([big[:3000], big[3000:]]), headers=auth)
+        assert r.status_code == 413
+        assert httpx.get(f"{running.url}/health").json()["requests_in_flight"] == 0
+        metrics = httpx.get(f"{running.url}/metrics").text
+        assert 'lazyrag_requests_total{endpoint="/v1/completions",status="413"} 2.0' in metrics
     finally:
         running.stop()
 
@@ -210,6 +225,7 @@ def test_a_client_that_disconnects_frees_its_blocks(server, adapter_engine, stre
     engine.precache(NOTES)
     _settled(engine)
     free_before = engine.cache.pool.num_free
+    aborted_before = _metric(server, "lazyrag_requests_aborted_total")
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me everything about penicillin."}],
             "documents": NOTES, "max_tokens": 400, "stream": stream}
     if stream:
@@ -217,13 +233,21 @@ def test_a_client_that_disconnects_frees_its_blocks(server, adapter_engine, stre
             lines = r.iter_lines()
             assert next(lines).startswith("data: ")
             assert engine.has_unfinished_requests()
-    else:
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=1.5)
-    _settled(engine)
+    else:  # a client that sends its request, then hangs up before the (long) answer: a raw socket, no timeout race
+        body.update(max_tokens=2000, ignore_eos=True)  # the answer cannot end before the hang-up is seen
+        payload = json.dumps(body).encode()
+        host, port = server.url.removeprefix("http://").split(":")
+        sock = socket.create_connection((host, int(port)))
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (host.encode(), len(payload), payload))
+        deadline = time.monotonic() + 60
+        while not engine.has_unfinished_requests():  # the generation is running
+            assert time.monotonic() < deadline, "the request never reached the engine"
+            time.sleep(0.05)
+        sock.close()
+    _settled(engine, timeout_s=120)  # 2,000 tokens would take minutes: settling means the hang-up stopped it
     assert engine.cache.pool.num_free == free_before  # the request's own blocks went back; chunk KV stays cached
-    metrics = httpx.get(f"{server.url}/metrics").text
-    assert "lazyrag_requests_aborted_total 0.0" not in metrics
+    assert _metric(server, "lazyrag_requests_aborted_total") == aborted_before + 1
 
 
 def test_langchain_chat_openai_chain_reuses_the_store_chunks(server, adapter_engine):
@@ -382,9 +406,13 @@ def own_chunk_finder(adapter_engine):
     adapter_engine.chunk_finder = saved
 
 
-def _cached_prompt_tokens(server) -> float:
+def _metric(server, name: str) -> float:
     text = httpx.get(f"{server.url}/metrics").text
-    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith("lazyrag_cached_prompt_tokens_total")))
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name + " ")))
+
+
+def _cached_prompt_tokens(server) -> float:
+    return _metric(server, "lazyrag_cached_prompt_tokens_total")
 
 
 def _context_tokens(engine, passages) -> int:
