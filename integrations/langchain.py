@@ -405,6 +405,10 @@ class LazyRAG(RunnableSerializable[RAGInput, AIMessage]):
             docs = input.get("documents", input.get("context"))
             if not isinstance(question, str):
                 raise ValueError("LazyRAG needs {'question': str, 'documents': [...]}; got keys " + ", ".join(map(str, input)))
+            if isinstance(docs, (str, bytes, Document)):  # iterating it would make one chunk per character
+                key = "documents" if "documents" in input else "context"
+                raise ValueError(f"LazyRAG's {key!r} must be a list of Documents or strings, not one "
+                                 f"{type(docs).__name__}; wrap it: {{'question': ..., {key!r}: [text]}} (or split it).")
         elif isinstance(input, list):
             queries = {d.metadata.get("query") for d in input if isinstance(d, Document)}
             if len(queries) != 1 or None in queries:

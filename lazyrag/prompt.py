@@ -110,6 +110,9 @@ def check_chunks(chunks) -> list[str]:
                          "character per chunk); wrap it: [text].")
     if chunks is None:
         raise ValueError("chunks must be a list of strings; got None (pass [] for no context).")
+    if isinstance(chunks, (set, frozenset)):
+        raise ValueError(f"chunks must be a list of strings, not a {type(chunks).__name__}: a set's order can change "
+                         "between runs, and the chunks' order is the prompt's; pass a list (sorted(...) if any order will do).")
     if isinstance(chunks, Mapping):
         raise TypeError(f"chunks must be a list of strings, not a {type(chunks).__name__} (iterating it would read its "
                         "keys as the chunks); pass the texts as a list: list(d.values()) or [text, ...].")

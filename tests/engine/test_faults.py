@@ -185,7 +185,8 @@ def test_threads_with_a_bad_request_among_them(fresh_engine):
     (None, CHUNKS[:1], "question must be a string"),
     (QUESTION, [CHUNKS[0], "bad \ud800 text"], "chunk 1 is not valid Unicode"),
     ("why \udfff?", CHUNKS[:1], "question is not valid Unicode"),
-], ids=["chunks-a-string", "chunks-none", "chunk-none", "question-none", "chunk-surrogate", "question-surrogate"])
+    (QUESTION, set(CHUNKS[:2]), "not a set"),
+], ids=["chunks-a-string", "chunks-none", "chunk-none", "question-none", "chunk-surrogate", "question-surrogate", "chunks-a-set"])
 def test_bad_prompt_input_is_a_value_error_that_names_it(fresh_engine, question, chunks, problem):
     with pytest.raises(ValueError, match=problem):
         fresh_engine.generate(question, chunks, max_new_tokens=2)

@@ -155,6 +155,9 @@ def test_rag_chain_helper_and_explicit_documents(llm, tiny_store):
     explicit = rag.invoke({"question": QUESTION, "documents": docs}).content
     as_strings = rag.invoke({"question": QUESTION, "documents": [d.page_content for d in docs]}).content
     assert via_helper == explicit == as_strings
+    for key in ("documents", "context"):  # one string would be read one character per chunk
+        with pytest.raises(ValueError, match=f"'{key}' must be a list"):
+            rag.invoke({"question": QUESTION, key: docs[0].page_content})
 
 
 def test_chat_model_finds_known_chunks_in_free_text_and_handles_unknown_text(llm, tiny_store):
