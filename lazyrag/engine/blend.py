@@ -16,10 +16,10 @@ A chunk's cached KV was computed without the documents before it. Per request:
    so its keys are stored un-rotated by that delta (kernels/reference.py's invariant).
 
 The question is then prefilled over the blended context as usual. This is a dense, per-layer
-implementation (each layer's placed context gathered into [N, Hkv, D] tensors, a position
-mask): prompts are a few thousand tokens. On a GPU a request's blend is bound by host work
+implementation (each layer's placed context gathered into [N, Hkv, D] tensors; in position order, so
+a token sees a prefix of them: kernels/recompute.py, no [S, N] mask). On a GPU a request's blend is bound by host work
 (launches and syncs: benchmarks/NOTES.md, "Running the eval on the GPU"), so the context's token
-slots, rotations and masks are computed once per request, nothing syncs inside the layer loop, the
+slots and rotations are computed once per request, nothing syncs inside the layer loop, the
 fresh K/V are written to the pool in one go at the end, and the elementwise steps run eagerly (a
 compiled op's guards cost more than its launches at these sizes).
 """
@@ -31,7 +31,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from lazyrag.kernels.reference import apply_rotary, attend
+from lazyrag.kernels.recompute import prefix_attention, prefix_attention_reference
+from lazyrag.kernels.reference import apply_rotary
 from lazyrag.kv.cache import Segment, SegmentKind
 from lazyrag.model.llama import ElementwiseOps, rope_at
 from lazyrag.strategy_names import BLEND_SELECTIONS
@@ -40,6 +41,7 @@ from lazyrag.engine.runner import ModelRunner, Placement
 SELECTION_LAYER = 1  # the first layer whose K/V depend on the context
 DENSE_OPS = ElementwiseOps()  # eager: token counts differ per request, a compiled op would re-check guards each call
 KEEP_CONTEXT_BYTES = 1 << 30  # a request's gathered layers kept for the second pass, up to this size
+KERNEL_ON_CPU = False  # the Triton attention on CPU tensors too (its interpreter: tests); CUDA always uses it
 
 
 @dataclass
@@ -62,6 +64,8 @@ class PlacedContext:
         owner = np.concatenate([np.full(len(t), i) for i, t in enumerate(offsets)])
         delta = np.concatenate([np.full(len(t), p.delta) for p, t in zip(placed, offsets)])
         position = np.concatenate([p.segment.start + p.delta + t for p, t in zip(placed, offsets)])
+        # in prompt order the positions increase: a token at position p sees the context tokens [0, limit(p))
+        assert (np.diff(position) > 0).all(), "a placed context out of position order"
         self.owner, self.offset = torch.from_numpy(owner), torch.from_numpy(np.concatenate(offsets))  # [N] host
         self.position = torch.from_numpy(position).to(dev)  # [N]
         self.delta = torch.from_numpy(delta)  # [N] host
@@ -75,6 +79,10 @@ class PlacedContext:
 
     def __len__(self) -> int:
         return len(self.slots)
+
+    def limit(self, rows: torch.Tensor) -> torch.Tensor:
+        """[S]: how many context tokens each of the context's tokens ``rows`` [S] sees (itself and all before it)."""
+        return rows + 1
 
     def layer(self, i: int, keep: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``i``'s context K, V [N, Hkv, D] fp32; ``keep``: held for a later call (if they fit), which takes them."""
@@ -216,17 +224,17 @@ def selective_recompute(
         return torch.searchsorted(cur, select(full, chunk_of, r, forced, per_chunk or selection == "chunk"))
 
     def running(cur: torch.Tensor):
-        """The running tokens' places in the context, rotations and causal mask [S, N] (by position)."""
+        """The running tokens' places in the context, rotations and how many context tokens each sees."""
         sel = chunk_pos[cur].to(dev)
-        return (sel, *rope_at(runner.rope_cos, runner.rope_sin, pos[sel], x.dtype), pos[None, :] <= pos[sel][:, None])
+        return (sel, *rope_at(runner.rope_cos, runner.rope_sin, pos[sel], x.dtype), ctx.limit(sel))
 
-    sel, cos, sin, mask = running(cur)
+    sel, cos, sin, limit = running(cur)
     for layer, block in enumerate(layers):
         stage = next((s for s in stages if s[0] == layer), None)
         if stage is not None and stage[2] is None:  # chosen before the layer runs: the dropped tokens cost nothing
             rows_kept = keep(attn, stage[1])
             cur, x = cur[rows_kept], x[rows_kept.to(dev)]
-            sel, cos, sin, mask = running(cur)
+            sel, cos, sin, limit = running(cur)
         kc, vc = ctx.layer(layer)  # [N, Hkv, D] fp32, as cached
         q, k, v = block.attn.project(block.attn_input(x, ops), cos, sin, ops, runner.rope_scaling)
         if stage is not None and stage[2] == "dev":
@@ -243,7 +251,7 @@ def selective_recompute(
             rows_kept = keep(score, stage[1])
             r = rows_kept.to(dev)
             cur, x, q, k, v = cur[rows_kept], x[r], q[r], k[r], v[r]
-            sel, cos, sin, mask = running(cur)
+            sel, cos, sin, limit = running(cur)
         cost += len(cur) / L  # a layer's projections for the dropped tokens are not counted
         if not len(cur):
             break
@@ -251,8 +259,7 @@ def selective_recompute(
             fresh.append((layer, cur, k, v))
         if layer == L - 1:
             break  # the last layer's K/V is all the question needs
-        kc, vc = kc.index_copy(0, sel, k.float()), vc.index_copy(0, sel, v.float())
-        o = attend(q[None], kc[None], vc[None], mask[None], model.sm_scale)[0].to(x.dtype)
+        o = recompute_attention(q, kc, vc, sel, k, v, limit, model.sm_scale).to(x.dtype)
         x = block.after_attention(x, block.attn.output(o.flatten(1)), ops)  # [S, H]
     if not len(cur):
         return Blend(list(placed), torch.zeros(0, dtype=torch.int64), deviation, _counted(runner, cost))
@@ -266,6 +273,18 @@ def selective_recompute(
         v = torch.stack([vv[r] for (_, _, _, vv), r in zip(fresh, rows)])
         pool.write_layers([lay for lay, _, _, _ in fresh], slots, apply_rotary(k, *back), v)
     return Blend(context, cur, deviation, _counted(runner, cost))
+
+
+def recompute_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, sel: torch.Tensor, k: torch.Tensor,
+                        v: torch.Tensor, limit: torch.Tensor, sm_scale: float) -> torch.Tensor:
+    """The running tokens' attention ([S, Hq, D]) over the context as cached (``kc``, ``vc``: [N, Hkv, D] fp32) where
+    their own rows ``sel`` hold their fresh ``k``, ``v``; each sees the first ``limit`` context tokens. On CUDA in the
+    model's dtype through kernels/recompute.py (a dense fp32 mask was most of a recovery's time), else in fp32."""
+    if q.is_cuda or KERNEL_ON_CPU:
+        keys, vals = kc.to(q.dtype).index_copy_(0, sel, k), vc.to(q.dtype).index_copy_(0, sel, v)
+        return prefix_attention(q, keys, vals, limit, sm_scale)
+    keys, vals = kc.index_copy(0, sel, k.float()), vc.index_copy(0, sel, v.float())
+    return prefix_attention_reference(q.float(), keys, vals, limit, sm_scale)
 
 
 def _counted(runner: ModelRunner, cost: float) -> float:

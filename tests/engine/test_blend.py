@@ -22,6 +22,27 @@ def test_blending_every_token_is_full_prefill(engine):
     assert rel_err(heads, full) < 1e-4
 
 
+def test_the_recompute_kernel_blends_as_the_reference(default_hf, monkeypatch):
+    """The Triton attention a GPU recovery runs (here in Triton's interpreter) gives the fp32 reference's logits,
+    for partial blends (scattered queries in layers 2-3) and a full one (every chunk token: full prefill)."""
+    from transformers import LlamaForCausalLM
+
+    from tests.conftest import tiny_llama_config
+    from lazyrag.engine import LazyEngine, blend
+
+    torch.manual_seed(7)
+    hf = LlamaForCausalLM(tiny_llama_config(num_hidden_layers=4)).eval()
+    engine = LazyEngine.from_hf(hf, default_hf[1], device="cpu", kv_budget=16 << 20)
+    layout = engine.build_prompt(QUESTION, CHUNKS[:3])
+    strategies = ("lazy:blend=0.3", "lazy:blend=0.3:select=attn_dev", "lazy:blend=1")
+    reference = {s: engine.layout_logits(layout, s) for s in strategies}
+    monkeypatch.setattr(blend, "KERNEL_ON_CPU", True)
+    for strategy, ref in reference.items():
+        assert rel_err(engine.layout_logits(layout, strategy), ref) < 1e-4
+    full = engine.layout_logits(layout, "full")
+    assert rel_err(reference["lazy:blend=1"], full) < 1e-4 < rel_err(reference["lazy:blend=0.3"], full)
+
+
 def test_blending_nothing_is_lazy(tiny_engine):
     layout = tiny_engine.build_prompt(QUESTION, CHUNKS[:3])
     lazy = tiny_engine.layout_logits(layout, "lazy")
