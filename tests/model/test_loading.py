@@ -7,6 +7,7 @@ import torch
 from lazyrag.engine import LazyEngine
 from lazyrag.model import loader
 from lazyrag.model.loader import ModelLoadError, resolve_model_source
+from tests.conftest import tiny_llama_config
 
 
 def test_missing_path_says_what_to_pass(tmp_path):
@@ -58,3 +59,16 @@ def test_safetensors_folder_loads_and_matches(tmp_path, tiny_hf, default_hf):
 def test_over_long_prompt_is_refused(tiny_engine):
     with pytest.raises(ValueError, match="context"):
         tiny_engine.generate("q", ["word " * 5000], max_new_tokens=4)
+
+
+@pytest.mark.parametrize("theta", [None, 500000.0])
+def test_plain_rope_is_transformers_own(default_hf, theta):
+    """Plain RoPE is computed without importing transformers' modeling code: the same frequencies, bit for bit."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from lazyrag.model.llama import rope_frequencies
+
+    config = default_hf[0].config if theta is None else tiny_llama_config(rope_parameters={"rope_type": "default", "rope_theta": theta})
+    inv_freq, scaling = rope_frequencies(config)
+    reference = LlamaRotaryEmbedding(config)
+    assert torch.equal(inv_freq, reference.inv_freq.float()) and scaling == reference.attention_scaling
