@@ -101,9 +101,12 @@ def median(runs: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in runs)
 
 
-def run_all(reps: int) -> dict:
+CONFIGS = {"before": ("before (cache off)", "0"), "after": ("after (cache on)", "1")}
+
+
+def run_all(reps: int, configs: list[str]) -> dict:
     results = {}
-    for label, cache in (("before (cache off)", "0"), ("after (cache on)", "1")):
+    for label, cache in (CONFIGS[c] for c in configs):
         with tempfile.TemporaryDirectory() as cache_dir:
             env = dict(os.environ, LAZYRAG_MODEL_CACHE=cache, LAZYRAG_CACHE_DIR=cache_dir, TQDM_DISABLE="1",
                        PYTHONPATH=str(ROOT))
@@ -140,9 +143,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=3, help="runs of each warm measurement (the medians are reported)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "load_time_cpu.json")
+    ap.add_argument("--configs", default="before,after", help="which of before (cache off), after (cache on) to run")
     args = ap.parse_args()
-    results = run_all(args.reps)
-    args.out.write_text(json.dumps({"command": f"python benchmarks/load_time.py --reps {args.reps}",
+    results = run_all(args.reps, args.configs.split(","))
+    args.out.write_text(json.dumps({"command": " ".join(["python", *sys.argv]),
                                     "device": f"cpu ({os.cpu_count()} cores)", "results": results}, indent=1))
     print(f"\nwrote {args.out}")
 

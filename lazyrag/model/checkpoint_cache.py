@@ -37,8 +37,8 @@ import torch
 
 from lazyrag.defaults import CACHE_DIR_ENV, MODEL_CACHE_ENV
 from lazyrag.kv.tiers import current_umask
-from lazyrag.model.loader import (ModelSource, check_llama_config, fingerprint, fingerprinted_config, load_checkpoint,
-                                  stream_state)
+from lazyrag.model.loader import (ModelSource, SavedConfig, check_llama_config, fingerprint, fingerprinted_config,
+                                  load_checkpoint, stream_state)
 
 log = logging.getLogger(__name__)
 
@@ -178,9 +178,8 @@ def _manifest_problem(folder: Path, manifest: dict, identity: dict) -> str | Non
 
 def _read(folder: Path, manifest: dict, dtype: torch.dtype, keep):
     from safetensors import safe_open
-    from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(folder)
+    config = SavedConfig.read(folder / "config.json")
     check_llama_config(config, folder.name)
     tied = manifest["tied"]  # names transformers' state dict holds twice (tied embeddings): stored once
     with safe_open(str(folder / WEIGHTS), framework="pt") as weights:
@@ -243,9 +242,7 @@ def _untie(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dic
 def _check_config_reads_back(folder: Path, config) -> None:
     """The engine's fingerprint hashes the config: the cached one must read back as the one transformers made
     from the GGUF, or a store built from one load would be refused by the other."""
-    from transformers import AutoConfig
-
-    if fingerprinted_config(AutoConfig.from_pretrained(folder)) != fingerprinted_config(config):
+    if fingerprinted_config(SavedConfig.read(folder / "config.json")) != fingerprinted_config(config):
         raise OSError("the converted config does not read back as written with this transformers version")
 
 

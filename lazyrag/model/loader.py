@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import hashlib
 import importlib.util
@@ -9,6 +10,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable
 
 import torch
@@ -132,6 +134,26 @@ def _quiet_gguf_bar(quiet: bool):
         yield
     finally:
         module.tqdm = original
+
+
+class SavedConfig(SimpleNamespace):
+    """A checkpoint's ``config.json`` as transformers wrote it, read without importing transformers' config classes
+    (that import costs ~0.8 s of a 2.5 s load on 2 cores). Its fields are attributes, as on transformers' config;
+    ``to_dict()`` is the file's contents (what the fingerprint hashes); ``to_transformers()`` is transformers' own
+    config, for what needs its methods (RoPE other than the plain one)."""
+
+    @classmethod
+    def read(cls, path: Path) -> "SavedConfig":
+        return cls(**json.loads(Path(path).read_text()))
+
+    def to_dict(self) -> dict:
+        return copy.deepcopy(vars(self))
+
+    def to_transformers(self):
+        from transformers import AutoConfig
+
+        fields = self.to_dict()
+        return AutoConfig.for_model(fields.pop("model_type"), **fields)
 
 
 def fingerprinted_config(config) -> str:

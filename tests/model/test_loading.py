@@ -72,3 +72,18 @@ def test_plain_rope_is_transformers_own(default_hf, theta):
     inv_freq, scaling = rope_frequencies(config)
     reference = LlamaRotaryEmbedding(config)
     assert torch.equal(inv_freq, reference.inv_freq.float()) and scaling == reference.attention_scaling
+
+
+def test_a_saved_config_reads_as_transformers_own(tmp_path):
+    """The model cache reads config.json without transformers' config classes: same fields, same fingerprint, same
+    model shape and RoPE (Llama-3 scaling here, which goes through transformers' own config)."""
+    from lazyrag.model.llama import LlamaArgs, rope_frequencies
+    from lazyrag.model.loader import SavedConfig, fingerprinted_config
+
+    config = tiny_llama_config()
+    (tmp_path / "config.json").write_text(config.to_json_string(use_diff=False))
+    saved = SavedConfig.read(tmp_path / "config.json")
+    assert fingerprinted_config(saved) == fingerprinted_config(config)
+    assert LlamaArgs.from_hf(saved) == LlamaArgs.from_hf(config)
+    (inv_saved, scale_saved), (inv, scale) = rope_frequencies(saved), rope_frequencies(config)
+    assert torch.equal(inv_saved, inv) and scale_saved == scale
