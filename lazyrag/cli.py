@@ -4,10 +4,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 from lazyrag import __version__
-from lazyrag.defaults import DEFAULT_EMBEDDER, MAX_K, QUIET_GGUF_ENV
+from lazyrag.defaults import CACHE_DIR_ENV, DEFAULT_EMBEDDER, MAX_K, MODEL_CACHE_ENV, QUIET_GGUF_ENV
 from lazyrag.kv.formats import STORED_KV_DTYPES, resolve_stored_dtype
 from lazyrag.strategy_names import check_strategy
 
@@ -76,6 +77,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="local Llama folder (config.json + safetensors) or .gguf file; default: the embedded SmolLM2-135M-Instruct")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)")
+    _model_cache_arg(p)
+
+
+def _model_cache_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-model-cache", action="store_true",
+                   help=f"read a .gguf model from the file on every load instead of converting it once into "
+                        f"${CACHE_DIR_ENV}/models (default: ~/.cache/lazyrag/models); the same as {MODEL_CACHE_ENV}=0")
 
 
 def _adapter_arg(p: argparse.ArgumentParser) -> None:
@@ -199,6 +207,7 @@ def add_precache_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="store folder (created, or resumed if it holds an unfinished build)")
     p.add_argument("--model", default=None, help="local Llama folder or .gguf file; default: the embedded SmolLM2-135M-Instruct")
     _adapter_arg(p)
+    _model_cache_arg(p)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="model and KV dtype: float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA); "
                                                   "the store only serves engines with the same dtype")
@@ -417,6 +426,7 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the question sample and the distractors")
     p.add_argument("--model", default=None, help="local Llama folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     _adapter_arg(p)
+    _model_cache_arg(p)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     p.add_argument("--time-limit", type=float, default=None, metavar="SECONDS",
                    help="start no new batch after this long; score and report the questions done so far")
@@ -776,12 +786,14 @@ def _serve(args) -> int:
     if args.replicas > 1:
         return _serve_replicas(args)
     from lazyrag.engine import LazyEngine
+    from lazyrag.model.loader import resolve_model_source
     from lazyrag.server import ServerConfig, run_server
     from lazyrag.server.app import model_aliases
 
     kw = {"kv_budget": args.kv_budget} if args.kv_budget else {}
     if args.host_gb:
         kw["cache"] = _host_cache(args.host_gb)
+    print(f"lazyrag serve: loading {resolve_model_source(args.model).name}...", end=" ", file=sys.stderr, flush=True)
     engine = LazyEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, **kw, **_adapter(args),
                                         **_passage(args), **_tensor_parallel(args))
     retriever = None
@@ -789,6 +801,7 @@ def _serve(args) -> int:
         from lazyrag.store.retriever import Retriever
 
         retriever = Retriever(engine.attach_store(args.store))
+    print(f"ready in {time.perf_counter() - args.started:.1f} s", file=sys.stderr, flush=True)
     config = ServerConfig(model_name=args.served_model_name or engine.model_name, max_tokens=args.max_tokens,
                           temperature=args.temperature, strategy=args.strategy, k=args.k, max_pending=args.max_pending,
                           max_request_bytes=int(args.max_request_mb * (1 << 20)),
@@ -876,13 +889,19 @@ def _run(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.perf_counter()
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.started = started  # serve's "ready in": the command's own time, the model load most of it
     if args.command is None:
         parser.print_help()
         return 0
     if not args.verbose:
         _quiet_loading(args.command)
+    if getattr(args, "no_model_cache", False):
+        # through the environment, so it reaches every engine the command makes: eval's and tensor parallelism's
+        # worker processes and the replicas' (model/checkpoint_cache.py)
+        os.environ[MODEL_CACHE_ENV] = "0"
     try:
         CHECKS.get(args.command, lambda a: None)(args)
         return _run(args)

@@ -14,6 +14,22 @@ import pytest  # noqa: E402
 from tests.helpers import TINY_DOCS  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def model_cache_dir(tmp_path_factory):
+    """Every test, and every process a test starts, keeps converted models in one session folder, never in the
+    real ~/.cache (the first load of the default GGUF in a session converts it; later ones read the folder)."""
+    from lazyrag.defaults import CACHE_DIR_ENV
+
+    folder = tmp_path_factory.mktemp("lazyrag-cache")
+    before = os.environ.get(CACHE_DIR_ENV)
+    os.environ[CACHE_DIR_ENV] = str(folder)
+    yield folder
+    if before is None:
+        os.environ.pop(CACHE_DIR_ENV, None)
+    else:
+        os.environ[CACHE_DIR_ENV] = before
+
+
 @pytest.fixture(scope="session")
 def default_hf():
     """The embedded default model (SmolLM2-135M-Instruct, fp32) as transformers loads it, and its tokenizer."""

@@ -215,3 +215,31 @@ def test_precache_and_eval_quiet_the_gguf_bar_only(monkeypatch):
     with _quiet_gguf_bar(True):
         assert gguf.tqdm(range(3)).disable  # the GGUF reader's bar only
     assert gguf.tqdm is original
+
+
+@pytest.mark.parametrize("argv", [["ask", "q"], ["serve"], ["demo"], ["precache", "docs", "--out", "store"], ["eval"]])
+def test_no_model_cache_reaches_every_engine_the_command_makes(monkeypatch, argv):
+    import os
+
+    from lazyrag import cli
+    from lazyrag.defaults import MODEL_CACHE_ENV
+
+    monkeypatch.setenv(MODEL_CACHE_ENV, "1")  # restored after the test
+    seen = []
+    monkeypatch.setattr(cli, "CHECKS", {})
+    monkeypatch.setattr(cli, "_run", lambda args: seen.append(os.environ[MODEL_CACHE_ENV]) or 0)
+    assert cli.main(argv) == 0 and seen == ["1"]
+    assert cli.main([*argv, "--no-model-cache"]) == 0 and seen == ["1", "0"]
+
+
+def test_serve_says_what_it_loads_and_when_it_is_ready(monkeypatch, capsys, default_engine):
+    from lazyrag import cli, server
+    from lazyrag.engine import LazyEngine
+
+    loaded = []
+    monkeypatch.setattr(LazyEngine, "from_pretrained", lambda model, **kw: loaded.append(kw) or default_engine)
+    monkeypatch.setattr(server, "run_server", lambda *a, **k: None)
+    assert cli.main(["serve", "--port", "8123"]) == 0
+    err = capsys.readouterr().err
+    assert loaded and "lazyrag serve: loading SmolLM2-135M-Instruct.Q4_1.gguf... ready in " in err
+    assert "http://127.0.0.1:8123/v1" in err

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from lazyrag.kv.cache import CacheConfig
+from lazyrag.model.checkpoint_cache import cache_enabled
 from lazyrag.prompt import DEFAULT_ENCODING_PASSAGE, DEFAULT_SYSTEM_PROMPT
 
 DEFAULT_KV_BUDGET = {"cpu": 1 << 30, "cuda": 8 << 30}
@@ -27,6 +28,9 @@ class SchedulerConfig:
 class EngineConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct; or a local Llama folder or .gguf file
     adapter: str | None = None  # a LoRA adapter folder (``lazyrag tune``) merged at load; "embedded": the shipped one
+    # a GGUF model is converted once into a cache folder and loaded from it afterwards (model/checkpoint_cache.py);
+    # None: on, unless the environment has LAZYRAG_MODEL_CACHE=0
+    model_cache: bool | None = None
     device: str | torch.device | None = None  # None: cuda when available, else cpu
     dtype: str | torch.dtype | None = None  # None: bfloat16 on cuda, float32 on cpu
     kv_budget: int | None = None  # bytes of the paged KV pool; None: 8 GiB on cuda, 1 GiB on cpu
@@ -72,6 +76,8 @@ class EngineConfig:
             self.dtype = dtype
         if self.kv_budget is None:
             self.kv_budget = DEFAULT_KV_BUDGET.get(self.device.type, 1 << 30)
+        if self.model_cache is None:
+            self.model_cache = cache_enabled()
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1; got {self.block_size}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
@@ -103,5 +109,5 @@ class EngineConfig:
 
 
 # EngineConfig's fields whose None means "the default for this device", resolved in __post_init__
-_RESOLVED = ("device", "dtype", "kv_budget", "attention", "compile_elementwise", "triton_elementwise", "gemv", "cuda_graphs",
+_RESOLVED = ("device", "dtype", "kv_budget", "model_cache", "attention", "compile_elementwise", "triton_elementwise", "gemv", "cuda_graphs",
              "skinny_gemm", "fused_kv_store", "short_prefill_blas")

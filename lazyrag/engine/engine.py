@@ -24,6 +24,7 @@ from lazyrag.engine.scheduler import Scheduler
 from lazyrag.kv.block_pool import BlockPool, KVShape
 from lazyrag.kv.cache import CacheManager
 from lazyrag.kv.identity import KVIdentity
+from lazyrag.model import checkpoint_cache
 from lazyrag.model.attention import make_attention_backend
 from lazyrag.model.llama import LlamaArgs, LlamaModel, build_rope
 from lazyrag.model.parallel import check_divisible, local_args, shard_hf_state_dict, shard_tensor
@@ -175,13 +176,19 @@ class LazyEngine:
     # -- construction ---------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained(cls, model: str | None = None, **config) -> "LazyEngine":
+    def from_pretrained(cls, model: str | None = None, *, warmup: bool = True, **config) -> "LazyEngine":
         """Load the embedded default model (``model=None``), a local Llama folder, or a ``.gguf`` file.
-        Keyword arguments are ``EngineConfig`` fields (device, dtype, kv_budget, scheduler, cache, ...).
+        Keyword arguments are ``EngineConfig`` fields (device, dtype, kv_budget, scheduler, cache, model_cache, ...).
+        A GGUF is converted once into a cache folder and read from there afterwards (``model_cache=False``, or
+        LAZYRAG_MODEL_CACHE=0, reads the GGUF every time). ``warmup``: run a tiny request first and forget it
+        (``warm_up``), so that no first-call cost falls on the first real request.
         With ``tensor_parallel_size=N`` the model is split over N processes (engine/tensor_parallel.py): this
         one is rank 0 and starts the other N - 1 itself, unless torchrun started them all (then on every rank
         but 0 this call serves rank 0 and exits the process when it stops)."""
-        return cls._load(EngineConfig(model=model, **config))
+        engine = cls._load(EngineConfig(model=model, **config))
+        if warmup:
+            engine.warm_up()
+        return engine
 
     @classmethod
     def _load(cls, cfg: EngineConfig) -> "LazyEngine":
@@ -196,14 +203,22 @@ class LazyEngine:
             hf_model, tokenizer = load_checkpoint(source, torch.float32)  # merged in float32, then cast once
             hf_model = apply_adapter(hf_model, cfg.adapter)
             return cls.from_hf(hf_model, tokenizer, model_name=f"{source.name}+{adapter_folder(cfg.adapter).name}", config=cfg)
+        cached = source.gguf_file is not None and cfg.model_cache
         if cfg.tensor_parallel_size == 1:
+            if cached:
+                config, tokenizer, state, fp = checkpoint_cache.load(source, cfg.dtype)
+                return cls._assemble(config, tokenizer, state, fp, source.name, cfg)
             hf_model, tokenizer = load_checkpoint(source, cfg.dtype)
             return cls.from_hf(hf_model, tokenizer, model_name=source.name, config=cfg)
         config = load_config(source)
         args = LlamaArgs.from_hf(config)
         tp, workers = _join_group(args, cfg, (cls._load, (cfg,), {}))  # every rank joins, then all load their shards
         try:
-            tokenizer, state, fp = load_sharded(source, config, cfg.dtype, lambda name, t: shard_tensor(name, t, args, tp))
+            keep = lambda name, t: shard_tensor(name, t, args, tp)  # noqa: E731
+            if cached:
+                _, tokenizer, state, fp = checkpoint_cache.load(source, cfg.dtype, keep)
+            else:
+                tokenizer, state, fp = load_sharded(source, config, cfg.dtype, keep)
         except BaseException:
             import lazyrag.engine.tensor_parallel as tensor_parallel
 
@@ -239,7 +254,10 @@ class LazyEngine:
         args = _rank_args(LlamaArgs.from_hf(hf_config), tp, cfg)
         with torch.device("meta"):
             model = LlamaModel(args, tp)
-        model = model.to_empty(device=cfg.device).to(cfg.dtype)
+        # to_empty(device).to(dtype) in one step, with torch.empty: to_empty's empty_like of a meta tensor imports
+        # sympy (0.5 s of a model load on 2 cores), and no float32 copy of the weights is made on the way
+        model = model._apply(lambda t: torch.empty(t.shape, dtype=cfg.dtype if t.is_floating_point() else t.dtype,
+                                                   device=cfg.device))
         model.load_hf_state_dict(state)
         if model.args.tie_word_embeddings:
             model.lm_head.weight = model.embed.weight
@@ -285,6 +303,26 @@ class LazyEngine:
     @property
     def tensor_parallel_size(self) -> int:
         return 1 if self.model.tp is None else self.model.tp.size
+
+    def warm_up(self) -> None:
+        """Run one tiny request (the prefix encoded and cached, the question prefilled over it as ``lazy`` reads
+        cached KV, one decode step), then forget it: the engine is as it was (nothing cached, every block free, every
+        counter zero), but each op has run once, so the first real request does not pay first-call costs (on CUDA:
+        Triton compiles and graph captures; on 2 CPU cores it costs 0.25 s and changes little). Chunks are left out:
+        one would bring the encoding passage's ~250 tokens, for no other op. Under tensor parallelism it does nothing
+        (the other ranks would have to forget in step). Only for a new engine: it forgets everything the cache holds."""
+        if self.tp_driver is not None or self.prompts is None:
+            return
+        if len(self.cache) or self.has_unfinished_requests():
+            raise ValueError("warm_up() is for a new engine (it empties the cache afterwards), and this one has cached "
+                             "KV or requests in flight: call it right after loading, or not at all.")
+        layout = self.prompts.build("Hi?", [], None)  # not build_prompt: nothing joins the texts found in prompts
+        RequestStream(self, self.add_request(layout, SamplingParams(max_new_tokens=2, ignore_eos=True))).result()
+        with self._lock:
+            self.cache.reset()
+            self.scheduler.steps = dict.fromkeys(self.scheduler.steps, 0)
+            self.runner.tokens_forwarded = 0
+            self.scheduler.planner.batch.tokens_flushed = 0
 
     def close(self) -> None:
         """Tensor parallelism: stop the other ranks (they exit). Later requests fail. One process: nothing to do."""

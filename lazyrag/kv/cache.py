@@ -397,6 +397,17 @@ class CacheManager:
             for key in [k for k, s in self._segments.items() if s.pins == 0]:
                 self.evict(key)
 
+    def reset(self) -> None:
+        """Back to a new cache's state: every segment forgotten (not demoted to the tiers, not counted as evicted),
+        the statistics, eviction policy and admission sketch new. None may be pinned (no request in flight)."""
+        with self._lock:
+            assert all(s.pins == 0 for s in self._segments.values()), "reset while requests hold segments"
+            for seg in list(self._segments.values()):
+                self._unindex(seg)
+                self.pool.decref(seg.blocks)
+            self._apply(self.config)
+            self.stats = CacheStats()
+
     # -- tiers ------------------------------------------------------------------------------
 
     def read_kv(self, seg: Segment, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:

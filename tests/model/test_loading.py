@@ -7,6 +7,7 @@ import torch
 from lazyrag.engine import LazyEngine
 from lazyrag.model import loader
 from lazyrag.model.loader import ModelLoadError, resolve_model_source
+from tests.conftest import tiny_llama_config
 
 
 def test_missing_path_says_what_to_pass(tmp_path):
@@ -58,3 +59,31 @@ def test_safetensors_folder_loads_and_matches(tmp_path, tiny_hf, default_hf):
 def test_over_long_prompt_is_refused(tiny_engine):
     with pytest.raises(ValueError, match="context"):
         tiny_engine.generate("q", ["word " * 5000], max_new_tokens=4)
+
+
+@pytest.mark.parametrize("theta", [None, 500000.0])
+def test_plain_rope_is_transformers_own(default_hf, theta):
+    """Plain RoPE is computed without importing transformers' modeling code: the same frequencies, bit for bit."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from lazyrag.model.llama import rope_frequencies
+
+    config = default_hf[0].config if theta is None else tiny_llama_config(rope_parameters={"rope_type": "default", "rope_theta": theta})
+    inv_freq, scaling = rope_frequencies(config)
+    reference = LlamaRotaryEmbedding(config)
+    assert torch.equal(inv_freq, reference.inv_freq.float()) and scaling == reference.attention_scaling
+
+
+def test_a_saved_config_reads_as_transformers_own(tmp_path):
+    """The model cache reads config.json without transformers' config classes: same fields, same fingerprint, same
+    model shape and RoPE (Llama-3 scaling here, which goes through transformers' own config)."""
+    from lazyrag.model.llama import LlamaArgs, rope_frequencies
+    from lazyrag.model.loader import SavedConfig, fingerprinted_config
+
+    config = tiny_llama_config()
+    (tmp_path / "config.json").write_text(config.to_json_string(use_diff=False))
+    saved = SavedConfig.read(tmp_path / "config.json")
+    assert fingerprinted_config(saved) == fingerprinted_config(config)
+    assert LlamaArgs.from_hf(saved) == LlamaArgs.from_hf(config)
+    (inv_saved, scale_saved), (inv, scale) = rope_frequencies(saved), rope_frequencies(config)
+    assert torch.equal(inv_saved, inv) and scale_saved == scale
