@@ -29,7 +29,11 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, AsyncIterator, ClassVar, Iterator, Optional, Sequence, Union
 from uuid import UUID
 
-from langchain_core.callbacks import (
+from lazyrag.extras import require
+
+require("lazyrag's LangChain adapters", "langchain_core")
+
+from langchain_core.callbacks import (  # noqa: E402 (after the check)
     AsyncCallbackManagerForLLMRun,
     AsyncCallbackManagerForRetrieverRun,
     BaseCallbackHandler,

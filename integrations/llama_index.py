@@ -27,7 +27,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from llama_index.core.base.base_query_engine import BaseQueryEngine
+from lazyrag.extras import require
+
+require("lazyrag's LlamaIndex adapters", "llama_index.core")
+
+from llama_index.core.base.base_query_engine import BaseQueryEngine  # noqa: E402 (after the check)
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.base.llms.generic_utils import (
     astream_completion_response_to_chat_response,

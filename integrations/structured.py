@@ -7,7 +7,11 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
-from langchain_core.exceptions import OutputParserException
+from lazyrag.extras import require
+
+require("lazyrag's structured output", "langchain_core", "pydantic")
+
+from langchain_core.exceptions import OutputParserException  # noqa: E402 (after the check)
 from langchain_core.language_models import LanguageModelInput
 from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
 from langchain_core.runnables import Runnable, RunnableConfig, RunnableLambda

