@@ -339,21 +339,11 @@ class Tuner:
             if f"train:{step}:0" not in answers:
                 answers = self.teacher_answers(self.train_draws(step, step + TEACHER_BLOCK))
             batch = self.examples(self.train_draws(step, step + 1), answers)
-            with self._autocast():
-                t = self.teacher_logits(student, full_logits, batch)
-                loss_lazy = kl_to(t, lazy_logits(student, batch, self.passage_ids))
-                loss_full = kl_to(t, full_logits(student, batch)) if c.full_weight else torch.zeros((), device=self.device)
-                loss = loss_lazy + c.full_weight * loss_full
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            scheduler.step()
+            row = self.train_step(student, optimizer, scheduler, batch)
             step += 1
             bar.update(1)
-            bar.set_postfix(kl_lazy=f"{loss_lazy.item():.4f}", kl_full=f"{loss_full.item():.4f}")
-            row = {"step": step, "loss": loss.item(), "kl_lazy": loss_lazy.item(), "kl_full": loss_full.item(),
-                   "lr": scheduler.get_last_lr()[0], "seconds": round(time.perf_counter() - t0, 2)}
+            bar.set_postfix(kl_lazy=f"{row['kl_lazy']:.4f}", kl_full=f"{row['kl_full']:.4f}")
+            row = {"step": step, **row, "seconds": round(time.perf_counter() - t0, 2)}
             if dev and (step % c.eval_every == 0 or step == c.max_steps):
                 row.update(self.dev_kl(student, dev))
             history.append(row)
@@ -379,6 +369,30 @@ class Tuner:
         tmp.write_text(json.dumps(record, indent=1))
         os.replace(tmp, finished)
         return TuneResult(self.out, step, time.perf_counter() - t0, dev_kl)
+
+    def train_step(self, student, optimizer, scheduler, batch: list[Example]) -> dict:
+        """One optimiser step on ``batch``: KL of the student's ``lazy`` (and, weighted, full prefill) logits to the
+        base model's full prefill; returns the losses and the learning rate used."""
+        from torch.profiler import record_function  # named ranges for benchmarks/tune_step_gpu.py's profile
+
+        c = self.config
+        with self._autocast():
+            with record_function("tune.teacher"):
+                t = self.teacher_logits(student, full_logits, batch)
+            with record_function("tune.lazy_forward"):
+                loss_lazy = kl_to(t, lazy_logits(student, batch, self.passage_ids))
+            with record_function("tune.full_forward"):
+                loss_full = kl_to(t, full_logits(student, batch)) if c.full_weight else torch.zeros((), device=self.device)
+            loss = loss_lazy + c.full_weight * loss_full
+        optimizer.zero_grad(set_to_none=True)
+        with record_function("tune.backward"):
+            loss.backward()
+        with record_function("tune.optimizer"):
+            torch.nn.utils.clip_grad_norm_([p for group in optimizer.param_groups for p in group["params"]], 1.0)
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+        return {"loss": loss.item(), "kl_lazy": loss_lazy.item(), "kl_full": loss_full.item(), "lr": lr}
 
     def _log(self, row: dict) -> None:
         with open(self.out / "log.jsonl", "a") as f:
