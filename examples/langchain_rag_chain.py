@@ -16,7 +16,7 @@ from langchain_core.output_parsers import StrOutputParser
 
 from lazyrag.demo import load_demo_corpus
 from lazyrag.integrations.langchain import ChatLazyLlama, LazyRAG, LazyRAGRetriever, rag_chain
-from lazyrag.integrations._common import shared_engine
+from lazyrag import get_engine
 from lazyrag.store.build import PrecacheConfig, precache
 
 
@@ -26,7 +26,7 @@ def build_demo_store(out: Path) -> None:
     docs.mkdir(parents=True, exist_ok=True)
     for d in load_demo_corpus()["documents"]:
         (docs / f"{d['id']}.md").write_text(f"{d['title']}\n{d['text']}")
-    report = precache(shared_engine(), PrecacheConfig([str(docs)], str(out), progress=False))
+    report = precache(get_engine(), PrecacheConfig([str(docs)], str(out), progress=False))
     print(report.summary())
 
 

@@ -8,7 +8,7 @@ import asyncio
 import time
 
 from lazyrag.demo import load_demo_corpus
-from lazyrag.integrations._common import shared_engine
+from lazyrag import get_engine
 from lazyrag.integrations.langchain import ChatLazyLlama, LazyRAG
 from lazyrag.integrations.llama_index import LazyLlamaLLM
 
@@ -37,7 +37,7 @@ def main() -> None:
     item = corpus["questions"][1]
     chunks = [docs[i] for i in item["documents"]]
 
-    engine = shared_engine()  # the adapters below share this engine and its chunk cache
+    engine = get_engine()  # the adapters below share this engine and its chunk cache
     engine.precache(chunks)
 
     engine_text = timed_stream("engine", engine.stream(item["question"], chunks, max_new_tokens=32))

@@ -51,8 +51,8 @@ keeps the computed KV exactly at twice the size (README "Corpus stores" has the 
 
 PRECACHE_EPILOG = """\
 examples:
-  lazyrag precache ../shared/data/nq_open_oracle_2655.jsonl.gz --out stores/nq
-  lazyrag precache ../shared/data/hotpotqa_dev_500.jsonl --out stores/hotpot --limit 200
+  lazyrag precache nq_open_oracle_2655.jsonl.gz --out stores/nq       # JSONL rows with a text field, or ctxs (NQ)
+  lazyrag precache hotpotqa_dev_500.jsonl --out stores/hotpot --limit 200
   lazyrag precache my_docs/ --out stores/docs --chunk-tokens 512 --overlap 64 --index hnsw
   lazyrag precache my_docs/ --out stores/docs --verify     # check row digests, rebuild bad shards and the index
   lazyrag precache my_index/ --out stores/index            # a folder index.storage_context.persist() wrote
@@ -391,10 +391,12 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="answer quality of the strategies side by side on NQ, HotpotQA, SQuAD, 2WikiMultihopQA or MuSiQue",
                        description=quality.__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--dataset", choices=quality.DATASETS, default="nq", help="which benchmark")
+    p.add_argument("--dataset", choices=quality.DATASETS, default=None,
+                   help="which benchmark (default: nq where its file is found, else squad, whose sample ships with lazyrag)")
     _passage_arg(p)
     p.add_argument("--data", type=Path, default=None,
-                   help="the dataset file (default: ../shared/data/... for nq and hotpotqa, benchmarks/data/NAME/ for the others)")
+                   help="the dataset file (default: the repository's copy in a clone; from a wheel, the 40-question "
+                        "sample shipped for squad, 2wiki and musique; nq and hotpotqa need --data)")
     p.add_argument("--split", choices=quality.SPLITS, default="all",
                    help="tune: the 30%% of each set that methods are chosen on; report: the other 70%%, which results quote")
     p.add_argument("--n", type=int, default=100, help="questions")

@@ -1,9 +1,10 @@
 """Answer quality of each strategy, side by side, on real QA data (``lazyrag eval``).
 
-Datasets (``nq`` and ``hotpotqa`` from ``../shared/data``, the others from the repository's
-``benchmarks/data``; ``--data`` points elsewhere):
+Datasets (``--data FILE``; by default ``nq`` and ``hotpotqa`` are read from a ``shared/data`` folder beside a
+clone of the repository, the others from its ``benchmarks/data``, or, installed from a wheel, from a 40-question
+sample shipped in the package):
 * ``nq``: Natural Questions (open) with the gold passage among ``--distractors`` random other
-  passages of the same file, shuffled (DESIGN §3's setting), or, with ``--store``, the top
+  passages of the same file, shuffled, or, with ``--store``, the top
   ``--k`` chunks retrieved from a corpus store built by ``lazyrag precache``;
 * ``hotpotqa``: HotpotQA dev, its 10 paragraphs as chunks, in the given order or ``--shuffle``d;
 * ``squad``: SQuAD v1.1 dev, single-hop reading: the gold paragraph among 4 paragraphs of other articles;
@@ -86,14 +87,32 @@ def _in_split(question: str, split: str) -> bool:
     return split == "all" or split_of(question) == split
 
 
+# the samples a wheel ships (lazyrag/data/eval/SOURCE.md): the sets whose licence and source allow it
+SAMPLES = Path(__file__).resolve().parent / "data" / "eval"
+# what --data must hold for the sets that are not shipped
+DATA_FORMATS = {
+    "nq": "Natural Questions (open), one JSON object a line (.jsonl or .jsonl.gz): question, answers, ctxs[0].text "
+          "(the gold passage), as in the NQ-open 'oracle' files of the DPR / FiD releases",
+    "hotpotqa": "HotpotQA dev, one JSON object a line (.jsonl or .jsonl.gz): question_text, answers_objects[0].spans, "
+                "contexts[].paragraph_text, as in IRCoT's processed HotpotQA files",
+}
+
+
 def default_data(dataset: str) -> Path:
-    """Where ``dataset``'s file is looked for when ``--data`` is not given."""
+    """Where ``dataset``'s file is looked for when ``--data`` is not given: the repository's copy when run from a
+    clone, else the sample shipped in the package (where there is one)."""
     if dataset == "nq":
         return DATA / "nq_open_oracle_2655.jsonl.gz"
     if dataset == "hotpotqa":
         return DATA / "hotpotqa_dev_500.jsonl"
     found = sorted((BENCH_DATA / dataset).glob(f"{dataset}_*.jsonl.gz"))
-    return found[0] if found else BENCH_DATA / dataset / f"{dataset}_dev.jsonl.gz"
+    sample = SAMPLES / f"{dataset}_sample.jsonl.gz"
+    return found[0] if found else sample if sample.is_file() else BENCH_DATA / dataset / f"{dataset}_dev.jsonl.gz"
+
+
+def _open_text(path: Path):
+    """A data file as text lines, gzip-compressed (``.gz``) or not."""
+    return gzip.open(path, "rt") if path.suffix == ".gz" else open(path)
 
 
 def load_dataset(dataset: str, path: Path, n: int, *, split: str = "all", seed: int = 0, shuffle: bool = False,
@@ -111,7 +130,7 @@ def load_chunked(path: Path, n: int, shuffle: bool, seed: int, split: str = "all
     "gold"}]}``, chunks (title, newline, text) in the order they are read (make_qa_sets.py fixed it), or ``shuffle``d."""
     rng = random.Random(seed)
     items = []
-    with gzip.open(path, "rt") as f:
+    with _open_text(path) as f:
         for line in f:
             row = json.loads(line)
             if not _in_split(row["question"], split):
@@ -145,7 +164,7 @@ def with_passages(items: list[dict], pool: list[dict], passages: int, seed: int)
 
 
 def load_nq(path: Path, n: int, distractors: int, seed: int, split: str = "all") -> list[dict]:
-    with gzip.open(path, "rt") as f:
+    with _open_text(path) as f:
         rows = [json.loads(line) for line in f]
     rng = random.Random(seed)
     passages = [r["ctxs"][0]["text"] for r in rows]
@@ -162,7 +181,7 @@ def load_nq(path: Path, n: int, distractors: int, seed: int, split: str = "all")
 def load_hotpotqa(path: Path, n: int, shuffle: bool, seed: int, split: str = "all") -> list[dict]:
     rng = random.Random(seed)
     items = []
-    with open(path) as f:
+    with _open_text(path) as f:
         for line in f:
             row = json.loads(line)
             if not _in_split(row["question_text"], split):
@@ -439,11 +458,24 @@ def run_eval(args, engine_options: dict | None = None) -> int:
     from lazyrag.model.loader import resolve_model_source
     from lazyrag.prompt import passage_label, passage_sha256
 
+    if args.dataset is None:  # nq where its file is (a clone beside shared/data), else a set a wheel ships
+        args.dataset = "nq" if args.data or default_data("nq").is_file() else "squad"
+        if args.dataset == "squad":
+            print("nq's file is not here (nq is not shipped with lazyrag): evaluating on squad; "
+                  "--dataset nq --data FILE for Natural Questions", file=sys.stderr)
     path = args.data or default_data(args.dataset)
     if not path.is_file():
-        where = "../shared/data" if args.dataset in ("nq", "hotpotqa") else f"benchmarks/data/{args.dataset} of the repository"
-        print(f"error: {path} not found; pass --data (this dataset lives in {where})", file=sys.stderr)
+        if args.data:
+            print(f"error: --data {path}: no such file", file=sys.stderr)
+        elif args.dataset in DATA_FORMATS:
+            print(f"error: {args.dataset} is not shipped with lazyrag; pass its file with --data: "
+                  f"{DATA_FORMATS[args.dataset]}. squad, 2wiki and musique run without --data.", file=sys.stderr)
+        else:
+            print(f"error: {path} not found; pass --data FILE", file=sys.stderr)
         return 2
+    if path.parent == SAMPLES:
+        print(f"{args.dataset}: the {path.name} shipped with lazyrag ({sum(1 for _ in _open_text(path))} questions); "
+              "--data FILE for the full set", file=sys.stderr)
     passages = getattr(args, "passages", None)
     distractors = passages - 1 if passages and args.dataset == "nq" else args.distractors
     items = load_dataset(args.dataset, path, args.n, split=args.split, seed=args.seed, shuffle=args.shuffle,
@@ -543,8 +575,13 @@ def run_eval(args, engine_options: dict | None = None) -> int:
             print(f"warning: {m['failed']} {s} requests failed and scored 0 (their errors are in {args.out})", file=sys.stderr)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    plot(result["summary"], args.out.with_suffix(".png"), f"{args.dataset} ({args.split}) n={done}, {model_name}")
-    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
+    wrote = f"wrote {args.out}"
+    try:
+        plot(result["summary"], args.out.with_suffix(".png"), f"{args.dataset} ({args.split}) n={done}, {model_name}")
+        wrote += f" and {args.out.with_suffix('.png')}"
+    except ModuleNotFoundError as e:  # plotting is an extra: the table and the JSON are the result
+        wrote += f" (no plot: {e.name} is not installed; pip install 'lazyrag[bench]' for one)"
+    print(wrote)
     if done == len(items):
         checkpoint.path.unlink()  # everything is in --out now
     return 0

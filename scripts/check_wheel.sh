@@ -19,4 +19,10 @@ cp scripts/wheel_smoke.py "$WORK/"
 # -I: isolated mode, neither the script's folder nor the current one on sys.path; run from outside the tree
 cd "$WORK" && "$WORK/venv/bin/python" -I wheel_smoke.py "$ROOT"
 PATH="$WORK/venv/bin:$PATH" lazyrag --help >/dev/null
+# lazyrag eval as a pip user runs it: no repository data beside it (the sample in the package), no matplotlib
+echo "wheel check: lazyrag eval --n 2 from the wheel"
+"$WORK/venv/bin/python" -c "import matplotlib" 2>/dev/null && echo "(matplotlib is installed here: the no-plot path is not exercised)"
+(cd "$WORK" && PATH="$WORK/venv/bin:$PATH" lazyrag eval --n 2 --strategies full,lazy --max-new-tokens 8 \
+    --out "$WORK/eval/quality.json") >"$WORK/eval.log" 2>&1 || { tail -30 "$WORK/eval.log"; exit 1; }
+grep -q '"dataset": "squad"' "$WORK/eval/quality.json" || { echo "eval did not run on the shipped squad sample"; tail -30 "$WORK/eval.log"; exit 1; }
 echo "wheel check: passed"

@@ -217,3 +217,27 @@ def test_an_answer_does_not_depend_on_the_other_strategies_in_the_run(tiny_engin
     together = score(tiny_engine, items, ["full", "lazy", "position_aware"], 6, batch_items=3)["lazy"]
     assert all(len(b) == 1 for b in batches), batches
     assert [r["answer"] for r in alone] == [r["answer"] for r in together]
+
+
+def test_an_installed_lazyrag_evaluates_on_its_shipped_samples(tmp_path, monkeypatch, capsys):
+    """From a wheel (no repository data beside it): squad, 2wiki and musique read the samples in the package, nq and
+    hotpotqa say they need --data and what it holds, and the default dataset is one that runs."""
+    from lazyrag import eval as quality
+    from lazyrag.cli import build_parser
+
+    monkeypatch.setattr(quality, "BENCH_DATA", tmp_path / "no-benchmarks")
+    monkeypatch.setattr(quality, "DATA", tmp_path / "no-shared-data")
+    for name in ("squad", "2wiki", "musique"):
+        path = quality.default_data(name)
+        assert path.parent == quality.SAMPLES and path.is_file()
+        items = quality.load_dataset(name, path, 5)
+        assert len(items) == 5 and all(it["question"] and it["answers"] and it["chunks"] for it in items)
+    args = build_parser().parse_args(["eval", "--dataset", "hotpotqa"])
+    assert quality.run_eval(args) == 2
+    assert "--data" in capsys.readouterr().err
+    # the default: squad here (nq's file is not found), decided before any model loads
+    args = build_parser().parse_args(["eval", "--n", "2"])
+    monkeypatch.setattr(quality, "load_dataset", lambda *a, **k: (_ for _ in ()).throw(SystemExit(7)))
+    with pytest.raises(SystemExit):
+        quality.run_eval(args)
+    assert args.dataset == "squad" and "evaluating on squad" in capsys.readouterr().err
