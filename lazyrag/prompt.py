@@ -8,6 +8,7 @@ so a chunk's token ids never depend on its neighbours and its KV can be reused a
 from __future__ import annotations
 
 import hashlib
+import operator
 import re
 import threading
 from collections import OrderedDict
@@ -126,20 +127,36 @@ def check_chunks(chunks) -> list[str]:
 def check_layout(layout: "PromptLayout", vocab_size: int) -> None:
     """A layout the model can run: token ids inside the vocabulary, a prefix and a question to prefill.
     Checked before admission, since a bad id would fail inside a batch of other requests."""
+    for field in ("prefix_ids", "question_ids"):
+        setattr(layout, field, _token_ids(getattr(layout, field), field.replace("_ids", ""), vocab_size))
     if not layout.prefix_ids:
         raise ValueError("The prompt layout has no prefix tokens; build it with engine.build_prompt or layout_from_text.")
     if not layout.question_ids:
         raise ValueError("The prompt layout has no tokens after its last chunk (the question); nothing would be prefilled.")
-    segments = [("the prefix", layout.prefix_ids), ("the question", layout.question_ids)]
-    segments += [(f"chunk {i}", c) for i, c in enumerate(layout.chunk_ids)]
-    for what, ids in segments:
+    layout.chunk_ids = [_token_ids(c, f"chunk {i}", vocab_size) for i, c in enumerate(layout.chunk_ids)]
+    if layout.encoding_prefix_ids is not None:
+        layout.encoding_prefix_ids = _token_ids(layout.encoding_prefix_ids, "encoding prefix", vocab_size)
+
+
+def _token_ids(ids, what: str, vocab_size: int) -> list[int]:
+    """``ids`` as a list of token ids in [0, vocab_size): as given when they are Python ints (the usual case, checked
+    in C), else converted from any integer type (numpy's, torch's); a ValueError naming the bad value otherwise."""
+    try:
+        lo, hi = min(ids, default=0), max(ids, default=0)
+        plain = type(lo) is int and type(hi) is int
+    except (TypeError, ValueError):  # not numbers, or numpy / torch elements that min() cannot compare as one
+        plain = False
+    if not plain:
         try:
-            lo = min(ids, default=0)
-            ok = isinstance(lo, int) and lo >= 0 and max(ids, default=0) < vocab_size
+            ids = [operator.index(t) for t in ids]
         except TypeError:
-            ok = False
-        if not ok:
-            raise ValueError(f"The prompt layout's {what} holds values that are not token ids in [0, {vocab_size}).")
+            bad = next(t for t in ids if not hasattr(t, "__index__"))
+            raise ValueError(f"The prompt layout's {what} holds {bad!r} ({type(bad).__name__}): token ids are integers.") from None
+        lo, hi = min(ids, default=0), max(ids, default=0)
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"The prompt layout's {what} holds token id {lo if lo < 0 else hi}, outside the model's "
+                         f"vocabulary [0, {vocab_size}).")
+    return ids if isinstance(ids, list) else list(ids)
 
 
 class PromptBuilder:
@@ -197,15 +214,15 @@ class PromptBuilder:
         that renders whole chat messages (the server): ``layout_from_text`` then finds the same segments."""
         return CONTEXT_HEADER + "".join(self.chunk_text(c) for c in chunks) + self.question_text(question)
 
-    def render(self, messages: list[dict]) -> str:
-        """Chat messages as prompt text (with the generation prompt); a default system turn is added."""
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Chat messages as prompt text (with the generation prompt unless told); a default system turn is added."""
         if not any(m["role"] == "system" for m in messages):
             messages = [{"role": "system", "content": self.system_prompt}] + list(messages)
         tok = self.tokenizer
         if getattr(tok, "chat_template", None):
-            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
         body = "\n\n".join(m["content"] for m in messages)
-        return body + "\nAnswer:"
+        return body + "\nAnswer:" if add_generation_prompt else body
 
     def _with_bos(self, ids: list[int]) -> list[int]:
         return self._bos + ids if self._bos and (not ids or ids[0] != self._bos[0]) else ids
@@ -220,6 +237,9 @@ class PromptBuilder:
             ids = self._with_bos(self.encode(text))
             if not ids:
                 raise ValueError("The prompt is empty.")
+            if len(ids) == 1:
+                raise ValueError(f"The prompt {text!r} is a single token; lazyrag reads a prompt as a prefix and the "
+                                 "tokens after it, so it needs at least two (add a word, or send it as a chat message).")
             return PromptLayout(prefix_ids=ids[:1], chunk_ids=[], question_ids=ids[1:])
         chunk_ids, texts, pos = [], [], found[0][0]
         for start, end, chunk in found:

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from lazyrag.defaults import MAX_LOGPROBS, MIN_TEMPERATURE, MIN_TOP_P, SEED_LIMIT
+from lazyrag.defaults import MAX_LOGPROBS, MIN_REPETITION_PENALTY, MIN_TEMPERATURE, MIN_TOP_P, SEED_LIMIT
 from lazyrag.engine.runner import Placement, SeqState
 from lazyrag.engine.sampling import Detokenizer
 from lazyrag.kv.cache import Segment
@@ -63,8 +63,9 @@ class SamplingParams:
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 or 0 (off) or an integer of at least 1; got {self.top_k!r}")
         put("top_k", int(self.top_k))
-        if not _finite_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be a finite number above 0 (1 = off); got {self.repetition_penalty!r}")
+        if not _finite_number(self.repetition_penalty) or not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 100:
+            raise ValueError(f"repetition_penalty must be a number in [{MIN_REPETITION_PENALTY}, 100] (1 = off); got "
+                             f"{self.repetition_penalty!r}")
         put("repetition_penalty", float(self.repetition_penalty))
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)

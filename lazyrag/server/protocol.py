@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from lazyrag.defaults import MAX_K, MAX_LOGPROBS
+from lazyrag.defaults import MAX_K, MAX_LOGPROBS, MIN_REPETITION_PENALTY
 from lazyrag.strategy_names import check_strategy
 
 
@@ -38,7 +38,7 @@ class _Common(BaseModel):
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2, allow_inf_nan=False)
     # vLLM's extra sampling fields
     top_k: int | None = Field(default=None, ge=-1, description="keep the k most likely tokens; -1 or 0 = all")
-    repetition_penalty: float | None = Field(default=None, gt=0, le=100, allow_inf_nan=False,
+    repetition_penalty: float | None = Field(default=None, ge=MIN_REPETITION_PENALTY, le=100, allow_inf_nan=False,
                                              description="HF / vLLM repetition penalty over prompt and answer tokens; 1 = off")
     ignore_eos: bool | None = Field(default=None, description="keep generating past end-of-turn tokens up to max_tokens")
     # no-op unless set: refused with a clear message otherwise
@@ -145,6 +145,29 @@ class CompletionRequest(_Common):
         if self.best_of not in (None, 1):
             bad.append("best_of")
         return bad
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize body: ``prompt`` (a completion's text) or ``messages`` (through the chat template)."""
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True  # messages: end with the assistant turn's opening, as a chat request does
+    add_special_tokens: bool | None = None  # None: True for a prompt (BOS where the model has one), False for messages
+    return_token_strs: bool = False  # also each token's string
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("send either prompt (a text) or messages (chat messages)")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str | None = None
+    tokens: list[int]
 
 
 def new_id(prefix: str) -> str:

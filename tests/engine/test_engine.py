@@ -225,6 +225,7 @@ def test_sampling_knobs_are_checked_when_made():
     assert (ok.top_k, ok.presence_penalty, ok.logprobs) == (0, -2.0, 20) and not ok.plain_greedy
     assert SamplingParams().plain_greedy and SamplingParams(top_k=5).plain_greedy  # top_k alone leaves argmax alone
     for bad in (dict(top_k=-2), dict(top_k=1.5), dict(repetition_penalty=0), dict(repetition_penalty=float("nan")),
+                dict(repetition_penalty=1e-30),
                 dict(presence_penalty=2.5), dict(frequency_penalty=-3), dict(logprobs=21), dict(logprobs=-1),
                 dict(logprobs=True)):
         with pytest.raises(ValueError, match=next(iter(bad))):

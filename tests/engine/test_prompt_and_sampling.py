@@ -1,4 +1,5 @@
 """Prompt segments, sampling and streaming detokenization."""
+import pytest
 import torch
 
 from lazyrag.prompt import CONTEXT_HEADER, PromptBuilder
@@ -50,3 +51,28 @@ def test_detokenizer_holds_back_partial_stop_strings(default_hf):
             break
     out += d.finish()
     assert d.stopped and out == "The answer is Paris. "
+
+
+def test_layout_token_ids_of_any_integer_type_are_taken_and_bad_ones_named(tiny_engine):
+    """numpy / torch integers are token ids too (converted to int); a float or an out-of-vocabulary id is named."""
+    import numpy as np
+
+    from lazyrag.engine import SamplingParams
+    from lazyrag.prompt import PromptLayout, check_layout
+
+    layout = tiny_engine.build_prompt("What is it?", ["A chunk of text about it."])
+    plain = tiny_engine.submit(layout, SamplingParams(max_new_tokens=3)).result().token_ids
+    as_numpy = PromptLayout(np.array(layout.prefix_ids), [np.array(c) for c in layout.chunk_ids],
+                            torch.tensor(layout.question_ids))
+    assert tiny_engine.submit(as_numpy, SamplingParams(max_new_tokens=3)).result().token_ids == plain
+    assert all(type(t) is int for t in as_numpy.prefix_ids + as_numpy.question_ids + as_numpy.chunk_ids[0])
+    with pytest.raises(ValueError, match=r"chunk 0 holds 1\.5 \(float\)"):
+        check_layout(PromptLayout([1], [[1.5]], [2]), 100)
+    with pytest.raises(ValueError, match=r"question holds token id 100, outside the model's vocabulary \[0, 100\)"):
+        check_layout(PromptLayout([1], [], [100]), 100)
+
+
+def test_a_one_token_completion_prompt_says_what_it_needs(tiny_engine):
+    with pytest.raises(ValueError, match="single token.*at least two"):
+        tiny_engine.layout_from_text("Hi")
+    assert tiny_engine.layout_from_text("Hi there").num_tokens >= 2
