@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 41's device check, old tree against this one in the same call (one part a call, each under 10 minutes):
-#   PART=a bash benchmarks/serving_gpu.sh OLD_TREE   # e2e_gpu.py new then old; the old tree's 1 GB closed loop (lazy)
+#   PART=a bash benchmarks/serving_gpu.sh OLD_TREE   # e2e_gpu.py new then old; the old tree's 1 GB closed loop (lazy) unless E2E_ONLY=1
+#   PART=s bash benchmarks/serving_gpu.sh OLD_TREE   # the 1 GB closed loop (lazy), old tree then this one
 #   PART=b bash benchmarks/serving_gpu.sh            # this tree's 1 GB closed loop: every peer, lazy with and without the batched encode
 #   PART=c bash benchmarks/serving_gpu.sh            # this tree, 1 GB plus a host-RAM tier holding the corpus: closed loop, 2 req/s
 # OLD_TREE: `git archive <commit> | tar -x -C .snap`, carried. Writes to $OUT (or benchmarks/results): e2e_h100_serving_{new,old}.json,
@@ -14,6 +15,12 @@ install() { (cd "$1" && python3 -m pip install -q --no-deps --no-build-isolation
 python3 -c "import torch, triton; print(torch.cuda.get_device_name(), 'triton', triton.__version__, 'torch', torch.__version__)"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
 loop="--budget 1 --throughput-requests 160 --concurrency 16"
+serve_lazy() {  # side tree: that tree's 1 GB closed loop with lazy alone
+  install "$2"
+  (cd "$2" && timeout 230 python3 benchmarks/serving.py --experiments throughput $loop --strategies lazy \
+      --out "$OUT/serving_h100_$1.json") > "$OUT/serving_h100_$1_log.txt" 2>&1 || echo "$1 serving exited $?"
+  grep "^throughput\|^model" "$OUT/serving_h100_$1_log.txt" | sed "s/^/$1: /"
+}
 case $part in
 a)
   old=${1:?old tree}
@@ -24,10 +31,12 @@ a)
         > "$OUT/e2e_h100_serving_${side}_log.txt" 2>&1 || echo "e2e $side exited $?"
     grep "lazyrag TTFT\|lazyrag decode\|transformers full" "$OUT/e2e_h100_serving_${side}_log.txt" | sed "s/^/$side: /"
   done
-  (cd "$old" && timeout 230 python3 benchmarks/serving.py --experiments throughput $loop --uniform-strategies lazy \
-      --out "$OUT/serving_h100_old.json") > "$OUT/serving_h100_old_log.txt" 2>&1 || echo "old serving exited $?"
-  grep "^throughput\|^model" "$OUT/serving_h100_old_log.txt"
+  [ -n "${E2E_ONLY:-}" ] || serve_lazy old "$old"
   install "$new" ;;
+s)  # the 1 GB closed loop, lazy alone, old tree then this one
+  old=${1:?old tree}
+  serve_lazy old "$old"
+  serve_lazy new "$new" ;;
 b)
   install "$new"
   timeout 560 python3 benchmarks/serving.py --experiments throughput $loop --unbatched \
