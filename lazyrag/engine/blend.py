@@ -25,6 +25,7 @@ compiled op's guards cost more than its launches at these sizes).
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable
 
@@ -42,6 +43,8 @@ SELECTION_LAYER = 1  # the first layer whose K/V depend on the context
 DENSE_OPS = ElementwiseOps()  # eager: token counts differ per request, a compiled op would re-check guards each call
 KEEP_CONTEXT_BYTES = 1 << 30  # a request's gathered layers kept for the second pass, up to this size
 KERNEL_ON_CPU = False  # the Triton attention on CPU tensors too (its interpreter: tests); CUDA always uses it
+_kernel_failed = False
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -280,9 +283,17 @@ def recompute_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, sel
     """The running tokens' attention ([S, Hq, D]) over the context as cached (``kc``, ``vc``: [N, Hkv, D] fp32) where
     their own rows ``sel`` hold their fresh ``k``, ``v``; each sees the first ``limit`` context tokens. On CUDA in the
     model's dtype through kernels/recompute.py (a dense fp32 mask was most of a recovery's time), else in fp32."""
-    if q.is_cuda or KERNEL_ON_CPU:
+    global _kernel_failed
+    if (q.is_cuda or KERNEL_ON_CPU) and not _kernel_failed:
         keys, vals = kc.to(q.dtype).index_copy_(0, sel, k), vc.to(q.dtype).index_copy_(0, sel, v)
-        return prefix_attention(q, keys, vals, limit, sm_scale)
+        try:
+            return prefix_attention(q, keys, vals, limit, sm_scale)
+        except Exception as e:  # a Triton build this device cannot compile: the reference answers the same, slower
+            if KERNEL_ON_CPU:
+                raise
+            _kernel_failed = True
+            log.warning("the recovery's attention kernel failed on %s (%s: %s); using the PyTorch reference from now on",
+                        q.device, type(e).__name__, e)
     keys, vals = kc.index_copy(0, sel, k.float()), vc.index_copy(0, sel, v.float())
     return prefix_attention_reference(q.float(), keys, vals, limit, sm_scale)
 
