@@ -296,26 +296,55 @@ def pasted_passages(text: str, keep_last: bool = True, min_chars: int = PASTED_M
     return [p for p in dict.fromkeys(paragraphs) if len(p) >= min_chars]
 
 
+class _Bucket:
+    """The chunks that share one anchor, indexed again by a longer start so that many chunks with a common opening
+    (metadata headers: "file_path: ...", "Title: ...") cost one lookup, not one comparison each. Readers take no
+    lock: every change is one dict store or delete, or a new tuple in place of the old."""
+
+    __slots__ = ("long", "short", "short_lengths", "_per_length")
+
+    def __init__(self):
+        self.long: dict[str, tuple[str, ...]] = {}  # the first LONG characters -> the texts opening so, longest first
+        self.short: dict[str, None] = {}  # texts shorter than LONG
+        self.short_lengths: tuple[int, ...] = ()  # their lengths, longest first
+        self._per_length: dict[int, int] = {}  # how many short texts have each length
+
+    def match(self, prompt: str, i: int, long: int) -> str | None:
+        """The longest text of the bucket that ``prompt`` holds at ``i``."""
+        for text in self.long.get(prompt[i : i + long], ()):
+            if prompt.startswith(text, i):
+                return text
+        for n in self.short_lengths:
+            if prompt[i : i + n] in self.short:
+                return prompt[i : i + n]
+        return None
+
+    def texts(self) -> list[str]:
+        return [t for group in list(self.long.values()) for t in group] + list(self.short)
+
+
 class ChunkFinder:
     """Finds known chunk texts inside an arbitrary prompt string.
 
-    Each chunk is indexed by its first ``anchor`` characters; a scan looks up the anchor
-    at every offset of the prompt (a dict lookup of a fixed-size slice), then verifies the
-    whole chunk. Time is linear in the prompt's length and independent of how many chunks
-    are indexed. Chunks shorter than the anchor are not worth a cache entry and are not found.
+    Each chunk is indexed by its first ``anchor`` characters, and inside that by its first ``long`` characters; a
+    scan looks up the anchor at every offset of the prompt (a dict lookup of a fixed-size slice), then the longer
+    start, then verifies the whole chunk. Time is linear in the prompt's length, independent of how many chunks are
+    indexed and of how many share an opening. Chunks shorter than the anchor are not worth a cache entry and are not
+    found.
 
     It holds at most ``max_chunks`` texts, least recently added or found first out, so a process
     that sees new chunks forever (every retrieval registers its results) stays bounded.
     """
 
     MAX_CHUNKS = 1 << 17  # texts kept: a store's chunks and more (a few hundred MB of text at most)
+    LONG = 256  # the second-level key: chunks that open with the same 256 characters are compared one by one
 
     def __init__(self, anchor: int = 24, max_chunks: int | None = None):
         self.anchor = anchor
         self.max_chunks = self.MAX_CHUNKS if max_chunks is None else max_chunks
         if self.max_chunks < 1:
             raise ValueError(f"max_chunks must be at least 1; got {max_chunks!r}")
-        self._by_anchor: dict[str, list[str]] = {}
+        self._by_anchor: dict[str, _Bucket] = {}
         self._recent: OrderedDict[str, None] = OrderedDict()  # every text held, least recently used first
         self._lock = threading.Lock()  # adapters register retrieved texts from other threads while prompts are split
 
@@ -334,27 +363,45 @@ class ChunkFinder:
                 self._recent.move_to_end(text)
                 return
             self._recent[text] = None
-            bucket = self._by_anchor.setdefault(text[: self.anchor], [])
-            self._by_anchor[text[: self.anchor]] = sorted(bucket + [text], key=len, reverse=True)  # longest match first
+            self._rebucket(text, add=True)
             while len(self._recent) > self.max_chunks:
-                self._drop(self._recent.popitem(last=False)[0])
+                self._rebucket(self._recent.popitem(last=False)[0], add=False)
 
-    def _drop(self, text: str) -> None:
+    def _rebucket(self, text: str, add: bool) -> None:
+        """Add ``text`` to its bucket, or remove it (then an empty bucket goes)."""
         key = text[: self.anchor]
-        bucket = [t for t in self._by_anchor.get(key, ()) if t != text]
-        if bucket:
-            self._by_anchor[key] = bucket
+        bucket = self._by_anchor.get(key)
+        if bucket is None:
+            bucket = self._by_anchor[key] = _Bucket()
+        if len(text) >= self.LONG:
+            start = text[: self.LONG]
+            group = [t for t in bucket.long.get(start, ()) if t != text] + ([text] if add else [])
+            if group:
+                bucket.long[start] = tuple(sorted(group, key=len, reverse=True))  # longest match first
+            else:
+                bucket.long.pop(start, None)
         else:
-            self._by_anchor.pop(key, None)
+            n, count = len(text), bucket._per_length
+            if add:
+                bucket.short[text] = None
+                count[n] = count.get(n, 0) + 1
+            elif bucket.short.pop(text, 0) is None:
+                count[n] -= 1
+                if not count[n]:
+                    del count[n]
+            if len(count) != len(bucket.short_lengths):  # a length came or went
+                bucket.short_lengths = tuple(sorted(count, reverse=True))
+        if not bucket.long and not bucket.short:
+            del self._by_anchor[key]
 
     def find(self, prompt: str) -> list[tuple[int, int, str]]:
         """Non-overlapping (start, end, chunk text) occurrences, left to right."""
-        found, i, a = [], 0, self.anchor
+        found, i, a, n = [], 0, self.anchor, self.LONG
         lookup = self._by_anchor.get  # buckets are replaced, never changed in place: safe to read unlocked
         while i <= len(prompt) - a:
             bucket = lookup(prompt[i : i + a])
-            if bucket:
-                text = next((t for t in bucket if prompt.startswith(t, i)), None)
+            if bucket is not None:
+                text = bucket.match(prompt, i, n)
                 if text is not None:
                     found.append((i, i + len(text), text))
                     i += len(text)

@@ -209,7 +209,7 @@ def test_the_chunk_finder_is_bounded_least_recently_used_first(tiny_engine):
     assert finder.find(texts[1] + " " + texts[4]) == [(len(texts[1]) + 1, len(texts[1]) + 1 + len(texts[4]), texts[4])]
     for i in range(1000):
         finder.add(f"Another passage, number {i}, longer than the anchor.")
-    assert len(finder) == 3 and sum(map(len, finder._by_anchor.values())) == 3
+    assert len(finder) == 3 and sum(len(b.texts()) for b in finder._by_anchor.values()) == 3
 
 
 # -- sampling knobs (issue 34): top_k, penalties, logprobs --------------------------------------
@@ -325,3 +325,25 @@ def test_engine_config_with_changes_resolves_its_defaults_again():
     assert cuda.gemv is False  # what was given stays
     assert cpu.attention == "torch" and cpu.scheduler.async_scheduling is False  # the original is untouched
     assert cuda.with_changes(device="cpu") == cpu
+
+
+def test_chunks_sharing_an_opening_are_found_longest_first():
+    """Texts with one opening (metadata headers) sit in one anchor bucket, indexed again by their first 256
+    characters: each is found, the longest of nested ones first, and an evicted one is gone from the index."""
+    from lazyrag.prompt import ChunkFinder
+
+    finder = ChunkFinder(max_chunks=500)
+    head = "file_path: /data/corpus/documents/"
+    long = [head + f"{i}.txt\n\n" + " ".join([f"body {i}"] * 60) for i in range(300)]
+    short = [head + f"{i}" for i in range(150)]  # under 256 characters, also under the same anchor
+    nested = long[7] + " and a longer version of the same passage."
+    for text in long + short + [nested]:
+        finder.add(text)
+    assert len(finder._by_anchor) == 1
+    prompt = "Context:\n" + long[3] + "\n\n" + nested + "\n\n" + short[42] + "!\n\nQuestion?"
+    assert [t for *_, t in finder.find(prompt)] == [long[3], nested, short[42]]
+    for i in range(60):  # evicts the 51 least recently used: long[0..50] but the found long[3]
+        finder.add(f"Another passage number {i} with an opening of its own.")
+    assert long[3] in finder and long[4] not in finder and [t for *_, t in finder.find(long[4])] == [short[4]]
+    held = sum(len(b.texts()) for b in finder._by_anchor.values())
+    assert held == len(finder) == 500
