@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
 
+from lazyrag.prompt import check_text
 from lazyrag.store.corpus import (LAYOUT_VERSION, MANIFEST, PREFIX_ID, ChunkRow, CorpusStore, StoreError, check_new_store_folder,
                                   clear_store, engine_manifest, read_manifest, rebuild_interrupted, writer_lock)
 from lazyrag.store.retriever import DEFAULT_EMBEDDER, embed, load_embedder
@@ -147,11 +148,34 @@ def _in_memory(documents) -> Iterator[Document]:
 
 
 def _read_jsonl(path: Path) -> Iterator[Document]:
+    """Each non-blank line one JSON object; a line that is not (or whose text is not valid Unicode) is named."""
     opener = gzip.open if path.name.endswith(".gz") else open
+    i = -1
     with opener(path, "rt", encoding="utf-8") as f:
-        for i, line in enumerate(f):
-            if line.strip():
-                yield from _records_to_documents(json.loads(line), i, path.name)
+        try:
+            for i, line in enumerate(f):
+                if line.strip():
+                    yield from _line_documents(line, i, path)
+        except UnicodeDecodeError as e:
+            raise StoreError(f"{path}, line {i + 2}: not UTF-8 text ({e.reason} at byte {e.start} of its block); "
+                             "re-encode the file as UTF-8.") from None
+
+
+def _line_documents(line: str, i: int, path: Path) -> Iterator[Document]:
+    where = f"{path}, line {i + 1}"
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise StoreError(f"{where} is not JSON ({e.msg}, column {e.colno}): a .jsonl file holds one JSON object a line.") from None
+    if not isinstance(rec, dict):
+        raise StoreError(f"{where} is a JSON {type(rec).__name__}, not an object: each line needs a \"text\" field "
+                         "(or \"contents\", or NQ's \"ctxs\" / HotpotQA's \"contexts\").")
+    for doc in _records_to_documents(rec, i, path.name):
+        try:
+            check_text(doc.text, "its text")
+        except ValueError as e:
+            raise StoreError(f"{where}: {e}") from None
+        yield doc
 
 
 # -- chunking -----------------------------------------------------------------------------------

@@ -602,3 +602,26 @@ def test_a_store_from_before_table_ids_is_served_and_any_precache_run_gives_it_o
     assert _tiny_build(tiny_engine, tiny_corpus, out, embedder, verify=True).chunks_encoded == 0  # what the warning says
     table_id = sqlite3.connect(out / TABLE).execute("SELECT value FROM store_meta WHERE name = 'table_id'").fetchone()[0]
     assert CorpusStore.open(out).manifest.table_id == table_id != ""
+
+
+@pytest.mark.parametrize("line,says", [
+    ('{"text": "fine"', r"line 2 is not JSON \(Expecting ',' delimiter, column 1"),
+    ('["a", "list"]', r"line 2 is a JSON list, not an object"),
+    ('{"text": "broken \\ud800 half"}', r"line 2: its text is not valid Unicode: character 7 is a lone surrogate"),
+])
+def test_a_bad_corpus_line_is_named_with_its_file_and_line(tmp_path, line, says):
+    from lazyrag.store.corpus import StoreError
+
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"text": "A good first document."}\n' + line + "\n")
+    with pytest.raises(StoreError, match=f"{path}, {says}"):
+        list(read_documents([str(path)]))
+
+
+def test_a_corpus_file_that_is_not_utf8_is_named(tmp_path):
+    from lazyrag.store.corpus import StoreError
+
+    path = tmp_path / "docs.jsonl"
+    path.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(StoreError, match="not UTF-8 text"):
+        list(read_documents([str(path)]))
