@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -73,8 +74,12 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return help + " (default: %(default)s)"
 
 
+MODEL_HELP = ("local Llama folder (config.json + safetensors), .gguf file, or Hugging Face model id found in the local "
+              "Hugging Face cache (HF_HUB_CACHE; never downloaded); default: the embedded SmolLM2-135M-Instruct")
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="local Llama folder (config.json + safetensors) or .gguf file; default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)")
     _model_cache_arg(p)
@@ -205,7 +210,7 @@ def add_precache_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("inputs", nargs="+", help="folders of .txt/.md files, .txt/.md files, .jsonl(.gz) files, or folders "
                                              "LlamaIndex persisted (docstore.json)")
     p.add_argument("--out", required=True, help="store folder (created, or resumed if it holds an unfinished build)")
-    p.add_argument("--model", default=None, help="local Llama folder or .gguf file; default: the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     _adapter_arg(p)
     _model_cache_arg(p)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -257,9 +262,14 @@ Serve the model over HTTP with the OpenAI API, the way vLLM and SGLang are run: 
 (the openai package, LangChain's ChatOpenAI, LlamaIndex's OpenAILike) points its base URL at
 http://HOST:PORT/v1 and works unchanged; every chunk's KV is cached once and reused at any position.
 
+MODEL, as for `vllm serve`: a local Llama folder, a .gguf file, or a Hugging Face model id found in the
+local Hugging Face cache (never downloaded: `hf download ID` first); clients then send it as "model"
+(the model's folder or file name is accepted too). --config FILE.yaml takes any option below as a
+key (port: 8001, max-num-seqs: 32, ...); options on the command line win over the file's.
+
 Endpoints: POST /v1/chat/completions and /v1/completions (stream=true for server-sent events),
 GET /v1/models, /health, /metrics (Prometheus: requests, TTFT and inter-token histograms, chunk
-hits and misses, cache bytes per tier).
+hits and misses, cache bytes per tier), and vLLM's GET /version, POST /tokenize and /detokenize.
 
 Chunks reach a request three ways: an extra "documents" field (a list of texts), chunks already
 known to the engine found inside the message text, or, with --store, the top --k chunks retrieved
@@ -274,7 +284,10 @@ SERVE_EPILOG = """\
 examples:
   lazyrag serve                                           # embedded model on http://127.0.0.1:8000/v1
   lazyrag serve --store stores/nq --k 5                   # answer questions from a pre-cached corpus
-  lazyrag serve --model ~/models/Llama-3.1-8B-Instruct --device cuda --host 0.0.0.0 --api-key "$KEY"
+  lazyrag serve ~/models/Llama-3.1-8B-Instruct --device cuda --host 0.0.0.0 --api-key "$KEY"
+  lazyrag serve HuggingFaceTB/SmolLM2-135M-Instruct --max-model-len 4096 --max-num-seqs 32   # from the HF cache
+  lazyrag serve --config serve.yaml --port 8001           # options from a YAML file; the command line wins
+  lazyrag serve --allowed-origins '["http://localhost:3000"]' --ssl-keyfile key.pem --ssl-certfile cert.pem
   lazyrag serve --replicas 2 --store stores/nq           # 2 engines behind one endpoint, on Ray Serve
 
   curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' -d '{
@@ -283,20 +296,29 @@ examples:
 
   python -c "from openai import OpenAI; c = OpenAI(base_url='http://127.0.0.1:8000/v1', api_key='-');
   print(c.chat.completions.create(model='SmolLM2-135M-Instruct', messages=[{'role': 'user', 'content': 'Hi'}]))"
+
+  curl http://127.0.0.1:8000/tokenize -H 'Content-Type: application/json' -d '{"prompt": "Hello there"}'
 """
 
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat, completions, streaming, metrics)",
                        description=SERVE_HELP, epilog=SERVE_EPILOG, formatter_class=HelpFormatter)
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model, as --model takes it (either one; default: the embedded SmolLM2-135M-Instruct)")
     _model_args(p)
+    p.add_argument("--config", default=None, metavar="FILE.yaml",
+                   help="read options from a YAML file: keys are the options' names without -- (dashes or underscores: "
+                        "max-num-seqs or max_num_seqs), e.g. {model: ~/models/x, port: 8001, allowed-origins: ['*']}; "
+                        "options given on the command line override the file's")
     _adapter_arg(p)
     _passage_arg(p)
     _tensor_parallel_arg(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s; 0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (default: %(default)s)")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model id clients send and /v1/models lists (default: the model's name)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model id clients send and /v1/models lists; more names are accepted too (default: MODEL as "
+                        "given, also answering to the model's folder or file name; without MODEL, the model's name)")
     p.add_argument("--store", type=Path, default=None, help="a corpus store from `lazyrag precache`: its chunk KV is "
                    "loaded from disk, and chat requests that bring no chunks get the top --k retrieved from it")
     p.add_argument("--k", type=int, default=5, help=f"chunks retrieved per chat request from --store (default: %(default)s, at most {MAX_K})")
@@ -318,7 +340,35 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="reuse only chunks sent as `documents` or already known; by default the paragraphs pasted into a "
                         "prompt (a LangChain or LlamaIndex RAG prompt's retrieved texts) are cached on first sight and "
                         "reused in any order from the next request on")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"], help="uvicorn's log level")
+    p.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
+                   help="sequences decoding at once (SchedulerConfig.max_running; default: 64); more wait in the queue")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help="new prompt tokens prefilled in one step (SchedulerConfig.max_prefill_tokens; default: 8192); "
+                        "a single longer prompt still runs, alone")
+    p.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
+                   help="prompt plus answer tokens a request may take: a longer prompt gets HTTP 400 (default: the "
+                        "model's max_position_embeddings, which it cannot exceed)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed the random generators (torch's, Python's) once the model is loaded, as vLLM's --seed: "
+                        "sampling requests without a seed of their own then draw the same numbers in the same order "
+                        "after every start; a request's \"seed\" still makes that request reproducible on its own "
+                        "(default: not seeded)")
+    p.add_argument("--log-level", "--uvicorn-log-level", dest="log_level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"], help="uvicorn's log level")
+    p.add_argument("--disable-uvicorn-access-log", action="store_true", help="no line per request in the log")
+    p.add_argument("--allowed-origins", type=_string_list, default=None, metavar="LIST",
+                   help="CORS: origins a browser page may call the API from, a JSON list or commas: "
+                        "'[\"http://localhost:3000\"]', '*' for any (default: none, no CORS headers; vLLM's is '*')")
+    p.add_argument("--allowed-methods", type=_string_list, default=["*"], metavar="LIST",
+                   help="CORS: methods allowed with --allowed-origins (default: *)")
+    p.add_argument("--allowed-headers", type=_string_list, default=["*"], metavar="LIST",
+                   help="CORS: request headers allowed with --allowed-origins (default: *)")
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies and credentials")
+    p.add_argument("--ssl-keyfile", default=None, metavar="FILE", help="HTTPS: the private key file (PEM)")
+    p.add_argument("--ssl-certfile", default=None, metavar="FILE", help="HTTPS: the certificate file (PEM)")
+    p.add_argument("--root-path", default=None, metavar="PATH",
+                   help="the path prefix a proxy strips before requests reach the server (uvicorn's root_path, e.g. "
+                        "/lazyrag); the API docs' links then carry it")
     p.add_argument("--replicas", type=int, default=1,
                    help="engines behind the one endpoint, each its own process (Ray Serve; pip install 'lazyrag[replicas]'). "
                         "A request goes where most of its documents' KV already is (--router); all replicas read the same "
@@ -363,7 +413,7 @@ def add_tune_parser(sub) -> argparse.ArgumentParser:
 
     p = sub.add_parser("tune", help="adapt a model to answer over cached chunks (lazy) as over a full prefill",
                        description=TUNE_HELP, epilog=TUNE_EPILOG, formatter_class=HelpFormatter)
-    p.add_argument("--model", default=None, help="local Llama folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--out", type=Path, required=True, help="the adapter folder to write (a checkpoint inside it while it runs)")
     p.add_argument("--method", default="lora", choices=["lora", "full"], help="a LoRA adapter, or every weight (default: %(default)s)")
     p.add_argument("--max-steps", type=int, default=1000, help="training steps (default: %(default)s)")
@@ -426,7 +476,7 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--kv-budget", type=float, default=None, metavar="GIB",
                    help="each worker's paged KV pool, GiB (default: 8 on cuda, 1 on cpu); lower it to run more workers")
     p.add_argument("--seed", type=int, default=0, help="seed of the question sample and the distractors")
-    p.add_argument("--model", default=None, help="local Llama folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     _adapter_arg(p)
     _model_cache_arg(p)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
@@ -450,6 +500,67 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+def _string_list(value: str) -> list[str]:
+    """``--allowed-origins`` and kin: a JSON list (vLLM's form) or comma-separated values."""
+    if value.strip().startswith("["):
+        try:
+            items = json.loads(value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{value!r} is not a JSON list ({e})") from None
+        if not isinstance(items, list) or not all(isinstance(i, str) for i in items):
+            raise argparse.ArgumentTypeError(f"{value!r}: give a JSON list of strings, e.g. '[\"http://localhost:3000\"]'")
+        return items
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+# -- options from a YAML file (serve --config), as vLLM reads them --
+
+def _config_argv(parser: argparse.ArgumentParser, path: str, drop_model: bool) -> list[str]:
+    """The options of a ``--config`` YAML file as command-line arguments, to be parsed before the real ones (which
+    then win). Keys are the parser's long option names, with dashes or underscores; anything else is refused."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).expanduser().read_text())
+    except OSError as e:
+        raise UsageError(f"--config {path}: cannot read it ({e.strerror or e}).") from None
+    except yaml.YAMLError as e:
+        raise UsageError(f"--config {path} is not valid YAML: {e}") from None
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise UsageError(f"--config {path} must hold option names and values (e.g. `port: 8001`), not a {type(data).__name__}.")
+    actions = {o[2:]: a for a in parser._actions for o in a.option_strings if o.startswith("--") and o not in ("--help", "--config")}
+    unknown = [str(k) for k in data if str(k).replace("_", "-") not in actions]
+    if unknown:
+        raise UsageError(f"--config {path}: unknown key(s) {', '.join(unknown)}. Valid keys, the options of "
+                         f"`lazyrag {parser.prog.split()[-1]}` (dashes or underscores): {', '.join(sorted(actions))}.")
+    argv = []
+    for key, value in data.items():
+        name = str(key).replace("_", "-")
+        action, flag = actions[name], f"--{name}"
+        if value is None or (drop_model and action.dest == "model"):
+            continue  # the command line's MODEL or --model wins
+        if action.nargs == 0:  # an on/off flag
+            if not isinstance(value, bool):
+                raise UsageError(f"--config {path}: {key} is an on/off option; give true or false, not {value!r}.")
+            argv += [flag] if value else []
+        elif isinstance(value, (list, tuple)) and (isinstance(action, argparse._AppendAction) or action.nargs in ("+", "*")):
+            argv += [f"{flag}={v}" for v in value] if isinstance(action, argparse._AppendAction) else [flag, *map(str, value)]
+        elif isinstance(value, (list, tuple, dict)):
+            argv.append(f"{flag}={json.dumps(value)}")
+        else:
+            argv.append(f"{flag}={str(value).lower() if isinstance(value, bool) else value}")
+    return argv
+
+
+def _with_config(parser: argparse.ArgumentParser, argv: list[str], args):
+    """``args`` again with the ``--config`` file's options under the command line's."""
+    command = parser._subparsers._group_actions[0].choices[args.command]
+    at = argv.index(args.command) + 1
+    given = args.model is not None or getattr(args, "model_tag", None) is not None
+    return parser.parse_args(argv[:at] + _config_argv(command, args.config, drop_model=given) + argv[at:])
+
+
 # -- argument checks that need no model: a mistake is reported in a second, not after the load --
 
 class UsageError(ValueError):
@@ -457,9 +568,14 @@ class UsageError(ValueError):
 
 
 def _check_model(model: str | None) -> None:
+    """A model that cannot be found is reported before anything loads (a hub id: looked up in the local cache)."""
     if model is not None and not Path(model).expanduser().exists():
-        raise UsageError(f"--model {model} does not exist. Pass a local folder with config.json and *.safetensors, "
-                         "a .gguf file, or leave --model out for the embedded default model.")
+        from lazyrag.model.loader import ModelLoadError, resolve_model_source  # no torch
+
+        try:
+            resolve_model_source(model)
+        except ModelLoadError as e:
+            raise UsageError(str(e)) from None
 
 
 def _check_store(store: Path):
@@ -565,6 +681,8 @@ def _finished_store(args) -> str | None:
     out = Path(args.out)
     if args.overwrite or args.verify or not (out / MANIFEST).is_file() or rebuild_interrupted(out):
         return None
+    if args.limit is not None:  # the manifest does not say how many documents the build read: the build finds out
+        return None
     if not all((out / name).exists() for name in (TABLE, INDEX, KV_DIR)):
         return None  # files deleted under a finished manifest: the build makes them again
     m = read_manifest(out)
@@ -594,8 +712,27 @@ def _finished_store(args) -> str | None:
 
 
 def _check_serve(args) -> None:
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise UsageError(f"Two models given: {args.model_tag} (MODEL) and --model {args.model}; pass one of them.")
+    args.model = args.model_tag if args.model_tag is not None else args.model
     check_strategy(args.strategy)
     _check_model(args.model)
+    for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}.")
+    if args.seed is not None and not 0 <= args.seed < 2**63:
+        raise UsageError(f"--seed must be in [0, 2**63); got {args.seed}.")
+    for flag in ("ssl_keyfile", "ssl_certfile"):
+        if getattr(args, flag) is not None and not Path(getattr(args, flag)).expanduser().is_file():
+            raise UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is not a file.")
+    if args.ssl_keyfile and not args.ssl_certfile:
+        raise UsageError("--ssl-keyfile needs --ssl-certfile (the certificate that goes with the key).")
+    if args.root_path is not None:
+        if not args.root_path.startswith("/"):
+            raise UsageError(f"--root-path {args.root_path} must start with /, e.g. /lazyrag.")
+        args.root_path = args.root_path.rstrip("/")
+    if args.allowed_origins is not None and not args.allowed_origins:
+        raise UsageError("--allowed-origins is empty; give origins (a JSON list or commas), or '*' for any.")
     if not 0 < args.port < 65536:
         raise UsageError(f"--port {args.port} must be in 1-65535.")
     if not 0 < args.k <= MAX_K or args.max_tokens <= 0 or args.max_pending <= 0 or not args.max_request_mb > 0:
@@ -617,6 +754,10 @@ def _check_serve(args) -> None:
             raise UsageError("lazyrag serve --replicas needs Ray Serve: pip install 'lazyrag[replicas]'.") from None
         if args.api_key:
             raise UsageError("--api-key is not supported with --replicas yet: put the endpoint behind your gateway.")
+        http = [f for f in ("allowed_origins", "ssl_certfile", "root_path") if getattr(args, f)]
+        if http:
+            raise UsageError(f"--{http[0].replace('_', '-')} is not supported with --replicas yet (Ray Serve's proxy takes "
+                             "the HTTP traffic): put the endpoint behind your gateway.")
         if (args.tensor_parallel_size or 1) > 1:
             raise UsageError("--replicas with --tensor-parallel-size is not supported yet (a replica is one process): run "
                              "one tensor-parallel server per set of GPUs, or replicas of a model that fits one device.")
@@ -790,11 +931,15 @@ def _serve(args) -> int:
     from lazyrag.engine import LazyEngine
     from lazyrag.model.loader import resolve_model_source
     from lazyrag.server import ServerConfig, run_server
-    from lazyrag.server.app import model_aliases
 
     kw = {"kv_budget": args.kv_budget} if args.kv_budget else {}
     if args.host_gb:
         kw["cache"] = _host_cache(args.host_gb)
+    scheduler = _scheduler_fields(args)
+    if scheduler:
+        from lazyrag.engine import SchedulerConfig
+
+        kw["scheduler"] = SchedulerConfig(**scheduler)
     print(f"lazyrag serve: loading {resolve_model_source(args.model).name}...", end=" ", file=sys.stderr, flush=True)
     engine = LazyEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, **kw, **_adapter(args),
                                         **_passage(args), **_tensor_parallel(args))
@@ -804,16 +949,51 @@ def _serve(args) -> int:
 
         retriever = Retriever(engine.attach_store(args.store))
     print(f"ready in {time.perf_counter() - args.started:.1f} s", file=sys.stderr, flush=True)
-    config = ServerConfig(model_name=args.served_model_name or engine.model_name, max_tokens=args.max_tokens,
+    if args.seed is not None:
+        from lazyrag.server.app import seed_sampling
+
+        seed_sampling(args.seed)
+    model_name, aliases = _served_names(args, engine.model_name)
+    cors = {"allowed_origins": tuple(args.allowed_origins), "allowed_methods": tuple(args.allowed_methods),
+            "allowed_headers": tuple(args.allowed_headers), "allow_credentials": args.allow_credentials} if args.allowed_origins else {}
+    config = ServerConfig(model_name=model_name, max_tokens=args.max_tokens,
                           temperature=args.temperature, strategy=args.strategy, k=args.k, max_pending=args.max_pending,
-                          max_request_bytes=int(args.max_request_mb * (1 << 20)),
-                          api_key=args.api_key, aliases=() if args.served_model_name else model_aliases(engine.model_name),
-                          pasted_context=args.pasted_context)
-    print(f"lazyrag serve: {config.model_name} on {engine.device} at http://{args.host}:{args.port}/v1 "
+                          max_request_bytes=int(args.max_request_mb * (1 << 20)), api_key=args.api_key, aliases=aliases,
+                          pasted_context=args.pasted_context, max_model_len=args.max_model_len, **cors)
+    uvicorn = {k: v for k, v in (("ssl_keyfile", args.ssl_keyfile), ("ssl_certfile", args.ssl_certfile),
+                                 ("root_path", args.root_path)) if v}
+    if args.disable_uvicorn_access_log:
+        uvicorn["access_log"] = False
+    scheme = "https" if args.ssl_certfile else "http"
+    print(f"lazyrag serve: {config.model_name} on {engine.device} at {scheme}://{args.host}:{args.port}{args.root_path or ''}/v1 "
           f"(default strategy {config.strategy}{', store ' + str(args.store.path) if args.store is not None else ''})",
           file=sys.stderr)
-    run_server(engine, config, args.host, args.port, retriever, args.log_level)
+    run_server(engine, config, args.host, args.port, retriever, args.log_level, **uvicorn)
     return 0
+
+
+def _scheduler_fields(args) -> dict:
+    """SchedulerConfig fields from vLLM's flags, those given."""
+    fields = {"max_running": args.max_num_seqs, "max_prefill_tokens": args.max_num_batched_tokens}
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def _served_names(args, engine_name: str) -> tuple[str, tuple[str, ...]]:
+    """(the model id responses carry, the other ids accepted), as vLLM names a served model: --served-model-name's
+    names, else MODEL as the user wrote it (a hub id, a path) also answering to the model's own name and its
+    aliases, else the model's name."""
+    if args.served_model_name:
+        return args.served_model_name[0], tuple(args.served_model_name[1:])
+    if args.model is not None:
+        names = (engine_name, *model_aliases(engine_name))
+        return args.model, tuple(n for n in dict.fromkeys(names) if n != args.model)
+    return engine_name, model_aliases(engine_name)
+
+
+def model_aliases(name: str) -> tuple[str, ...]:
+    from lazyrag.server.app import model_aliases as aliases
+
+    return aliases(name)
 
 
 def _host_cache(host_gb: float):
@@ -828,11 +1008,16 @@ def _serve_replicas(args) -> int:
     server = {"max_tokens": args.max_tokens, "temperature": args.temperature, "strategy": args.strategy, "k": args.k,
               "max_pending": args.max_pending, "pasted_context": args.pasted_context,
               "max_request_bytes": int(args.max_request_mb * (1 << 20))}
-    if args.served_model_name:
-        server["model_name"] = args.served_model_name
+    if args.max_model_len:
+        server["max_model_len"] = args.max_model_len
+    if args.served_model_name or args.model is not None:
+        from lazyrag.model.loader import resolve_model_source
+
+        server["model_name"], server["aliases"] = _served_names(args, resolve_model_source(args.model).name)
     spec = ReplicaSpec(model=args.model, device=args.device, dtype=args.dtype, kv_budget=args.kv_budget, **_passage(args),
                        store=None if args.store is None else str(args.store.path), server=server,
-                       host_bytes=int(args.host_gb * (1 << 30)), adapter=args.adapter)
+                       host_bytes=int(args.host_gb * (1 << 30)), adapter=args.adapter,
+                       scheduler=_scheduler_fields(args), seed=args.seed)
     print(f"lazyrag serve: {args.replicas} replicas ({args.router} routing) at http://{args.host}:{args.port}/v1; "
           "GET /routing shows each replica's state; Ctrl-C stops them", file=sys.stderr)
     run(spec, args.replicas, args.router, args.host, args.port, args.ray_address)
@@ -893,11 +1078,18 @@ def _run(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
-    args.started = started  # serve's "ready in": the command's own time, the model load most of it
     if args.command is None:
         parser.print_help()
         return 0
+    if getattr(args, "config", None):
+        try:
+            args = _with_config(parser, argv, args)
+        except UsageError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    args.started = started  # serve's "ready in": the command's own time, the model load most of it
     if not args.verbose:
         _quiet_loading(args.command)
     if getattr(args, "no_model_cache", False):

