@@ -625,3 +625,15 @@ def test_a_corpus_file_that_is_not_utf8_is_named(tmp_path):
     path.write_bytes(b'{"text": "ok"}\n{"text": "caf\xe9"}\n')
     with pytest.raises(StoreError, match="not UTF-8 text"):
         list(read_documents([str(path)]))
+
+
+def test_raising_limit_on_a_finished_store_adds_the_documents(precache_cli, tiny_corpus, tmp_path, capsys):
+    out = tmp_path / "store"
+    assert precache_cli(tiny_corpus, "--out", out, "--limit", "2") == 0
+    _as_finished_by_the_cli(out)
+    assert len(CorpusStore.open(out)) == 2
+    capsys.readouterr()
+    assert precache_cli(tiny_corpus, "--out", out, "--limit", "4") == 0
+    said = capsys.readouterr().out
+    assert "already a finished store" not in said and "encoded 2 chunks" in said, said
+    assert len(CorpusStore.open(out)) == 4 and CorpusStore.open(out).verify() == []
