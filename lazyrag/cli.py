@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from lazyrag import __version__
-from lazyrag.defaults import CACHE_DIR_ENV, DEFAULT_EMBEDDER, MAX_K, MODEL_CACHE_ENV, QUIET_GGUF_ENV
+from lazyrag.defaults import API_KEY_ENV, CACHE_DIR_ENV, DEFAULT_EMBEDDER, MAX_K, MODEL_CACHE_ENV, QUIET_GGUF_ENV
 from lazyrag.kv.formats import STORED_KV_DTYPES, resolve_stored_dtype
 from lazyrag.strategy_names import check_strategy
 
@@ -335,7 +335,13 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                         "count, reserved before any retrieval or tokenizing (default: %(default)s)")
     p.add_argument("--max-request-mb", type=float, default=8.0, metavar="MB",
                    help="a larger request body gets HTTP 413 before it is read (default: %(default)s)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ requests (default: no key)")
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV} if set, else no key). A key on the "
+                        "command line shows in `ps`: prefer the variable or --api-key-file")
+    p.add_argument("--api-key-file", type=Path, default=None, metavar="PATH", help="read the API key from this file's first line")
+    p.add_argument("--api-key-covers", default="v1", choices=["v1", "all"],
+                   help="what the key guards: the /v1/ API (default, as vLLM), or all routes (also /metrics, /docs, "
+                        "/openapi.json, /tokenize); /health and /version stay open")
     p.add_argument("--no-pasted-context", dest="pasted_context", action="store_false",
                    help="reuse only chunks sent as `documents` or already known; by default the paragraphs pasted into a "
                         "prompt (a LangChain or LlamaIndex RAG prompt's retrieved texts) are cached on first sight and "
@@ -711,10 +717,28 @@ def _finished_store(args) -> str | None:
             "nothing to do. Pass --verify to check its checksums or --overwrite to rebuild it.")
 
 
+def _api_key(args) -> None:
+    """``args.api_key`` from --api-key, else --api-key-file, else $LAZYRAG_API_KEY (None: no key)."""
+    if args.api_key is not None and args.api_key_file is not None:
+        raise UsageError("Pass the API key once: --api-key or --api-key-file.")
+    if args.api_key_file is not None:
+        try:
+            args.api_key = args.api_key_file.read_text().splitlines()[0].strip() if args.api_key_file.stat().st_size else ""
+        except OSError as e:
+            raise UsageError(f"--api-key-file {args.api_key_file}: {e.strerror}.") from None
+    elif args.api_key is None:
+        args.api_key = os.environ.get(API_KEY_ENV) or None
+    if args.api_key is not None and not args.api_key.strip():
+        raise UsageError("The API key is empty: give a key, or none to serve without one.")
+    if args.api_key is not None and not args.api_key.isprintable():
+        raise UsageError("The API key holds control characters; it must fit in an HTTP header.")
+
+
 def _check_serve(args) -> None:
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
         raise UsageError(f"Two models given: {args.model_tag} (MODEL) and --model {args.model}; pass one of them.")
     args.model = args.model_tag if args.model_tag is not None else args.model
+    _api_key(args)
     check_strategy(args.strategy)
     _check_model(args.model)
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -958,7 +982,7 @@ def _serve(args) -> int:
             "allowed_headers": tuple(args.allowed_headers), "allow_credentials": args.allow_credentials} if args.allowed_origins else {}
     config = ServerConfig(model_name=model_name, max_tokens=args.max_tokens,
                           temperature=args.temperature, strategy=args.strategy, k=args.k, max_pending=args.max_pending,
-                          max_request_bytes=int(args.max_request_mb * (1 << 20)), api_key=args.api_key, aliases=aliases,
+                          max_request_bytes=int(args.max_request_mb * (1 << 20)), api_key=args.api_key, api_key_covers=args.api_key_covers, aliases=aliases,
                           pasted_context=args.pasted_context, max_model_len=args.max_model_len, **cors)
     uvicorn = {k: v for k, v in (("ssl_keyfile", args.ssl_keyfile), ("ssl_certfile", args.ssl_certfile),
                                  ("root_path", args.root_path)) if v}

@@ -11,6 +11,7 @@ SEED_LIMIT = 2**63  # seeds lie in [0, SEED_LIMIT): what torch's generators (and
 MAX_LOGPROBS = 20  # top logprobs per generated token (OpenAI's limit)
 MAX_K = 64  # chunks retrieved for one request (server, CLI): more would not fit any served model's prompt
 
+API_KEY_ENV = "LAZYRAG_API_KEY"  # lazyrag serve's API key when --api-key is not given (a command line shows in ps)
 QUIET_GGUF_ENV = "LAZYRAG_QUIET_GGUF"  # "1": no progress bar while transformers de-quantizes a GGUF checkpoint
 MODEL_CACHE_ENV = "LAZYRAG_MODEL_CACHE"  # "0": load GGUF checkpoints without the converted-model cache (model/checkpoint_cache.py)
 CACHE_DIR_ENV = "LAZYRAG_CACHE_DIR"  # lazyrag's cache folder (models/ inside it); default $XDG_CACHE_HOME/lazyrag or ~/.cache/lazyrag

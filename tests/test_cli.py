@@ -336,3 +336,29 @@ def test_serve_passes_vllm_s_flags_to_the_engine_the_app_and_uvicorn(monkeypatch
     first = torch.rand(3)
     cli.main(["serve", "--seed", "11"])
     assert torch.equal(torch.rand(3), first)  # --seed seeds torch's generator once the model is loaded
+
+
+def test_serve_reads_its_api_key_from_a_file_or_the_environment(tmp_path, monkeypatch):
+    """A key on the command line shows in `ps`: --api-key-file and $LAZYRAG_API_KEY keep it out of sight."""
+    from lazyrag.cli import UsageError, _api_key, build_parser
+
+    parse = lambda *a: build_parser().parse_args(["serve", *a])  # noqa: E731
+    monkeypatch.delenv("LAZYRAG_API_KEY", raising=False)
+    args = parse()
+    _api_key(args)
+    assert args.api_key is None
+    monkeypatch.setenv("LAZYRAG_API_KEY", "from-env")
+    args = parse()
+    _api_key(args)
+    assert args.api_key == "from-env"
+    (tmp_path / "key").write_text("from-file\n")
+    args = parse("--api-key-file", str(tmp_path / "key"))
+    _api_key(args)
+    assert args.api_key == "from-file"
+    args = parse("--api-key", "flag")
+    _api_key(args)
+    assert args.api_key == "flag"  # the flag wins over the variable
+    for bad, says in ((["--api-key", "a", "--api-key-file", str(tmp_path / "key")], "once"),
+                      (["--api-key-file", str(tmp_path / "none")], "No such file"), (["--api-key", " "], "empty")):
+        with pytest.raises(UsageError, match=says):
+            _api_key(parse(*bad))

@@ -12,6 +12,7 @@ Where a request's chunks come from, in order:
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import re
 import time
@@ -44,6 +45,9 @@ class ServerConfig:
     k: int = 5  # chunks retrieved per chat request when a store is attached
     max_pending: int = 256  # generations in flight before new requests get 503
     api_key: str | None = None  # when set, requests need ``Authorization: Bearer <key>``
+    # what the key guards: "v1" (the API, as vLLM) or "all" (also /metrics, /docs, /openapi.json, /tokenize, ...;
+    # /health and /version stay open for load balancers and probes)
+    api_key_covers: str = "v1"
     aliases: tuple[str, ...] = ()  # other ids accepted as ``model`` (model_aliases: the file's stem, say)
     pasted_context: bool = True  # passages pasted into prompts (no ``documents`` field) are cached and reused
     max_request_bytes: int = 8 << 20  # a larger request body gets 413 before it is read into memory
@@ -95,6 +99,9 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param = status, message, type_, param
 
 
+OPEN_PATHS = ("/health", "/version")  # never behind the API key: probes and load balancers ask them
+
+
 class _Gate:
     """Pure ASGI middleware: the API key, the request-size limit and the per-status request counter.
 
@@ -117,7 +124,9 @@ class _Gate:
 
         try:
             key = self.config.api_key
-            if key and path.startswith("/v1/") and headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {key}":
+            guarded = path.startswith("/v1/") or (self.config.api_key_covers == "all" and path not in OPEN_PATHS)
+            if key and guarded and not hmac.compare_digest(headers.get(b"authorization", b""),
+                                                           f"Bearer {key}".encode("latin-1", "replace")):
                 return await answer(401, "Missing or wrong API key: send the header 'Authorization: Bearer <key>' "
                                          "(lazyrag serve --api-key).", "authentication_error")
             limit = self.config.max_request_bytes
@@ -154,6 +163,8 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
     if config.max_model_len is not None and not 0 < config.max_model_len <= engine.max_context:
         raise ValueError(f"max_model_len (--max-model-len) {config.max_model_len} must be from 1 to the model's context, "
                          f"{engine.max_context} tokens (its max_position_embeddings).")
+    if config.api_key_covers not in ("v1", "all"):
+        raise ValueError(f"api_key_covers must be 'v1' or 'all'; got {config.api_key_covers!r}.")
     max_len = config.max_model_len or engine.max_context  # prompt plus answer, in tokens
     metrics = ServerMetrics(engine)
     pending = [0]  # generations admitted and not finished (one event loop: no lock needed)

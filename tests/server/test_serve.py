@@ -219,6 +219,25 @@ def test_overload_and_api_key_answer_503_and_401(adapter_engine):
         running.stop()
 
 
+def test_the_api_key_can_guard_every_route_but_the_probes(adapter_engine):
+    from lazyrag.server import ServerConfig, create_app
+
+    running = Running(create_app(adapter_engine, ServerConfig(MODEL, api_key="sesame", api_key_covers="all")))
+    try:
+        key = {"authorization": "Bearer sesame"}
+        for path in ("/metrics", "/docs", "/openapi.json", "/v1/models"):
+            assert httpx.get(f"{running.url}{path}").status_code == 401, path
+            assert httpx.get(f"{running.url}{path}", headers={"authorization": "Bearer sesam"}).status_code == 401
+            assert httpx.get(f"{running.url}{path}", headers=key).status_code == 200, path
+        assert httpx.post(f"{running.url}/tokenize", json={"model": MODEL, "prompt": "Hi"}).status_code == 401
+        for path in ("/health", "/version"):  # probes and load balancers ask without a key
+            assert httpx.get(f"{running.url}{path}").status_code == 200, path
+    finally:
+        running.stop()
+    with pytest.raises(ValueError, match="api_key_covers"):
+        create_app(adapter_engine, ServerConfig(MODEL, api_key="k", api_key_covers="some"))
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_disconnects_frees_its_blocks(server, adapter_engine, stream):
     engine = adapter_engine
