@@ -14,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import re
 import time
+import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator
 
@@ -26,6 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lazyrag import __version__
+from lazyrag.prompt import check_text
 from lazyrag.engine.sampling import logprob_entries, openai_chat_logprobs, openai_completion_logprobs
 from lazyrag.server.metrics import ServerMetrics
 from lazyrag.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, TokenizeRequest,
@@ -34,6 +37,8 @@ from lazyrag.server.protocol import (ChatCompletionRequest, ChatMessage, Complet
 if TYPE_CHECKING:
     from lazyrag.engine import GenerationResult, LazyEngine, RequestStream
     from lazyrag.store.retriever import Retriever
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -192,7 +197,16 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, e: Exception):
-        return _error(500, f"Internal error ({type(e).__name__}): {e}", "server_error")
+        # the details (paths, traceback) go to the server's log, never to the client
+        ref = uuid.uuid4().hex[:12]
+        log.error("error %s on %s %s", ref, request.method, request.url.path, exc_info=e)
+        from lazyrag.store.corpus import StoreError
+
+        if isinstance(e, StoreError):
+            return _error(503, f"The server's corpus store could not be read (error {ref}: the server's log says why; "
+                               "its operator may need to rebuild or reopen the store).", "server_error")
+        return _error(500, f"Internal error ({type(e).__name__}, error {ref}: the server's log has the details).",
+                      "server_error")
 
     app.add_middleware(_Gate, config=config, metrics=metrics, error=_error)
     if config.allowed_origins:  # added last, so outermost: a browser's preflight is answered before the API key check
@@ -313,6 +327,10 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
     async def _retrieved(question: str, k: int) -> list[str]:
         if retriever is None:
             raise APIError(400, "retrieve: true needs a corpus store: start the server with --store STORE.", param="retrieve")
+        try:
+            check_text(question, "the question")
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
         hits = await asyncio.to_thread(retriever.retrieve, question, k)  # k is clamped to the store's size there
         return [h.text for h in hits]
 

@@ -135,6 +135,25 @@ def test_chat_without_chunks_retrieves_from_the_store(server, client, adapter_en
     assert off.model_extra["lazyrag"]["choices"][0]["chunks_hit"] == 0
 
 
+def test_store_trouble_is_a_clear_answer_without_server_paths(server, monkeypatch):
+    """With --store: a lone surrogate in the question is the client's 400, not a 500 from the embedder; a store that
+    cannot be read is a 503 whose message holds no server path (the log has it)."""
+    from lazyrag.store import StoreError
+
+    url, head = f"{server.url}/v1/chat/completions", {"content-type": "application/json"}
+    body = b'{"model": "%s", "messages": [{"role": "user", "content": "How deep \\ud800 is it?"}]}' % MODEL.encode()
+    r = httpx.post(url, content=body, headers=head)
+    assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], r.text
+
+    def damaged(*a, **k):
+        raise StoreError("/srv/secret/stores/nq/chunks.sqlite: row 7 does not match its digest")
+
+    monkeypatch.setattr(server.retriever, "retrieve", damaged)
+    r = httpx.post(url, json={"model": MODEL, "messages": [{"role": "user", "content": "How deep is it?"}]})
+    assert r.status_code == 503 and "corpus store" in r.json()["error"]["message"], r.text
+    assert "/srv/secret" not in r.text
+
+
 def test_models_health_and_metrics(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
