@@ -726,11 +726,24 @@ def read_manifest(path: Path) -> StoreManifest:
             data.setdefault("passage_ids", [])
             data.setdefault("encoding_passage", "")  # before the text was kept too: only passage_ids tell
         known = set(StoreManifest.__dataclass_fields__)
-        return StoreManifest(**{k: v for k, v in data.items() if k in known})
+        return _typed(StoreManifest(**{k: v for k, v in data.items() if k in known}))
     except (OSError, ValueError, TypeError, AttributeError) as e:  # unreadable, not JSON, not an object, fields missing
         # --overwrite is safe to name: it deletes only a store's own files, in a folder that shows it is a store
         raise StoreError(f"{path}: {MANIFEST} is damaged ({type(e).__name__}: {e}), so the store cannot be used. "
                          f"Rebuild it with `{rebuild_command(Path(path), None, '--overwrite')}` or into a new --out folder.") from e
+
+
+_FIELD_TYPES = {"int": int, "str": str, "float": (int, float), "list[int]": list, "list[str]": list}
+
+
+def _typed(manifest: StoreManifest) -> StoreManifest:
+    """``manifest`` if every field holds its declared type (an edited ``"embed_dim": "384"`` would otherwise read as
+    an index mismatch, far from its cause); a TypeError naming the field otherwise."""
+    for name, f in StoreManifest.__dataclass_fields__.items():
+        want, value = _FIELD_TYPES.get(str(f.type)), getattr(manifest, name)
+        if want is not None and (not isinstance(value, want) or isinstance(value, bool)):
+            raise TypeError(f"its field {name} is {value!r} ({type(value).__name__}), not {f.type}")
+    return manifest
 
 
 def write_manifest(path: Path, manifest: StoreManifest) -> None:

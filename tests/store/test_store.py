@@ -274,6 +274,8 @@ DAMAGE = {
     "manifest truncated": (MANIFEST, _truncate, "--overwrite"),
     "manifest not an object": (MANIFEST, lambda f: f.write_text("[1, 2]"), "--overwrite"),
     "manifest field missing": (MANIFEST, lambda f: f.write_text(json.dumps({"model_fingerprint": "x"})), "--overwrite"),
+    "manifest field of another type": (MANIFEST, lambda f: f.write_text(json.dumps({**json.loads(f.read_text()),
+                                                                                 "embed_dim": "384"})), "--overwrite"),
     "chunk table truncated": (TABLE, _truncate, "--overwrite"),
     "chunk table garbage": (TABLE, lambda f: f.write_bytes(b"not a database " * 300), "--overwrite"),
     "index truncated": (INDEX, _truncate, "--verify"),
