@@ -338,6 +338,11 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV} if set, else no key). A key on the "
                         "command line shows in `ps`: prefer the variable or --api-key-file")
+    p.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a request body whose next part takes longer than this gets HTTP 408 (default: %(default)s)")
+    p.add_argument("--limit-concurrency", type=int, default=None, metavar="N",
+                   help="uvicorn's: connections and tasks at once before new ones get HTTP 503 (default: no limit). Slow "
+                        "clients that never finish their headers are a reverse proxy's to stop (nginx, a load balancer)")
     p.add_argument("--api-key-file", type=Path, default=None, metavar="PATH", help="read the API key from this file's first line")
     p.add_argument("--api-key-covers", default="v1", choices=["v1", "all"],
                    help="what the key guards: the /v1/ API (default, as vLLM), or all routes (also /metrics, /docs, "
@@ -759,6 +764,8 @@ def _check_serve(args) -> None:
         raise UsageError("--allowed-origins is empty; give origins (a JSON list or commas), or '*' for any.")
     if not 0 < args.port < 65536:
         raise UsageError(f"--port {args.port} must be in 1-65535.")
+    if not args.body_timeout > 0 or (args.limit_concurrency is not None and args.limit_concurrency < 1):
+        raise UsageError("--body-timeout must be a positive number of seconds and --limit-concurrency at least 1.")
     if not 0 < args.k <= MAX_K or args.max_tokens <= 0 or args.max_pending <= 0 or not args.max_request_mb > 0:
         raise UsageError(f"--k must be in 1-{MAX_K}; --max-tokens, --max-pending and --max-request-mb must be positive.")
     if not 0 <= args.temperature <= 100:
@@ -982,10 +989,11 @@ def _serve(args) -> int:
             "allowed_headers": tuple(args.allowed_headers), "allow_credentials": args.allow_credentials} if args.allowed_origins else {}
     config = ServerConfig(model_name=model_name, max_tokens=args.max_tokens,
                           temperature=args.temperature, strategy=args.strategy, k=args.k, max_pending=args.max_pending,
-                          max_request_bytes=int(args.max_request_mb * (1 << 20)), api_key=args.api_key, api_key_covers=args.api_key_covers, aliases=aliases,
+                          max_request_bytes=int(args.max_request_mb * (1 << 20)), body_timeout_s=args.body_timeout,
+                          api_key=args.api_key, api_key_covers=args.api_key_covers, aliases=aliases,
                           pasted_context=args.pasted_context, max_model_len=args.max_model_len, **cors)
     uvicorn = {k: v for k, v in (("ssl_keyfile", args.ssl_keyfile), ("ssl_certfile", args.ssl_certfile),
-                                 ("root_path", args.root_path)) if v}
+                                 ("root_path", args.root_path), ("limit_concurrency", args.limit_concurrency)) if v}
     if args.disable_uvicorn_access_log:
         uvicorn["access_log"] = False
     scheme = "https" if args.ssl_certfile else "http"
@@ -1031,7 +1039,7 @@ def _serve_replicas(args) -> int:
 
     server = {"max_tokens": args.max_tokens, "temperature": args.temperature, "strategy": args.strategy, "k": args.k,
               "max_pending": args.max_pending, "pasted_context": args.pasted_context,
-              "max_request_bytes": int(args.max_request_mb * (1 << 20))}
+              "max_request_bytes": int(args.max_request_mb * (1 << 20)), "body_timeout_s": args.body_timeout}
     if args.max_model_len:
         server["max_model_len"] = args.max_model_len
     if args.served_model_name or args.model is not None:

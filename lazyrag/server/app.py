@@ -56,6 +56,7 @@ class ServerConfig:
     aliases: tuple[str, ...] = ()  # other ids accepted as ``model`` (model_aliases: the file's stem, say)
     pasted_context: bool = True  # passages pasted into prompts (no ``documents`` field) are cached and reused
     max_request_bytes: int = 8 << 20  # a larger request body gets 413 before it is read into memory
+    body_timeout_s: float = 30.0  # a body whose next part takes longer than this to arrive gets 408 (slow clients)
     # prompt plus answer tokens a request may take (vLLM's --max-model-len); None: the model's context
     # (max_position_embeddings). Longer prompts get a 400; it cannot exceed the model's context
     max_model_len: int | None = None
@@ -140,12 +141,19 @@ class _Gate:
             declared = headers.get(b"content-length", b"").decode("latin-1")
             if declared.isdigit() and int(declared) > limit:
                 return await answer(413, too_large, "invalid_request_error")
-            received = [0]
+            received, body_done = [0], [False]
 
             async def counted_receive():  # a chunked body declares no length: count it as it arrives
-                message = await receive()
+                if body_done[0]:  # after the body, receive() waits for a disconnect: no deadline
+                    return await receive()
+                try:
+                    message = await asyncio.wait_for(receive(), self.config.body_timeout_s)
+                except asyncio.TimeoutError:
+                    raise StarletteHTTPException(408, f"The request body stopped arriving for {self.config.body_timeout_s:g} s "
+                                                      "(lazyrag serve --body-timeout): send it whole.") from None
                 if message["type"] == "http.request":
                     received[0] += len(message.get("body", b""))
+                    body_done[0] = not message.get("more_body", False)
                     if received[0] > limit:  # FastAPI lets an HTTPException out of its body parsing as it is
                         raise StarletteHTTPException(413, too_large)
                 return message

@@ -238,6 +238,26 @@ def test_overload_and_api_key_answer_503_and_401(adapter_engine):
         running.stop()
 
 
+def test_a_body_that_stops_arriving_gets_408_and_its_connection_closed(adapter_engine):
+    """A slow client (headers, then part of the body, then nothing) is answered 408 once --body-timeout passes, and
+    the connection ends; the test waits for that answer (the server's own deadline), not on a clock of its own."""
+    from lazyrag.server import ServerConfig, create_app
+
+    running = Running(create_app(adapter_engine, ServerConfig(MODEL, body_timeout_s=0.5)))
+    try:
+        host, port = running.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"model\": ")
+            answer = b""
+            while chunk := sock.recv(4096):  # until the server closes the connection
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 408") and b"--body-timeout" in answer, answer[:300]
+        assert httpx.get(f"{running.url}/health").json()["requests_in_flight"] == 0
+    finally:
+        running.stop()
+
+
 def test_the_api_key_can_guard_every_route_but_the_probes(adapter_engine):
     from lazyrag.server import ServerConfig, create_app
 
