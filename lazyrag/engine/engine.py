@@ -324,6 +324,10 @@ class LazyEngine:
             self.runner.tokens_forwarded = 0
             self.scheduler.planner.batch.tokens_flushed = 0
 
+    def health_problem(self) -> str | None:
+        """Why this engine cannot answer (under tensor parallelism: a rank died), or None when it can."""
+        return None if self.tp_driver is None else self.tp_driver.problem()
+
     def close(self) -> None:
         """Tensor parallelism: stop the other ranks (they exit). Later requests fail. One process: nothing to do."""
         if self.tp_driver is not None:

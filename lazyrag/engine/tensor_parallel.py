@@ -290,6 +290,16 @@ class Driver:
         self._live.clear()
         self._stop_workers(wait=0.0)
 
+    def problem(self) -> str | None:
+        """Why the ranks can no longer serve (the group failed, or a worker this process started has exited), or
+        None: what a health check reports (cheap, no collective)."""
+        if self.tp.failed is not None:
+            return str(self.tp.failed)
+        dead = [(i + 1, w) for i, w in enumerate(self.workers) if w.poll() is not None]
+        if dead:
+            return "tensor-parallel " + ", ".join(f"rank {r} (pid {w.pid}) exited with code {w.returncode}" for r, w in dead)
+        return None
+
     def describe_failure(self, cause: BaseException) -> str:
         deadline = time.monotonic() + 2.0  # a killed worker is reaped a moment after its sockets close
         dead = []

@@ -228,6 +228,9 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
 
     @app.get("/health")
     async def health():
+        problem = engine.health_problem()
+        if problem is not None:  # e.g. a tensor-parallel rank died: a load balancer must stop sending here
+            return JSONResponse({"status": "error", "error": problem, "model": config.model_name}, status_code=503)
         return {"status": "ok", "model": config.model_name, "requests_in_flight": pending[0]}
 
     @app.get("/metrics")

@@ -201,6 +201,7 @@ def test_a_dead_worker_fails_the_request_clearly(tiny_folder, tmp_path):
     assert r["took_s"] < 15  # found at once (gloo sees the closed socket), not at the 20 s timeout
     assert r["later"] is not None and r["later"].startswith("TensorParallelError")  # later requests fail at once
     assert r["worker_exit"] == -9
+    assert r["healthy"] is None and "rank 1" in r["unhealthy"]  # what /health reports: 503 with this reason
 
 
 @pytest.mark.slow

@@ -55,7 +55,10 @@ def main(model: str, out: str, tp: int, mode: str) -> None:
     else:
         first = engine.generate(QUESTION, CHUNKS, max_new_tokens=4, ignore_eos=True).text
         worker = engine.tp_driver.workers[0]
+        healthy = engine.health_problem()
         os.kill(worker.pid, signal.SIGKILL)
+        worker.wait()
+        unhealthy = engine.health_problem()  # before any request finds out
         t0 = time.monotonic()
         try:
             engine.generate(QUESTION, CHUNKS[::-1], max_new_tokens=4, ignore_eos=True)
@@ -70,7 +73,7 @@ def main(model: str, out: str, tp: int, mode: str) -> None:
             later = f"{type(e).__name__}: {e}"
         with open(out, "w") as f:
             json.dump({"first": first, "error": error, "took_s": took, "later": later,
-                       "worker_exit": worker.poll()}, f)
+                       "worker_exit": worker.poll(), "healthy": healthy, "unhealthy": unhealthy}, f)
     engine.close()
 
 

@@ -154,9 +154,14 @@ def test_store_trouble_is_a_clear_answer_without_server_paths(server, monkeypatc
     assert "/srv/secret" not in r.text
 
 
-def test_models_health_and_metrics(server, client):
+def test_models_health_and_metrics(server, client, adapter_engine, monkeypatch):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+    # an engine that cannot answer (a tensor-parallel rank died: tests/distributed checks health_problem) is a 503
+    monkeypatch.setattr(adapter_engine, "health_problem", lambda: "tensor-parallel rank 1 (pid 7) exited with code -9")
+    r = httpx.get(f"{server.url}/health")
+    assert r.status_code == 503 and r.json()["status"] == "error" and "rank 1" in r.json()["error"]
+    monkeypatch.undo()
     client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Who discovered penicillin?"}],
                                    extra_body={"documents": NOTES}, max_tokens=4)
     text = httpx.get(f"{server.url}/metrics").text
