@@ -41,16 +41,11 @@ sys.path[:] = [str(ROOT)] + [p for p in sys.path if Path(p or ".").resolve() != 
 
 from benchmarks.hit_rate import Workload  # noqa: E402
 from lazyrag.server.routing import ROUTERS  # noqa: E402
+from lazyrag.sizes import parse_bytes  # noqa: E402
 
 SYLLABLES = ["ka", "lo", "mi", "ne", "su", "ta", "ri", "po", "de", "fa", "gu", "ha", "ji", "ko", "lu", "ma", "no", "pe",
              "ra", "si", "to", "va", "we", "yo", "zi", "bra", "cle", "dro", "fin", "gol", "har", "kel", "mor", "nix",
              "pal", "quo", "ren", "sol", "tam", "vor"]
-
-
-def parse_bytes(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    t = text.strip().lower().removesuffix("ib").removesuffix("b")
-    return int(float(t[:-1]) * units[t[-1]]) if t and t[-1] in units else int(float(t))
 
 
 def free_port() -> int:

@@ -78,6 +78,18 @@ MODEL_HELP = ("local Llama folder (config.json + safetensors), .gguf file, or Hu
               "Hugging Face cache (HF_HUB_CACHE; never downloaded); default: the embedded SmolLM2-135M-Instruct")
 
 
+def _size_arg(flag: str):
+    """An argparse type: a byte size (lazyrag/sizes.py), or the parser's own error naming ``flag``."""
+    def parse(value: str) -> int:
+        from lazyrag.sizes import parse_bytes
+
+        try:
+            return parse_bytes(value, flag)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return parse
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -225,7 +237,8 @@ def add_precache_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="read only the first N documents (quick runs)")
     p.add_argument("--system", default=None, help="system prompt encoded before every chunk (must match the engine that reads the store)")
     _passage_arg(p)
-    p.add_argument("--kv-budget", type=int, default=None, help="bytes of the engine's KV pool while encoding (default: 1 GiB on CPU)")
+    p.add_argument("--kv-budget", type=_size_arg("--kv-budget"), default=None, metavar="SIZE",
+                   help="the engine's KV pool while encoding: 4GiB, 512MB, or a bare number of GiB (default: 1GiB on CPU)")
     p.add_argument("--stored-kv-dtype", default="auto", choices=STORED_KV_DTYPES,
                    help="how the store keeps KV: auto = 16 bits (float16 from a float32 engine, else the engine's dtype); "
                         "int8 = per-channel K / per-token V scales, half of that; float32 = exactly as computed "
@@ -326,7 +339,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    "lazy is fastest, full is the quality reference; see `lazyrag ask --help`)")
     p.add_argument("--max-tokens", type=int, default=256, help="max_tokens of requests that give none (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="temperature of requests that give none (default: %(default)s, greedy)")
-    p.add_argument("--kv-budget", type=int, default=None, help="bytes of the paged KV pool (default: 1 GiB on CPU, 8 GiB on CUDA)")
+    p.add_argument("--kv-budget", type=_size_arg("--kv-budget"), default=None, metavar="SIZE",
+                   help="the paged KV pool: 4GiB, 512MB, or a bare number of GiB (default: 1GiB on CPU, 8GiB on CUDA)")
     p.add_argument("--host-gb", type=float, default=0.0, metavar="GB",
                    help="a host-RAM tier below the GPU pool (GiB, page-locked): chunk KV evicted from the pool, or not "
                         "admitted for want of room, waits there and comes back by a copy instead of an encode (default: none)")
@@ -484,8 +498,9 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=1,
                    help="processes, each with its own engine and KV budget (8 GiB each on cuda), spread over the visible "
                         "GPUs. On one H200, 6 workers ran about 1.4x faster than 1 and 12 ran out of memory; on a laptop keep 1")
-    p.add_argument("--kv-budget", type=float, default=None, metavar="GIB",
-                   help="each worker's paged KV pool, GiB (default: 8 on cuda, 1 on cpu); lower it to run more workers")
+    p.add_argument("--kv-budget", type=_size_arg("--kv-budget"), default=None, metavar="SIZE",
+                   help="each worker's paged KV pool: 4GiB, 512MB, or a bare number of GiB (default: 8GiB on cuda, 1GiB on "
+                        "cpu); lower it to run more workers")
     p.add_argument("--seed", type=int, default=0, help="seed of the question sample and the distractors")
     p.add_argument("--model", default=None, help=MODEL_HELP)
     _adapter_arg(p)

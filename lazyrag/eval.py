@@ -496,7 +496,7 @@ def run_eval(args, engine_options: dict | None = None) -> int:
     engine_kwargs = dict(model=args.model, device=args.device, dtype=args.dtype, adapter=getattr(args, "adapter", None),
                          scheduler=SchedulerConfig(max_running=max(64, args.batch * len(strategies))), **(engine_options or {}))
     if args.kv_budget is not None:
-        engine_kwargs["kv_budget"] = int(args.kv_budget * (1 << 30))
+        engine_kwargs["kv_budget"] = args.kv_budget  # bytes (the CLI parsed the size)
     if args.eager:
         engine_kwargs.update(cuda_graphs=False, compile_elementwise=False, triton_elementwise=False)
     if args.store is not None:  # retrieval mode: each question's top-k chunks of the corpus, their KV from the store

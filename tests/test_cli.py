@@ -362,3 +362,23 @@ def test_serve_reads_its_api_key_from_a_file_or_the_environment(tmp_path, monkey
                       (["--api-key-file", str(tmp_path / "none")], "No such file"), (["--api-key", " "], "empty")):
         with pytest.raises(UsageError, match=says):
             _api_key(parse(*bad))
+
+
+def test_budgets_take_one_size_syntax_everywhere():
+    """--kv-budget of serve, precache and eval, and EngineConfig.kv_budget: 4GiB, 512MB, 1.5G, or a bare number of
+    GiB (bytes when it is 2^20 or more, as the flag took before units)."""
+    from lazyrag.cli import build_parser
+    from lazyrag.engine import EngineConfig
+    from lazyrag.sizes import parse_bytes
+
+    assert parse_bytes("4GiB") == 4 << 30 and parse_bytes("512MB") == 512 * 10**6 and parse_bytes("1.5G") == 3 << 29
+    assert parse_bytes("2") == 2 << 30 and parse_bytes(8589934592) == 8 << 30 and parse_bytes("64mib") == 64 << 20
+    for bad in ("", "4 parsecs", "-1G", True, "1e9"):
+        with pytest.raises(ValueError, match="4GiB, 512MB or 1.5G"):
+            parse_bytes(bad)
+    with pytest.raises(ValueError, match="more than 0 bytes"):
+        parse_bytes("0")
+    for command in (["serve"], ["precache", "docs/", "--out", "s"], ["eval"]):
+        assert build_parser().parse_args([*command, "--kv-budget", "512MiB"]).kv_budget == 512 << 20
+        assert build_parser().parse_args([*command, "--kv-budget", "3"]).kv_budget == 3 << 30
+    assert EngineConfig(device="cpu", kv_budget="256MiB").kv_budget == 256 << 20

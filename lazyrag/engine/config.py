@@ -8,6 +8,7 @@ import torch
 from lazyrag.kv.cache import CacheConfig
 from lazyrag.model.checkpoint_cache import cache_enabled
 from lazyrag.prompt import DEFAULT_ENCODING_PASSAGE, DEFAULT_SYSTEM_PROMPT
+from lazyrag.sizes import parse_bytes
 
 DEFAULT_KV_BUDGET = {"cpu": 1 << 30, "cuda": 8 << 30}
 
@@ -33,7 +34,7 @@ class EngineConfig:
     model_cache: bool | None = None
     device: str | torch.device | None = None  # None: cuda when available, else cpu
     dtype: str | torch.dtype | None = None  # None: bfloat16 on cuda, float32 on cpu
-    kv_budget: int | None = None  # bytes of the paged KV pool; None: 8 GiB on cuda, 1 GiB on cpu
+    kv_budget: int | str | None = None  # bytes of the paged KV pool ("4GiB", "512MB" too); None: 8 GiB on cuda, 1 GiB on cpu
     block_size: int = 16  # tokens per KV block
     attention: str | None = None  # "triton" | "torch"; None: triton on cuda, torch on cpu
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
@@ -76,6 +77,8 @@ class EngineConfig:
             self.dtype = dtype
         if self.kv_budget is None:
             self.kv_budget = DEFAULT_KV_BUDGET.get(self.device.type, 1 << 30)
+        elif isinstance(self.kv_budget, str):  # "4GiB", "512MB"
+            self.kv_budget = parse_bytes(self.kv_budget, "kv_budget")
         if self.model_cache is None:
             self.model_cache = cache_enabled()
         if self.block_size < 1:
