@@ -25,6 +25,7 @@ compiled op's guards cost more than its launches at these sizes).
 """
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Callable
@@ -42,8 +43,7 @@ from lazyrag.engine.runner import ModelRunner, Placement
 SELECTION_LAYER = 1  # the first layer whose K/V depend on the context
 DENSE_OPS = ElementwiseOps()  # eager: token counts differ per request, a compiled op would re-check guards each call
 KEEP_CONTEXT_BYTES = 1 << 30  # a request's gathered layers kept for the second pass, up to this size
-KERNEL_ON_CPU = False  # the Triton attention on CPU tensors too (its interpreter: tests); CUDA always uses it
-_kernel_failed = False
+KERNEL_ON_CPU = False  # the Triton attention on CPU tensors too (its interpreter: tests); CUDA uses it once checked
 log = logging.getLogger(__name__)
 
 
@@ -283,19 +283,35 @@ def recompute_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, sel
     """The running tokens' attention ([S, Hq, D]) over the context as cached (``kc``, ``vc``: [N, Hkv, D] fp32) where
     their own rows ``sel`` hold their fresh ``k``, ``v``; each sees the first ``limit`` context tokens. On CUDA in the
     model's dtype through kernels/recompute.py (a dense fp32 mask was most of a recovery's time), else in fp32."""
-    global _kernel_failed
-    if (q.is_cuda or KERNEL_ON_CPU) and not _kernel_failed:
+    if (q.is_cuda or KERNEL_ON_CPU) and _kernel_checked(q.device, q.dtype, q.shape[1], kc.shape[1], q.shape[2], sm_scale):
         keys, vals = kc.to(q.dtype).index_copy_(0, sel, k), vc.to(q.dtype).index_copy_(0, sel, v)
-        try:
-            return prefix_attention(q, keys, vals, limit, sm_scale)
-        except Exception as e:  # a Triton build this device cannot compile: the reference answers the same, slower
-            if KERNEL_ON_CPU:
-                raise
-            _kernel_failed = True
-            log.warning("the recovery's attention kernel failed on %s (%s: %s); using the PyTorch reference from now on",
-                        q.device, type(e).__name__, e)
+        return prefix_attention(q, keys, vals, limit, sm_scale)
     keys, vals = kc.index_copy(0, sel, k.float()), vc.index_copy(0, sel, v.float())
     return prefix_attention_reference(q.float(), keys, vals, limit, sm_scale)
+
+
+@functools.cache
+def _kernel_checked(device: torch.device, dtype: torch.dtype, hq: int, hkv: int, d: int, sm_scale: float) -> bool:
+    """Whether the Triton kernel, as built for this device, dtype and head layout, matches the reference on a small
+    random problem: checked once per process and layout, so a build that fails or computes wrong on some device
+    costs a warning and the reference's speed, never a wrong answer."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, h, d, generator=g).to(device, dtype) for n, h in ((37, hq), (300, hkv), (300, hkv)))
+    limit = torch.randint(1, 301, (37,), generator=g).sort().values.to(device)
+    try:
+        out = prefix_attention(q, k, v, limit, sm_scale).float()
+        ref = prefix_attention_reference(q, k, v, limit, sm_scale)
+        err = float((out - ref).norm() / ref.norm())
+    except Exception as e:  # e.g. a Triton that cannot compile it here
+        if KERNEL_ON_CPU:
+            raise
+        log.warning("the recovery's attention kernel failed on %s (%s: %s); using the PyTorch reference", device,
+                    type(e).__name__, e)
+        return False
+    ok = err < (1e-4 if dtype == torch.float32 else 2e-2)
+    if not ok:
+        log.warning("the recovery's attention kernel is off by %.2g on %s (%s); using the PyTorch reference", err, device, dtype)
+    return ok
 
 
 def _counted(runner: ModelRunner, cost: float) -> float:

@@ -43,6 +43,24 @@ def test_the_recompute_kernel_blends_as_the_reference(default_hf, monkeypatch):
     assert rel_err(reference["lazy:blend=1"], full) < 1e-4 < rel_err(reference["lazy:blend=0.3"], full)
 
 
+def test_a_recompute_kernel_that_fails_its_check_leaves_the_reference(monkeypatch, caplog):
+    """On first use per layout the kernel is checked against the reference on a small problem: a build that raises or
+    computes wrong is not used (a warning, the reference's answers)."""
+    from lazyrag.engine import blend
+
+    check = blend._kernel_checked.__wrapped__
+    monkeypatch.setattr(blend, "prefix_attention", lambda q, *a: torch.zeros_like(q))
+    assert not check(torch.device("cpu"), torch.float32, 4, 2, 16, 0.25) and "off by" in caplog.text
+
+    def broken(*a):
+        raise RuntimeError("no such instruction")
+
+    monkeypatch.setattr(blend, "prefix_attention", broken)
+    assert not check(torch.device("cpu"), torch.float32, 4, 2, 16, 0.25) and "no such instruction" in caplog.text
+    monkeypatch.undo()
+    assert check(torch.device("cpu"), torch.float32, 4, 2, 16, 0.25)  # the real one (Triton's interpreter here)
+
+
 def test_blending_nothing_is_lazy(tiny_engine):
     layout = tiny_engine.build_prompt(QUESTION, CHUNKS[:3])
     lazy = tiny_engine.layout_logits(layout, "lazy")
