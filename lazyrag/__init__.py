@@ -6,7 +6,7 @@ the attention kernels.
 """
 from __future__ import annotations
 
-__version__ = "0.2.0"  # CHANGELOG.md says what each version changed
+from lazyrag.version import __version__  # noqa: F401
 
 
 _PUBLIC = ("LazyEngine", "EngineConfig", "SamplingParams", "SchedulerConfig", "GenerationResult")

@@ -9,7 +9,8 @@ PACKAGE_DIRS = {"lazyrag": ROOT / "lazyrag", "lazyrag.kernels": ROOT / "kernels"
 
 # lowest first; a module may import its own layer's modules and anything below
 LAYERS = [
-    ("lazyrag.kernels", "lazyrag.kv", "lazyrag.prompt", "lazyrag.strategy_names", "lazyrag.defaults"),  # kernels, KV bookkeeping, prompts, names
+    ("lazyrag.kernels", "lazyrag.kv", "lazyrag.prompt", "lazyrag.strategy_names", "lazyrag.defaults",
+     "lazyrag.sizes", "lazyrag.extras", "lazyrag.version"),  # kernels, KV bookkeeping, prompts, names
     ("lazyrag.model", "lazyrag.store.corpus", "lazyrag.tune.adapter"),  # the Llama model, a LoRA merged into it; a store as a KV tier
     ("lazyrag.engine",),  # the request path
     ("lazyrag.store", "lazyrag.integrations", "lazyrag.eval", "lazyrag.demo", "lazyrag.server", "lazyrag.tune"),  # built on the engine

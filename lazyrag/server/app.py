@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lazyrag import __version__
+from lazyrag.version import __version__
 from lazyrag.prompt import check_text
 from lazyrag.engine.sampling import logprob_entries, openai_chat_logprobs, openai_completion_logprobs
 from lazyrag.server.metrics import ServerMetrics
