@@ -218,14 +218,18 @@ def lazy_logits(model, examples: list[Example], passage_ids: list[int]) -> torch
     past = []
     x = _embed(model, ids)
     cos, sin = _rope(rotary, x, rot_pos[:, n_prefix:]) if N > n_prefix else (None, None)
+    # each context slot's row in the chunks' K/V flattened to [R * T, Hkv, D]: index_select, whose backward is an
+    # index_add (advanced indexing's backward sorted the indices: the largest GPU cost of a step)
+    flat = (row_of[:, n_prefix:] * (chunk_kv[0][0].shape[2] if chunk_kv else 0) + tok_of[:, n_prefix:]).reshape(-1)
     for layer in range(len(ctx_kv)):
         pk, pv = ctx_kv[layer]
         k = pk[:, :, :n_prefix].expand(B, -1, -1, -1)
         v = pv[:, :, :n_prefix].expand(B, -1, -1, -1)
         if chunk_kv is not None and N > n_prefix:
             ck, cv = chunk_kv[layer]  # [R, Hkv, T, D]
-            sel_k = ck[row_of[:, n_prefix:], :, tok_of[:, n_prefix:]]  # [B, N', Hkv, D]
-            sel_v = cv[row_of[:, n_prefix:], :, tok_of[:, n_prefix:]]
+            hkv, hd = ck.shape[1], ck.shape[3]
+            sel_k = ck.transpose(1, 2).reshape(-1, hkv, hd).index_select(0, flat).view(B, N - n_prefix, hkv, hd)
+            sel_v = cv.transpose(1, 2).reshape(-1, hkv, hd).index_select(0, flat).view(B, N - n_prefix, hkv, hd)
             sel_k = _rotate(sel_k.transpose(1, 2), cos, sin)  # [B, Hkv, N', D], rotated to each chunk's place
             k, v = torch.cat((k, sel_k), dim=2), torch.cat((v, sel_v.transpose(1, 2)), dim=2)
         past.append((k, v))
