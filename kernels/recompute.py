@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .kvloop import softmax_step
+from .reference import prefix_attention_reference
 
 LOG2E = 1.4426950408889634
 
@@ -54,16 +55,6 @@ def _prefix_attention_kernel(
     out = acc / l_i[:, None]  # idle rows (NaN: they saw no key) are not stored
     tl.store(OUT + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
              out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
-
-
-def prefix_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limit: torch.Tensor,
-                               sm_scale: float) -> torch.Tensor:
-    """What :func:`prefix_attention` computes, as a dense fp32 mask (kernels/reference.py's ``attend``): returns
-    [S, Hq, D] fp32."""
-    from .reference import attend
-
-    mask = torch.arange(k.shape[0], device=k.device)[None, :] < limit.to(k.device)[:, None]
-    return attend(q[None], k[None], v[None], mask[None], sm_scale)[0]
 
 
 def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limit: torch.Tensor,

@@ -98,6 +98,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return out.transpose(1, 2)
 
 
+def prefix_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limit: torch.Tensor,
+                               sm_scale: float) -> torch.Tensor:
+    """What kernels/recompute.py's ``prefix_attention`` computes, as a dense fp32 mask over ``attend``: each query of
+    ``q`` [S, Hq, D] over the first ``limit`` [S] keys of ``k``, ``v`` [N, Hkv, D]; returns [S, Hq, D] fp32."""
+    mask = torch.arange(k.shape[0], device=k.device)[None, :] < limit.to(k.device)[:, None]
+    return attend(q[None], k[None], v[None], mask[None], sm_scale)[0]
+
+
 def lazy_prefill_reference(
     q: torch.Tensor,
     k_new: torch.Tensor,

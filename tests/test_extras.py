@@ -37,3 +37,20 @@ def test_require_passes_when_installed():
     with pytest.raises(MissingExtra, match=r"pip install 'lazyrag\[tune\]'") as e:
         require("x", "peft.no_such_module_here")
     assert isinstance(e.value, ModuleNotFoundError)
+
+
+def test_the_cpu_engine_runs_every_strategy_without_triton():
+    """`scripts/demo.sh` installs no Triton (an extra): nothing on the CPU path may import it, the recovery included."""
+    code = HIDE.format(top="triton") + """
+from lazyrag.engine import LazyEngine
+engine = LazyEngine.from_pretrained(device="cpu")
+for strategy in ("full", "lazy", "position_aware", "lazy+recover"):
+    r = engine.generate("Who discovered penicillin?", ["Alexander Fleming discovered penicillin in 1928 in London."],
+                        max_new_tokens=2, strategy=strategy)
+    assert r.token_ids, strategy
+import sys
+assert not any(m == "triton" or m.startswith("triton.") for m in sys.modules)
+print("ok")
+"""
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]

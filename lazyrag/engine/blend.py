@@ -33,8 +33,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from lazyrag.kernels.recompute import prefix_attention, prefix_attention_reference
-from lazyrag.kernels.reference import apply_rotary
+from lazyrag.kernels.reference import apply_rotary, prefix_attention_reference
 from lazyrag.kv.cache import Segment, SegmentKind
 from lazyrag.model.llama import ElementwiseOps, rope_at
 from lazyrag.strategy_names import BLEND_SELECTIONS
@@ -276,6 +275,13 @@ def selective_recompute(
         v = torch.stack([vv[r] for (_, _, _, vv), r in zip(fresh, rows)])
         pool.write_layers([lay for lay, _, _, _ in fresh], slots, apply_rotary(k, *back), v)
     return Blend(context, cur, deviation, _counted(runner, cost))
+
+
+def prefix_attention(q, k, v, limit, sm_scale):
+    """kernels/recompute.py's kernel, imported on first use: Triton is an extra, and a CPU install may lack it."""
+    from lazyrag.kernels.recompute import prefix_attention as kernel
+
+    return kernel(q, k, v, limit, sm_scale)
 
 
 def recompute_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, sel: torch.Tensor, k: torch.Tensor,

@@ -9,7 +9,8 @@ from tests.kernels.helpers import gpu, needs_cuda, rel_err
 
 
 def _check(device, dtype, S, N, Hq, Hkv, D, seed):
-    from lazyrag.kernels.recompute import prefix_attention, prefix_attention_reference
+    from lazyrag.kernels.recompute import prefix_attention
+    from lazyrag.kernels.reference import prefix_attention_reference
 
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(S, Hq, D, generator=g).to(device, dtype)
