@@ -5,11 +5,13 @@ One import namespace: ``lazyrag/`` and every package under it, plus the design c
 ``lazyrag.integrations`` (never as generic top-level names). Packages are found, not listed,
 so a new subpackage cannot be left out of the wheel.
 """
-from setuptools import find_packages, setup
+from setuptools import find_namespace_packages, find_packages, setup
 
 MOUNTED = {"lazyrag.kernels": "kernels", "lazyrag.integrations": "integrations"}
 
-packages = find_packages(include=["lazyrag", "lazyrag.*"])
+# namespace packages too: lazyrag/data/ and the folders under it hold only package data (adapters, eval samples),
+# and setuptools warns about every importable folder the packages do not list
+packages = find_namespace_packages(include=["lazyrag", "lazyrag.*"], exclude=["*.__pycache__", "*.__pycache__.*"])
 package_dir = {"lazyrag": "lazyrag"}
 for name, folder in MOUNTED.items():
     packages += [name] + [f"{name}.{sub}" for sub in find_packages(folder)]
