@@ -737,6 +737,16 @@ def _finished_store(args) -> str | None:
             "nothing to do. Pass --verify to check its checksums or --overwrite to rebuild it.")
 
 
+def _require(command: str, *modules: str) -> None:
+    """lazyrag.extras.require as a usage error: the command's optional modules, and the extra that installs them."""
+    from lazyrag.extras import MissingExtra, require
+
+    try:
+        require(command, *modules)
+    except MissingExtra as e:
+        raise UsageError(str(e)) from None
+
+
 def _api_key(args) -> None:
     """``args.api_key`` from --api-key, else --api-key-file, else $LAZYRAG_API_KEY (None: no key)."""
     if args.api_key is not None and args.api_key_file is not None:
@@ -787,10 +797,7 @@ def _check_serve(args) -> None:
         raise UsageError("--temperature must be in [0, 100] (0 = greedy).")
     if not args.host_gb >= 0:
         raise UsageError(f"--host-gb must be a number of GiB of at least 0 (0 = no host tier); got {args.host_gb}.")
-    try:
-        import fastapi, prometheus_client, uvicorn  # noqa: F401, E401
-    except ImportError as e:
-        raise UsageError(f"lazyrag serve needs its extra: pip install 'lazyrag[serve]' ({e.name} is missing).") from None
+    _require("lazyrag serve", "fastapi", "prometheus_client", "uvicorn")
     if args.replicas < 1:
         raise UsageError("--replicas must be at least 1.")
     if args.replicas > 1:
@@ -908,10 +915,7 @@ def _check_tune(args) -> None:
             raise ValueError
     except ValueError:
         raise UsageError(f"--passages takes positive whole numbers separated by commas; got {args.passages!r}") from None
-    try:
-        import peft  # noqa: F401
-    except ImportError:
-        raise UsageError("lazyrag tune needs peft: pip install 'lazyrag[tune]'.") from None
+    _require("lazyrag tune", "peft")
     _tune_config(args)  # the config's own checks (sets, steps, method) before the model loads
 
 

@@ -326,7 +326,7 @@ class _Bucket:
 class ChunkFinder:
     """Finds known chunk texts inside an arbitrary prompt string.
 
-    Each chunk is indexed by its first ``anchor`` characters, and inside that by its first ``long`` characters; a
+    Each chunk is indexed by its first ``anchor`` characters, and inside that by its first ``LONG`` characters; a
     scan looks up the anchor at every offset of the prompt (a dict lookup of a fixed-size slice), then the longer
     start, then verifies the whole chunk. Time is linear in the prompt's length, independent of how many chunks are
     indexed and of how many share an opening. Chunks shorter than the anchor are not worth a cache entry and are not
@@ -397,7 +397,7 @@ class ChunkFinder:
     def find(self, prompt: str) -> list[tuple[int, int, str]]:
         """Non-overlapping (start, end, chunk text) occurrences, left to right."""
         found, i, a, n = [], 0, self.anchor, self.LONG
-        lookup = self._by_anchor.get  # buckets are replaced, never changed in place: safe to read unlocked
+        lookup = self._by_anchor.get  # safe unlocked: a bucket changes by single dict stores and tuple swaps
         while i <= len(prompt) - a:
             bucket = lookup(prompt[i : i + a])
             if bucket is not None:

@@ -22,4 +22,3 @@ def parse_bytes(value: str | int | float, what: str = "the size") -> int:
     if n <= 0:
         raise ValueError(f"{what} must be more than 0 bytes; got {value!r}.")
     return n
-

@@ -54,3 +54,11 @@ print("ok")
 """
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("top,command,extra", [("uvicorn", "serve", "serve"), ("peft", "tune --out x", "tune")])
+def test_a_command_without_its_extra_says_what_to_install(top, command, extra):
+    code = HIDE.format(top=top) + f"from lazyrag.cli import main; raise SystemExit(main({command.split()!r}))"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and f"needs {top}, which is not installed: pip install 'lazyrag[{extra}]'" in run.stderr, \
+        run.stderr[-2000:]

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from lazyrag.extras import require
+
 TUNE_FILE = "lazyrag_tune.json"
 EMBEDDED = "embedded"  # the adapter shipped for the embedded default model (SmolLM2-135M-Instruct)
 EMBEDDED_FOLDER = Path(__file__).resolve().parent.parent / "data" / "adapters" / "smollm2-135m-instruct-lazy"
@@ -48,10 +50,8 @@ def apply_adapter(hf_model, path: str | Path):
         hint = (" It holds a whole model: pass it as the model instead (--model / from_pretrained(path))."
                 if (path / "config.json").is_file() else "")
         raise ValueError(f"{path} is not a LoRA adapter (no adapter_config.json); make one with `lazyrag tune --out {path}`.{hint}")
-    try:
-        from peft import PeftModel
-    except ImportError:
-        raise ImportError("Loading an adapter needs peft: pip install 'lazyrag[tune]'.") from None
+    require("Loading an adapter", "peft")
+    from peft import PeftModel
     record = read_record(path)
     if record.get("base_id") and record["base_id"] != base_id(hf_model):
         raise ValueError(f"The adapter in {path} was tuned from {record.get('base_model', 'another model')} (base "
