@@ -53,6 +53,44 @@ def profile_recover(engine, layout, one, top: int = 25) -> dict:
     return out
 
 
+def sweep_kernels(n_ctx: int = 20576, running: int = 3072, reps: int = 20) -> dict:
+    """The recovery's two kernels at Llama-3.1-8B shapes (32 q heads, 8 KV heads, head dim 128): the attention
+    of ``running`` sorted queries over prefixes of ``n_ctx`` keys under each launch, and the context gather."""
+    import triton.testing
+
+    from lazyrag.kernels.recompute import gather_rotated, prefix_attention
+    from lazyrag.kernels.reference import rope_tables
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(running, 32, 128, generator=g).cuda().bfloat16()
+    k, v = (torch.randn(n_ctx, 8, 128, generator=g).cuda().bfloat16() for _ in range(2))
+    limit = torch.randperm(n_ctx, generator=g)[:running].sort().values.cuda() + 1
+    flops = 4 * float(limit.sum()) * 32 * 128
+    out = {"attention": [], "gather": None}
+    for block_n in (64, 128):
+        for warps in (4, 8):
+            for stages in (2, 3, 4):
+                try:
+                    ms = triton.testing.do_bench(lambda: prefix_attention(q, k, v, limit, 128 ** -0.5, block_n, warps, stages),
+                                                 rep=reps * 10)
+                except Exception as e:  # e.g. out of shared memory
+                    print(f"  attention block_n={block_n} warps={warps} stages={stages}: {type(e).__name__}")
+                    continue
+                out["attention"].append({"block_n": block_n, "num_warps": warps, "num_stages": stages, "ms": ms,
+                                         "tflops": flops / ms / 1e9})
+                print(f"  attention block_n={block_n:3d} warps={warps} stages={stages}: {ms:.3f} ms "
+                      f"({flops / ms / 1e9:.0f} TFLOP/s)", flush=True)
+    pool_k, pool_v = (torch.randn(2 * n_ctx, 8, 128, generator=g).cuda().bfloat16() for _ in range(2))
+    cos, sin = (t.cuda() for t in rope_tables(1.0 / 500000 ** (torch.arange(0, 128, 2) / 128), 1 << 17))
+    slots = torch.randperm(2 * n_ctx, generator=g)[:n_ctx].cuda()
+    delta = torch.randint(0, 1 << 16, (n_ctx,), generator=g).cuda()
+    ms = triton.testing.do_bench(lambda: gather_rotated(pool_k, pool_v, slots, delta, cos, sin), rep=reps * 10)
+    moved = 4 * n_ctx * 8 * 128 * 2  # K and V read and written
+    out["gather"] = {"ms": ms, "gb_per_s": moved / ms / 1e6}
+    print(f"  gather of {n_ctx} tokens: {ms:.3f} ms ({moved / ms / 1e6:.0f} GB/s)", flush=True)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--docs", default="5,40", help="document counts, comma-separated (512 tokens each)")
@@ -60,6 +98,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--label", default="", help="a name for this tree in the JSON (e.g. old, new)")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="first time the recovery's kernels alone, under each launch")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/recover_gpu.json"))
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
@@ -80,6 +119,8 @@ def main() -> int:
     one = SamplingParams(max_new_tokens=1)
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "label": args.label,
            "command": "python " + " ".join(sys.argv), "sizes": {}}
+    if args.sweep:
+        res["kernels"] = sweep_kernels()
     for n_docs in (int(d) for d in args.docs.split(",")):
         prefix, docs, question = ids(32), [ids(512) for _ in range(n_docs)], ids(64)
         layout = PromptLayout(prefix, docs, question)

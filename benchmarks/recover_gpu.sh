@@ -18,9 +18,10 @@ cp benchmarks/recover_gpu.py "$old/benchmarks/"
 for side in new old; do
   tree=$new; [ "$side" = old ] && tree=$old
   install "$tree"
-  (cd "$tree" && timeout ${RECOVER_S:-200} python3 benchmarks/recover_gpu.py --label $side ${PROFILE:---profile} \
+  sweep=; [ "$side" = new ] && sweep=--sweep  # the kernels alone under each launch (this tree's options)
+  (cd "$tree" && timeout ${RECOVER_S:-200} python3 benchmarks/recover_gpu.py --label $side ${PROFILE:---profile} $sweep \
       --out "$OUT/recover_h100_$side.json") > "$OUT/recover_h100_${side}_log.txt" 2>&1 || echo "recover $side exited $?"
-  grep -v "Warning\|warn" "$OUT/recover_h100_${side}_log.txt" | grep "tokens:\|profile\|gpu \|host " | head -60
+  grep -v "Warning\|warn" "$OUT/recover_h100_${side}_log.txt" | grep "tokens:\|profile\|gpu \|host \|  attention\|  gather" | head -80
 done
 install "$new"
 [ -n "${SKIP_TUNE:-}" ] || { [ -f .data/hotpotqa_dev_500.jsonl ] || gunzip -k .data/hotpotqa_dev_500.jsonl.gz

@@ -7,6 +7,10 @@ per query. A dense mask would cost ``S x N`` memory and, in fp32 SDPA, most of a
 (benchmarks/NOTES.md, "Recovery below a third of full prefill"); here a program walks the key tiles up to its rows'
 largest limit with a flash-attention loop and masks only by ``limit``.
 
+Before each layer's pass the context is gathered from the paged pool: :func:`gather_rotated` reads each token's
+slot, rotates its key by its placement's delta in fp32 and writes K and V in the pool's dtype, one launch for both
+(gathering in fp32, rotating and casting back was a sixth of a 20k-token recovery).
+
 One program handles ``BLOCK_M`` rows = (query token, q head) pairs of the ``G`` query heads that share one KV head
 ("packed GQA", as kernels/prefill.py), so each K/V tile is loaded once for the group. The context is already rotated
 to its final positions (the recompute rotates the cached keys by their placement's delta once per layer).
@@ -18,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .kvloop import softmax_step
-from .reference import prefix_attention_reference
+from .reference import gather_rotated_reference, prefix_attention_reference
 
 LOG2E = 1.4426950408889634
 
@@ -57,12 +61,13 @@ def _prefix_attention_kernel(
              out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
 
 
-def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limit: torch.Tensor,
-                     sm_scale: float) -> torch.Tensor:
+def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limit: torch.Tensor, sm_scale: float,
+                     block_n: int = 64, num_warps: int | None = None, num_stages: int = 2) -> torch.Tensor:
     """Softmax attention of each query over the first ``limit`` keys.
 
     q: [S, Hq, D]; k, v: [N, Hkv, D], in q's dtype, positions already applied; limit: [S] int, each >= 1 and <= N.
-    Returns [S, Hq, D] in q's dtype (accumulated in fp32). ``HEAD_DIM`` a power of two (the reference otherwise)."""
+    Returns [S, Hq, D] in q's dtype (accumulated in fp32). ``HEAD_DIM`` a power of two (the reference otherwise).
+    ``block_n``, ``num_warps``, ``num_stages``: the launch (benchmarks/recover_gpu.py --sweep compares them)."""
     S, Hq, D = q.shape
     N, Hkv, _ = k.shape
     assert k.dtype == q.dtype == v.dtype and Hq % Hkv == 0 and limit.shape == (S,), (q.shape, k.shape, limit.shape)
@@ -73,7 +78,6 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limit: t
     if S == 0:
         return out
     block_m = max(128, triton.next_power_of_2(G))
-    block_n = 64
     limit = limit.to(device=q.device, dtype=torch.int32)
     grid = (triton.cdiv(S, block_m // G), Hkv)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -81,6 +85,53 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limit: t
         q, k, v, limit, out, sm_scale * LOG2E, S,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         G=G, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-        num_warps=8 if D > 64 else 4, num_stages=2,
+        num_warps=num_warps or (8 if D > 64 else 4), num_stages=num_stages,
     )
     return out
+
+
+@triton.jit
+def _gather_rotated_kernel(
+    K, V, SLOTS, DELTA, COS, SIN, KO, VO, N, stride_slot, stride_cos,
+    HKV: tl.constexpr, HKV_P2: tl.constexpr, HALF: tl.constexpr, BLOCK_T: tl.constexpr,
+):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < N
+    slot = tl.load(SLOTS + t, mask=t_ok, other=0).to(tl.int64)
+    delta = tl.load(DELTA + t, mask=t_ok, other=0).to(tl.int64)
+    h = tl.arange(0, HKV_P2)
+    d = tl.arange(0, HALF)
+    ok = t_ok[:, None, None] & (h < HKV)[None, :, None]
+    src = slot[:, None, None] * stride_slot + h[None, :, None] * (2 * HALF) + d[None, None, :]
+    dst = t.to(tl.int64)[:, None, None] * (HKV * 2 * HALF) + h[None, :, None] * (2 * HALF) + d[None, None, :]
+    rope = delta[:, None] * stride_cos + d[None, :]
+    c = tl.load(COS + rope, mask=t_ok[:, None], other=0.0)[:, None, :]
+    s = tl.load(SIN + rope, mask=t_ok[:, None], other=0.0)[:, None, :]
+    x1 = tl.load(K + src, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(K + src + HALF, mask=ok, other=0.0).to(tl.float32)
+    dt = KO.dtype.element_ty
+    tl.store(KO + dst, (x1 * c - x2 * s).to(dt), mask=ok)
+    tl.store(KO + dst + HALF, (x2 * c + x1 * s).to(dt), mask=ok)
+    tl.store(VO + dst, tl.load(V + src, mask=ok, other=0.0), mask=ok)
+    tl.store(VO + dst + HALF, tl.load(V + src + HALF, mask=ok, other=0.0), mask=ok)
+
+
+def gather_rotated(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, delta: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens ``slots`` [N] of one layer's pool (``k``, ``v``: [slots, Hkv, D]), keys rotated by ``delta`` [N] (>= 0)
+    with the tables ``cos``, ``sin`` [positions, D/2] (fp32): K, V [N, Hkv, D] in the pool's dtype."""
+    S, Hkv, D = k.shape
+    assert v.shape == k.shape and k.stride()[1:] == (D, 1) and v.stride() == k.stride(), (k.shape, k.stride(), v.stride())
+    assert slots.shape == delta.shape and cos.shape == sin.shape and cos.shape[1] * 2 == D and cos.stride(1) == 1
+    N = slots.shape[0]
+    ko, vo = torch.empty(N, Hkv, D, dtype=k.dtype, device=k.device), torch.empty(N, Hkv, D, dtype=v.dtype, device=v.device)
+    if N == 0:
+        return ko, vo
+    if D & (D - 1) or D < 16:
+        return gather_rotated_reference(k, v, slots, delta, cos, sin)
+    block_t = max(1, 4096 // (triton.next_power_of_2(Hkv) * D))  # ~4k elements per load
+    _gather_rotated_kernel[(triton.cdiv(N, block_t),)](
+        k, v, slots, delta, cos, sin, ko, vo, N, k.stride(0), cos.stride(0),
+        HKV=Hkv, HKV_P2=triton.next_power_of_2(Hkv), HALF=D // 2, BLOCK_T=block_t, num_warps=4,
+    )
+    return ko, vo

@@ -82,6 +82,14 @@ def gather_context(
     return k[0][ok[0]], v[0][ok[0]]
 
 
+def gather_rotated_reference(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, delta: torch.Tensor,
+                             cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens ``slots`` [N] of one layer's pool (``k``, ``v``: [slots, Hkv, D]), keys rotated in fp32 by ``delta`` [N]:
+    K, V [N, Hkv, D] in the pool's dtype (kernels/recompute.py's ``gather_rotated``)."""
+    kr = apply_rotary(k[slots].float(), cos[delta][:, None], sin[delta][:, None])
+    return kr.to(k.dtype), v[slots]
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, sm_scale: float) -> torch.Tensor:
     """Softmax attention in fp32 with grouped KV heads.
 

@@ -33,7 +33,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from lazyrag.kernels.reference import apply_rotary, prefix_attention_reference
+from lazyrag.kernels.reference import apply_rotary, gather_rotated_reference, prefix_attention_reference
 from lazyrag.kv.cache import Segment, SegmentKind
 from lazyrag.model.llama import ElementwiseOps, rope_at
 from lazyrag.strategy_names import BLEND_SELECTIONS
@@ -56,11 +56,13 @@ class Blend:
 
 class PlacedContext:
     """Every token of a request's placed context, in prompt order, and its K/V per layer as the kernels
-    read them: ``[N, Hkv, D]`` fp32, keys rotated by their placement's delta (kernels/reference.py's
-    ``gather_context``, with the slots and rotations worked out once instead of per layer)."""
+    read them: ``[N, Hkv, D]``, keys rotated by their placement's delta (kernels/reference.py's
+    ``gather_context``, with the slots and rotations worked out once instead of per layer). In the pool's dtype,
+    gathered by kernels/recompute.py's ``gather_rotated`` where the recovery's kernels run (``fast``), else fp32."""
 
     def __init__(self, runner: ModelRunner, placed: list[Placement]):
         self.pool, dev = runner.pool, runner.device
+        self.rope_cos, self.rope_sin = runner.rope_cos, runner.rope_sin
         bs = self.pool.shape.block_size
         offsets = [np.arange(p.first_block * bs, p.segment.num_tokens) for p in placed]  # each token's index in its segment
         owner = np.concatenate([np.full(len(t), i) for i, t in enumerate(offsets)])
@@ -71,13 +73,17 @@ class PlacedContext:
         self.owner, self.offset = torch.from_numpy(owner), torch.from_numpy(np.concatenate(offsets))  # [N] host
         self.position = torch.from_numpy(position).to(dev)  # [N]
         self.delta = torch.from_numpy(delta)  # [N] host
-        # [N]: each token's slot in a layer's pool viewed as [blocks * bs, Hkv, D]
-        self.slots = torch.cat([self.pool.slots(p.segment.blocks, len(t), p.first_block * bs) for p, t in zip(placed, offsets)])
-        d = self.delta.to(dev)
-        self.cos, self.sin = runner.rope_cos[d][:, None], runner.rope_sin[d][:, None]  # [N, 1, D/2] R(delta)
+        # [N]: each token's slot in a layer's pool viewed as [blocks * bs, Hkv, D] (worked out on the host: one copy)
+        slots = np.concatenate([np.asarray(p.segment.blocks, dtype=np.int64)[t // bs] * bs + t % bs
+                                for p, t in zip(placed, offsets)])
+        self.slots = torch.from_numpy(slots).to(dev)
+        self.delta_dev = self.delta.to(dev)
+        attn = runner.model.layers[0].attn
+        self.fast = use_kernels(dev, self.pool.k.dtype, attn.hq, attn.hkv, attn.d, runner.model.sm_scale)
         self._kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         L, _, _, hkv, hd = self.pool.k.shape
-        self._keep = 2 * L * len(self.slots) * hkv * hd * 4 <= KEEP_CONTEXT_BYTES
+        elem = self.pool.k.element_size() if self.fast else 4
+        self._keep = 2 * L * len(self.slots) * hkv * hd * elem <= KEEP_CONTEXT_BYTES
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -87,12 +93,16 @@ class PlacedContext:
         return rows + 1
 
     def layer(self, i: int, keep: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``i``'s context K, V [N, Hkv, D] fp32; ``keep``: held for a later call (if they fit), which takes them."""
+        """Layer ``i``'s context K, V [N, Hkv, D], new tensors the caller owns; ``keep``: held for a later call (if
+        they fit), which takes them."""
         if i in self._kept:
             return self._kept.pop(i)
         hkv, hd = self.pool.k.shape[-2:]
-        k = self.pool.k[i].view(-1, hkv, hd)[self.slots].float()
-        kv = apply_rotary(k, self.cos, self.sin), self.pool.v[i].view(-1, hkv, hd)[self.slots].float()
+        k, v = self.pool.k[i].view(-1, hkv, hd), self.pool.v[i].view(-1, hkv, hd)
+        if self.fast:
+            kv = gather_rotated(k, v, self.slots, self.delta_dev, self.rope_cos, self.rope_sin)
+        else:
+            kv = gather_rotated_reference(k.float(), v.float(), self.slots, self.delta_dev, self.rope_cos, self.rope_sin)
         if keep and self._keep:
             self._kept[i] = kv
         return kv
@@ -144,21 +154,25 @@ def question_attention(runner: ModelRunner, ctx: PlacedContext, question: list[i
     x = model.embed(torch.tensor(question, device=dev))
     cos, sin = rope_at(runner.rope_cos, runner.rope_sin, torch.arange(start, start + len(question), device=dev), x.dtype)
     T = len(question)
-    causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
     score = torch.zeros(n_ctx, device=dev)
+    hidden = None  # [G*T, T]: the question's own later tokens, for each row (q head within its group, token)
     for layer, block in enumerate(model.layers[:hi]):
         kc, vc = ctx.layer(layer, keep=True)
         q, k, v = block.attn.project(block.attn_input(x, ops), cos, sin, ops, runner.rope_scaling)
-        group = q.shape[1] // k.shape[1]
-        keys = torch.cat((kc, k.float())).repeat_interleave(group, dim=1)  # [N+T, Hq, D]
-        vals = torch.cat((vc, v.float())).repeat_interleave(group, dim=1)
-        logits = torch.einsum("thd,nhd->htn", q.float(), keys) * model.sm_scale
-        logits[:, :, n_ctx:] = logits[:, :, n_ctx:].masked_fill(~causal, float("-inf"))
-        p = logits.softmax(-1)  # [Hq, T, N+T]
+        hkv, G, D = k.shape[1], q.shape[1] // k.shape[1], q.shape[2]
+        if hidden is None:
+            hidden = torch.ones(T, T, dtype=torch.bool, device=dev).triu(1).repeat(G, 1)
+        # grouped heads as batched GEMMs over the KV heads: no copy of the context per query head
+        qg = q.float().view(T, hkv, G, D).permute(1, 2, 0, 3).reshape(hkv, G * T, D)
+        keys = torch.cat((kc, k.to(kc.dtype))).float().transpose(0, 1)  # [Hkv, N+T, D]
+        vals = torch.cat((vc, v.to(vc.dtype))).float().transpose(0, 1)
+        logits = torch.matmul(qg, keys.transpose(1, 2)) * model.sm_scale  # [Hkv, G*T, N+T]
+        logits[:, :, n_ctx:].masked_fill_(hidden, float("-inf"))
+        p = logits.softmax(-1)
         if layer >= lo:
             score += p[:, :, :n_ctx].sum((0, 1))
-        o = torch.einsum("htn,nhd->thd", p, vals).to(x.dtype)
-        x = block.after_attention(x, block.attn.output(o.flatten(1)), ops)
+        o = torch.matmul(p, vals).view(hkv, G, T, D).permute(2, 0, 1, 3).reshape(T, hkv * G * D)  # [T, Hq * D]
+        x = block.after_attention(x, block.attn.output(o.to(x.dtype)), ops)
     if model.tp is not None:  # each rank summed its own heads: the score is over all of them
         model.tp.all_reduce(score)
     return score, hi
@@ -289,25 +303,44 @@ def recompute_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, sel
     """The running tokens' attention ([S, Hq, D]) over the context as cached (``kc``, ``vc``: [N, Hkv, D] fp32) where
     their own rows ``sel`` hold their fresh ``k``, ``v``; each sees the first ``limit`` context tokens. On CUDA in the
     model's dtype through kernels/recompute.py (a dense fp32 mask was most of a recovery's time), else in fp32."""
-    if (q.is_cuda or KERNEL_ON_CPU) and _kernel_checked(q.device, q.dtype, q.shape[1], kc.shape[1], q.shape[2], sm_scale):
+    if use_kernels(q.device, q.dtype, q.shape[1], kc.shape[1], q.shape[2], sm_scale):
+        # the context is the caller's own (PlacedContext.layer): written in place
         keys, vals = kc.to(q.dtype).index_copy_(0, sel, k), vc.to(q.dtype).index_copy_(0, sel, v)
         return prefix_attention(q, keys, vals, limit, sm_scale)
     keys, vals = kc.index_copy(0, sel, k.float()), vc.index_copy(0, sel, v.float())
     return prefix_attention_reference(q.float(), keys, vals, limit, sm_scale)
 
 
+def gather_rotated(k, v, slots, delta, cos, sin):
+    """kernels/recompute.py's gather, imported on first use (as ``prefix_attention``)."""
+    from lazyrag.kernels.recompute import gather_rotated as kernel
+
+    return kernel(k, v, slots, delta, cos, sin)
+
+
+def use_kernels(device: torch.device, dtype: torch.dtype, hq: int, hkv: int, d: int, sm_scale: float) -> bool:
+    """Whether the recovery gathers and attends with kernels/recompute.py's Triton kernels (CUDA, once checked)."""
+    return (device.type == "cuda" or KERNEL_ON_CPU) and _kernel_checked(device, dtype, hq, hkv, d, sm_scale)
+
+
 @functools.cache
 def _kernel_checked(device: torch.device, dtype: torch.dtype, hq: int, hkv: int, d: int, sm_scale: float) -> bool:
-    """Whether the Triton kernel, as built for this device, dtype and head layout, matches the reference on a small
+    """Whether the Triton kernels, as built for this device, dtype and head layout, match the reference on a small
     random problem: checked once per process and layout, so a build that fails or computes wrong on some device
     costs a warning and the reference's speed, never a wrong answer."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(n, h, d, generator=g).to(device, dtype) for n, h in ((37, hq), (300, hkv), (300, hkv)))
     limit = torch.randint(1, 301, (37,), generator=g).sort().values.to(device)
+    slots, delta = torch.randperm(300, generator=g)[:120].to(device), torch.randint(0, 50, (120,), generator=g).to(device)
+    angles = torch.rand(50, d // 2, generator=g) * 6
+    cos, sin = angles.cos().to(device), angles.sin().to(device)
     try:
         out = prefix_attention(q, k, v, limit, sm_scale).float()
         ref = prefix_attention_reference(q, k, v, limit, sm_scale)
         err = float((out - ref).norm() / ref.norm())
+        gathered = torch.cat(gather_rotated(k, v, slots, delta, cos, sin)).float()
+        expected = torch.cat(gather_rotated_reference(k, v, slots, delta, cos, sin)).float()
+        err = max(err, float((gathered - expected).norm() / expected.norm()))
     except Exception as e:  # e.g. a Triton that cannot compile it here
         if KERNEL_ON_CPU:
             raise
@@ -331,13 +364,13 @@ def _private_copies(pool, placed: list[Placement], owner: torch.Tensor, offset: 
     bs = pool.shape.block_size
     context = list(placed)
     slots = torch.empty_like(offset)
+    src, dst = [], []  # the blocks to copy, copied in one go (one host-to-device transfer, not one per chunk)
     for i in owner.unique().tolist():
         p, mine = placed[i], owner == i
         touched = (offset[mine] // bs).unique().tolist()
         fresh = allocate(len(touched))
-        src, dst = torch.tensor([p.segment.blocks[j] for j in touched], device=pool.device), torch.tensor(fresh, device=pool.device)
-        pool.k[:, dst] = pool.k[:, src]
-        pool.v[:, dst] = pool.v[:, src]
+        src += [p.segment.blocks[j] for j in touched]
+        dst += fresh
         blocks = list(p.segment.blocks)  # untouched blocks are read from the shared chunk itself
         for j, b in zip(touched, fresh):
             blocks[j] = b
@@ -345,4 +378,7 @@ def _private_copies(pool, placed: list[Placement], owner: torch.Tensor, offset: 
         context[i] = Placement(seg, p.delta, p.first_block)
         table = torch.tensor(blocks)
         slots[mine] = table[offset[mine] // bs] * bs + offset[mine] % bs
+    moves = torch.tensor([src, dst], device=pool.device)
+    pool.k[:, moves[1]] = pool.k[:, moves[0]]
+    pool.v[:, moves[1]] = pool.v[:, moves[0]]
     return context, slots.to(pool.device)

@@ -58,6 +58,10 @@ def test_a_recompute_kernel_that_fails_its_check_leaves_the_reference(monkeypatc
     monkeypatch.setattr(blend, "prefix_attention", broken)
     assert not check(torch.device("cpu"), torch.float32, 4, 2, 16, 0.25) and "no such instruction" in caplog.text
     monkeypatch.undo()
+    caplog.clear()  # the context's gather is checked too
+    monkeypatch.setattr(blend, "gather_rotated", lambda k, v, slots, *a: (k[slots], v[slots]))  # forgets to rotate
+    assert not check(torch.device("cpu"), torch.float32, 4, 2, 16, 0.25) and "off by" in caplog.text
+    monkeypatch.undo()
     assert check(torch.device("cpu"), torch.float32, 4, 2, 16, 0.25)  # the real one (Triton's interpreter here)
 
 

@@ -45,3 +45,37 @@ def test_prefix_attention_odd_head_dim_uses_the_reference():
 @pytest.mark.parametrize("S,N,Hq,Hkv,D", [(300, 2600, 32, 8, 128), (2000, 2100, 9, 3, 64)], ids=["8B", "135M"])
 def test_prefix_attention_gpu(dtype, S, N, Hq, Hkv, D):
     _check("cuda", dtype, S, N, Hq, Hkv, D, seed=S)
+
+
+def _check_gather(device, dtype, slots_total, N, Hkv, D, seed):
+    from lazyrag.kernels.recompute import gather_rotated
+    from lazyrag.kernels.reference import gather_rotated_reference, rope_tables
+
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(slots_total, Hkv, D, generator=g).to(device, dtype)
+    v = torch.randn(slots_total, Hkv, D, generator=g).to(device, dtype)
+    cos, sin = (t.to(device) for t in rope_tables(1.0 / 10000 ** (torch.arange(0, D, 2) / D), 4096))
+    slots = torch.randperm(slots_total, generator=g)[:N].to(device)
+    delta = torch.randint(0, 4096, (N,), generator=g).to(device)
+    out_k, out_v = gather_rotated(k, v, slots, delta, cos, sin)
+    ref_k, ref_v = gather_rotated_reference(k, v, slots, delta, cos, sin)
+    assert out_k.dtype == out_v.dtype == dtype and out_k.shape == (N, Hkv, D)
+    assert torch.equal(out_v, ref_v)  # a copy
+    assert rel_err(out_k, ref_k) < (1e-6 if dtype == torch.float32 else 1e-2)
+    # a rotation by 0 is the key itself
+    zero_k, _ = gather_rotated(k, v, slots, torch.zeros_like(delta), cos, sin)
+    assert rel_err(zero_k, k[slots]) < 1e-6
+
+
+@pytest.mark.parametrize("slots_total,N,Hkv,D", [(64, 40, 3, 16), (300, 257, 1, 64), (50, 50, 8, 32)],
+                         ids=["Hkv3-D16", "Hkv1-D64-tail", "Hkv8-D32"])
+def test_gather_rotated_matches_reference(slots_total, N, Hkv, D):
+    _check_gather("cpu", torch.float32, slots_total, N, Hkv, D, seed=N)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("slots_total,N,Hkv,D", [(40000, 20576, 8, 128), (5000, 2600, 3, 64)], ids=["8B", "135M"])
+def test_gather_rotated_gpu(dtype, slots_total, N, Hkv, D):
+    _check_gather("cuda", dtype, slots_total, N, Hkv, D, seed=N)
