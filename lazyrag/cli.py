@@ -702,7 +702,7 @@ def _finished_store(args) -> str | None:
     """A summary if ``--out`` already holds a finished build of these inputs and options, so rerunning
     the command returns at once instead of loading the model to find nothing to do."""
     from lazyrag.prompt import DEFAULT_SYSTEM_PROMPT
-    from lazyrag.store.corpus import INDEX, KV_DIR, MANIFEST, TABLE, read_manifest, rebuild_interrupted
+    from lazyrag.store.corpus import INDEX, INDEX_NEXT, KV_DIR, MANIFEST, TABLE, read_manifest, rebuild_interrupted
 
     out = Path(args.out)
     if args.overwrite or args.verify or not (out / MANIFEST).is_file() or rebuild_interrupted(out):
@@ -711,6 +711,8 @@ def _finished_store(args) -> str | None:
         return None
     if not all((out / name).exists() for name in (TABLE, INDEX, KV_DIR)):
         return None  # files deleted under a finished manifest: the build makes them again
+    if (out / INDEX_NEXT).exists():
+        return None  # a run killed while publishing its index: the build finishes that
     m = read_manifest(out)
     asked = {"chunk_tokens": args.chunk_tokens, "overlap": args.overlap, "chunks_per_shard": args.chunks_per_shard,
              "index_kind": args.index, "embedder": args.embedder or DEFAULT_EMBEDDER,

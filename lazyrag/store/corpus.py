@@ -13,6 +13,7 @@ Layout of a store folder (``LAYOUT_VERSION`` 3)::
                          "prefix") for the shared encoding prefix; table ``store_meta`` holds
                          the table's ``table_id`` (a uuid drawn when the table is created)
     index.faiss          inner-product index over the normalised embeddings; FAISS ids = chunk ids
+    index.faiss.next     there only while a ``precache`` publishes a new generation (see Generations)
     kv/shard-NNNNNN.safetensors
                          tensors "<id>.k" and "<id>.v": ``[layers, tokens, H_kv, D]``, UNPADDED (block
                          padding is a pool detail), encoded as the manifest's ``stored_kv_dtype``
@@ -35,9 +36,13 @@ Shard names are confined to ``kv/``, and ``kv/`` to the store.
 
 Generations: a reader serves the chunks the manifest it read counts (ids below ``num_chunks``)
 with the index whose sha256 it names. A ``precache`` extending a finished store adds rows and
-shards (new files, never rewriting published ones), writes the index, and publishes the new
-generation by replacing the manifest last; a reader opening meanwhile sees the old generation
-or the new one, never a mix.
+shards (new files, never rewriting published ones), writes the new index as ``index.faiss.next``,
+publishes the new generation by replacing the manifest, then renames ``index.faiss.next`` to
+``index.faiss``. A reader opening meanwhile sees the old generation or the new one, never a mix: it
+takes ``index.faiss``, or ``index.faiss.next`` when that is the one the manifest names. Killed at
+any point (kill -9), the store opens as the old generation (the manifest still names the old index,
+still in place) or as the new one (the manifest names the next index, still beside the old), and a
+rerun of the same command finishes the extension (it first completes or drops a pending rename).
 
 Serving reads and never writes: ``open`` (what ``attach_store``, the retriever and every ``lazyrag serve``
 replica use) reads the chunk table through a read-only sqlite connection and takes no lock, so many
@@ -94,6 +99,7 @@ log = logging.getLogger(__name__)
 LAYOUT_VERSION = 3  # 3: rows also carry a check over every field, the manifest the index's sha256 (2: KV digests only)
 MANIFEST, TABLE, INDEX, KV_DIR, LOCK = "manifest.json", "chunks.sqlite", "index.faiss", "kv", ".precache.lock"
 REBUILDING = ".precache.rebuilding"  # an --overwrite is deleting the store (clear_store)
+INDEX_NEXT = "index.faiss.next"  # the index of a generation being published (finish), until it is renamed to INDEX
 PREFIX_ID = -1
 
 _SCHEMA = """
@@ -115,9 +121,9 @@ CREATE TABLE IF NOT EXISTS chunks (
 _META_SCHEMA = "CREATE TABLE IF NOT EXISTS store_meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)"
 _TABLE_ID = "(SELECT value FROM store_meta WHERE name = 'table_id')"
 
-_STORE_FILES = (MANIFEST, TABLE, INDEX, REBUILDING)  # what atomic_write_bytes writes (its temp files are ours too)
+_STORE_FILES = (MANIFEST, TABLE, INDEX, INDEX_NEXT, REBUILDING)  # what atomic_write_bytes writes (its temp files are ours too)
 _TABLE_FILES = (TABLE, TABLE + "-journal", TABLE + "-wal", TABLE + "-shm")  # sqlite's own files beside the table
-_OWN_FILES = (MANIFEST, INDEX, REBUILDING, LOCK, *_TABLE_FILES)  # every file a store writes outside kv/
+_OWN_FILES = (MANIFEST, INDEX, INDEX_NEXT, REBUILDING, LOCK, *_TABLE_FILES)  # every file a store writes outside kv/
 # any of these in a manifest.json says it is lazyrag's (damaged or not); a JSON object with none is someone else's
 _MANIFEST_KEYS = frozenset({"model_fingerprint", "layout_version", "embedder", "chunks_per_shard"})
 _SHARD_FILE = re.compile(r"^(prefix|shard-\d{6}(-\d{6})?)\.safetensors$")
@@ -363,6 +369,7 @@ class CorpusStore(Tier):
             # a finished store stays readable while this run extends it: its manifest (the generation readers
             # serve) is replaced only by ``finish``, after the new rows and index are in place
             publish = old.status != "complete"
+            settle_pending_index(path, old)
         else:
             check_new_store_folder(path)
         remove_stale_temp_files(path)
@@ -459,9 +466,17 @@ class CorpusStore(Tier):
             try:
                 data = np.fromfile(self.path / INDEX, dtype=np.uint8)
             except OSError as e:
-                self._index_damaged(f"{type(e).__name__}: {e}")
-            if hashlib.sha256(data).hexdigest() != self.manifest.index_sha256:
-                self._index_damaged("its sha256 is not the one the manifest recorded: it was changed or replaced", _IndexOfAnotherGeneration)
+                data, missing = None, e
+            if data is None or hashlib.sha256(data).hexdigest() != self.manifest.index_sha256:
+                # a precache publishing a new generation: its index waits beside the old one until the manifest names it
+                pending = _read_pending_index(self.path, self.manifest.index_sha256)
+                if pending is not None:
+                    data = pending
+                elif data is None:
+                    self._index_damaged(f"{type(missing).__name__}: {missing}")
+                else:
+                    self._index_damaged("its sha256 is not the one the manifest recorded: it was changed or replaced",
+                                        _IndexOfAnotherGeneration)
             try:
                 self._index = deserialize_index(data)
             except (RuntimeError, ValueError) as e:  # faiss reports a damaged file as RuntimeError
@@ -629,16 +644,18 @@ class CorpusStore(Tier):
         self._keys.update({r.key: r.id for r in rows})
 
     def finish(self, index_kind: str, sources: list[str]) -> None:
-        """Build and write the FAISS index, then mark the store complete: the manifest, written last,
-        publishes the new generation (its rows, its index's sha256) to readers."""
+        """Build the FAISS index and publish the new generation (its rows, its index's sha256): the index
+        written as ``index.faiss.next`` beside the published one, then the manifest naming it, then the rename
+        to ``index.faiss``. Killed anywhere, readers open the old generation or the new one whole."""
         ids, vecs = self.embeddings()
         self._index = build_index(vecs, ids, index_kind)
         m = self.manifest
-        m.index_sha256 = write_index(self.path / INDEX, self._index)
+        m.index_sha256 = write_index(self.path / INDEX_NEXT, self._index)
         m.num_chunks = len(ids)
         m.num_tokens = self._sql("SELECT COALESCE(SUM(num_tokens), 0) FROM chunks WHERE kind = 'chunk'")[0][0]
         m.index_kind, m.sources, m.status = index_kind, sorted(set(m.sources) | set(sources)), "complete"
         write_manifest(self.path, m)
+        _publish_index(self.path / INDEX_NEXT, self.path / INDEX)
 
     def size_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.path.rglob("*") if p.is_file())
@@ -945,7 +962,7 @@ def clear_store(path: Path) -> None:
     marker = path / REBUILDING
     if not marker.is_file():
         _write(marker, json.dumps({"overwrite_started": time.time()}).encode())
-    for name in (INDEX, *reversed(_TABLE_FILES)):
+    for name in (INDEX, INDEX_NEXT, *reversed(_TABLE_FILES)):
         _delete(path / name)
     kv = path / KV_DIR
     if kv.is_dir():
@@ -1001,6 +1018,37 @@ def write_index(path: Path, index) -> str:
     data = faiss.serialize_index(index).tobytes()
     _write(path, data)
     return hashlib.sha256(data).hexdigest()
+
+
+def _publish_index(pending: Path, path: Path) -> None:
+    """Rename the index a new manifest names into place (``finish``'s last step)."""
+    try:
+        pending.replace(path)
+    except OSError as e:
+        raise StoreError(_write_failed(path, e)) from e
+
+
+def _read_pending_index(path: Path, sha256: str) -> np.ndarray | None:
+    """``index.faiss.next``'s bytes if it is the index the manifest names (its publishing rename not done yet)."""
+    try:
+        data = np.fromfile(Path(path) / INDEX_NEXT, dtype=np.uint8)
+    except OSError:
+        return None
+    return data if sha256 and hashlib.sha256(data).hexdigest() == sha256 else None
+
+
+def settle_pending_index(path: Path, manifest: StoreManifest) -> None:
+    """What a ``finish`` killed while publishing left (call it holding the writer lock): an ``index.faiss.next``
+    that ``manifest`` names is renamed into place; one it does not name (killed before the manifest) is deleted."""
+    path = Path(path)
+    pending = path / INDEX_NEXT
+    if not pending.is_file() or pending.is_symlink():
+        return
+    if _read_pending_index(path, manifest.index_sha256) is not None:
+        _publish_index(pending, path / INDEX)
+        log.info("%s: finished publishing the index of an interrupted precache", path)
+    else:
+        _delete(pending)
 
 
 def deserialize_index(data: np.ndarray):

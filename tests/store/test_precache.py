@@ -637,3 +637,80 @@ def test_raising_limit_on_a_finished_store_adds_the_documents(precache_cli, tiny
     said = capsys.readouterr().out
     assert "already a finished store" not in said and "encoded 2 chunks" in said, said
     assert len(CorpusStore.open(out)) == 4 and CorpusStore.open(out).verify() == []
+
+
+# -- an extension killed at any point: the store opens as the old or the new generation; a rerun finishes it ------
+
+def _store_ops(monkeypatch, killed_at=None, mid_write=False):
+    """Count the file operations a precache run makes on a store (each atomic write, the index's publishing rename);
+    with ``killed_at``, kill -9 the run before that one (``mid_write``: in the middle of it, its temp file left)."""
+    import tempfile
+
+    import lazyrag.store.corpus as corpus
+
+    ops = []
+
+    def hooked(real):
+        def op(path, *args):
+            path = Path(path)
+            if len(ops) == killed_at:
+                if mid_write and real is write:
+                    fd, _ = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+                    os.write(fd, b"\0" * 7)  # half written
+                    os.close(fd)
+                raise _Killed()
+            ops.append(path.name)
+            return real(path, *args)
+        return op
+
+    write = corpus._write
+    monkeypatch.setattr(corpus, "_write", hooked(write))
+    if hasattr(corpus, "_publish_index"):
+        monkeypatch.setattr(corpus, "_publish_index", hooked(corpus._publish_index))
+    return ops
+
+
+@pytest.mark.parametrize("extension", ["limit", "documents"], ids=["raising-limit", "adding-documents"])
+def test_an_extension_killed_at_any_point_leaves_a_store_that_opens_and_a_rerun_finishes(
+        precache_cli, tiny_corpus, other_corpus, embedder, tmp_path, capsys, monkeypatch, extension):
+    import shutil
+
+    from lazyrag.store.retriever import Retriever
+
+    first, more = (["--limit", "2"], ["--limit", "4"]) if extension == "limit" else ([], [other_corpus])
+    grown = 4 if extension == "limit" else 10
+    base = tmp_path / "base"
+    assert precache_cli(tiny_corpus, "--out", base, "--chunks-per-shard", "1", *first) == 0
+    old = len(CorpusStore.open(base))
+
+    def extend(out):
+        return precache_cli(tiny_corpus, *more, "--out", out, "--chunks-per-shard", "1")
+
+    with monkeypatch.context() as m:  # the operations of a whole extension
+        shutil.copytree(base, tmp_path / "counted")
+        ops = _store_ops(m)
+        assert extend(tmp_path / "counted") == 0
+    assert "manifest.json" in ops and len(ops) >= 4, ops
+    for killed_at in range(len(ops)):
+        for mid_write in (False, True):
+            out = tmp_path / f"killed-{killed_at}-{int(mid_write)}"
+            shutil.copytree(base, out)
+            with monkeypatch.context() as m:
+                _store_ops(m, killed_at, mid_write)
+                with pytest.raises(_Killed):
+                    extend(out)
+            where = f"killed before {ops[killed_at]}{' (mid-write)' if mid_write else ''}"
+            store = CorpusStore.open(out)  # the old generation or the new one, whole
+            n = store.manifest.num_chunks
+            assert n in (old, grown) and len(store) == n == store.index.ntotal, where
+            hits = Retriever(store, embedder).retrieve("Who discovered penicillin?", k=50)
+            assert sorted(h.id for h in hits) == list(range(n)), where
+            assert store.verify() == [], where
+            capsys.readouterr()
+            assert extend(out) == 0, (where, capsys.readouterr().err)  # a plain rerun of the same command finishes it
+            said = capsys.readouterr().out
+            assert "nothing to do" not in said or n == grown, (where, said)
+            store = CorpusStore.open(out)
+            assert len(store) == grown and store.verify() == [], where
+            leftovers = sorted(p.name for p in out.rglob("*") if p.name.endswith(".tmp") or "next" in p.name)
+            assert leftovers == [], (where, leftovers)
