@@ -2,8 +2,11 @@
 
 Start-up. ``torchrun --nproc-per-node N -m lazyrag.cli ...`` starts N processes with RANK / WORLD_SIZE
 set; ``LazyEngine.from_pretrained(..., tensor_parallel_size=N)`` in a plain process starts the N - 1
-workers itself (``python -m lazyrag.engine.tensor_parallel SPEC``, MASTER_ADDR 127.0.0.1 on a free
-port) and is rank 0. Either way every rank calls ``init_process_group`` (gloo on CPU, NCCL on CUDA),
+workers itself (``python -m lazyrag.engine.tensor_parallel SPEC``) and is rank 0: its rendezvous store
+(a TCPStore) listens on loopback only, 127.0.0.1 on a free port (``loopback_store``; torch's own
+``tcp://`` store would listen on every interface), and the workers, processes of the same host, reach it
+there. Under torchrun, the launcher's rendezvous (``--master-addr``, ``--rdzv-endpoint``) is used as
+given. Either way every rank calls ``init_process_group`` (gloo on CPU, NCCL on CUDA),
 makes a 1-D ``DeviceMesh`` over a group whose collectives are bounded by ``tensor_parallel_timeout_s``,
 then reads only its shard of the checkpoint (``loader.load_sharded``: one tensor at a time from
 safetensors), and waits at a barrier for the slowest load (start-up waits are bounded by START_TIMEOUT_S;
@@ -67,10 +70,26 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+LOOPBACK = "127.0.0.1"  # where rank 0's store listens for the workers it spawns (always on this host)
+
+
+def loopback_store(world_size: int, timeout_s: float):
+    """Rank 0's rendezvous store for the workers this process spawns: a TCPStore on a free port of loopback,
+    listening there only (a TCPStore given a host still listens on every interface: here it is handed a
+    socket bound to 127.0.0.1, which also leaves no window for another process to take the port)."""
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((LOOPBACK, 0))
+        sock.listen(max(128, world_size))
+        store = dist.TCPStore(LOOPBACK, sock.getsockname()[1], world_size, is_master=True,
+                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False, master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the socket now (and closes it)
+    return store
 
 
 def start(config, build=None) -> tuple[TensorParallel, list[subprocess.Popen]]:
@@ -89,17 +108,17 @@ def start(config, build=None) -> tuple[TensorParallel, list[subprocess.Popen]]:
     if build is None:
         raise ValueError("this engine cannot start its tensor-parallel workers itself: start every rank with "
                          f"torchrun --nproc-per-node {size}.")
-    port = _free_port()
+    store = loopback_store(size, max(START_TIMEOUT_S, timeout))
     fd, spec = tempfile.mkstemp(prefix="lazyrag-tp-", suffix=".pkl")
     with os.fdopen(fd, "wb") as f:
         pickle.dump(build, f)
     workers = []
     try:
         for rank in range(1, size):
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+            env = dict(os.environ, MASTER_ADDR=LOOPBACK, MASTER_PORT=str(store.port), RANK=str(rank),
                        WORLD_SIZE=str(size), LOCAL_RANK=str(rank), **{PARENT_ENV: str(os.getpid())})
             workers.append(subprocess.Popen([sys.executable, "-m", "lazyrag.engine.tensor_parallel", spec], env=env))
-        tp = _join(size, 0, 0, config.device.type, timeout, f"tcp://127.0.0.1:{port}", workers)
+        tp = _join(size, 0, 0, config.device.type, timeout, store, workers)
     except BaseException as e:
         abandon_start(workers)
         dead = [f"rank {i + 1} exited with code {w.returncode}" for i, w in enumerate(workers)]
@@ -110,8 +129,9 @@ def start(config, build=None) -> tuple[TensorParallel, list[subprocess.Popen]]:
     return tp, workers
 
 
-def _join(size: int, rank: int, local_rank: int, device_type: str, timeout_s: float, init_method,
+def _join(size: int, rank: int, local_rank: int, device_type: str, timeout_s: float, store,
           workers: list[subprocess.Popen] = ()) -> TensorParallel:
+    """``store``: rank 0's ``loopback_store`` when it spawned the workers; None: the launcher's (``env://``)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -120,8 +140,11 @@ def _join(size: int, rank: int, local_rank: int, device_type: str, timeout_s: fl
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
-        _rendezvous(workers, backend=backend, init_method=init_method, rank=rank, world_size=size,
-                    timeout=timedelta(seconds=max(START_TIMEOUT_S, timeout_s)))
+        # a store given to init_process_group is used as it is, one it makes (env://, as the workers join) under the
+        # prefix "default_pg": rank 0 puts its own under that prefix too, so every rank's keys meet
+        given = {} if store is None else {"store": dist.PrefixStore("default_pg", store)}
+        _rendezvous(workers, backend=backend, rank=rank, world_size=size, timeout=timedelta(seconds=max(START_TIMEOUT_S, timeout_s)),
+                    **given)
     # the group every collective runs on, bounded by the engine's timeout (the default group's is the start-up's)
     group = dist.new_group(backend=backend, timeout=timeout)
     mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=("tp",))

@@ -168,6 +168,68 @@ def test_a_rank_reads_only_its_shard_and_gets_the_whole_models_fingerprint(tiny_
             assert t.untyped_storage().nbytes() == t.nbytes, name  # a copy of the slice, not a view of the whole
 
 
+# -- where rank 0 listens ----------------------------------------------------------------------------
+
+LISTENERS = """
+import json, os, sys
+import torch
+from types import SimpleNamespace
+from lazyrag.engine import tensor_parallel
+
+def listening():  # (family, address) of every TCP socket this process listens on (Linux /proc)
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            mine.add(link[8:-1])
+    found = []
+    for family in ("tcp", "tcp6"):
+        for line in open(f"/proc/net/{family}").read().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in mine:  # 0A: LISTEN
+                found.append([family, f[1].split(":")[0]])
+    return found
+
+before = listening()
+config = SimpleNamespace(tensor_parallel_size=1, tensor_parallel_timeout_s=30.0, device=torch.device("cpu"))
+tp, workers = tensor_parallel.start(config, build=(print, (), {}))  # rank 0 of a group it starts itself
+print(json.dumps([x for x in listening() if x not in before]))
+"""
+IPV4_LOOPBACK = "0100007F"  # 127.0.0.1 as /proc/net/tcp writes it
+IPV4_ANY, IPV6_ANY = "00000000", "0" * 32
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads the listening sockets from Linux's /proc")
+def test_rank_0_listens_on_loopback_only_when_it_starts_the_workers():
+    """``from_pretrained(tensor_parallel_size=N)`` spawns its workers on this host: rank 0's rendezvous store (and
+    anything else the group opens) listens on loopback, never on every interface (torch's own ``tcp://`` store
+    would)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", LISTENERS], env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert p.returncode == 0, p.stderr[-3000:]
+    opened = json.loads(p.stdout.strip().splitlines()[-1])
+    assert opened, "the group listens nowhere: this test no longer sees the store"
+    assert not [a for family, a in opened if a in (IPV4_ANY, IPV6_ANY)], opened  # no wildcard address
+    assert [family for family, a in opened if a == IPV4_LOOPBACK], opened  # the store, on 127.0.0.1
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="127.0.0.2 is a loopback address of this host on Linux only")
+def test_the_loopback_store_refuses_connections_to_any_other_address():
+    import socket
+
+    from lazyrag.engine.tensor_parallel import LOOPBACK, loopback_store
+
+    store = loopback_store(2, 30.0)
+    assert store.host == LOOPBACK == "127.0.0.1"
+    socket.create_connection((LOOPBACK, store.port), timeout=10).close()
+    with pytest.raises(ConnectionRefusedError):  # listening on every interface would take this one too
+        socket.create_connection(("127.0.0.2", store.port), timeout=10).close()
+    del store
+
+
 # -- 2 gloo processes ----------------------------------------------------------------------------
 
 @pytest.mark.slow
