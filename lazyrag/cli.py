@@ -807,8 +807,6 @@ def _check_serve(args) -> None:
             import ray.serve  # noqa: F401
         except ImportError:
             raise UsageError("lazyrag serve --replicas needs Ray Serve: pip install 'lazyrag[replicas]'.") from None
-        if args.api_key:
-            raise UsageError("--api-key is not supported with --replicas yet: put the endpoint behind your gateway.")
         http = [f for f in ("allowed_origins", "ssl_certfile", "root_path") if getattr(args, f)]
         if http:
             raise UsageError(f"--{http[0].replace('_', '-')} is not supported with --replicas yet (Ray Serve's proxy takes "
@@ -1073,7 +1071,8 @@ def _serve_replicas(args) -> int:
                        scheduler=_scheduler_fields(args), seed=args.seed)
     print(f"lazyrag serve: {args.replicas} replicas ({args.router} routing) at http://{args.host}:{args.port}/v1; "
           "GET /routing shows each replica's state; Ctrl-C stops them", file=sys.stderr)
-    run(spec, args.replicas, args.router, args.host, args.port, args.ray_address)
+    run(spec, args.replicas, args.router, args.host, args.port, args.ray_address, api_key=args.api_key,
+        api_key_covers=args.api_key_covers)
     return 0
 
 

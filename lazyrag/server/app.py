@@ -106,6 +106,15 @@ class APIError(Exception):
 
 
 OPEN_PATHS = ("/health", "/version")  # never behind the API key: probes and load balancers ask them
+WRONG_KEY = "Missing or wrong API key: send the header 'Authorization: Bearer <key>' (lazyrag serve --api-key)."
+
+
+def key_refused(api_key: str | None, covers: str, path: str, authorization: bytes) -> bool:
+    """Whether a request for ``path`` with this ``Authorization`` header lacks the API key it needs: every path
+    under /v1/, and with ``covers`` "all" every other path but OPEN_PATHS (a constant-time comparison).
+    One rule for ``lazyrag serve`` and the front of ``lazyrag serve --replicas``."""
+    guarded = path.startswith("/v1/") or (covers == "all" and path not in OPEN_PATHS)
+    return bool(api_key) and guarded and not hmac.compare_digest(authorization, f"Bearer {api_key}".encode("latin-1", "replace"))
 
 
 class _Gate:
@@ -129,12 +138,8 @@ class _Gate:
             await self.error(code, message, type_)(scope, receive, send)
 
         try:
-            key = self.config.api_key
-            guarded = path.startswith("/v1/") or (self.config.api_key_covers == "all" and path not in OPEN_PATHS)
-            if key and guarded and not hmac.compare_digest(headers.get(b"authorization", b""),
-                                                           f"Bearer {key}".encode("latin-1", "replace")):
-                return await answer(401, "Missing or wrong API key: send the header 'Authorization: Bearer <key>' "
-                                         "(lazyrag serve --api-key).", "authentication_error")
+            if key_refused(self.config.api_key, self.config.api_key_covers, path, headers.get(b"authorization", b"")):
+                return await answer(401, WRONG_KEY, "authentication_error")
             limit = self.config.max_request_bytes
             too_large = (f"The request body is over {limit} bytes (lazyrag serve --max-request-mb): send fewer or "
                          "shorter documents, or retrieve them from a store (--store).")

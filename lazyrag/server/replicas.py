@@ -17,11 +17,19 @@ a dead replica; its cache starts empty). Every other request goes on.
 
 The same code spans one host or a cluster: ``ray start --head`` on one machine and ``ray start
 --address ...`` on others, then this command on the head (``--ray-address auto``).
+
+Exposure: the front's HTTP proxy listens on ``--host`` (loopback unless asked) and checks the API key
+(``--api-key``, ``--api-key-covers``) with the rule of ``lazyrag serve`` before it routes anything. A Ray
+this command starts itself (no ``--ray-address``) runs without its dashboard and with Ray's token
+authentication on (``RAY_AUTH_MODE=token`` unless set): Ray's own ports listen on the node's address
+(Ray offers no loopback-only mode: it turns a 127.0.0.1 node address into the host's), and only clients
+holding the cluster's token may use them. A cluster joined with ``--ray-address`` keeps its own settings.
 """
 
 import asyncio
 import json
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -175,9 +183,30 @@ def documents_of(body: bytes) -> tuple[list[str], bool]:
     return [d for d in docs if isinstance(d, str)] if isinstance(docs, list) else [], bool(data.get("stream"))
 
 
+class KeyGate:
+    """Pure ASGI middleware of the front: ``lazyrag serve``'s API key rule (``app.key_refused``), checked before
+    the front reads a body or routes anything."""
+
+    def __init__(self, app, api_key: str | None, covers: str = "v1"):
+        if covers not in ("v1", "all"):
+            raise ValueError(f"api_key_covers must be 'v1' or 'all'; got {covers!r}.")
+        self.app, self.api_key, self.covers = app, api_key, covers
+
+    async def __call__(self, scope, receive, send):
+        from lazyrag.server.app import WRONG_KEY, _route_path, key_refused
+        from lazyrag.server.protocol import error_body
+
+        if scope["type"] == "http" and key_refused(self.api_key, self.covers, _route_path(scope),
+                                                   dict(scope["headers"]).get(b"authorization", b"")):
+            response = JSONResponse(error_body(WRONG_KEY, "authentication_error", 401), status_code=401)
+            return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
 def build_app(spec: ReplicaSpec, replicas: int = 2, router: str = "chunk_affinity", poll_s: float = 0.2,
-              replica_options: dict | None = None):
-    """The Ray Serve application: ``replicas`` replica deployments and the front that routes to them."""
+              replica_options: dict | None = None, api_key: str | None = None, api_key_covers: str = "v1"):
+    """The Ray Serve application: ``replicas`` replica deployments and the front that routes to them.
+    ``api_key``: what every request to the front must bring (``lazyrag serve --api-key``; None: no key)."""
     from ray import serve
 
     from lazyrag.server.protocol import error_body
@@ -189,6 +218,7 @@ def build_app(spec: ReplicaSpec, replicas: int = 2, router: str = "chunk_affinit
                "max_ongoing_requests": 1024, **(replica_options or {})}
     Replica = serve.deployment(LazyragReplica, **options)
     front_api = FastAPI(title="lazyrag replicas")
+    front_api.add_middleware(KeyGate, api_key=api_key, covers=api_key_covers)
 
     @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
     @serve.ingress(front_api)
@@ -285,25 +315,45 @@ def build_app(spec: ReplicaSpec, replicas: int = 2, router: str = "chunk_affinit
     return Front.bind(*replicas_bound)
 
 
+RAY_AUTH_MODE = "RAY_AUTH_MODE"  # Ray's switch for token authentication on its own ports
+
+
+def ray_init_options(ray_address: str | None) -> dict:
+    """``ray.init``'s arguments: join ``ray_address`` as it is set up, or start a local Ray without its dashboard
+    and, unless ``RAY_AUTH_MODE`` says otherwise, with Ray's token authentication on (set in the environment,
+    which is where Ray reads it, for the Ray processes started here)."""
+    if ray_address is not None:
+        return {"address": ray_address, "log_to_driver": False}
+    os.environ.setdefault(RAY_AUTH_MODE, "token")
+    return {"include_dashboard": False, "log_to_driver": False}
+
+
 def run(spec: ReplicaSpec, replicas: int, router: str, host: str, port: int, ray_address: str | None = None,
-        blocking: bool = True, replica_options: dict | None = None):
+        blocking: bool = True, replica_options: dict | None = None, api_key: str | None = None, api_key_covers: str = "v1"):
     """Start Ray (or join ``ray_address``), deploy, and serve on ``host:port`` until interrupted.
     ``replica_options``: Ray Serve deployment options of each replica (e.g. ``{"ray_actor_options": {"num_cpus": 0,
-    "num_gpus": 0.5}}`` for two replicas sharing one GPU; without ``num_gpus`` a replica sees every GPU of its host)."""
+    "num_gpus": 0.5}}`` for two replicas sharing one GPU; without ``num_gpus`` a replica sees every GPU of its host).
+    ``api_key``, ``api_key_covers``: as ``lazyrag serve``'s (``KeyGate``)."""
     import ray
     from ray import serve
 
     if not ray.is_initialized():
-        ray.init(address=ray_address, include_dashboard=False, log_to_driver=False)
+        ray.init(**ray_init_options(ray_address))
     serve.start(http_options={"host": host, "port": port})
-    handle = serve.run(build_app(spec, replicas, router, replica_options=replica_options), name="lazyrag",
-                       route_prefix="/")
+    app = build_app(spec, replicas, router, replica_options=replica_options, api_key=api_key, api_key_covers=api_key_covers)
+    handle = serve.run(app, name="lazyrag", route_prefix="/")
     if blocking:
-        try:
-            while True:
-                time.sleep(3600)
-        except KeyboardInterrupt:
-            pass
-        finally:
-            serve.shutdown()
+        _serve_until_interrupted()
     return handle
+
+
+def _serve_until_interrupted() -> None:
+    from ray import serve
+
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()

@@ -1,6 +1,6 @@
 """`lazyrag serve --replicas 2` as users run it, on CPU with the embedded model: two replica processes on Ray
-Serve behind one OpenAI endpoint (loopback only), routed by chunk affinity; a replica killed under load fails
-only its own requests, and a request nothing was sent for yet is answered by the other replica."""
+Serve behind one OpenAI endpoint (loopback only, behind an API key), routed by chunk affinity; a replica killed
+under load fails only its own requests, and a request nothing was sent for yet is answered by the other replica."""
 import socket
 import threading
 import time
@@ -11,6 +11,7 @@ ray = pytest.importorskip("ray")
 httpx = pytest.importorskip("httpx")
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
+KEY = "sesame"  # the endpoint's --api-key
 FLEMING = ["Alexander Fleming discovered penicillin in 1928 at St Mary's Hospital in London.",
            "The Eiffel Tower was completed in 1889 for the World's Fair in Paris."]
 CURIE = ["Marie Curie was the first person to win Nobel Prizes in two sciences.",
@@ -33,8 +34,8 @@ def endpoint():
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         run(ReplicaSpec(kv_budget=256 << 20, server={"max_tokens": 8}), 2, "chunk_affinity", "127.0.0.1", port,
-            blocking=False)
-        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
+            blocking=False, api_key=KEY)
+        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120, headers={"Authorization": f"Bearer {KEY}"})
         yield client
         client.close()
     finally:
@@ -72,11 +73,22 @@ def test_one_endpoint_answers_and_a_request_goes_where_its_documents_are(endpoin
     assert again.status_code == 200 and again.headers["x-lazyrag-replica"] == home
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     # the front speaks the OpenAI API: the official client, streaming included
-    client = OpenAI(base_url=str(endpoint.base_url) + "/v1", api_key="-")
+    client = OpenAI(base_url=str(endpoint.base_url) + "/v1", api_key=KEY)
     assert client.models.list().data[0].id == MODEL
     pieces = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Who?"}],
                                                  stream=True, max_tokens=6, extra_body={"documents": FLEMING}))
     assert "".join(p.choices[0].delta.content or "" for p in pieces if p.choices).strip()
+
+
+def test_a_request_without_the_api_key_is_refused(endpoint):
+    with httpx.Client(base_url=endpoint.base_url, timeout=120) as stranger:
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = stranger.post("/v1/chat/completions", headers=headers, json={
+                "model": MODEL, "messages": [{"role": "user", "content": "Who?"}], "documents": CURIE})
+            assert r.status_code == 401, r.text
+            assert r.json()["error"]["type"] == "authentication_error" and "x-lazyrag-replica" not in r.headers
+            assert stranger.get("/v1/models", headers=headers).status_code == 401
+        assert stranger.get("/health").status_code == 200  # probes need no key, as with `lazyrag serve`
 
 
 def test_busy_replica_sends_new_documents_to_the_other(endpoint):
