@@ -5,6 +5,7 @@
 #   bash benchmarks/device_model.sh stage && bash benchmarks/tune_gpu.sh train SECONDS
 # then, next call on the still-warm machine (carry .whl .data):
 #   bash benchmarks/tune_gpu.sh eval SECONDS "SETS"      # SETS as quality_gpu.sh's NAME:SPLIT:N:WORKERS:PASSAGES
+#   (ADAPTER_DIR=FOLDER: evaluate that adapter instead of this machine's last training, e.g. the embedded one)
 # train: CONFIGS (default below: two learning rates) are LoRA settings trained side by side, one process each, on the one GPU; each
 # first runs 20 steps to time a step, then resumes with as many steps as fit in SECONDS (the cosine schedule ends
 # there). The config with the lowest held-out KL (tuned lazy vs base full, on tune-part prompts) becomes
@@ -23,7 +24,7 @@ if [ "$mode" = eval ]; then
   sets=${3:?sets}
   export INSTALLED=1
   bash benchmarks/quality_gpu.sh "$budget" "${BASE_STRATEGIES:-full,lazy,lazy+recover}" "$sets" > $T/eval_base.txt 2>&1 &
-  ADAPTER=$T/adapter bash benchmarks/quality_gpu.sh "$budget" "${TUNED_STRATEGIES:-full,lazy,lazy+recover}" "$sets" > $T/eval_tuned.txt 2>&1 &
+  ADAPTER=${ADAPTER_DIR:-$T/adapter} bash benchmarks/quality_gpu.sh "$budget" "${TUNED_STRATEGIES:-full,lazy,lazy+recover}" "$sets" > $T/eval_tuned.txt 2>&1 &
   wait
   grep -h "accuracy\|^ *full\|^ *lazy\|exited" $T/eval_base.txt $T/eval_tuned.txt | head -80
   exit 0
