@@ -409,10 +409,17 @@ class LazyRAG(RunnableSerializable[RAGInput, AIMessage]):
             docs = input.get("documents", input.get("context"))
             if not isinstance(question, str):
                 raise ValueError("LazyRAG needs {'question': str, 'documents': [...]}; got keys " + ", ".join(map(str, input)))
+            key = "documents" if "documents" in input else "context"
             if isinstance(docs, (str, bytes, Document)):  # iterating it would make one chunk per character
-                key = "documents" if "documents" in input else "context"
                 raise ValueError(f"LazyRAG's {key!r} must be a list of Documents or strings, not one "
                                  f"{type(docs).__name__}; wrap it: {{'question': ..., {key!r}: [text]}} (or split it).")
+            if isinstance(docs, (set, frozenset)):  # the documents' order is the prompt's
+                raise ValueError(f"LazyRAG's {key!r} must be a list of Documents or strings, not a {type(docs).__name__}: "
+                                 "its order can change between runs, and with it the prompt and the answer; pass a list "
+                                 "(sorted(...) if any order will do).")
+            if isinstance(docs, Mapping):
+                raise ValueError(f"LazyRAG's {key!r} must be a list of Documents or strings, not a {type(docs).__name__} "
+                                 "(iterating it gives its keys); pass the texts as a list: list(d.values()).")
         elif isinstance(input, list):
             queries = {d.metadata.get("query") for d in input if isinstance(d, Document)}
             if len(queries) != 1 or None in queries:

@@ -160,6 +160,20 @@ def test_rag_chain_helper_and_explicit_documents(llm, tiny_store):
             rag.invoke({"question": QUESTION, key: docs[0].page_content})
 
 
+@pytest.mark.parametrize("documents, says", [
+    ({"Marie Curie won two Nobel Prizes.", "Tea reached Britain in 1662."}, "not a set: its order can change"),
+    (frozenset({"Marie Curie won two Nobel Prizes."}), "not a frozenset"),
+    ({"curie": "Marie Curie won two Nobel Prizes."}, r"not a dict.*list\(d.values\(\)\)"),
+], ids=["set", "frozenset", "dict"])
+def test_lazyrag_refuses_documents_in_no_fixed_order_or_keyed(llm, documents, says):
+    """The documents' order is the prompt's: a set's can change between runs (another answer), a dict's iteration
+    gives its keys. Refused with what to pass, as the engine refuses them as chunks."""
+    rag = LazyRAG(llm=llm)
+    for key in ("documents", "context"):
+        with pytest.raises(ValueError, match=f"(?s)'{key}' must be a list.*{says}"):
+            rag.invoke({"question": QUESTION, key: documents})
+
+
 def test_chat_model_finds_known_chunks_in_free_text_and_handles_unknown_text(llm, tiny_store):
     docs = LazyRAGRetriever(store=str(tiny_store), k=2).invoke(QUESTION)
     # a hand-written prompt: the chunks pasted with unknown text around and between them
