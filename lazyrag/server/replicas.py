@@ -20,16 +20,16 @@ The same code spans one host or a cluster: ``ray start --head`` on one machine a
 
 Exposure: the front's HTTP proxy listens on ``--host`` (loopback unless asked) and checks the API key
 (``--api-key``, ``--api-key-covers``) with the rule of ``lazyrag serve`` before it routes anything. A Ray
-this command starts itself (no ``--ray-address``) runs without its dashboard and with Ray's token
-authentication on (``RAY_AUTH_MODE=token`` unless set): Ray's own ports listen on the node's address
-(Ray offers no loopback-only mode: it turns a 127.0.0.1 node address into the host's), and only clients
-holding the cluster's token may use them. A cluster joined with ``--ray-address`` keeps its own settings.
+this command starts itself (no ``--ray-address``) runs without its dashboard. Ray's own ports listen on the
+node's address (Ray has no loopback-only mode: it turns a 127.0.0.1 node address into the host's); what
+guards them is Ray's token authentication, which Ray turns on for a new local cluster (2.60 does, saying
+so; ``RAY_AUTH_MODE`` is Ray's switch, read when ray is imported). A cluster joined with ``--ray-address``
+keeps its own settings.
 """
 
 import asyncio
 import json
 import logging
-import os
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -316,16 +316,11 @@ def build_app(spec: ReplicaSpec, replicas: int = 2, router: str = "chunk_affinit
     return Front.bind(*replicas_bound)
 
 
-RAY_AUTH_MODE = "RAY_AUTH_MODE"  # Ray's switch for token authentication on its own ports
-
-
 def ray_init_options(ray_address: str | None) -> dict:
-    """``ray.init``'s arguments: join ``ray_address`` as it is set up, or start a local Ray without its dashboard
-    and, unless ``RAY_AUTH_MODE`` says otherwise, with Ray's token authentication on (set in the environment,
-    which is where Ray reads it, for the Ray processes started here)."""
+    """``ray.init``'s arguments: join ``ray_address`` as it is set up, or start a local Ray without its dashboard.
+    (No ``_node_ip_address="127.0.0.1"``: Ray replaces a loopback node address with the host's.)"""
     if ray_address is not None:
         return {"address": ray_address, "log_to_driver": False}
-    os.environ.setdefault(RAY_AUTH_MODE, "token")
     return {"include_dashboard": False, "log_to_driver": False}
 
 

@@ -1,6 +1,6 @@
 """What `lazyrag serve --replicas N` exposes, checked without starting Ray (tests/server/test_replicas.py starts it):
-the front checks `lazyrag serve`'s API key before routing, the Ray it starts has no dashboard and Ray's token
-authentication on, and the HTTP proxy listens on --host (loopback by default)."""
+the front checks `lazyrag serve`'s API key before routing, the Ray it starts has no dashboard, and the HTTP proxy
+listens on --host (loopback by default)."""
 import pytest
 
 pytest.importorskip("fastapi")
@@ -48,19 +48,9 @@ def test_a_front_without_a_key_routes_everything():
     assert _front(None).get("/v1/models").json() == {"reached": "v1/models"}
 
 
-def test_ray_started_here_has_no_dashboard_and_token_authentication(monkeypatch):
-    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
-    options = ray_init_options(None)
-    assert options["include_dashboard"] is False and "address" not in options
-    import os
-
-    assert os.environ["RAY_AUTH_MODE"] == "token"  # where Ray reads it, for the processes ray.init starts
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # the user's own choice stands
-    ray_init_options(None)
-    assert os.environ["RAY_AUTH_MODE"] == "disabled"
-    monkeypatch.delenv("RAY_AUTH_MODE")
-    assert ray_init_options("auto") == {"address": "auto", "log_to_driver": False}  # a cluster keeps its settings
-    assert "RAY_AUTH_MODE" not in os.environ
+def test_ray_started_here_has_no_dashboard_and_a_joined_cluster_keeps_its_settings():
+    assert ray_init_options(None) == {"include_dashboard": False, "log_to_driver": False}
+    assert ray_init_options("auto") == {"address": "auto", "log_to_driver": False}
 
 
 def test_serve_replicas_passes_the_key_and_listens_on_loopback_by_default(monkeypatch, tmp_path):
@@ -79,7 +69,6 @@ def test_serve_replicas_passes_the_key_and_listens_on_loopback_by_default(monkey
     monkeypatch.setattr(serve, "start", lambda **kw: calls.setdefault("start", kw))
     monkeypatch.setattr(serve, "run", lambda app, **kw: calls.setdefault("run", kw))
     monkeypatch.setattr(replicas, "build_app", lambda *a, **kw: calls.setdefault("app", kw))
-    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
     monkeypatch.setattr(replicas, "_serve_until_interrupted", lambda: None)
     key = tmp_path / "key"
     key.write_text(KEY + "\n")
