@@ -2,7 +2,7 @@
 
 * ``reference/cli.md`` is generated from the real argparse parser (``lazyrag.cli.build_parser``): every
   subcommand's ``--help`` as the command prints it.
-* mkdocstrings reads the sources statically from ``build/docs-src/``: a tree of links that puts the top-level
+* mkdocstrings reads the sources statically from ``build/docs-src/`` (there while a build runs): links that put the top-level
   ``integrations/`` and ``kernels/`` folders where the wheel installs them (``lazyrag.integrations``,
   ``lazyrag.kernels``; see setup.py), so the API reference names them as users import them.
 * the benchmark plots in ``benchmarks/results/*.png`` are served as ``assets/results/*.png`` (no copies in docs/).
@@ -25,7 +25,15 @@ PLOTS = ROOT / "benchmarks" / "results"
 
 
 def on_startup(command, dirty):  # noqa: ARG001 (mkdocs' signature)
-    source_tree()
+    source_tree()  # before mkdocstrings reads its configured paths
+
+
+def on_shutdown():
+    shutil.rmtree(SOURCE_TREE, ignore_errors=True)  # nothing left in build/ for setuptools to walk
+    try:
+        SOURCE_TREE.parent.rmdir()  # build/, if this hook made it
+    except OSError:
+        pass
 
 
 def source_tree() -> Path:
