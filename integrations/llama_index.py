@@ -150,7 +150,7 @@ class LazyLlamaLLM(CustomLLM):
     frequency_penalty: float = Field(default=0.0, description="OpenAI's frequency penalty, in [-2, 2].", **_common.SAMPLING_LIMITS["penalty"])
     logprobs: Optional[bool] = Field(default=None, description="Report each generated token's logprob (CompletionResponse.logprobs).")
     top_logprobs: Optional[int] = Field(default=None, description="With logprobs: also the n most likely tokens per position (0-20).", **_common.SAMPLING_LIMITS["top_logprobs"])
-    strategy: str = Field(default="lazy", description="full, prefix, position_aware, lazy, lazy+recover (lazy with quality recovery, ~15% of chunk tokens recomputed), lazy:first=K or lazy:blend=R[:select=attn_dev] (see the README).")
+    strategy: str = Field(default="lazy", description="full, prefix, position_aware, lazy, lazy+recover (lazy with quality recovery, ~15% of chunk tokens recomputed), lazy:first=K or lazy:blend=R[:select=attn_dev] (see the docs' engine page).")
     store: Optional[str] = Field(default=None, description="A corpus store folder (lazyrag precache) to serve chunk KV from.")
     kv_budget: Optional[int] = Field(default=None, description="Bytes of KV pool, when this LLM loads the shared engine.", **_common.SAMPLING_LIMITS["positive"])
     context_window: Optional[int] = Field(default=None, description="Override the model's context length (tokens).", **_common.SAMPLING_LIMITS["positive"])

@@ -47,7 +47,7 @@ The KV is computed in the engine's dtype (--dtype) and stored unpadded in 16 bit
 auto: float16 from a float32 engine), read back in the engine's dtype; budget about
 2 * layers * kv_heads * head_dim * 2 bytes per token (SmolLM2-135M: 23 KB/token, so the NQ corpus of
 2655 passages is about 7 GB). int8 halves that again at a small measured accuracy cost, float32
-keeps the computed KV exactly at twice the size (README "Corpus stores" has the measurements).
+keeps the computed KV exactly at twice the size (the docs' "Corpus stores" page has the measurements).
 """
 
 PRECACHE_EPILOG = """\
@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("--chunks-file", type=Path, help="a text file; paragraphs separated by blank lines become chunks")
     ask.add_argument("--strategy", default="lazy", help="lazy (default: cached chunks read as they are, fastest), "
                      "lazy+recover (lazy, plus about 15%% of chunk tokens recomputed in context, chosen by KV deviation x "
-                     "the question's attention: closer to full prefill's answers, see the README's quality table), "
+                     "the question's attention: closer to full prefill's answers, see the docs' answer quality page), "
                      "position_aware, prefix, full, or the recovery spelled out: lazy:first=K (each chunk's first K "
                      "tokens recomputed), lazy:blend=R[:select=attn|attn_dev|chunk|gradual] (the fraction R of chunk tokens)")
     ask.add_argument("--max-new-tokens", type=int, default=128, help="most tokens in the answer")
@@ -418,8 +418,8 @@ It distils the model to itself: for prompts drawn from the tune parts of the QA 
 question's own passages plus distractors of the same set: 5, 10 or 20 passages, shuffled) it
 takes the base model's greedy full-prefill answer, then trains a LoRA adapter (or, --method
 full, every weight) to minimise KL(base full || tuned lazy) + --full-weight x KL(base full ||
-tuned full) over the answer tokens. No labels, and the report parts the README's quality
-table is measured on are never read. The lazy pass computes exactly what the engine computes.
+tuned full) over the answer tokens. No labels, and the report parts the docs' quality
+tables are measured on are never read. The lazy pass computes exactly what the engine computes.
 
 Progress bar, a checkpoint every --save-every steps, and resume after a kill: rerun the same
 command. The KL on held-out tune prompts is printed as it goes and kept in OUT/log.jsonl.

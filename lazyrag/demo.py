@@ -131,5 +131,5 @@ def _summary(console: Console, rows: list[dict], strategies: tuple[str, ...]) ->
             line += f", and right where full is wrong on {names(won)} (luck of a small model, not a method)"
         console.print(line + ".")
     console.print("[dim]lazy reads every chunk's KV as cached, encoded without the other chunks; the recovery "
-                  "recomputes some chunk tokens in context to win back what that costs (README: Answer quality).[/]")
+                  "recomputes some chunk tokens in context to win back what that costs (docs: Answer quality).[/]")
     return summary

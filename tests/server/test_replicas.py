@@ -1,7 +1,6 @@
 """`lazyrag serve --replicas 2` as users run it, on CPU with the embedded model: two replica processes on Ray
 Serve behind one OpenAI endpoint (loopback only, behind an API key), routed by chunk affinity; a replica killed
 under load fails only its own requests, and a request nothing was sent for yet is answered by the other replica."""
-import socket
 import threading
 import time
 
@@ -10,18 +9,14 @@ import pytest
 ray = pytest.importorskip("ray")
 httpx = pytest.importorskip("httpx")
 
+from tests.helpers import free_port  # noqa: E402
+
 MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 KEY = "sesame"  # the endpoint's --api-key
 FLEMING = ["Alexander Fleming discovered penicillin in 1928 at St Mary's Hospital in London.",
            "The Eiffel Tower was completed in 1889 for the World's Fair in Paris."]
 CURIE = ["Marie Curie was the first person to win Nobel Prizes in two sciences.",
          "Mount Kilimanjaro, in Tanzania, is the highest mountain in Africa."]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

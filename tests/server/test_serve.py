@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import TINY_DOCS
+from tests.helpers import TINY_DOCS, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -21,12 +21,6 @@ NOTES = [  # chunks no store holds: the first request encodes them, later ones r
 ]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Running:
     """A uvicorn server in a thread, on a free loopback port."""
 
@@ -35,7 +29,7 @@ class Running:
 
         from lazyrag.server import wait_until_ready
 
-        self.url = f"http://127.0.0.1:{_free_port()}"
+        self.url = f"http://127.0.0.1:{free_port()}"
         host, port = self.url.rsplit(":", 1)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=int(port), log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
