@@ -137,8 +137,7 @@ def precache_documents(documents: list, source: str, out, adapter_or_engine, opt
 
 def load_embedder(name: str | None = None):
     """A sentence-transformers model, loaded once per process (default: the embedded all-MiniLM-L6-v2)."""
-    from lazyrag.store.retriever import DEFAULT_EMBEDDER
-    from lazyrag.store.retriever import load_embedder as load
+    from lazyrag.store.retriever import DEFAULT_EMBEDDER, load_embedder as load
 
     name = name or DEFAULT_EMBEDDER
     with _lock:

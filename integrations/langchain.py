@@ -93,7 +93,7 @@ class LazyRAGCallbackHandler(BaseCallbackHandler):
 # The configure hook adds the handler held by this variable to every callback manager, in every
 # thread (the default value is seen by contexts that never set it).
 _retrieval_handler: ContextVar[Optional[LazyRAGCallbackHandler]] = ContextVar("lazyrag_retrieval_handler",
-                                                                               default=LazyRAGCallbackHandler())
+                                                                               default=LazyRAGCallbackHandler())  # noqa: B039 (one handler for all, on purpose)
 register_configure_hook(_retrieval_handler, inheritable=True)
 
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "chat": None}

@@ -42,9 +42,9 @@ from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,
     ChatResponseAsyncGen,
+    ChatResponseGen,
     CompletionResponse,
     CompletionResponseAsyncGen,
-    ChatResponseGen,
     CompletionResponseGen,
     LLMMetadata,
 )
@@ -317,8 +317,8 @@ class LazyLlamaLLM(CustomLLM):
 
     async def _acomplete(self, prompt: str, formatted: bool, kwargs: dict) -> CompletionResponse:
         last = None
-        async for last in self._astream(prompt, formatted, kwargs):
-            pass
+        async for response in self._astream(prompt, formatted, kwargs):
+            last = response
         return CompletionResponse(text=last.text, raw=last.raw, additional_kwargs=last.additional_kwargs, logprobs=last.logprobs)
 
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:

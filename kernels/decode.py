@@ -26,8 +26,20 @@ import triton
 import triton.language as tl
 
 from .kvloop import (
-    ROTATION_MODES, KernelOptions, blocks_per_sm, interpreting, known_config, kv_tile_loop, merge_split_partials,
-    num_sms, pick_config, programs_per_sm, record_launch, split_tile_range, tile_table, workspace,
+    ROTATION_MODES,
+    KernelOptions,
+    blocks_per_sm,
+    interpreting,
+    known_config,
+    kv_tile_loop,
+    merge_split_partials,
+    num_sms,
+    pick_config,
+    programs_per_sm,
+    record_launch,
+    split_tile_range,
+    tile_table,
+    workspace,
 )
 from .tuned import tuned as tuned_table
 
@@ -60,7 +72,6 @@ def _lazy_decode_kernel(
     head = kvh * G + offs_g
     offs_d = tl.arange(0, HEAD_DIM)
     row_off = b.to(tl.int64) * stride_qb + head * stride_qh
-    q_ptrs = Q + row_off[:, None] + offs_d[None, :]
     q_mask = row_ok[:, None]
 
     m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)

@@ -16,7 +16,6 @@ import torch
 import triton
 import triton.language as tl
 
-
 # The rounding of each step, in one place: these kernels and kernels/gemv.py's prologues (which fold the same steps
 # into a projection) compute in fp32 and round where the unfused torch functions' outputs would be rounded.
 

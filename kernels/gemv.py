@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .tuned import tuned
 from .elementwise import inv_rms, residual_add, rms_normed, silu_times
+from .tuned import tuned
 
 PLAIN, NORM, ADD_NORM, SILU = 0, 1, 2, 3
 

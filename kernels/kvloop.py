@@ -16,6 +16,7 @@ forward pass (the attention backend caches it per batch metadata). The Hopper pr
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 
@@ -25,7 +26,6 @@ import triton.language as tl
 
 from .common import meta_delta, meta_phys, meta_valid
 from .tuned import tuned
-
 
 # ---------------------------------------------------------------- tile table
 TILE_FIELDS = tl.constexpr(4)  # int32 per tile-table row
@@ -333,7 +333,6 @@ def kv_tile_loop(q_rows, row_ok, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_C
     compile alike): the rotation-off baseline that benchmarks/kernels.py times on K re-rotated in place. The
     engine always rotates.
     """
-    PAGES: tl.constexpr = BLOCK_N // BLOCK_SIZE
     dtype = q_rows.dtype.element_ty
     offs_d = tl.arange(0, HEAD_DIM)
     q_ptrs = q_rows[:, None] + offs_d[None, :]
@@ -412,11 +411,11 @@ def merge_splits_kernel(
     ok = r_ok[:, None] & (offs_s < NUM_SPLITS)[None, :]
     part = offs_r.to(tl.int64)[:, None] * NUM_SPLITS + offs_s[None, :]  # [ROWS, BLOCK_S]
     m = tl.load(PART_ML + part * 2, mask=ok, other=-1.0e30)
-    l = tl.load(PART_ML + part * 2 + 1, mask=ok, other=0.0)
+    l_part = tl.load(PART_ML + part * 2 + 1, mask=ok, other=0.0)
     acc = tl.load(PART_ACC + part[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=ok[:, :, None], other=0.0)
     # rescale each split to the row's common max (base-2 logits, as in the main kernels)
     w = tl.where(ok, tl.math.exp2(m - tl.max(m, 1)[:, None]), 0.0)
-    l_sum = tl.sum(l * w, 1)
+    l_sum = tl.sum(l_part * w, 1)
     out = tl.sum(acc * w[:, :, None], 1) / tl.where(l_sum > 0, l_sum, 1.0)[:, None]  # [ROWS, D]
     o_off = (offs_r // Hq).to(tl.int64) * stride_ob + (offs_r % Hq) * stride_oh
     tl.store(OUT + o_off[:, None] + offs_d[None, :], out.to(OUT.dtype.element_ty), mask=r_ok[:, None])
@@ -498,7 +497,7 @@ def pick_config(key, launch, configs, default):
     best, best_ms = None, float("inf")
     for cfg in configs:
         try:
-            ms = triton.testing.do_bench(lambda: launch(cfg), warmup=5, rep=20, return_mode="median")
+            ms = triton.testing.do_bench(functools.partial(launch, cfg), warmup=5, rep=20, return_mode="median")
         except Exception:  # e.g. out of shared memory for this tile shape
             continue
         if ms < best_ms:

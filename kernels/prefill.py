@@ -32,8 +32,21 @@ import triton.language as tl
 
 from . import prefill_wgmma
 from .kvloop import (
-    ROTATION_MODES, KernelOptions, blocks_per_sm, interpreting, known_config, kv_tile_loop, merge_split_partials,
-    num_sms, pick_config, programs_per_sm, record_launch, softmax_step, split_tile_range, tile_table, workspace,
+    ROTATION_MODES,
+    KernelOptions,
+    blocks_per_sm,
+    interpreting,
+    known_config,
+    kv_tile_loop,
+    merge_split_partials,
+    num_sms,
+    pick_config,
+    programs_per_sm,
+    record_launch,
+    softmax_step,
+    split_tile_range,
+    tile_table,
+    workspace,
 )
 from .tuned import tuned as tuned_table
 

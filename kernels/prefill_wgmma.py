@@ -41,7 +41,10 @@ import warnings
 import torch
 
 from .common import (  # the packed block meta's fields (common.py)
-    _DELTA_MASK as DELTA_MASK, _DELTA_SHIFT as DELTA_SHIFT, _PHYS_MASK as PHYS_MASK, _VALID_MASK as VALID_MASK,
+    _DELTA_MASK as DELTA_MASK,
+    _DELTA_SHIFT as DELTA_SHIFT,
+    _PHYS_MASK as PHYS_MASK,
+    _VALID_MASK as VALID_MASK,
     _VALID_SHIFT as VALID_SHIFT,
 )
 from .kvloop import TILE_FIELDS  # int32 per tile-table row: first block, next segment, valid keys, delta
@@ -50,7 +53,11 @@ try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
-        async_copy, fence_async_shared, mbarrier, warpgroup_mma, warpgroup_mma_wait,
+        async_copy,
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
     )
     # Gluon is experimental and renames things between releases (3.6 -> 3.9: thread_barrier -> barrier,
     # async_copy_global_to_shared -> async_load); both spellings compile

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from lazyrag.version import __version__  # noqa: F401
 
-
 _PUBLIC = ("LazyEngine", "EngineConfig", "SamplingParams", "SchedulerConfig", "GenerationResult")
 
 

@@ -336,7 +336,7 @@ def summarize(per: dict[str, list[dict]]) -> dict:
     """Mean scores and costs of each strategy, and how often its answer equals the references'."""
     summary = {}
     for s, rows in per.items():
-        mean = lambda key: 100 * statistics.fmean(r[key] for r in rows)  # noqa: E731
+        mean = lambda key, rows=rows: 100 * statistics.fmean(r[key] for r in rows)  # noqa: E731
         chunk_tokens = sum(r["chunk_tokens"] for r in rows) or 1
         summary[s] = {
             "em": mean("em"), "f1": mean("f1"), "accuracy": mean("acc"),

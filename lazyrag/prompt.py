@@ -127,8 +127,8 @@ def check_chunks(chunks) -> list[str]:
 def check_layout(layout: "PromptLayout", vocab_size: int) -> None:
     """A layout the model can run: token ids inside the vocabulary, a prefix and a question to prefill.
     Checked before admission, since a bad id would fail inside a batch of other requests."""
-    for field in ("prefix_ids", "question_ids"):
-        setattr(layout, field, _token_ids(getattr(layout, field), field.replace("_ids", ""), vocab_size))
+    for name in ("prefix_ids", "question_ids"):
+        setattr(layout, name, _token_ids(getattr(layout, name), name.replace("_ids", ""), vocab_size))
     if not layout.prefix_ids:
         raise ValueError("The prompt layout has no prefix tokens; build it with engine.build_prompt or layout_from_text.")
     if not layout.question_ids:

@@ -33,11 +33,11 @@ from typing import Callable
 import numpy as np
 import torch
 
+from lazyrag.engine.runner import ModelRunner, Placement
 from lazyrag.kernels.reference import apply_rotary, gather_rotated_reference, prefix_attention_reference
 from lazyrag.kv.cache import Segment, SegmentKind
 from lazyrag.model.llama import ElementwiseOps, rope_at
 from lazyrag.strategy_names import BLEND_SELECTIONS
-from lazyrag.engine.runner import ModelRunner, Placement
 
 SELECTION_LAYER = 1  # the first layer whose K/V depend on the context
 DENSE_OPS = ElementwiseOps()  # eager: token counts differ per request, a compiled op would re-check guards each call

@@ -8,6 +8,7 @@ model runner (engine/runner.py) -> the model (model/llama.py) -> an attention ba
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import random
 import threading
@@ -27,10 +28,24 @@ from lazyrag.kv.identity import KVIdentity
 from lazyrag.model import checkpoint_cache
 from lazyrag.model.attention import make_attention_backend
 from lazyrag.model.llama import LlamaArgs, LlamaModel, build_rope
+from lazyrag.model.loader import (
+    check_llama_config,
+    fingerprint,
+    load_checkpoint,
+    load_config,
+    load_sharded,
+    resolve_model_source,
+)
 from lazyrag.model.parallel import check_divisible, local_args, shard_hf_state_dict, shard_tensor
-from lazyrag.model.loader import (check_llama_config, fingerprint, load_checkpoint, load_config, load_sharded,
-                                  resolve_model_source)
-from lazyrag.prompt import ChunkFinder, PromptBuilder, PromptLayout, check_chunks, check_layout, check_text, pasted_passages
+from lazyrag.prompt import (
+    ChunkFinder,
+    PromptBuilder,
+    PromptLayout,
+    check_chunks,
+    check_layout,
+    check_text,
+    pasted_passages,
+)
 
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>")
 
@@ -558,10 +573,8 @@ class LazyEngine:
                 if self.tp_driver is None:
                     self.scheduler.drop_aborted()
                     return
-                try:
+                with contextlib.suppress(Exception):  # the group broke: its requests were failed already
                     self.tp_driver.sync("drop_aborted")
-                except Exception:
-                    pass  # the group broke: its requests were failed already
 
     # asyncio: a background thread steps the scheduler; coroutines wait on their request
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 
-from lazyrag.kernels.common import PHYS_BITS, DELTA_BITS, pack_block_runs_host
+from lazyrag.kernels.common import DELTA_BITS, PHYS_BITS, pack_block_runs_host
 from lazyrag.kernels.reference import apply_rotary
 from lazyrag.kv.block_pool import BlockPool, blocks_for
 from lazyrag.kv.cache import Segment

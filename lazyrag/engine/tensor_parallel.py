@@ -38,6 +38,7 @@ requests fail at once, the driver stops the other workers, and a worker that los
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import pickle
@@ -192,10 +193,8 @@ def abandon_start(workers: list[subprocess.Popen]) -> None:
         w.kill()
         w.wait()
     if dist.is_initialized():
-        try:
+        with contextlib.suppress(Exception):  # a peer is gone mid-collective: nothing left to tear down cleanly
             dist.destroy_process_group()
-        except Exception:  # a peer is gone mid-collective: nothing left to tear down cleanly
-            pass
 
 
 def attach(engine, tp: TensorParallel, workers: list[subprocess.Popen]):
@@ -355,10 +354,9 @@ class Driver:
 
     def _stop_workers(self, wait: float) -> None:
         for w in self.workers:
-            try:
-                w.wait(timeout=wait) if wait else None
-            except subprocess.TimeoutExpired:
-                pass
+            if wait:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    w.wait(timeout=wait)
             if w.poll() is None:
                 w.kill()
                 w.wait()

@@ -27,8 +27,8 @@ from enum import Enum
 import torch
 
 from lazyrag.kv.block_pool import BlockPool, OutOfBlocks, blocks_for
-from lazyrag.kv.policies import FrequencySketch, make_policy
 from lazyrag.kv.formats import resolve_stored_dtype
+from lazyrag.kv.policies import FrequencySketch, make_policy
 from lazyrag.kv.tiers import DiskTier, HostTier, Tier, TierEntry
 
 log = logging.getLogger(__name__)

@@ -215,8 +215,8 @@ class DiskTier(Tier):
         return self.folder / f"{key}.safetensors"
 
     def get(self, key):
-        from safetensors.torch import load_file
         from safetensors import safe_open
+        from safetensors.torch import load_file
 
         with self._lock:
             if key not in self._files:

@@ -22,6 +22,7 @@ Off: ``LAZYRAG_MODEL_CACHE=0``, ``model_cache=False`` on the engine, or ``--no-m
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -37,8 +38,15 @@ import torch
 
 from lazyrag.defaults import CACHE_DIR_ENV, MODEL_CACHE_ENV
 from lazyrag.kv.tiers import current_umask
-from lazyrag.model.loader import (ModelSource, SavedConfig, check_llama_config, fingerprint, fingerprinted_config,
-                                  load_checkpoint, stream_state)
+from lazyrag.model.loader import (
+    ModelSource,
+    SavedConfig,
+    check_llama_config,
+    fingerprint,
+    fingerprinted_config,
+    load_checkpoint,
+    stream_state,
+)
 
 log = logging.getLogger(__name__)
 
@@ -123,10 +131,8 @@ def gguf_sha256(path: Path) -> str:
     except (OSError, ValueError):
         pass  # not hashed yet (or an unreadable memo): hash it
     digest = _file_sha256(path)
-    try:
+    with contextlib.suppress(OSError):  # a read-only cache: hashed again next time
         _write_json(memo, {"stamp": stamp, "sha256": digest})
-    except OSError:
-        pass  # a read-only cache: hashed again next time
     return digest
 
 

@@ -280,7 +280,7 @@ def load_sharded(source: ModelSource, config, dtype: torch.dtype, keep: Callable
     files = sorted(source.folder.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{source.folder} has config.json but no *.safetensors; lazyrag reads safetensors checkpoints.")
-    handle = {name: h for h in (safe_open(str(f), framework="pt") for f in files) for name in h.keys()}
+    handle = {name: h for h in (safe_open(str(f), framework="pt") for f in files) for name in h.keys()}  # noqa: SIM118 (a safe_open handle, not iterable)
     stored = {name: name for name in handle}
     if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in stored:
         stored["lm_head.weight"] = "model.embed_tokens.weight"  # transformers' state dict names the tied tensor twice

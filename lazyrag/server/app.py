@@ -27,12 +27,22 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from lazyrag.version import __version__
-from lazyrag.prompt import check_text
 from lazyrag.engine.sampling import logprob_entries, openai_chat_logprobs, openai_completion_logprobs
+from lazyrag.prompt import check_text
 from lazyrag.server.metrics import ServerMetrics
-from lazyrag.server.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                                     _Common, error_body, new_id, now, usage)
+from lazyrag.server.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    _Common,
+    error_body,
+    new_id,
+    now,
+    usage,
+)
+from lazyrag.version import __version__
 
 if TYPE_CHECKING:
     from lazyrag.engine import GenerationResult, LazyEngine, RequestStream

@@ -12,7 +12,6 @@ from lazyrag.defaults import MAX_K, MAX_LOGPROBS, MIN_REPETITION_PENALTY
 from lazyrag.strategy_names import check_strategy
 
 
-
 class Document(BaseModel):
     """A chunk of context given with the request (lazyrag's ``documents`` field): its KV is reused."""
     model_config = ConfigDict(extra="ignore")

@@ -34,10 +34,10 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 
-from lazyrag.prompt import DEFAULT_ENCODING_PASSAGE
-
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the handlers' annotations here
 from fastapi.responses import JSONResponse, StreamingResponse
+
+from lazyrag.prompt import DEFAULT_ENCODING_PASSAGE
 
 log = logging.getLogger("lazyrag.replicas")
 REPLICA_HEADER = "x-lazyrag-replica"

@@ -26,8 +26,20 @@ from pathlib import Path
 from typing import Iterator
 
 from lazyrag.prompt import check_text
-from lazyrag.store.corpus import (LAYOUT_VERSION, MANIFEST, PREFIX_ID, ChunkRow, CorpusStore, StoreError, check_new_store_folder,
-                                  clear_store, engine_manifest, read_manifest, rebuild_interrupted, writer_lock)
+from lazyrag.store.corpus import (
+    LAYOUT_VERSION,
+    MANIFEST,
+    PREFIX_ID,
+    ChunkRow,
+    CorpusStore,
+    StoreError,
+    check_new_store_folder,
+    clear_store,
+    engine_manifest,
+    read_manifest,
+    rebuild_interrupted,
+    writer_lock,
+)
 from lazyrag.store.retriever import DEFAULT_EMBEDDER, embed, load_embedder
 
 log = logging.getLogger(__name__)

@@ -89,8 +89,8 @@ import numpy as np
 import torch
 
 from lazyrag.extras import require
-from lazyrag.kv.formats import resolve_stored_dtype
 from lazyrag.kv import codec
+from lazyrag.kv.formats import resolve_stored_dtype
 from lazyrag.kv.identity import KVIdentity
 from lazyrag.kv.tiers import ATOMIC_TEMP_FILE, KV_TENSORS, CorruptKV, Tier, TierEntry, atomic_write_bytes, kv_checksum
 
