@@ -6,6 +6,7 @@ the two ways a request reaches the engine.
 * A fast path (our retrievers, ``LazyRAG``) hands the chunk texts straight to
   ``engine.build_prompt``: no string search.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -109,7 +110,9 @@ def forget_store(store) -> None:
             del _retrievers[key]
 
 
-def precache_documents(documents: list, source: str, out, adapter_or_engine, options: dict, who: str) -> "PrecacheReport":
+def precache_documents(
+    documents: list, source: str, out, adapter_or_engine, options: dict, who: str
+) -> "PrecacheReport":
     """The adapters' ``precache_store``: a framework's documents (``lazyrag.store.build.Document``, one per
     node / LangChain Document, in a stable order) into the corpus store at ``out``, as ``lazyrag precache``
     builds one; ``source`` names them in the manifest's ``sources``.
@@ -125,7 +128,9 @@ def precache_documents(documents: list, source: str, out, adapter_or_engine, opt
     unknown = [k for k in options if k not in allowed]
     if unknown:
         hints = "".join(f"\n  {k}: {_did_you_mean(k, allowed, 'not a precache option.')}" for k in unknown)
-        raise TypeError(f"{who}() got unknown option(s) {', '.join(map(repr, unknown))}.{hints}\nIt takes: {', '.join(allowed)}.")
+        raise TypeError(
+            f"{who}() got unknown option(s) {', '.join(map(repr, unknown))}.{hints}\nIt takes: {', '.join(allowed)}."
+        )
     config = PrecacheConfig([source], str(out), **{"chunk_tokens": None, **options})
     engine = shared_engine() if adapter_or_engine is None else getattr(adapter_or_engine, "engine", adapter_or_engine)
     report = precache(engine, config, load_embedder(config.embedder), documents=documents)
@@ -162,8 +167,10 @@ def open_retriever(store, embedder: str | None = None) -> "Retriever":
         return found
     corpus = open_store(path)
     if len(corpus) == 0:
-        raise StoreError(f"The store at {path} holds no chunks, so there is nothing to retrieve; "
-                         "build it from a non-empty corpus with: lazyrag precache CORPUS --out STORE")
+        raise StoreError(
+            f"The store at {path} holds no chunks, so there is nothing to retrieve; "
+            "build it from a non-empty corpus with: lazyrag precache CORPUS --out STORE"
+        )
     retriever = Retriever(corpus, load_embedder(store_embedder(corpus, embedder)))  # StoreError for a foreign embedder
     with _lock:
         return _retrievers.setdefault(key, retriever)
@@ -205,7 +212,8 @@ _NOT_HERE = {
     "tokenizer": "the tokenizer is read from the model folder or .gguf file.",
     "model_kwargs": "pass dtype= (float32, bfloat16, float16) and device=; there are no other load options.",
     "tokenizer_kwargs": "the tokenizer is read from the model folder or .gguf file.",
-    "pipeline_kwargs": "pass max_tokens/max_new_tokens, temperature, top_p, top_k, repetition_penalty, seed and stop directly.",
+    "pipeline_kwargs": "pass max_tokens/max_new_tokens, temperature, top_p, top_k, repetition_penalty, seed and stop "
+    "directly.",
 }
 _GENERATE_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "seed", "max_new_tokens", "do_sample", "stop")
 
@@ -228,8 +236,11 @@ def adapter_validators(renames: dict[str, str]) -> tuple:
             raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}; got {t!r}")
         return t
 
-    return (model_validator(mode="before")(classmethod(known_arguments)), field_validator("strategy")(classmethod(strategy_exists)),
-            field_validator("temperature")(classmethod(greedy_or_warm)))
+    return (
+        model_validator(mode="before")(classmethod(known_arguments)),
+        field_validator("strategy")(classmethod(strategy_exists)),
+        field_validator("temperature")(classmethod(greedy_or_warm)),
+    )
 
 
 # pydantic Field constraints of the adapters' numeric fields: what SamplingParams and the engine accept
@@ -245,7 +256,8 @@ SAMPLING_LIMITS = {
     "top_logprobs": dict(ge=0, le=MAX_LOGPROBS),
 }
 
-# the adapters' fields that go into SamplingParams as they are (besides max tokens, temperature, top_p, stop, seed, strategy)
+# the adapters' fields that go into SamplingParams as they are (besides max tokens, temperature, top_p, stop, seed,
+# strategy)
 KNOBS = ("top_k", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
@@ -303,8 +315,10 @@ def init_kwargs(cls, data: Any, renames: dict[str, str]) -> Any:
     gen = dict(data.pop("generate_kwargs", None) or {})
     bad = [k for k in gen if k not in _GENERATE_KEYS]
     if bad:
-        raise ValueError(f"{cls.__name__} cannot honour generate_kwargs {', '.join(map(repr, bad))}: it samples with "
-                         f"{', '.join(_GENERATE_KEYS)} only. Remove them.")
+        raise ValueError(
+            f"{cls.__name__} cannot honour generate_kwargs {', '.join(map(repr, bad))}: it samples with "
+            f"{', '.join(_GENERATE_KEYS)} only. Remove them."
+        )
     if "do_sample" in gen:  # as in transformers: greedy unless sampling, which defaults to temperature 1
         gen.setdefault("temperature", 1.0) if gen.pop("do_sample") else gen.update(temperature=0.0)
     for key, value in gen.items():
@@ -313,31 +327,41 @@ def init_kwargs(cls, data: Any, renames: dict[str, str]) -> Any:
     if unknown:
         known = sorted(set(cls.model_fields) | set(renames) | {"generate_kwargs"})
         hints = "".join(f"\n  {k}: {_NOT_HERE.get(k) or _did_you_mean(k, known)}" for k in unknown)
-        raise ValueError(f"{cls.__name__} got unknown argument(s) {', '.join(map(repr, unknown))}.{hints}\n"
-                         f"It takes: {', '.join(known)}.")
+        raise ValueError(
+            f"{cls.__name__} got unknown argument(s) {', '.join(map(repr, unknown))}.{hints}\n"
+            f"It takes: {', '.join(known)}."
+        )
     return data
 
 
 # -- requests: each is the engine's RequestStream: iterate it (``for`` or ``async for``) for text, then
 # ``result()`` / ``await aresult()``; concurrent ones are batched by the engine's scheduler ---------------
 
+
 def stream_prompt(engine: "LazyEngine", prompt: str, params) -> "RequestStream":
     """A finished prompt text (chat template applied); known chunks inside it reuse their KV."""
     return engine.submit(engine.layout_from_text(prompt), params)
 
 
-def stream_chunks(engine: "LazyEngine", question: str, chunks: list[str], params, system: str | None = None) -> "RequestStream":
+def stream_chunks(
+    engine: "LazyEngine", question: str, chunks: list[str], params, system: str | None = None
+) -> "RequestStream":
     """The fast path: chunk texts handed straight to the engine, tokenized alone, no string search."""
     return engine.submit(engine.build_prompt(question, chunks, system), params)
 
 
 def result_info(result: "GenerationResult") -> dict:
     """What a response carries about its request: reuse stats, time to first token, finish reason."""
-    return {"stats": result.stats.as_dict(), "ttft_s": result.ttft_s, "total_s": result.total_s,
-            "finish_reason": result.finish_reason}
+    return {
+        "stats": result.stats.as_dict(),
+        "ttft_s": result.ttft_s,
+        "total_s": result.total_s,
+        "finish_reason": result.finish_reason,
+    }
 
 
 # -- the same, for asyncio: the engine's scheduler thread does the work, the event loop only waits --
+
 
 async def aload_engine(adapter) -> "LazyEngine":
     """``adapter.engine``, loading it (seconds, the first time) in a worker thread, not in the event loop."""

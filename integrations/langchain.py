@@ -17,11 +17,13 @@ hits from the second question on. ``LazyRAG`` hands the documents' texts straigh
 counts in ``usage_metadata`` (``cache_read``: prompt tokens whose KV was already cached, the shared
 prefix's included: ``response_metadata["lazyrag"]`` splits it into ``prefix_tokens_reused`` and
 ``chunk_tokens_reused``), and fire the LLM callbacks. ``logprobs=True`` (``top_logprobs=n``) puts
-ChatOpenAI-style logprobs in ``response_metadata["logprobs"]``. ``with_structured_output`` validates and retries JSON; no tool calling.
+ChatOpenAI-style logprobs in ``response_metadata["logprobs"]``. ``with_structured_output`` validates and retries JSON;
+no tool calling.
 
 ``precache_store(docs_or_vector_store, "stores/docs")`` writes the Documents' KV to a corpus store: a chain
 with ``ChatLazyLlama(store="stores/docs")`` in any later process hits them from its first question.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -58,8 +60,15 @@ from lazyrag.integrations import _common
 if TYPE_CHECKING:
     from lazyrag.store.build import PrecacheReport
 
-__all__ = ["ChatLazyLlama", "LazyRAGRetriever", "LazyRAG", "LazyRAGCallbackHandler", "LazyRAGEmbeddings", "rag_chain",
-           "precache_store"]
+__all__ = [
+    "ChatLazyLlama",
+    "LazyRAGRetriever",
+    "LazyRAG",
+    "LazyRAGCallbackHandler",
+    "LazyRAGEmbeddings",
+    "rag_chain",
+    "precache_store",
+]
 
 
 class LazyRAGCallbackHandler(BaseCallbackHandler):
@@ -92,8 +101,10 @@ class LazyRAGCallbackHandler(BaseCallbackHandler):
 
 # The configure hook adds the handler held by this variable to every callback manager, in every
 # thread (the default value is seen by contexts that never set it).
-_retrieval_handler: ContextVar[Optional[LazyRAGCallbackHandler]] = ContextVar("lazyrag_retrieval_handler",
-                                                                               default=LazyRAGCallbackHandler())  # noqa: B039 (one handler for all, on purpose)
+_retrieval_handler: ContextVar[Optional[LazyRAGCallbackHandler]] = ContextVar(
+    "lazyrag_retrieval_handler",
+    default=LazyRAGCallbackHandler(),  # noqa: B039 (one handler for every context, on purpose)
+)
 register_configure_hook(_retrieval_handler, inheritable=True)
 
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "chat": None}
@@ -107,7 +118,13 @@ def _whole_message(chunks: list[AIMessageChunk]) -> AIMessage:
 
 def _chat_result(chunks: list[ChatGenerationChunk]) -> ChatResult:
     message = _whole_message([c.message for c in chunks])
-    return ChatResult(generations=[ChatGeneration(message=message, generation_info={"finish_reason": message.response_metadata["finish_reason"]})])
+    return ChatResult(
+        generations=[
+            ChatGeneration(
+                message=message, generation_info={"finish_reason": message.response_metadata["finish_reason"]}
+            )
+        ]
+    )
 
 
 def _to_chat_dicts(messages: list[BaseMessage]) -> list[dict]:
@@ -117,17 +134,25 @@ def _to_chat_dicts(messages: list[BaseMessage]) -> list[dict]:
         if role is None:  # ChatMessage with a free role
             role = getattr(m, "role", "user")
         if not role:
-            raise ValueError(f"ChatLazyLlama cannot take {type(m).__name__} messages (no tool calling); "
-                             "use human, ai and system messages.")
-        if isinstance(m.content, list) and any(isinstance(b, dict) and b.get("type") not in ("text", None) for b in m.content):
-            raise ValueError("ChatLazyLlama takes text only; this message has non-text content blocks (images, audio, files).")
+            raise ValueError(
+                f"ChatLazyLlama cannot take {type(m).__name__} messages (no tool calling); "
+                "use human, ai and system messages."
+            )
+        if isinstance(m.content, list) and any(
+            isinstance(b, dict) and b.get("type") not in ("text", None) for b in m.content
+        ):
+            raise ValueError(
+                "ChatLazyLlama takes text only; this message has non-text content blocks (images, audio, files)."
+            )
         out.append({"role": role, "content": m.text})
     return out
 
 
-_NO_TOOLS = ("ChatLazyLlama has no tool calling: the small local models it runs do not emit tool calls reliably, and "
-             "it has no tool-call parser. For JSON answers use llm.with_structured_output(PydanticModel or JSON schema) "
-             "(validated and retried); for agents, use a text (ReAct-style) prompt.")
+_NO_TOOLS = (
+    "ChatLazyLlama has no tool calling: the small local models it runs do not emit tool calls reliably, and "
+    "it has no tool-call parser. For JSON answers use llm.with_structured_output(PydanticModel or JSON schema) "
+    "(validated and retried); for agents, use a text (ReAct-style) prompt."
+)
 
 
 class _NoToolCalling:
@@ -157,24 +182,61 @@ class ChatLazyLlama(BaseChatModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: Optional[str] = Field(default=None, description="Local Llama folder or .gguf file; None = the embedded SmolLM2-135M-Instruct.")
+    model: Optional[str] = Field(
+        default=None, description="Local Llama folder or .gguf file; None = the embedded SmolLM2-135M-Instruct."
+    )
     device: Optional[str] = None
     dtype: Optional[str] = None
-    temperature: float = Field(default=0.0, description="0 = greedy, else at least 1e-5.", **_common.SAMPLING_LIMITS["temperature"])
+    temperature: float = Field(
+        default=0.0, description="0 = greedy, else at least 1e-5.", **_common.SAMPLING_LIMITS["temperature"]
+    )
     max_tokens: int = Field(default=256, gt=0, description="Most new tokens per call.")
     top_p: float = Field(default=1.0, **_common.SAMPLING_LIMITS["top_p"])
-    seed: Optional[int] = Field(default=None, description="Sampling seed, in [0, 2**63).", **_common.SAMPLING_LIMITS["seed"])
+    seed: Optional[int] = Field(
+        default=None, description="Sampling seed, in [0, 2**63).", **_common.SAMPLING_LIMITS["seed"]
+    )
     stop: Optional[list[str]] = None
-    top_k: int = Field(default=-1, description="Sample from the k most likely tokens; -1 or 0 = all.", **_common.SAMPLING_LIMITS["sampling_top_k"])
-    repetition_penalty: float = Field(default=1.0, description="HF / vLLM repetition penalty over prompt and answer tokens; 1 = off.", **_common.SAMPLING_LIMITS["repetition_penalty"])
-    presence_penalty: float = Field(default=0.0, description="OpenAI's presence penalty, in [-2, 2].", **_common.SAMPLING_LIMITS["penalty"])
-    frequency_penalty: float = Field(default=0.0, description="OpenAI's frequency penalty, in [-2, 2].", **_common.SAMPLING_LIMITS["penalty"])
-    logprobs: Optional[bool] = Field(default=None, description="Report each generated token's logprob in response_metadata['logprobs'] (ChatOpenAI's format).")
-    top_logprobs: Optional[int] = Field(default=None, description="With logprobs: also the n most likely tokens per position (0-20).", **_common.SAMPLING_LIMITS["top_logprobs"])
-    strategy: str = Field(default="lazy", description="full, prefix, position_aware, lazy, lazy+recover (lazy with quality recovery, ~15% of chunk tokens recomputed), lazy:first=K or lazy:blend=R[:select=attn_dev].")
-    store: Optional[str] = Field(default=None, description="A corpus store folder (lazyrag precache) to serve chunk KV from.")
-    kv_budget: Optional[int] = Field(default=None, description="Bytes of KV pool, when this model loads the shared engine.", **_common.SAMPLING_LIMITS["positive"])
-    system_prompt: Optional[str] = Field(default=None, description="A system message put first when the messages have none.")
+    top_k: int = Field(
+        default=-1,
+        description="Sample from the k most likely tokens; -1 or 0 = all.",
+        **_common.SAMPLING_LIMITS["sampling_top_k"],
+    )
+    repetition_penalty: float = Field(
+        default=1.0,
+        description="HF / vLLM repetition penalty over prompt and answer tokens; 1 = off.",
+        **_common.SAMPLING_LIMITS["repetition_penalty"],
+    )
+    presence_penalty: float = Field(
+        default=0.0, description="OpenAI's presence penalty, in [-2, 2].", **_common.SAMPLING_LIMITS["penalty"]
+    )
+    frequency_penalty: float = Field(
+        default=0.0, description="OpenAI's frequency penalty, in [-2, 2].", **_common.SAMPLING_LIMITS["penalty"]
+    )
+    logprobs: Optional[bool] = Field(
+        default=None,
+        description="Report each generated token's logprob in response_metadata['logprobs'] (ChatOpenAI's format).",
+    )
+    top_logprobs: Optional[int] = Field(
+        default=None,
+        description="With logprobs: also the n most likely tokens per position (0-20).",
+        **_common.SAMPLING_LIMITS["top_logprobs"],
+    )
+    strategy: str = Field(
+        default="lazy",
+        description="full, prefix, position_aware, lazy, lazy+recover (lazy with quality recovery, ~15% of chunk "
+        "tokens recomputed), lazy:first=K or lazy:blend=R[:select=attn_dev].",
+    )
+    store: Optional[str] = Field(
+        default=None, description="A corpus store folder (lazyrag precache) to serve chunk KV from."
+    )
+    kv_budget: Optional[int] = Field(
+        default=None,
+        description="Bytes of KV pool, when this model loads the shared engine.",
+        **_common.SAMPLING_LIMITS["positive"],
+    )
+    system_prompt: Optional[str] = Field(
+        default=None, description="A system message put first when the messages have none."
+    )
     streaming: bool = False
     # Accepted because callers pass them to every chat model; a local engine has no network to time out or retry.
     timeout: Optional[float] = Field(default=None, ge=0.0)
@@ -230,13 +292,23 @@ class ChatLazyLlama(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model": self.model_name, "temperature": self.temperature, "max_tokens": self.max_tokens,
-                "top_p": self.top_p, "strategy": self.strategy, "store": self.store}
+        return {
+            "model": self.model_name,
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+            "top_p": self.top_p,
+            "strategy": self.strategy,
+            "store": self.store,
+        }
 
     def _get_ls_params(self, stop: Optional[list[str]] = None, **kwargs: Any) -> LangSmithParams:
-        params = LangSmithParams(ls_provider="lazyrag", ls_model_name=kwargs.get("model") or self.model_name,
-                                 ls_model_type="chat", ls_temperature=kwargs.get("temperature", self.temperature),
-                                 ls_max_tokens=kwargs.get("max_tokens", self.max_tokens))
+        params = LangSmithParams(
+            ls_provider="lazyrag",
+            ls_model_name=kwargs.get("model") or self.model_name,
+            ls_model_type="chat",
+            ls_temperature=kwargs.get("temperature", self.temperature),
+            ls_max_tokens=kwargs.get("max_tokens", self.max_tokens),
+        )
         if stop or self.stop:
             params["ls_stop"] = list(stop or self.stop)
         return params
@@ -256,17 +328,29 @@ class ChatLazyLlama(BaseChatModel):
 
     # -- generation --
 
-    def _stream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
-                run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: Optional[list[str]] = None,
+        run_manager: Optional[CallbackManagerForLLMRun] = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
         prompt = self.engine.render_chat(self._chat_dicts(messages))
         stream = _common.stream_prompt(self.engine, prompt, self.sampling_params(stop, **kwargs))
         yield from self.generation_chunks(stream, run_manager)
 
-    def _generate(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
-                  run_manager: Optional[CallbackManagerForLLMRun] = None, **kwargs: Any) -> ChatResult:
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: Optional[list[str]] = None,
+        run_manager: Optional[CallbackManagerForLLMRun] = None,
+        **kwargs: Any,
+    ) -> ChatResult:
         return _chat_result(list(self._stream(messages, stop, run_manager, **kwargs)))
 
-    def generation_chunks(self, stream, run_manager: Optional[CallbackManagerForLLMRun] = None) -> Iterator[ChatGenerationChunk]:
+    def generation_chunks(
+        self, stream, run_manager: Optional[CallbackManagerForLLMRun] = None
+    ) -> Iterator[ChatGenerationChunk]:
         """An engine RequestStream (see _common.stream_prompt) as chat chunks; the last one (empty text,
         ``chunk_position="last"``) carries the token usage and the reuse stats."""
         for delta in stream:
@@ -276,7 +360,9 @@ class ChatLazyLlama(BaseChatModel):
             yield chunk
         yield self.last_chunk(stream.result())
 
-    async def ageneration_chunks(self, stream, run_manager: Optional[AsyncCallbackManagerForLLMRun] = None) -> AsyncIterator[ChatGenerationChunk]:
+    async def ageneration_chunks(
+        self, stream, run_manager: Optional[AsyncCallbackManagerForLLMRun] = None
+    ) -> AsyncIterator[ChatGenerationChunk]:
         """``generation_chunks`` for asyncio: the event loop waits on the engine's scheduler thread."""
         async for delta in stream:
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
@@ -290,17 +376,33 @@ class ChatLazyLlama(BaseChatModel):
         s = result.stats
         # cache_read: prompt tokens whose KV came from the cache, the shared prefix's included
         # (response_metadata["lazyrag"] splits it: prefix_tokens_reused + chunk_tokens_reused)
-        usage = UsageMetadata(input_tokens=s.prompt_tokens, output_tokens=s.new_tokens, total_tokens=s.prompt_tokens + s.new_tokens,
-                              input_token_details={"cache_read": s.tokens_reused})
+        usage = UsageMetadata(
+            input_tokens=s.prompt_tokens,
+            output_tokens=s.new_tokens,
+            total_tokens=s.prompt_tokens + s.new_tokens,
+            input_token_details={"cache_read": s.tokens_reused},
+        )
         info = _common.result_info(result)
-        meta = {"model_name": self.model_name, "model_provider": "lazyrag", "finish_reason": info["finish_reason"],
-                "ttft_s": info["ttft_s"], "lazyrag": info["stats"]}
+        meta = {
+            "model_name": self.model_name,
+            "model_provider": "lazyrag",
+            "finish_reason": info["finish_reason"],
+            "ttft_s": info["ttft_s"],
+            "lazyrag": info["stats"],
+        }
         if result.logprobs is not None:
             meta["logprobs"] = _common.openai_logprobs(self.engine, result.logprobs)
-        return ChatGenerationChunk(message=AIMessageChunk(content="", usage_metadata=usage, response_metadata=meta, chunk_position="last"))
+        return ChatGenerationChunk(
+            message=AIMessageChunk(content="", usage_metadata=usage, response_metadata=meta, chunk_position="last")
+        )
 
-    async def _astream(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
-                       run_manager: Optional[AsyncCallbackManagerForLLMRun] = None, **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: Optional[list[str]] = None,
+        run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
         # the engine's scheduler batches concurrent calls; the event loop only waits for tokens
         engine = await _common.aload_engine(self)
         prompt = engine.render_chat(self._chat_dicts(messages))
@@ -308,8 +410,13 @@ class ChatLazyLlama(BaseChatModel):
         async for chunk in self.ageneration_chunks(stream, run_manager):
             yield chunk
 
-    async def _agenerate(self, messages: list[BaseMessage], stop: Optional[list[str]] = None,
-                         run_manager: Optional[AsyncCallbackManagerForLLMRun] = None, **kwargs: Any) -> ChatResult:
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: Optional[list[str]] = None,
+        run_manager: Optional[AsyncCallbackManagerForLLMRun] = None,
+        **kwargs: Any,
+    ) -> ChatResult:
         return _chat_result([chunk async for chunk in self._astream(messages, stop, run_manager, **kwargs)])
 
     # -- structured output --
@@ -318,14 +425,16 @@ class ChatLazyLlama(BaseChatModel):
     # (langchain-tests' has_tool_calling: "is bind_tools overridden?") say no, and raises a clear error when called.
     bind_tools: ClassVar[_NoToolCalling] = _NoToolCalling()
 
-    def with_structured_output(self, schema: Any, *, include_raw: bool = False, max_attempts: int = 3,
-                               **kwargs: Any) -> Runnable:
+    def with_structured_output(
+        self, schema: Any, *, include_raw: bool = False, max_attempts: int = 3, **kwargs: Any
+    ) -> Runnable:
         """Answers as ``schema`` (a Pydantic model, a TypedDict or a JSON schema dict): the schema is put in
         the prompt, the first JSON object of the answer is parsed and validated (Pydantic), and a failed
         attempt is retried with the error shown to the model, up to ``max_attempts`` times; then
         OutputParserException. An answer with no JSON object at all (the model ignores the format, as small
-        models do) fails at once, not retried, with a message that says so. ``method`` (json_schema, json_mode, function_calling) is accepted and
-        means the same here. ``include_raw=True`` returns ``{"raw", "parsed", "parsing_error"}``."""
+        models do) fails at once, not retried, with a message that says so. ``method`` (json_schema, json_mode,
+        function_calling) is accepted and means the same here. ``include_raw=True`` returns ``{"raw", "parsed",
+        "parsing_error"}``."""
         from lazyrag.integrations.structured import StructuredOutput
 
         kwargs.pop("method", None)
@@ -351,18 +460,34 @@ class LazyRAGRetriever(BaseRetriever):
     def model_post_init(self, context: Any) -> None:
         self._retriever = _common.open_retriever(self.store, self.embedder)  # StoreError for missing/empty stores
 
-    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun, **kwargs: Any) -> list[Document]:
+    def _get_relevant_documents(
+        self, query: str, *, run_manager: CallbackManagerForRetrieverRun, **kwargs: Any
+    ) -> list[Document]:
         hits = self._retriever.retrieve(query, _common.check_top_k(kwargs.get("k", self.k), "k"))
-        return [Document(page_content=h.text, id=str(h.id),
-                         metadata={**h.metadata, "chunk_id": h.id, "doc_id": h.doc_id, "score": h.score,
-                                   "num_tokens": h.num_tokens, "query": query})
-                for h in hits]
+        return [
+            Document(
+                page_content=h.text,
+                id=str(h.id),
+                metadata={
+                    **h.metadata,
+                    "chunk_id": h.id,
+                    "doc_id": h.doc_id,
+                    "score": h.score,
+                    "num_tokens": h.num_tokens,
+                    "query": query,
+                },
+            )
+            for h in hits
+        ]
 
-    async def _aget_relevant_documents(self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun,
-                                       **kwargs: Any) -> list[Document]:
+    async def _aget_relevant_documents(
+        self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun, **kwargs: Any
+    ) -> list[Document]:
         import asyncio
 
-        return await asyncio.to_thread(self._get_relevant_documents, query, run_manager=run_manager.get_sync(), **kwargs)
+        return await asyncio.to_thread(
+            self._get_relevant_documents, query, run_manager=run_manager.get_sync(), **kwargs
+        )
 
 
 class LazyRAGEmbeddings(BaseModel, Embeddings):
@@ -371,7 +496,9 @@ class LazyRAGEmbeddings(BaseModel, Embeddings):
 
     model_config = ConfigDict(extra="forbid")
 
-    model_name: Optional[str] = Field(default=None, description="A local sentence-transformers folder; None = the embedded all-MiniLM-L6-v2.")
+    model_name: Optional[str] = Field(
+        default=None, description="A local sentence-transformers folder; None = the embedded all-MiniLM-L6-v2."
+    )
 
     def embed_documents(self, texts: list[str]) -> list[list[float]]:
         from lazyrag.store.retriever import embed
@@ -408,30 +535,44 @@ class LazyRAG(RunnableSerializable[RAGInput, AIMessage]):
             question = input.get("question") or input.get("input") or input.get("query")
             docs = input.get("documents", input.get("context"))
             if not isinstance(question, str):
-                raise ValueError("LazyRAG needs {'question': str, 'documents': [...]}; got keys " + ", ".join(map(str, input)))
+                raise ValueError(
+                    "LazyRAG needs {'question': str, 'documents': [...]}; got keys " + ", ".join(map(str, input))
+                )
             key = "documents" if "documents" in input else "context"
             if isinstance(docs, (str, bytes, Document)):  # iterating it would make one chunk per character
-                raise ValueError(f"LazyRAG's {key!r} must be a list of Documents or strings, not one "
-                                 f"{type(docs).__name__}; wrap it: {{'question': ..., {key!r}: [text]}} (or split it).")
+                raise ValueError(
+                    f"LazyRAG's {key!r} must be a list of Documents or strings, not one "
+                    f"{type(docs).__name__}; wrap it: {{'question': ..., {key!r}: [text]}} (or split it)."
+                )
             if isinstance(docs, (set, frozenset)):  # the documents' order is the prompt's
-                raise ValueError(f"LazyRAG's {key!r} must be a list of Documents or strings, not a {type(docs).__name__}: "
-                                 "its order can change between runs, and with it the prompt and the answer; pass a list "
-                                 "(sorted(...) if any order will do).")
+                raise ValueError(
+                    f"LazyRAG's {key!r} must be a list of Documents or strings, not a {type(docs).__name__}: "
+                    "its order can change between runs, and with it the prompt and the answer; pass a list "
+                    "(sorted(...) if any order will do)."
+                )
             if isinstance(docs, Mapping):
-                raise ValueError(f"LazyRAG's {key!r} must be a list of Documents or strings, not a {type(docs).__name__} "
-                                 "(iterating it gives its keys); pass the texts as a list: list(d.values()).")
+                raise ValueError(
+                    f"LazyRAG's {key!r} must be a list of Documents or strings, not a {type(docs).__name__} "
+                    "(iterating it gives its keys); pass the texts as a list: list(d.values())."
+                )
         elif isinstance(input, list):
             queries = {d.metadata.get("query") for d in input if isinstance(d, Document)}
             if len(queries) != 1 or None in queries:
-                raise ValueError("LazyRAG got a list of documents without the question (Documents a retriever returns carry "
-                                 "it in metadata['query']): pipe a retriever into LazyRAG, use rag_chain(retriever, rag), "
-                                 "or pass {'question', 'documents'}.")
+                raise ValueError(
+                    "LazyRAG got a list of documents without the question (Documents a retriever returns carry "
+                    "it in metadata['query']): pipe a retriever into LazyRAG, use rag_chain(retriever, rag), "
+                    "or pass {'question', 'documents'}."
+                )
             question, docs = queries.pop(), input
         else:
-            raise TypeError(f"LazyRAG takes a question (str), a dict or a list of Documents, not {type(input).__name__}.")
+            raise TypeError(
+                f"LazyRAG takes a question (str), a dict or a list of Documents, not {type(input).__name__}."
+            )
         if docs is None and self.retriever is None:
-            raise ValueError("LazyRAG got only a question and has no retriever: pass LazyRAG(retriever=...), "
-                             "or {'question': ..., 'documents': [...]}.")
+            raise ValueError(
+                "LazyRAG got only a question and has no retriever: pass LazyRAG(retriever=...), "
+                "or {'question': ..., 'documents': [...]}."
+            )
         return question, docs
 
     @staticmethod
@@ -450,8 +591,11 @@ class LazyRAG(RunnableSerializable[RAGInput, AIMessage]):
         (tracing, UsageMetadataCallbackHandler, token counters) see an LLM run as for ChatLazyLlama."""
         llm = self.llm
         messages = [HumanMessage(content="\n\n".join([*texts, f"Question: {question}"]))]
-        return (llm._serialized, [messages]), {"invocation_params": llm._get_invocation_params(), "name": llm.get_name(),
-                                                "batch_size": 1}
+        return (llm._serialized, [messages]), {
+            "invocation_params": llm._get_invocation_params(),
+            "name": llm.get_name(),
+            "batch_size": 1,
+        }
 
     @staticmethod
     def _llm_result(chunks: list[ChatGenerationChunk]) -> LLMResult:
@@ -500,13 +644,17 @@ class LazyRAG(RunnableSerializable[RAGInput, AIMessage]):
         except TypeError:
             return x
 
-    def _transform(self, inputs: Iterator, run_manager=None, config: Optional[RunnableConfig] = None) -> Iterator[AIMessageChunk]:
+    def _transform(
+        self, inputs: Iterator, run_manager=None, config: Optional[RunnableConfig] = None
+    ) -> Iterator[AIMessageChunk]:
         final = None
         for x in inputs:
             final = self._add_up(final, x)
         yield from self._chunks_stream(final, config)
 
-    async def _atransform(self, inputs: AsyncIterator, run_manager=None, config: Optional[RunnableConfig] = None) -> AsyncIterator[AIMessageChunk]:
+    async def _atransform(
+        self, inputs: AsyncIterator, run_manager=None, config: Optional[RunnableConfig] = None
+    ) -> AsyncIterator[AIMessageChunk]:
         final = None
         async for x in inputs:
             final = self._add_up(final, x)
@@ -516,10 +664,14 @@ class LazyRAG(RunnableSerializable[RAGInput, AIMessage]):
     def invoke(self, input: RAGInput, config: Optional[RunnableConfig] = None, **kwargs: Any) -> AIMessage:
         return _whole_message(list(self.stream(input, config)))
 
-    def stream(self, input: RAGInput, config: Optional[RunnableConfig] = None, **kwargs: Any) -> Iterator[AIMessageChunk]:
+    def stream(
+        self, input: RAGInput, config: Optional[RunnableConfig] = None, **kwargs: Any
+    ) -> Iterator[AIMessageChunk]:
         yield from self.transform(iter([input]), config)
 
-    def transform(self, input: Iterator, config: Optional[RunnableConfig] = None, **kwargs: Any) -> Iterator[AIMessageChunk]:
+    def transform(
+        self, input: Iterator, config: Optional[RunnableConfig] = None, **kwargs: Any
+    ) -> Iterator[AIMessageChunk]:
         yield from self._transform_stream_with_config(input, self._transform, config, run_type="chain")
 
     # asyncio: the engine's scheduler batches concurrent calls (abatch, gather), no thread per request
@@ -527,14 +679,18 @@ class LazyRAG(RunnableSerializable[RAGInput, AIMessage]):
     async def ainvoke(self, input: RAGInput, config: Optional[RunnableConfig] = None, **kwargs: Any) -> AIMessage:
         return _whole_message([chunk async for chunk in self.astream(input, config)])
 
-    async def astream(self, input: RAGInput, config: Optional[RunnableConfig] = None, **kwargs: Any) -> AsyncIterator[AIMessageChunk]:
+    async def astream(
+        self, input: RAGInput, config: Optional[RunnableConfig] = None, **kwargs: Any
+    ) -> AsyncIterator[AIMessageChunk]:
         async def one():
             yield input
 
         async for chunk in self.atransform(one(), config):
             yield chunk
 
-    async def atransform(self, input: AsyncIterator, config: Optional[RunnableConfig] = None, **kwargs: Any) -> AsyncIterator[AIMessageChunk]:
+    async def atransform(
+        self, input: AsyncIterator, config: Optional[RunnableConfig] = None, **kwargs: Any
+    ) -> AsyncIterator[AIMessageChunk]:
         async for chunk in self._atransform_stream_with_config(input, self._atransform, config, run_type="chain"):
             yield chunk
 
@@ -546,6 +702,7 @@ def rag_chain(retriever: Runnable, rag: Optional[LazyRAG] = None) -> Runnable:
 
 
 # -- corpus stores --------------------------------------------------------------------------------
+
 
 def precache_store(documents, out, chat_model_or_engine=None, **options) -> PrecacheReport:
     """Build a corpus store at ``out`` (as ``lazyrag precache`` does: chunk KV in files, a FAISS index) from
@@ -575,9 +732,11 @@ def precache_store(documents, out, chat_model_or_engine=None, **options) -> Prec
     return _common.precache_documents(docs, source, out, chat_model_or_engine, options, "precache_store")
 
 
-_WHAT_TO_PASS = ("precache_store takes LangChain Documents (a loader's or text splitter's output) or strings, an "
-                 "InMemoryVectorStore, a vector store with a docstore (FAISS), or a retriever over one; got {}. For "
-                 "another vector store, pass the Documents you added to it, in the same order.")
+_WHAT_TO_PASS = (
+    "precache_store takes LangChain Documents (a loader's or text splitter's output) or strings, an "
+    "InMemoryVectorStore, a vector store with a docstore (FAISS), or a retriever over one; got {}. For "
+    "another vector store, pass the Documents you added to it, in the same order."
+)
 
 
 def _documents_of(source) -> tuple[list[Document], str]:
@@ -597,7 +756,9 @@ def _documents_of(source) -> tuple[list[Document], str]:
 
 def _vector_store_documents(store: VectorStore) -> list[Document]:
     """Every Document of a vector store that can list them, in the order they were added."""
-    if isinstance(getattr(store, "store", None), dict):  # InMemoryVectorStore: id -> {"id", "vector", "text", "metadata"}
+    if isinstance(
+        getattr(store, "store", None), dict
+    ):  # InMemoryVectorStore: id -> {"id", "vector", "text", "metadata"}
         return store.get_by_ids(list(store.store))
     docstore, order = getattr(store, "docstore", None), getattr(store, "index_to_docstore_id", None)
     if hasattr(docstore, "search") and isinstance(order, dict):  # FAISS: index position -> docstore id

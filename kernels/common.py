@@ -8,6 +8,7 @@ how many of its ``block_size`` slots hold real tokens. Host code packs and unpac
 :func:`meta_phys`, :func:`meta_delta` and :func:`meta_valid`. Triton is optional here (the
 CPU reference backend needs the host half only).
 """
+
 from __future__ import annotations
 
 import torch

@@ -16,6 +16,7 @@ registers), and the default config caps registers at 128 so that 4 programs fit 
 Plan / run as in :mod:`lazyrag.kernels.prefill`: :func:`plan_decode` once per forward, :func:`run_decode` per
 layer, :func:`lazy_decode` both in one call.
 """
+
 from __future__ import annotations
 
 import functools
@@ -46,14 +47,42 @@ from .tuned import tuned as tuned_table
 
 @triton.jit
 def _lazy_decode_kernel(
-    Q, K_CACHE, V_CACHE, META, NUM_BLOCKS, TILES, NUM_TILES, COS, SIN, OUT, PART_ACC, PART_ML,
+    Q,
+    K_CACHE,
+    V_CACHE,
+    META,
+    NUM_BLOCKS,
+    TILES,
+    NUM_TILES,
+    COS,
+    SIN,
+    OUT,
+    PART_ACC,
+    PART_ML,
     qk_scale,
-    stride_qb, stride_qh,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_mb, stride_tb, stride_ob, stride_oh,
-    Hq, NUM_SPLITS,
-    G: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, ROT: tl.constexpr, ROTATE: tl.constexpr, IEEE: tl.constexpr,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_mb,
+    stride_tb,
+    stride_ob,
+    stride_oh,
+    Hq,
+    NUM_SPLITS,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    ROT: tl.constexpr,
+    ROTATE: tl.constexpr,
+    IEEE: tl.constexpr,
     ASM_INDEX: tl.constexpr,
 ):
     PREC: tl.constexpr = "ieee" if IEEE else "tf32"
@@ -78,10 +107,38 @@ def _lazy_decode_kernel(
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], dtype=tl.float32)
     meta_row = META + b.to(tl.int64) * stride_mb
-    m_i, l_i, acc = kv_tile_loop(Q + row_off, row_ok, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row,
-                                 tiles_row, t_lo, t_hi, nb, kvh,
-                                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                 BLOCK_G, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC, ROT, ROTATE, ASM_INDEX)
+    m_i, l_i, acc = kv_tile_loop(
+        Q + row_off,
+        row_ok,
+        COS,
+        SIN,
+        qk_scale,
+        m_i,
+        l_i,
+        acc,
+        K_CACHE,
+        V_CACHE,
+        meta_row,
+        tiles_row,
+        t_lo,
+        t_hi,
+        nb,
+        kvh,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_vb,
+        stride_vs,
+        stride_vh,
+        BLOCK_G,
+        BLOCK_SIZE,
+        BLOCK_N,
+        HEAD_DIM,
+        PREC,
+        ROT,
+        ROTATE,
+        ASM_INDEX,
+    )
 
     o_ptrs = OUT + (b.to(tl.int64) * stride_ob + head * stride_oh)[:, None] + offs_d[None, :]
     if not SPLIT:
@@ -144,9 +201,20 @@ class DecodePlan:
     variant: tuple | None = None
 
 
-def plan_decode(block_meta: torch.Tensor, num_blocks: torch.Tensor, *, batch: int, num_heads: int, num_kv_heads: int,
-                head_dim: int, block_size: int, dtype: torch.dtype, device: torch.device,
-                options: KernelOptions = KernelOptions(), tile_cache: dict | None = None) -> DecodePlan:
+def plan_decode(
+    block_meta: torch.Tensor,
+    num_blocks: torch.Tensor,
+    *,
+    batch: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    options: KernelOptions = KernelOptions(),
+    tile_cache: dict | None = None,
+) -> DecodePlan:
     """Every choice of a decode forward that depends on its batch only, made once for all layers: config
     (tuned_configs.json; one or two sequences, ``B * Hkv <= small_grid_programs``, are latency-bound and take
     ``small_grid_config`` and ``small_grid_rotation_mode``), rotation schedule, splits (whole waves of the SMs at the
@@ -164,9 +232,27 @@ def plan_decode(block_meta: torch.Tensor, num_blocks: torch.Tensor, *, batch: in
         block_meta = block_meta.to(torch.int64)
     if num_blocks.dtype != torch.int32 or num_blocks.device != device:
         num_blocks = num_blocks.to(device=device, dtype=torch.int32)
-    plan = DecodePlan(None, rot, options.apply_rotation, 1, None, None, (batch, num_kv_heads, 1), block_meta,
-                      num_blocks, num_heads // num_kv_heads, num_kv_heads, head_dim, block_size, dtype, on_gpu,
-                      options.decode_splits, tile_cache, options.merge, [tuple(c) for c in dt["candidates"]])
+    plan = DecodePlan(
+        None,
+        rot,
+        options.apply_rotation,
+        1,
+        None,
+        None,
+        (batch, num_kv_heads, 1),
+        block_meta,
+        num_blocks,
+        num_heads // num_kv_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        dtype,
+        on_gpu,
+        options.decode_splits,
+        tile_cache,
+        options.merge,
+        [tuple(c) for c in dt["candidates"]],
+    )
     if batch == 0:
         return plan
     config = options.decode_config
@@ -174,8 +260,18 @@ def plan_decode(block_meta: torch.Tensor, num_blocks: torch.Tensor, *, batch: in
         if not on_gpu:
             config = (16, 1, 1)
         else:
-            plan.key = ("decode", head_dim, plan.G, block_size, dtype, rot, plan.rotate, options.decode_splits,
-                        triton.next_power_of_2(batch * num_kv_heads), triton.next_power_of_2(block_meta.shape[1]))
+            plan.key = (
+                "decode",
+                head_dim,
+                plan.G,
+                block_size,
+                dtype,
+                rot,
+                plan.rotate,
+                options.decode_splits,
+                triton.next_power_of_2(batch * num_kv_heads),
+                triton.next_power_of_2(block_meta.shape[1]),
+            )
             config = known_config(plan.key, tuple(dt["small_grid_config"] if small_grid else dt["config"]))
     if config is not None:
         _layout(plan, tuple(config), device)
@@ -203,8 +299,16 @@ def _layout(plan: DecodePlan, cfg: tuple, device: torch.device) -> None:
     plan.grid = (B, plan.Hkv, plan.splits)
 
 
-def run_decode(plan: DecodePlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rope_cos: torch.Tensor,
-               rope_sin: torch.Tensor, sm_scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+def run_decode(
+    plan: DecodePlan,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    rope_cos: torch.Tensor,
+    rope_sin: torch.Tensor,
+    sm_scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One layer's decode attention under ``plan`` (see :func:`lazy_decode` for the arguments)."""
     B, Hq, D = q.shape
     assert B == plan.grid[0] and Hq == plan.G * plan.Hkv and D == plan.head_dim
@@ -221,6 +325,7 @@ def run_decode(plan: DecodePlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache
     qk_scale = float(sm_scale) * 1.4426950408889634
     args = (q, k_cache, v_cache, rope_cos, rope_sin, qk_scale, out)
     if plan.config is None:  # autotuning (LAZYRAG_KERNEL_AUTOTUNE=1): each candidate timed on this layer's tensors
+
         def trial(cfg):
             _layout(plan, tuple(cfg), q.device)
             _launch(plan, *args)
@@ -237,28 +342,77 @@ def _launch(plan: DecodePlan, q, k_cache, v_cache, rope_cos, rope_sin, qk_scale,
     part_acc, part_ml = workspace.split_partials("decode", B, Hq, splits, D, q.device, out)
     extra = {"maxnreg": maxnreg} if (plan.on_gpu and maxnreg) else {}
     compiled = _lazy_decode_kernel[plan.grid](
-        q, k_cache, v_cache, plan.block_meta, plan.num_blocks, plan.tiles, plan.n_tiles, rope_cos, rope_sin, out,
-        part_acc, part_ml, qk_scale,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        plan.block_meta.stride(0), plan.tiles.stride(0), out.stride(0), out.stride(1),
-        Hq, splits,
-        G=plan.G, BLOCK_G=max(16, triton.next_power_of_2(plan.G)), HEAD_DIM=D, BLOCK_SIZE=plan.block_size,
-        BLOCK_N=bn, SPLIT=splits > 1, ROT=plan.rot, ROTATE=plan.rotate, IEEE=q.dtype == torch.float32,
-        ASM_INDEX=plan.on_gpu, num_warps=warps, num_stages=stages, **extra,
+        q,
+        k_cache,
+        v_cache,
+        plan.block_meta,
+        plan.num_blocks,
+        plan.tiles,
+        plan.n_tiles,
+        rope_cos,
+        rope_sin,
+        out,
+        part_acc,
+        part_ml,
+        qk_scale,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        plan.block_meta.stride(0),
+        plan.tiles.stride(0),
+        out.stride(0),
+        out.stride(1),
+        Hq,
+        splits,
+        G=plan.G,
+        BLOCK_G=max(16, triton.next_power_of_2(plan.G)),
+        HEAD_DIM=D,
+        BLOCK_SIZE=plan.block_size,
+        BLOCK_N=bn,
+        SPLIT=splits > 1,
+        ROT=plan.rot,
+        ROTATE=plan.rotate,
+        IEEE=q.dtype == torch.float32,
+        ASM_INDEX=plan.on_gpu,
+        num_warps=warps,
+        num_stages=stages,
+        **extra,
     )
-    record_launch("decode", f"decode rot={plan.rot} rotate={plan.rotate} bn={bn} w={warps} s={stages} "
-                  f"maxnreg={maxnreg} split={splits > 1}", compiled, warps, plan.grid, splits, plan.variant)
+    record_launch(
+        "decode",
+        f"decode rot={plan.rot} rotate={plan.rotate} bn={bn} w={warps} s={stages} maxnreg={maxnreg} split={splits > 1}",
+        compiled,
+        warps,
+        plan.grid,
+        splits,
+        plan.variant,
+    )
     if splits > 1:
         merge_split_partials(plan, part_acc, part_ml, out)
 
 
-def lazy_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_meta: torch.Tensor,
-                num_blocks: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, sm_scale: float,
-                apply_rotation: bool = True, num_splits: int | None = None, config: tuple | None = None,
-                out: torch.Tensor | None = None, tile_cache: dict | None = None, rotation_mode: int | None = None,
-                tuned: dict | None = None) -> torch.Tensor:
+def lazy_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_meta: torch.Tensor,
+    num_blocks: torch.Tensor,
+    rope_cos: torch.Tensor,
+    rope_sin: torch.Tensor,
+    sm_scale: float,
+    apply_rotation: bool = True,
+    num_splits: int | None = None,
+    config: tuple | None = None,
+    out: torch.Tensor | None = None,
+    tile_cache: dict | None = None,
+    rotation_mode: int | None = None,
+    tuned: dict | None = None,
+) -> torch.Tensor:
     """Triton version of :func:`lazyrag.kernels.reference.lazy_decode_reference`: :func:`plan_decode` and
     :func:`run_decode` in one call (tests, benchmarks; the engine plans once per forward).
 
@@ -267,9 +421,24 @@ def lazy_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, b
     ``rotation_mode``: 2, 5 or 7 (``kvloop.kv_tile_loop``'s ROT); ``tuned``: merged over the device's tuned table
     (these are :class:`kvloop.KernelOptions`' ``decode_*`` fields). ``tile_cache``: a dict that lives as long as
     ``block_meta``/``num_blocks`` (one forward pass), so the tile table is built once for all layers."""
-    options = KernelOptions(decode_config=config, decode_rotation_mode=rotation_mode, decode_splits=num_splits,
-                            apply_rotation=apply_rotation, tuned=tuned)
-    plan = plan_decode(block_meta, num_blocks, batch=q.shape[0], num_heads=q.shape[1], num_kv_heads=k_cache.shape[2],
-                       head_dim=q.shape[2], block_size=k_cache.shape[1], dtype=q.dtype, device=q.device,
-                       options=options, tile_cache=tile_cache)
+    options = KernelOptions(
+        decode_config=config,
+        decode_rotation_mode=rotation_mode,
+        decode_splits=num_splits,
+        apply_rotation=apply_rotation,
+        tuned=tuned,
+    )
+    plan = plan_decode(
+        block_meta,
+        num_blocks,
+        batch=q.shape[0],
+        num_heads=q.shape[1],
+        num_kv_heads=k_cache.shape[2],
+        head_dim=q.shape[2],
+        block_size=k_cache.shape[1],
+        dtype=q.dtype,
+        device=q.device,
+        options=options,
+        tile_cache=tile_cache,
+    )
     return run_decode(plan, q, k_cache, v_cache, rope_cos, rope_sin, sm_scale, out=out)

@@ -10,6 +10,7 @@ Numerics as the fused GEMV prologues of ``kernels/gemv.py`` and as Inductor fuse
 is rounded to the model dtype (it is the next residual stream), so is the normalised row before the
 norm weight multiplies it (transformers' Llama order); ``silu(gate) * up`` is rounded once.
 """
+
 from __future__ import annotations
 
 import torch
@@ -66,14 +67,16 @@ def silu_mul(gate_up: torch.Tensor, inter: int) -> torch.Tensor:
     # >= ~64 programs even for one token (a few wide programs were slower at T = 1: NOTES §Kernels, round 5)
     block = max(256, min(2048, triton.next_power_of_2(triton.cdiv(T * inter, 64))))
     block = min(block, triton.next_power_of_2(inter))
-    _silu_mul_kernel[(T, triton.cdiv(inter, block))](gate_up, out, gate_up.stride(0), out.stride(0), inter,
-                                                     BLOCK=block, num_warps=4)
+    _silu_mul_kernel[(T, triton.cdiv(inter, block))](
+        gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4
+    )
     return out
 
 
 @triton.jit
-def _rms_norm_kernel(X, R, W, H_OUT, Y, stride_x, stride_r, stride_h, stride_y, H, eps,
-                     ADD: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(
+    X, R, W, H_OUT, Y, stride_x, stride_r, stride_h, stride_y, H, eps, ADD: tl.constexpr, BLOCK: tl.constexpr
+):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < H
@@ -94,8 +97,22 @@ def _norm(x, residual, weight, eps):
     if T:
         block = triton.next_power_of_2(H)
         r = residual if residual is not None else x
-        _rms_norm_kernel[(T,)](x, r, weight, h, y, x.stride(0), r.stride(0), h.stride(0), y.stride(0), H, float(eps),
-                               ADD=residual is not None, BLOCK=block, num_warps=max(1, min(8, block // 512)))
+        _rms_norm_kernel[(T,)](
+            x,
+            r,
+            weight,
+            h,
+            y,
+            x.stride(0),
+            r.stride(0),
+            h.stride(0),
+            y.stride(0),
+            H,
+            float(eps),
+            ADD=residual is not None,
+            BLOCK=block,
+            num_warps=max(1, min(8, block // 512)),
+        )
     return h, y
 
 

@@ -19,6 +19,7 @@ fp32 partial into a ``[SPLIT_K, M, N]`` workspace and a small second kernel sums
 and casts. Two launches; fp32 atomics would need a zeroed buffer first and, for a bf16 output, a cast after
 (three), and would sum in a varying order.
 """
+
 from __future__ import annotations
 
 import functools
@@ -33,9 +34,9 @@ MAX_M = 64
 
 
 # Configs (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K) per (N, K, BLOCK_M), the default and the candidates
-# that benchmarks/e2e_sweep.py ("skinny"; archived at 32eec34) timed: tuned_configs.json's "gemm". The candidates are picked for residency
-# at BLOCK_M = 64 (shared memory is stages x (BLOCK_N + 64) x BLOCK_K x 2 B; two programs an SM up to ~113 KB) and
-# enough bytes in flight (NOTES §Kernels, round 6). No shape measured yet.
+# that benchmarks/e2e_sweep.py ("skinny"; archived at 32eec34) timed: tuned_configs.json's "gemm". The candidates are
+# picked for residency at BLOCK_M = 64 (shared memory is stages x (BLOCK_N + 64) x BLOCK_K x 2 B; two programs an SM up
+# to ~113 KB) and enough bytes in flight (NOTES §Kernels, round 6). No shape measured yet.
 @functools.lru_cache(maxsize=None)
 def _tuned(device: torch.device) -> tuple[dict, tuple]:
     t = tuned(device)["gemm"]
@@ -58,9 +59,23 @@ def block_m(m: int) -> int:
 
 @triton.jit
 def _skinny_kernel(
-    X, W, B, Y, M, N, K, stride_xm, stride_wn, stride_ys, stride_ym,
-    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    X,
+    W,
+    B,
+    Y,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ys,
+    stride_ym,
+    HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output columns = weight rows
@@ -94,8 +109,13 @@ def _sum_splits_kernel(P, B, Y, N, MN, HAS_BIAS: tl.constexpr, SPLIT_K: tl.const
     tl.store(Y + i, y.to(Y.dtype.element_ty), mask=ok)
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: tuple[int, int, int, int, int] | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: tuple[int, int, int, int, int] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for x ``[M, K]``, 1 <= M <= 64, weight ``[N, K]`` (nn.Linear's layout);
     fp32 accumulation. Returns y ``[M, N]`` in x's dtype (into ``out``, contiguous, where given)."""
     m, k = x.shape
@@ -110,13 +130,29 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     part = y if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
     has_bias = bias is not None
     _skinny_kernel[(triton.cdiv(n, block_n), split)](
-        x, weight, bias if has_bias else weight, part, m, n, k, x.stride(0), weight.stride(0),
-        m * n if split > 1 else 0, n,
-        HAS_BIAS=has_bias and split == 1, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split, num_warps=warps, num_stages=stages,
+        x,
+        weight,
+        bias if has_bias else weight,
+        part,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        m * n if split > 1 else 0,
+        n,
+        HAS_BIAS=has_bias and split == 1,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        BLOCK_M=bm,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        SPLIT_K=split,
+        num_warps=warps,
+        num_stages=stages,
     )
     if split > 1:
         block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](part, bias if has_bias else part, y, n, m * n,
-                                                          HAS_BIAS=has_bias, SPLIT_K=split, BLOCK=block)
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](
+            part, bias if has_bias else part, y, n, m * n, HAS_BIAS=has_bias, SPLIT_K=split, BLOCK=block
+        )
     return y

@@ -17,6 +17,7 @@ in a ``tl.range`` loop given num_stages).
 Numerics follow the unfused path: h and the normed / gated x are rounded to the model dtype before
 the product (as the separate kernel's output would be); the dot accumulates in fp32.
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,9 +32,9 @@ from .tuned import tuned
 PLAIN, NORM, ADD_NORM, SILU = 0, 1, 2, 3
 
 # Configs (BLOCK_N, BLOCK_K, num_warps[, num_stages]) per (N, K, prologue), the default and the candidates that
-# benchmarks/e2e_sweep.py (archived at 32eec34) timed: tuned_configs.json's "gemv" (NOTES §Kernels, rounds 5-6). BLOCK_K >= K is the
-# one-shot path (a program loads its whole [BLOCK_N, K] weight strip at once, no loop); else the K loop runs with
-# num_stages (1: plain). A 3-tuple reads as num_stages=1.
+# benchmarks/e2e_sweep.py (archived at 32eec34) timed: tuned_configs.json's "gemv" (NOTES §Kernels, rounds 5-6). BLOCK_K
+# >= K is the one-shot path (a program loads its whole [BLOCK_N, K] weight strip at once, no loop); else the K loop runs
+# with num_stages (1: plain). A 3-tuple reads as num_stages=1.
 
 
 @functools.lru_cache(maxsize=None)
@@ -78,7 +79,9 @@ def _h_rstd(X, R, H_OUT, pid, K, eps, ADD: tl.constexpr, K_PAD: tl.constexpr):
     k_ok = k < K
     h = _h(X, R, k, k_ok, ADD)
     if ADD:
-        tl.store(H_OUT + k, h.to(X.dtype.element_ty), mask=k_ok & (pid + k * 0 == 0))  # a tensor mask: the interpreter rejects scalar ones
+        tl.store(
+            H_OUT + k, h.to(X.dtype.element_ty), mask=k_ok & (pid + k * 0 == 0)
+        )  # a tensor mask: the interpreter rejects scalar ones
     return h, inv_rms(h, K, eps)
 
 
@@ -98,9 +101,26 @@ def _x(X, R, NW, k, k_ok, K, rstd, NORMED: tl.constexpr, ADD: tl.constexpr, GATE
 
 @triton.jit
 def _gemv_kernel(
-    X, R, NW, W, B, Y, H_OUT, N, K, stride_w, eps,
-    NORMED: tl.constexpr, ADD: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_PAD: tl.constexpr, ONE_SHOT: tl.constexpr, NUM_STAGES: tl.constexpr,
+    X,
+    R,
+    NW,
+    W,
+    B,
+    Y,
+    H_OUT,
+    N,
+    K,
+    stride_w,
+    eps,
+    NORMED: tl.constexpr,
+    ADD: tl.constexpr,
+    GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    K_PAD: tl.constexpr,
+    ONE_SHOT: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
@@ -109,8 +129,8 @@ def _gemv_kernel(
     cols = tl.arange(0, BLOCK_K)
     # ONE_SHOT: BLOCK_K = K_PAD >= K, the whole [BLOCK_N, K] strip issued before anything waits on memory. ptxas
     # still decides the SASS order: where it can reach a lower register tier it sinks loads below the first
-    # products (rounds of loads; benchmarks/gemv_ptx.py, archived at 32eec34, shows the order), so the candidates are those it keeps
-    # upfront. A CTA barrier does not pin them: ptxas hoists the math above it.
+    # products (rounds of loads; benchmarks/gemv_ptx.py, archived at 32eec34, shows the order), so the candidates are
+    # those it keeps upfront. A CTA barrier does not pin them: ptxas hoists the math above it.
     if ONE_SHOT:
         k_ok = cols < K
         w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
@@ -140,9 +160,18 @@ def _gemv_kernel(
     tl.store(Y + rows, y.to(Y.dtype.element_ty), mask=row_ok)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, prologue: int = PLAIN,
-         residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-         config: tuple[int, ...] | None = None, out: torch.Tensor | None = None):
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    prologue: int = PLAIN,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    config: tuple[int, ...] | None = None,
+    out: torch.Tensor | None = None,
+):
     """``F.linear(pre(x), weight, bias)`` for one row, ``pre`` the prologue.
 
     x: ``[1, K]`` (``[1, 2K]`` gate|up for SILU); weight ``[N, K]``; residual, norm_weight ``[K]``-like.
@@ -155,10 +184,26 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     h = torch.empty(1, k, dtype=x.dtype, device=x.device) if prologue == ADD_NORM else y
     block_n, block_k, warps, stages = resolve(config or config_for(n, k, prologue, x.device), k)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, residual if residual is not None else x, norm_weight if norm_weight is not None else x, weight,
-        bias if bias is not None else weight, y, h, n, k, weight.stride(0), float(eps),
-        NORMED=prologue in (NORM, ADD_NORM), ADD=prologue == ADD_NORM, GATED=prologue == SILU, HAS_BIAS=bias is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, K_PAD=triton.next_power_of_2(k), ONE_SHOT=block_k >= k, NUM_STAGES=stages,
+        x,
+        residual if residual is not None else x,
+        norm_weight if norm_weight is not None else x,
+        weight,
+        bias if bias is not None else weight,
+        y,
+        h,
+        n,
+        k,
+        weight.stride(0),
+        float(eps),
+        NORMED=prologue in (NORM, ADD_NORM),
+        ADD=prologue == ADD_NORM,
+        GATED=prologue == SILU,
+        HAS_BIAS=bias is not None,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        K_PAD=triton.next_power_of_2(k),
+        ONE_SHOT=block_k >= k,
+        NUM_STAGES=stages,
         num_warps=warps,
     )
     return (h, y) if prologue == ADD_NORM else y

@@ -14,6 +14,7 @@ forward pass (the attention backend caches it per batch metadata). The Hopper pr
 (prefill_wgmma.py) walks *packed* tiles instead (``tile_table(packed=True)``, ``_packed_tile_table_kernel``):
 ``PAGES`` blocks a tile across document boundaries; it rotates the keys of a mixed tile itself.
 """
+
 from __future__ import annotations
 
 import functools
@@ -64,8 +65,17 @@ def _next_segment_pass(tiles_row, n_tiles, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _tile_table_kernel(META, NUM_BLOCKS, TILES, NUM_TILES, stride_mb, stride_tb,
-                       PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr):
+def _tile_table_kernel(
+    META,
+    NUM_BLOCKS,
+    TILES,
+    NUM_TILES,
+    stride_mb,
+    stride_tb,
+    PAGES: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     """One program per sequence. TILES[b] holds one row of TILE_FIELDS int32 per tile: (first block,
     first tile of the next segment, valid keys, delta); the row after the last tile starts with the
     number of blocks (sentinel). NUM_TILES[b] = n. A segment here is a run of blocks with one delta
@@ -127,8 +137,17 @@ def _packed_tile(meta_row, u, nb, ok, PAGES: tl.constexpr, BLOCK_SIZE: tl.conste
 
 
 @triton.jit
-def _packed_tile_table_kernel(META, NUM_BLOCKS, TILES, NUM_TILES, stride_mb, stride_tb,
-                              PAGES: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr):
+def _packed_tile_table_kernel(
+    META,
+    NUM_BLOCKS,
+    TILES,
+    NUM_TILES,
+    stride_mb,
+    stride_tb,
+    PAGES: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     """One program per sequence, CHUNK tiles at a time. Packed tiles: tile u is blocks [u * PAGES, (u + 1) * PAGES)
     whatever documents they hold. Row u: (first block, first tile of the next segment, keys, delta of the first
     block), where keys is the tile's valid-key count if its blocks share one delta and its valid keys are a prefix,
@@ -160,8 +179,14 @@ def _packed_tile_table_kernel(META, NUM_BLOCKS, TILES, NUM_TILES, stride_mb, str
     _next_segment_pass(tiles_row, n_tiles, CHUNK)
 
 
-def tile_table(block_meta: torch.Tensor, num_blocks: torch.Tensor, pages: int, block_size: int,
-               cache: dict | None = None, packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def tile_table(
+    block_meta: torch.Tensor,
+    num_blocks: torch.Tensor,
+    pages: int,
+    block_size: int,
+    cache: dict | None = None,
+    packed: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Segment-aligned tiles of at most ``pages`` blocks: (tiles [B, W + 1, TILE_FIELDS] int32 of
     (first block, first tile of the next segment, valid keys, delta), n_tiles [B] int32); see
     _tile_table_kernel. ``packed``: tiles of ``pages`` blocks across document boundaries instead
@@ -180,13 +205,32 @@ def tile_table(block_meta: torch.Tensor, num_blocks: torch.Tensor, pages: int, b
     if B:
         if packed:
             chunk = 16 if interpreting() else max(16, min(256, triton.next_power_of_2(triton.cdiv(W, pages))))
-            _packed_tile_table_kernel[(B,)](block_meta, num_blocks, tiles, n_tiles, block_meta.stride(0),
-                                            tiles.stride(0), PAGES=pages, BLOCK_SIZE=block_size, CHUNK=chunk,
-                                            num_warps=4)
+            _packed_tile_table_kernel[(B,)](
+                block_meta,
+                num_blocks,
+                tiles,
+                n_tiles,
+                block_meta.stride(0),
+                tiles.stride(0),
+                PAGES=pages,
+                BLOCK_SIZE=block_size,
+                CHUNK=chunk,
+                num_warps=4,
+            )
         else:
             chunk = 16 if interpreting() else max(16, min(1024, triton.next_power_of_2(W)))
-            _tile_table_kernel[(B,)](block_meta, num_blocks, tiles, n_tiles, block_meta.stride(0), tiles.stride(0),
-                                     PAGES=pages, BLOCK_SIZE=block_size, CHUNK=chunk, num_warps=4)
+            _tile_table_kernel[(B,)](
+                block_meta,
+                num_blocks,
+                tiles,
+                n_tiles,
+                block_meta.stride(0),
+                tiles.stride(0),
+                PAGES=pages,
+                BLOCK_SIZE=block_size,
+                CHUNK=chunk,
+                num_warps=4,
+            )
     if cache is not None:
         cache[key] = (tiles, n_tiles)
     return tiles, n_tiles
@@ -206,11 +250,21 @@ def load_index(ptrs, mask, ASM: tl.constexpr):
         if ptrs.dtype.element_ty == tl.int64:
             return tl.inline_asm_elementwise(
                 "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b64 $0, 0; @p ld.global.nc.b64 $0, [$1]; }",
-                "=l,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int64, is_pure=True, pack=1)
+                "=l,l,r",
+                [ptrs, mask.to(tl.int32)],
+                dtype=tl.int64,
+                is_pure=True,
+                pack=1,
+            )
         else:
             return tl.inline_asm_elementwise(
                 "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.nc.b32 $0, [$1]; }",
-                "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=True, pack=1)
+                "=r,l,r",
+                [ptrs, mask.to(tl.int32)],
+                dtype=tl.int32,
+                is_pure=True,
+                pack=1,
+            )
     else:
         return tl.load(ptrs, mask=mask, other=0)
 
@@ -260,23 +314,65 @@ def rotated_q(q_rows, row_ok, COS, SIN, delta, scale, ROWS: tl.constexpr, HEAD_D
 
 
 @triton.jit
-def _paged_tile(q, m_i, l_i, acc, K_CACHE, V_CACHE, phys, slot, kv_ok, kvh,
-                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                HEAD_DIM: tl.constexpr, PREC: tl.constexpr):
+def _paged_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    K_CACHE,
+    V_CACHE,
+    phys,
+    slot,
+    kv_ok,
+    kvh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    HEAD_DIM: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """Online softmax over one KV tile gathered from the paged cache: key n is slot ``slot[n]`` of physical
     block ``phys[n]``, read where ``kv_ok[n]``."""
     offs_d = tl.arange(0, HEAD_DIM)
-    k = tl.load(K_CACHE + (phys * stride_kb + slot * stride_ks + kvh * stride_kh)[:, None] + offs_d[None, :],
-                mask=kv_ok[:, None], other=0.0)
-    v = tl.load(V_CACHE + (phys * stride_vb + slot * stride_vs + kvh * stride_vh)[:, None] + offs_d[None, :],
-                mask=kv_ok[:, None], other=0.0)
+    k = tl.load(
+        K_CACHE + (phys * stride_kb + slot * stride_ks + kvh * stride_kh)[:, None] + offs_d[None, :],
+        mask=kv_ok[:, None],
+        other=0.0,
+    )
+    v = tl.load(
+        V_CACHE + (phys * stride_vb + slot * stride_vs + kvh * stride_vh)[:, None] + offs_d[None, :],
+        mask=kv_ok[:, None],
+        other=0.0,
+    )
     return softmax_step(q, k, v, kv_ok[None, :], m_i, l_i, acc, PREC)
 
 
 @triton.jit
-def _kv_tile(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, s0, s1, kvh,
-             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-             BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PREC: tl.constexpr):
+def _kv_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    K_CACHE,
+    V_CACHE,
+    meta_row,
+    s0,
+    s1,
+    kvh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """Online softmax over the blocks [s0, s1) (at most BLOCK_N // BLOCK_SIZE of them)."""
     offs_n = tl.arange(0, BLOCK_N)
     slot = offs_n % BLOCK_SIZE
@@ -285,20 +381,75 @@ def _kv_tile(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, s0, s1, kvh,
     # one int64 per page: physical id, delta and valid length in a single load
     meta = tl.load(meta_row + page, mask=page_ok, other=0)
     kv_ok = page_ok & (slot < meta_valid(meta))
-    return _paged_tile(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_phys(meta), slot, kv_ok, kvh,
-                       stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, HEAD_DIM, PREC)
+    return _paged_tile(
+        q,
+        m_i,
+        l_i,
+        acc,
+        K_CACHE,
+        V_CACHE,
+        meta_phys(meta),
+        slot,
+        kv_ok,
+        kvh,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_vb,
+        stride_vs,
+        stride_vh,
+        HEAD_DIM,
+        PREC,
+    )
 
 
 @triton.jit
-def _prefix_tile(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, s0, kv_ok, kvh,
-                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PREC: tl.constexpr,
-                 ASM_INDEX: tl.constexpr):
+def _prefix_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    K_CACHE,
+    V_CACHE,
+    meta_row,
+    s0,
+    kv_ok,
+    kvh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PREC: tl.constexpr,
+    ASM_INDEX: tl.constexpr,
+):
     """Online softmax over one tile-table tile: blocks from ``s0`` on, keys ``kv_ok`` (a prefix)."""
     offs_n = tl.arange(0, BLOCK_N)
     phys = meta_phys(load_index(meta_row + s0 + offs_n // BLOCK_SIZE, kv_ok, ASM_INDEX))
-    return _paged_tile(q, m_i, l_i, acc, K_CACHE, V_CACHE, phys, offs_n % BLOCK_SIZE, kv_ok, kvh,
-                       stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, HEAD_DIM, PREC)
+    return _paged_tile(
+        q,
+        m_i,
+        l_i,
+        acc,
+        K_CACHE,
+        V_CACHE,
+        phys,
+        offs_n % BLOCK_SIZE,
+        kv_ok,
+        kvh,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_vb,
+        stride_vs,
+        stride_vh,
+        HEAD_DIM,
+        PREC,
+    )
 
 
 @triton.jit
@@ -311,11 +462,38 @@ def split_tile_range(NUM_TILES, b, split, NUM_SPLITS):
 
 
 @triton.jit
-def kv_tile_loop(q_rows, row_ok, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, tiles_row,
-                 t_lo, t_hi, nb, kvh,
-                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                 ROWS: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 PREC: tl.constexpr, ROT: tl.constexpr, ROTATE: tl.constexpr, ASM_INDEX: tl.constexpr = False):
+def kv_tile_loop(
+    q_rows,
+    row_ok,
+    COS,
+    SIN,
+    qk_scale,
+    m_i,
+    l_i,
+    acc,
+    K_CACHE,
+    V_CACHE,
+    meta_row,
+    tiles_row,
+    t_lo,
+    t_hi,
+    nb,
+    kvh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    ROWS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PREC: tl.constexpr,
+    ROT: tl.constexpr,
+    ROTATE: tl.constexpr,
+    ASM_INDEX: tl.constexpr = False,
+):
     """Online softmax of ``ROWS`` query rows (pointers ``q_rows`` to their first feature) over the tile-table
     tiles [t_lo, t_hi) of one sequence.
 
@@ -354,9 +532,29 @@ def kv_tile_loop(q_rows, row_ok, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_C
             else:
                 if t == t_lo:
                     q = (tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32) * qk_scale).to(dtype)
-            m_i, l_i, acc = _prefix_tile(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, s0, kv_ok, kvh,
-                                         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                         BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC, ASM_INDEX)
+            m_i, l_i, acc = _prefix_tile(
+                q,
+                m_i,
+                l_i,
+                acc,
+                K_CACHE,
+                V_CACHE,
+                meta_row,
+                s0,
+                kv_ok,
+                kvh,
+                stride_kb,
+                stride_ks,
+                stride_kh,
+                stride_vb,
+                stride_vs,
+                stride_vh,
+                BLOCK_SIZE,
+                BLOCK_N,
+                HEAD_DIM,
+                PREC,
+                ASM_INDEX,
+            )
     elif ROT == 7:
         offs_n = tl.arange(0, BLOCK_N)
         t = t_lo
@@ -372,9 +570,29 @@ def kv_tile_loop(q_rows, row_ok, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_C
                 live = u < t_next  # see load_index_scalar
                 s0 = load_index_scalar(row, live, ASM_INDEX)
                 kv_ok = offs_n < load_index_scalar(row + 2, live, ASM_INDEX)
-                m_i, l_i, acc = _prefix_tile(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, s0, kv_ok, kvh,
-                                             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                             BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC, ASM_INDEX)
+                m_i, l_i, acc = _prefix_tile(
+                    q,
+                    m_i,
+                    l_i,
+                    acc,
+                    K_CACHE,
+                    V_CACHE,
+                    meta_row,
+                    s0,
+                    kv_ok,
+                    kvh,
+                    stride_kb,
+                    stride_ks,
+                    stride_kh,
+                    stride_vb,
+                    stride_vs,
+                    stride_vh,
+                    BLOCK_SIZE,
+                    BLOCK_N,
+                    HEAD_DIM,
+                    PREC,
+                    ASM_INDEX,
+                )
             t = t_next
     else:  # ROT == 2
         q = (tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32) * qk_scale).to(dtype)
@@ -390,16 +608,44 @@ def kv_tile_loop(q_rows, row_ok, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_C
             else:
                 if t == t_lo:
                     q = (tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32) * qk_scale).to(dtype)
-            m_i, l_i, acc = _kv_tile(q, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row, s0, s1, kvh,
-                                     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                     BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC)
+            m_i, l_i, acc = _kv_tile(
+                q,
+                m_i,
+                l_i,
+                acc,
+                K_CACHE,
+                V_CACHE,
+                meta_row,
+                s0,
+                s1,
+                kvh,
+                stride_kb,
+                stride_ks,
+                stride_kh,
+                stride_vb,
+                stride_vs,
+                stride_vh,
+                BLOCK_SIZE,
+                BLOCK_N,
+                HEAD_DIM,
+                PREC,
+            )
     return m_i, l_i, acc
 
 
 @triton.jit
 def merge_splits_kernel(
-    PART_ACC, PART_ML, OUT, stride_ob, stride_oh, Hq, n_rows, NUM_SPLITS,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, ROWS: tl.constexpr,
+    PART_ACC,
+    PART_ML,
+    OUT,
+    stride_ob,
+    stride_oh,
+    Hq,
+    n_rows,
+    NUM_SPLITS,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
     """Combine split partials [R0, Hq, NUM_SPLITS, (D | 2)] (unnormalised acc, base-2 max m,
     sum l) into OUT[r0, h]. Used by split decode (r0 = sequence) and split prefill (r0 = token).
@@ -431,8 +677,19 @@ def merge_splits(part_acc, part_ml, out, splits: int, rows: int | None = None, n
         num_warps = num_warps or (m["warps"] if D >= 128 else max(1, m["warps"] // 2))
     n_rows = R * Hq
     merge_splits_kernel[(triton.cdiv(n_rows, rows),)](
-        part_acc, part_ml, out, out.stride(0), out.stride(1), Hq, n_rows, splits,
-        HEAD_DIM=D, BLOCK_S=triton.next_power_of_2(splits), ROWS=rows, num_warps=num_warps)
+        part_acc,
+        part_ml,
+        out,
+        out.stride(0),
+        out.stride(1),
+        Hq,
+        n_rows,
+        splits,
+        HEAD_DIM=D,
+        BLOCK_S=triton.next_power_of_2(splits),
+        ROWS=rows,
+        num_warps=num_warps,
+    )
 
 
 # ---------------------------------------------------------------- launch helpers
@@ -549,8 +806,13 @@ def record_launch(kind: str, name: str, compiled, num_warps: int, grid, splits: 
     if entry is None and getattr(compiled, "n_regs", 0):
         regs = compiled.n_regs
         shared = int(getattr(compiled.metadata, "shared", 0) or 0)
-        entry = kernel_resources[name] = dict(regs=regs, spills=getattr(compiled, "n_spills", 0) or 0, shared=shared,
-                                              num_warps=num_warps, blocks_per_sm=blocks_per_sm(regs, num_warps, shared))
+        entry = kernel_resources[name] = dict(
+            regs=regs,
+            spills=getattr(compiled, "n_spills", 0) or 0,
+            shared=shared,
+            num_warps=num_warps,
+            blocks_per_sm=blocks_per_sm(regs, num_warps, shared),
+        )
     if entry is not None and variant is not None:
         _occupancy.setdefault(variant, entry["blocks_per_sm"])
 
@@ -582,8 +844,10 @@ class Workspace:
         ``out`` then (passed, never read)."""
         if splits == 1:
             return out, out
-        return (self.get(f"{name}_acc", (rows, heads, splits, head_dim), torch.float32, device),
-                self.get(f"{name}_ml", (rows, heads, splits, 2), torch.float32, device))
+        return (
+            self.get(f"{name}_acc", (rows, heads, splits, head_dim), torch.float32, device),
+            self.get(f"{name}_ml", (rows, heads, splits, 2), torch.float32, device),
+        )
 
 
 workspace = Workspace()

@@ -22,6 +22,7 @@ Plan / run: :func:`plan_prefill` makes every choice of a forward pass once (kern
 splits, tile table: they depend on the batch's metadata only); :func:`run_prefill` launches one layer with it.
 :func:`lazy_prefill` is both in one call.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -53,15 +54,50 @@ from .tuned import tuned as tuned_table
 
 @triton.jit
 def _lazy_prefill_kernel(
-    Q, K_NEW, V_NEW, CU_SEQLENS, K_CACHE, V_CACHE, META, NUM_CTX, TILES, NUM_TILES, COS, SIN, OUT, PART_ACC, PART_ML,
+    Q,
+    K_NEW,
+    V_NEW,
+    CU_SEQLENS,
+    K_CACHE,
+    V_CACHE,
+    META,
+    NUM_CTX,
+    TILES,
+    NUM_TILES,
+    COS,
+    SIN,
+    OUT,
+    PART_ACC,
+    PART_ML,
     qk_scale,
-    stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_mb, stride_tb, stride_ot, stride_oh,
-    Hq, NUM_SPLITS,
-    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-    ROT: tl.constexpr, ROTATE: tl.constexpr, IEEE: tl.constexpr, ASM_INDEX: tl.constexpr,
+    stride_qt,
+    stride_qh,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_mb,
+    stride_tb,
+    stride_ot,
+    stride_oh,
+    Hq,
+    NUM_SPLITS,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    ROT: tl.constexpr,
+    ROTATE: tl.constexpr,
+    IEEE: tl.constexpr,
+    ASM_INDEX: tl.constexpr,
 ):
     TOK: tl.constexpr = BLOCK_M // G  # query tokens per tile
     PREC: tl.constexpr = "ieee" if IEEE else "tf32"
@@ -102,10 +138,38 @@ def _lazy_prefill_kernel(
     tiles_row = TILES + b.to(tl.int64) * stride_tb
     n_ctx = tl.load(NUM_CTX + b).to(tl.int32)
     t_lo, t_hi = split_tile_range(NUM_TILES, b, split, NUM_SPLITS)
-    m_i, l_i, acc = kv_tile_loop(Q + row_off, row_ok, COS, SIN, qk_scale, m_i, l_i, acc, K_CACHE, V_CACHE, meta_row,
-                                 tiles_row, t_lo, t_hi, n_ctx, kvh,
-                                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                                 BLOCK_M, BLOCK_SIZE, BLOCK_N, HEAD_DIM, PREC, ROT, ROTATE, ASM_INDEX)
+    m_i, l_i, acc = kv_tile_loop(
+        Q + row_off,
+        row_ok,
+        COS,
+        SIN,
+        qk_scale,
+        m_i,
+        l_i,
+        acc,
+        K_CACHE,
+        V_CACHE,
+        meta_row,
+        tiles_row,
+        t_lo,
+        t_hi,
+        n_ctx,
+        kvh,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_vb,
+        stride_vs,
+        stride_vh,
+        BLOCK_M,
+        BLOCK_SIZE,
+        BLOCK_N,
+        HEAD_DIM,
+        PREC,
+        ROT,
+        ROTATE,
+        ASM_INDEX,
+    )
 
     # -- stage 2: the sequence's new tokens (true positions, delta 0), causal; the last split
     # (whose context share is the smallest) does it. Keys before the tile's first token are
@@ -124,10 +188,16 @@ def _lazy_prefill_kernel(
             kn = j0 + offs_n
             kn_ok = kn < seq_len
             kn_off = (seq_start + kn).to(tl.int64)
-            k = tl.load(K_NEW + (kn_off * stride_knt + kvh * stride_knh)[:, None] + offs_d[None, :],
-                        mask=kn_ok[:, None], other=0.0)
-            v = tl.load(V_NEW + (kn_off * stride_vnt + kvh * stride_vnh)[:, None] + offs_d[None, :],
-                        mask=kn_ok[:, None], other=0.0)
+            k = tl.load(
+                K_NEW + (kn_off * stride_knt + kvh * stride_knh)[:, None] + offs_d[None, :],
+                mask=kn_ok[:, None],
+                other=0.0,
+            )
+            v = tl.load(
+                V_NEW + (kn_off * stride_vnt + kvh * stride_vnh)[:, None] + offs_d[None, :],
+                mask=kn_ok[:, None],
+                other=0.0,
+            )
             m_i, l_i, acc = softmax_step(q, k, v, kn_ok[None, :] & (kn[None, :] <= tok[:, None]), m_i, l_i, acc, PREC)
 
     o_off = (seq_start + tok).to(tl.int64) * stride_ot + head * stride_oh
@@ -196,10 +266,21 @@ class PrefillPlan:
         return self.grid[-1] == 0 or self.max_seqlen_q == 0
 
 
-def plan_prefill(cu_seqlens_q: torch.Tensor, block_meta: torch.Tensor, num_ctx_blocks: torch.Tensor, *,
-                 num_heads: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, max_seqlen_q: int | None = None, options: KernelOptions = KernelOptions(),
-                 tile_cache: dict | None = None) -> PrefillPlan:
+def plan_prefill(
+    cu_seqlens_q: torch.Tensor,
+    block_meta: torch.Tensor,
+    num_ctx_blocks: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_seqlen_q: int | None = None,
+    options: KernelOptions = KernelOptions(),
+    tile_cache: dict | None = None,
+) -> PrefillPlan:
     """Every choice of a prefill forward that depends on its batch only, made once for all layers: the kernel
     (on a Hopper GPU the wgmma one, unless the context is split or an option only the Triton kernel has is set),
     its config (tuned_configs.json; ``LAZYRAG_KERNEL_AUTOTUNE=1``: timed at the first run), the rotation schedule
@@ -220,12 +301,17 @@ def plan_prefill(cu_seqlens_q: torch.Tensor, block_meta: torch.Tensor, num_ctx_b
     kernel = options.prefill_kernel
     auto_kernel = kernel is None
     if auto_kernel:  # the wgmma kernel unless something only the Triton kernel has is asked for
-        kernel = (pt["kernel"] if options.prefill_rotation_mode is None and options.prefill_config is None
-                  and options.prefill_splits in (None, 1) and not short and on_gpu
-                  and prefill_wgmma.disabled_because is None
-                  and prefill_wgmma.supported(dtype, head_dim, device, block_size,
-                                              table["prefill_wgmma"]["config"][1])
-                  else "triton")
+        kernel = (
+            pt["kernel"]
+            if options.prefill_rotation_mode is None
+            and options.prefill_config is None
+            and options.prefill_splits in (None, 1)
+            and not short
+            and on_gpu
+            and prefill_wgmma.disabled_because is None
+            and prefill_wgmma.supported(dtype, head_dim, device, block_size, table["prefill_wgmma"]["config"][1])
+            else "triton"
+        )
     assert kernel in ("triton", "wgmma"), "kernel: 'triton' or 'wgmma'"
     rot = options.prefill_rotation_mode
     if rot is None:
@@ -241,9 +327,31 @@ def plan_prefill(cu_seqlens_q: torch.Tensor, block_meta: torch.Tensor, num_ctx_b
     nctx = num_ctx_blocks
     if nctx.dtype != torch.int32 or nctx.device != device:
         nctx = nctx.to(device=device, dtype=torch.int32)
-    plan = PrefillPlan(kernel, None, rot, options.apply_rotation, 1, None, None, (0, num_kv_heads, B), cu, nctx,
-                       block_meta, max_seqlen_q, G, num_kv_heads, head_dim, block_size, dtype, on_gpu, auto_kernel,
-                       options.prefill_splits, tile_cache, table, options.merge)
+    plan = PrefillPlan(
+        kernel,
+        None,
+        rot,
+        options.apply_rotation,
+        1,
+        None,
+        None,
+        (0, num_kv_heads, B),
+        cu,
+        nctx,
+        block_meta,
+        max_seqlen_q,
+        G,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        dtype,
+        on_gpu,
+        auto_kernel,
+        options.prefill_splits,
+        tile_cache,
+        table,
+        options.merge,
+    )
     if plan.empty:
         return plan
     if kernel == "wgmma":
@@ -255,13 +363,15 @@ def plan_prefill(cu_seqlens_q: torch.Tensor, block_meta: torch.Tensor, num_ctx_b
 
 def _plan_wgmma(plan: PrefillPlan, cfg: tuple, device: torch.device) -> None:
     bm, bn, warps, stages = cfg
-    assert plan.on_gpu and prefill_wgmma.supported(plan.dtype, plan.head_dim, device, plan.block_size, bn), \
+    assert plan.on_gpu and prefill_wgmma.supported(plan.dtype, plan.head_dim, device, plan.block_size, bn), (
         "the wgmma kernel needs a Hopper GPU, Triton with Gluon, 16-bit q, head dim 64 or 128, pages <= BLOCK_N"
+    )
     assert plan.requested_splits in (None, 1), "the wgmma kernel does not split the context"
     plan.config = tuple(cfg)
     plan.splits = 1
-    plan.tiles, plan.n_tiles = tile_table(plan.block_meta, plan.nctx, bn // plan.block_size, plan.block_size,
-                                          plan.tile_cache, packed=True)
+    plan.tiles, plan.n_tiles = tile_table(
+        plan.block_meta, plan.nctx, bn // plan.block_size, plan.block_size, plan.tile_cache, packed=True
+    )
     plan.grid = (_q_tiles(plan.max_seqlen_q, bm, plan.G), plan.Hkv, plan.grid[-1])
 
 
@@ -272,9 +382,19 @@ def _plan_triton(plan: PrefillPlan, config: tuple | None, short: bool, device: t
             config = (16, 16, 1, 1)
         else:
             pt = plan.tuned["prefill"]
-            plan.key = ("prefill", plan.head_dim, plan.G, plan.block_size, plan.dtype, plan.rot, plan.rotate,
-                        triton.next_power_of_2(plan.max_seqlen_q), plan.requested_splits,
-                        triton.next_power_of_2(plan.grid[-1]), triton.next_power_of_2(plan.block_meta.shape[1]))
+            plan.key = (
+                "prefill",
+                plan.head_dim,
+                plan.G,
+                plan.block_size,
+                plan.dtype,
+                plan.rot,
+                plan.rotate,
+                triton.next_power_of_2(plan.max_seqlen_q),
+                plan.requested_splits,
+                triton.next_power_of_2(plan.grid[-1]),
+                triton.next_power_of_2(plan.block_meta.shape[1]),
+            )
             config = known_config(plan.key, tuple(pt["short_config"] if short else pt["config"]))
     if config is not None:
         _layout_triton(plan, tuple(config), device)
@@ -292,17 +412,27 @@ def _layout_triton(plan: PrefillPlan, cfg: tuple, device: torch.device) -> None:
     splits = plan.requested_splits
     if splits is None:
         per_sm = programs_per_sm(plan.variant, blocks_per_sm(255, warps, 0))  # before the first launch: all registers
-        splits = _auto_prefill_splits(n_q_tiles * plan.Hkv * B, triton.cdiv(plan.block_meta.shape[1], pages), per_sm,
-                                      device)
+        splits = _auto_prefill_splits(
+            n_q_tiles * plan.Hkv * B, triton.cdiv(plan.block_meta.shape[1], pages), per_sm, device
+        )
     plan.config = (bm, bn, warps, stages)
     plan.splits = max(1, int(splits))
     plan.tiles, plan.n_tiles = tile_table(plan.block_meta, plan.nctx, pages, plan.block_size, plan.tile_cache)
     plan.grid = (n_q_tiles * plan.splits, plan.Hkv, B)
 
 
-def run_prefill(plan: PrefillPlan, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, rope_cos: torch.Tensor, rope_sin: torch.Tensor, sm_scale: float,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+def run_prefill(
+    plan: PrefillPlan,
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    rope_cos: torch.Tensor,
+    rope_sin: torch.Tensor,
+    sm_scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One layer's prefill attention under ``plan`` (see :func:`lazy_prefill` for the arguments)."""
     Tq, Hq, D = q.shape
     assert Hq == plan.G * plan.Hkv and D == plan.head_dim and k_new.shape[1] == plan.Hkv
@@ -323,19 +453,42 @@ def run_prefill(plan: PrefillPlan, q: torch.Tensor, k_new: torch.Tensor, v_new: 
         wg = plan.tuned["prefill_wgmma"]
         try:
             compiled = prefill_wgmma.lazy_prefill_wgmma(
-                q, k_new, v_new, plan.cu, k_cache, v_cache, plan.block_meta, plan.tiles, plan.n_tiles, rope_cos,
-                rope_sin, qk_scale, out, plan.grid, apply_rotation=plan.rotate, config=plan.config,
-                registers=tuple(wg["registers"]), key_chunk=wg["key_chunk"])
+                q,
+                k_new,
+                v_new,
+                plan.cu,
+                k_cache,
+                v_cache,
+                plan.block_meta,
+                plan.tiles,
+                plan.n_tiles,
+                rope_cos,
+                rope_sin,
+                qk_scale,
+                out,
+                plan.grid,
+                apply_rotation=plan.rotate,
+                config=plan.config,
+                registers=tuple(wg["registers"]),
+                key_chunk=wg["key_chunk"],
+            )
         except Exception as e:  # noqa: BLE001  a compile error (Gluon's API moves between Triton releases)
             if not plan.auto_kernel:
                 raise
             prefill_wgmma.disable(f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}")
             _plan_triton(plan, None, False, q.device)  # this layer and the plan's others: the Triton kernel
         else:
-            record_launch("prefill", f"prefill wgmma rotate={plan.rotate} bm={bm} bn={bn} w={warps} s={stages} "
-                          "packed=True", compiled, warps, plan.grid, 1)
+            record_launch(
+                "prefill",
+                f"prefill wgmma rotate={plan.rotate} bm={bm} bn={bn} w={warps} s={stages} packed=True",
+                compiled,
+                warps,
+                plan.grid,
+                1,
+            )
             return out
     if plan.config is None:  # autotuning (LAZYRAG_KERNEL_AUTOTUNE=1): each candidate timed on this layer's tensors
+
         def trial(cfg):
             _layout_triton(plan, tuple(cfg), q.device)
             _launch_triton(plan, *args)
@@ -352,29 +505,88 @@ def _launch_triton(plan: PrefillPlan, q, k_new, v_new, k_cache, v_cache, rope_co
     splits = plan.splits
     part_acc, part_ml = workspace.split_partials("prefill", Tq, Hq, splits, D, q.device, out)
     compiled = _lazy_prefill_kernel[plan.grid](
-        q, k_new, v_new, plan.cu, k_cache, v_cache, plan.block_meta, plan.nctx, plan.tiles, plan.n_tiles,
-        rope_cos, rope_sin, out, part_acc, part_ml, qk_scale,
-        q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        plan.block_meta.stride(0), plan.tiles.stride(0), out.stride(0), out.stride(1),
-        Hq, splits,
-        G=plan.G, HEAD_DIM=D, BLOCK_SIZE=plan.block_size, BLOCK_M=bm, BLOCK_N=bn, SPLIT=splits > 1,
-        ROT=plan.rot, ROTATE=plan.rotate, IEEE=q.dtype == torch.float32, ASM_INDEX=plan.on_gpu,
-        num_warps=warps, num_stages=stages,
+        q,
+        k_new,
+        v_new,
+        plan.cu,
+        k_cache,
+        v_cache,
+        plan.block_meta,
+        plan.nctx,
+        plan.tiles,
+        plan.n_tiles,
+        rope_cos,
+        rope_sin,
+        out,
+        part_acc,
+        part_ml,
+        qk_scale,
+        q.stride(0),
+        q.stride(1),
+        k_new.stride(0),
+        k_new.stride(1),
+        v_new.stride(0),
+        v_new.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        plan.block_meta.stride(0),
+        plan.tiles.stride(0),
+        out.stride(0),
+        out.stride(1),
+        Hq,
+        splits,
+        G=plan.G,
+        HEAD_DIM=D,
+        BLOCK_SIZE=plan.block_size,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        SPLIT=splits > 1,
+        ROT=plan.rot,
+        ROTATE=plan.rotate,
+        IEEE=q.dtype == torch.float32,
+        ASM_INDEX=plan.on_gpu,
+        num_warps=warps,
+        num_stages=stages,
     )
-    record_launch("prefill", f"prefill rot={plan.rot} rotate={plan.rotate} bm={bm} bn={bn} w={warps} s={stages} "
-                  f"split={splits > 1}", compiled, warps, plan.grid, splits, plan.variant)
+    record_launch(
+        "prefill",
+        f"prefill rot={plan.rot} rotate={plan.rotate} bm={bm} bn={bn} w={warps} s={stages} split={splits > 1}",
+        compiled,
+        warps,
+        plan.grid,
+        splits,
+        plan.variant,
+    )
     if splits > 1:
         merge_split_partials(plan, part_acc, part_ml, out)
 
 
-def lazy_prefill(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cu_seqlens_q: torch.Tensor,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor, block_meta: torch.Tensor, num_ctx_blocks: torch.Tensor,
-                 rope_cos: torch.Tensor, rope_sin: torch.Tensor, sm_scale: float, max_seqlen_q: int | None = None,
-                 apply_rotation: bool = True, config: tuple[int, int, int, int] | None = None,
-                 out: torch.Tensor | None = None, num_splits: int | None = None, tile_cache: dict | None = None,
-                 rotation_mode: int | None = None, kernel: str | None = None, tuned: dict | None = None) -> torch.Tensor:
+def lazy_prefill(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_meta: torch.Tensor,
+    num_ctx_blocks: torch.Tensor,
+    rope_cos: torch.Tensor,
+    rope_sin: torch.Tensor,
+    sm_scale: float,
+    max_seqlen_q: int | None = None,
+    apply_rotation: bool = True,
+    config: tuple[int, int, int, int] | None = None,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    tile_cache: dict | None = None,
+    rotation_mode: int | None = None,
+    kernel: str | None = None,
+    tuned: dict | None = None,
+) -> torch.Tensor:
     """Triton version of :func:`lazyrag.kernels.reference.lazy_prefill_reference`: :func:`plan_prefill` and
     :func:`run_prefill` in one call (tests, benchmarks; the engine plans once per forward).
 
@@ -383,9 +595,26 @@ def lazy_prefill(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, cu_s
     ``rotation_mode`` (2, 5 or 7) and ``kernel`` ("wgmma" / "triton") are :class:`kvloop.KernelOptions`'
     ``prefill_*`` fields, ``tuned`` its ``tuned``; ``out`` may be given (same shape/dtype as q).
     ``tile_cache``: a dict living as long as the block table (one forward), where the tile table is kept."""
-    options = KernelOptions(prefill_kernel=kernel, prefill_config=config, prefill_rotation_mode=rotation_mode,
-                            prefill_splits=num_splits, apply_rotation=apply_rotation, tuned=tuned)
-    plan = plan_prefill(cu_seqlens_q, block_meta, num_ctx_blocks, num_heads=q.shape[1], num_kv_heads=k_new.shape[1],
-                        head_dim=q.shape[2], block_size=k_cache.shape[1], dtype=q.dtype, device=q.device,
-                        max_seqlen_q=max_seqlen_q, options=options, tile_cache=tile_cache)
+    options = KernelOptions(
+        prefill_kernel=kernel,
+        prefill_config=config,
+        prefill_rotation_mode=rotation_mode,
+        prefill_splits=num_splits,
+        apply_rotation=apply_rotation,
+        tuned=tuned,
+    )
+    plan = plan_prefill(
+        cu_seqlens_q,
+        block_meta,
+        num_ctx_blocks,
+        num_heads=q.shape[1],
+        num_kv_heads=k_new.shape[1],
+        head_dim=q.shape[2],
+        block_size=k_cache.shape[1],
+        dtype=q.dtype,
+        device=q.device,
+        max_seqlen_q=max_seqlen_q,
+        options=options,
+        tile_cache=tile_cache,
+    )
     return run_prefill(plan, q, k_new, v_new, k_cache, v_cache, rope_cos, rope_sin, sm_scale, out=out)

@@ -33,6 +33,7 @@ tile (NOTES §Kernels, round 10); a loop-invariant q instead restarts Triton's s
 Config (BLOCK_M, BLOCK_N, num_warps, STAGES): 12 warps (two consumer warpgroups and the producer); the device's
 default in tuned_configs.json (NOTES §Kernels, round 13).
 """
+
 from __future__ import annotations
 
 import functools
@@ -59,6 +60,7 @@ try:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
+
     # Gluon is experimental and renames things between releases (3.6 -> 3.9: thread_barrier -> barrier,
     # async_copy_global_to_shared -> async_load); both spellings compile
     _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
@@ -83,21 +85,31 @@ def disable(reason: str) -> None:
     compile, e.g. on a Triton whose Gluon API differs from the 3.6 and 3.9 this file is written for)."""
     global disabled_because
     if disabled_because is None:
-        warnings.warn(f"lazyrag: the Hopper prefill kernel (kernels/prefill_wgmma.py) failed to build ({reason}); "
-                      "prefills run on the Triton kernel from now on. Triton 3.6 is the tested version; pass "
-                      "kernel='wgmma' to lazy_prefill to see the error itself.", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"lazyrag: the Hopper prefill kernel (kernels/prefill_wgmma.py) failed to build ({reason}); "
+            "prefills run on the Triton kernel from now on. Triton 3.6 is the tested version; pass "
+            "kernel='wgmma' to lazy_prefill to see the error itself.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     disabled_because = reason
 
 
 def supported(dtype: torch.dtype, head_dim: int, device: torch.device, block_size: int, block_n: int) -> bool:
     """Whether this kernel can run a call: Gluon present, a Hopper GPU, 16-bit q, head dim 64 or 128, pages no
     larger than a KV tile of ``block_n`` keys."""
-    return (HAVE_GLUON and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and head_dim in (64, 128)
-            and block_size <= block_n and _hopper(device.index if device.index is not None
-                                                  else torch.cuda.current_device()))
+    return (
+        HAVE_GLUON
+        and device.type == "cuda"
+        and dtype in (torch.bfloat16, torch.float16)
+        and head_dim in (64, 128)
+        and block_size <= block_n
+        and _hopper(device.index if device.index is not None else torch.cuda.current_device())
+    )
 
 
 if HAVE_GLUON:
+
     @gluon.constexpr_function
     def _copy_layout(rows, head_dim, num_warps):
         """Blocked layout for [rows, head_dim] 16-bit tiles: 16-byte vectors, a warp's threads along a row first."""
@@ -105,10 +117,35 @@ if HAVE_GLUON:
         return gl.BlockedLayout([1, 8], [32 // cols, cols], [num_warps, 1], [1, 0])
 
     @gluon.jit
-    def _issue_kv(k_dst, v_dst, u, n_ctx, n_all, meta, new_row0, new_len, K_CACHE, V_CACHE, K_NEW, V_NEW,
-                  kvh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                  stride_knt, stride_knh, stride_vnt, stride_vnh,
-                  BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, LOAD: gl.constexpr):
+    def _issue_kv(
+        k_dst,
+        v_dst,
+        u,
+        n_ctx,
+        n_all,
+        meta,
+        new_row0,
+        new_len,
+        K_CACHE,
+        V_CACHE,
+        K_NEW,
+        V_NEW,
+        kvh,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_vb,
+        stride_vs,
+        stride_vh,
+        stride_knt,
+        stride_knh,
+        stride_vnt,
+        stride_vnh,
+        BLOCK_SIZE: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        LOAD: gl.constexpr,
+    ):
         """Start the copies of tile ``u`` into ``k_dst`` / ``v_dst`` and commit them as one group (an empty group past
         the last tile, so that the group count stays one per tile). Context tiles (``u < n_ctx``): key n is slot
         n % BLOCK_SIZE of block ``meta[n]`` (packed metas, read ahead; 0 past the tile), if that block holds it;
@@ -129,23 +166,42 @@ if HAVE_GLUON:
             ok = key < new_len
             rows = (new_row0 + key).to(gl.int64)
             _async_load(
-                k_dst, K_NEW + (rows * stride_knt + kvh * stride_knh)[:, None] + offs_d[None, :], mask=ok[:, None])
+                k_dst, K_NEW + (rows * stride_knt + kvh * stride_knh)[:, None] + offs_d[None, :], mask=ok[:, None]
+            )
             _async_load(
-                v_dst, V_NEW + (rows * stride_vnt + kvh * stride_vnh)[:, None] + offs_d[None, :], mask=ok[:, None])
+                v_dst, V_NEW + (rows * stride_vnt + kvh * stride_vnh)[:, None] + offs_d[None, :], mask=ok[:, None]
+            )
         async_copy.commit_group()
 
     @gluon.jit
-    def _tile_metas(meta_row, u, n_ctx, s0, valid, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-                    LOAD: gl.constexpr):
+    def _tile_metas(meta_row, u, n_ctx, s0, valid, BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr, LOAD: gl.constexpr):
         """The packed metas of context tile ``u``'s keys (block s0 + n // BLOCK_SIZE), 0 past its keys (``valid``,
         or minus the keys its blocks span: a mixed tile of a packed table)."""
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, LOAD))
         return gl.load(meta_row + s0 + offs_n // BLOCK_SIZE, mask=(offs_n < gl.abs(valid)) & (u < n_ctx), other=0)
 
     @gluon.jit
-    def _store_rotated_q(q_smem, Q, COS, SIN, delta, qk_scale, seq_start, seq_len, t0, kvh, stride_qt, stride_qh,
-                         ROTATE: gl.constexpr, G: gl.constexpr, BLOCK_M: gl.constexpr, HEAD_DIM: gl.constexpr,
-                         num_warps: gl.constexpr, ROW0: gl.constexpr = 0, TILE_M: gl.constexpr = 0):
+    def _store_rotated_q(
+        q_smem,
+        Q,
+        COS,
+        SIN,
+        delta,
+        qk_scale,
+        seq_start,
+        seq_len,
+        t0,
+        kvh,
+        stride_qt,
+        stride_qh,
+        ROTATE: gl.constexpr,
+        G: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        num_warps: gl.constexpr,
+        ROW0: gl.constexpr = 0,
+        TILE_M: gl.constexpr = 0,
+    ):
         """Write ``scale * R(-delta) q`` (ROTATE; else ``scale * q``) into the q buffer, from the original query tile
         (never an un-rotate/re-rotate pair), visible to the next MMA. Row r is token t0 + r // G of q head
         kvh * G + r % G; rows past the sequence or past the tile's whole tokens are 0. HF rotate-half: R(-d) [x1, x2]
@@ -191,8 +247,9 @@ if HAVE_GLUON:
         return gl.where(held[None, :], s, float("-inf"))
 
     @gluon.jit
-    def _relative_deltas(meta_row, s0, span, delta_q, r0, ROWS: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-                         RL: gl.constexpr):
+    def _relative_deltas(
+        meta_row, s0, span, delta_q, r0, ROWS: gl.constexpr, BLOCK_SIZE: gl.constexpr, RL: gl.constexpr
+    ):
         """Keys r0 .. r0 + ROWS of a mixed tile: their block's delta minus the query's (0 past the tile)."""
         offs_r = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, RL))
         inside = offs_r < span
@@ -230,8 +287,9 @@ if HAVE_GLUON:
         return t_end, delta, last_mixed
 
     @gluon.jit
-    def _store_out(OUT, out, offs_r, offs_d, t0, seq_start, seq_len, kvh, stride_ot, stride_oh, G: gl.constexpr,
-                   TOK: gl.constexpr):
+    def _store_out(
+        OUT, out, offs_r, offs_d, t0, seq_start, seq_len, kvh, stride_ot, stride_oh, G: gl.constexpr, TOK: gl.constexpr
+    ):
         """Output rows ``offs_r`` of the tile (row r: token t0 + r // G, q head kvh * G + r % G), those of whole
         tokens inside the sequence."""
         o_tok = t0 + offs_r // G
@@ -253,10 +311,33 @@ if HAVE_GLUON:
     # empty[s] (both consumers': slot s is free), turn[w] (the other consumer's: consumer w may issue its MMAs);
     # phases alternate every STAGES tiles (every tile for turn), and a wait for the phase before the first passes
     @gluon.jit
-    def _ws_attend_tile(i, q_rows, k_smem, v_smem, full, empty, turn, s_zero, acc, m_i, l_i, p_op, valid_cur, n_ctx,
-                        offs_n, tok_s, tiles_row, meta_row, MIXED: gl.constexpr, WG: gl.constexpr,
-                        BLOCK_SIZE: gl.constexpr, BLOCK_N: gl.constexpr,
-                        STAGES: gl.constexpr, p_layout: gl.constexpr, row_o: gl.constexpr):
+    def _ws_attend_tile(
+        i,
+        q_rows,
+        k_smem,
+        v_smem,
+        full,
+        empty,
+        turn,
+        s_zero,
+        acc,
+        m_i,
+        l_i,
+        p_op,
+        valid_cur,
+        n_ctx,
+        offs_n,
+        tok_s,
+        tiles_row,
+        meta_row,
+        MIXED: gl.constexpr,
+        WG: gl.constexpr,
+        BLOCK_SIZE: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+        p_layout: gl.constexpr,
+        row_o: gl.constexpr,
+    ):
         """One KV tile in consumer WG: S = q K^T of tile i (its keys already rotated by the producer), O += P V of
         tile i-1 under tile i's softmax, then tile i-1's slot handed back to the producer. MIXED: the keys its
         blocks do not hold are masked (``valid_cur`` = minus its span). The two consumers take turns to issue their
@@ -279,11 +360,42 @@ if HAVE_GLUON:
         return acc, m_i, l_i, p_op
 
     @gluon.jit
-    def _ws_consumer(q_smem, k_smem, v_smem, full, empty, turn, Q, COS, SIN, OUT, META, TILES, NUM_TILES, qk_scale,
-                     b, kvh, seq_start, seq_len, t0, stride_qt, stride_qh, stride_mb, stride_tb, stride_ot, stride_oh,
-                     WG: gl.constexpr, G: gl.constexpr, HEAD_DIM: gl.constexpr,
-                     BLOCK_SIZE: gl.constexpr, TILE_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     ROTATE: gl.constexpr, num_warps: gl.constexpr):
+    def _ws_consumer(
+        q_smem,
+        k_smem,
+        v_smem,
+        full,
+        empty,
+        turn,
+        Q,
+        COS,
+        SIN,
+        OUT,
+        META,
+        TILES,
+        NUM_TILES,
+        qk_scale,
+        b,
+        kvh,
+        seq_start,
+        seq_len,
+        t0,
+        stride_qt,
+        stride_qh,
+        stride_mb,
+        stride_tb,
+        stride_ot,
+        stride_oh,
+        WG: gl.constexpr,
+        G: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        BLOCK_SIZE: gl.constexpr,
+        TILE_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+        ROTATE: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
         """Rows ROW0 .. ROW0 + 64 of the query tile (ROW0 = 64 WG): per segment its q rows rotated into its own
         part of the q buffer, then the segment's tiles as the producer hands them over; writes its rows of the
         output."""
@@ -291,10 +403,12 @@ if HAVE_GLUON:
         ROW0: gl.constexpr = WG * ROWS
         TOK: gl.constexpr = TILE_M // G
         dtype: gl.constexpr = Q.dtype.element_ty
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, BLOCK_N, 16])
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                           instr_shape=[16, HEAD_DIM, 16])
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BLOCK_N, 16]
+        )
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, HEAD_DIM, 16]
+        )
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -315,20 +429,85 @@ if HAVE_GLUON:
         while t < n_all:
             t_end, delta, last_mixed = _segment(tiles_row, t, n_ctx, n_all)
             # this warpgroup's S MMAs of the previous segment are done (waited in its last tile)
-            _store_rotated_q(q_rows, Q, COS, SIN, delta, qk_scale, seq_start, seq_len, t0, kvh, stride_qt, stride_qh,
-                             ROTATE, G, ROWS, HEAD_DIM, num_warps, ROW0, TILE_M)
+            _store_rotated_q(
+                q_rows,
+                Q,
+                COS,
+                SIN,
+                delta,
+                qk_scale,
+                seq_start,
+                seq_len,
+                t0,
+                kvh,
+                stride_qt,
+                stride_qh,
+                ROTATE,
+                G,
+                ROWS,
+                HEAD_DIM,
+                num_warps,
+                ROW0,
+                TILE_M,
+            )
             for i in range(t, t_end - last_mixed.to(gl.int32)):
                 valid_cur = gl.load(tiles_row + TILE_FIELDS * i + 2, mask=i < n_ctx, other=0)
                 acc, m_i, l_i, p_op = _ws_attend_tile(
-                    i, q_rows, k_smem, v_smem, full, empty, turn, s_zero, acc, m_i, l_i, p_op, valid_cur, n_ctx,
-                    offs_n, tok_s, tiles_row, meta_row, False, WG, BLOCK_SIZE, BLOCK_N, STAGES, p_layout,
-                    row_o)
+                    i,
+                    q_rows,
+                    k_smem,
+                    v_smem,
+                    full,
+                    empty,
+                    turn,
+                    s_zero,
+                    acc,
+                    m_i,
+                    l_i,
+                    p_op,
+                    valid_cur,
+                    n_ctx,
+                    offs_n,
+                    tok_s,
+                    tiles_row,
+                    meta_row,
+                    False,
+                    WG,
+                    BLOCK_SIZE,
+                    BLOCK_N,
+                    STAGES,
+                    p_layout,
+                    row_o,
+                )
             if last_mixed:
                 valid_cur = gl.load(tiles_row + TILE_FIELDS * (t_end - 1) + 2)
                 acc, m_i, l_i, p_op = _ws_attend_tile(
-                    t_end - 1, q_rows, k_smem, v_smem, full, empty, turn, s_zero, acc, m_i, l_i, p_op, valid_cur,
-                    n_ctx, offs_n, tok_s, tiles_row, meta_row, True, WG, BLOCK_SIZE, BLOCK_N, STAGES,
-                    p_layout, row_o)
+                    t_end - 1,
+                    q_rows,
+                    k_smem,
+                    v_smem,
+                    full,
+                    empty,
+                    turn,
+                    s_zero,
+                    acc,
+                    m_i,
+                    l_i,
+                    p_op,
+                    valid_cur,
+                    n_ctx,
+                    offs_n,
+                    tok_s,
+                    tiles_row,
+                    meta_row,
+                    True,
+                    WG,
+                    BLOCK_SIZE,
+                    BLOCK_N,
+                    STAGES,
+                    p_layout,
+                    row_o,
+                )
             t = t_end
         acc_t = warpgroup_mma(p_op, v_smem.index((n_all - 1) % STAGES), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc_t,))
@@ -339,8 +518,20 @@ if HAVE_GLUON:
         _store_out(OUT, out, offs_or, offs_od, t0, seq_start, seq_len, kvh, stride_ot, stride_oh, G, TOK)
 
     @gluon.jit
-    def _ws_rotate_keys(k_slot, meta_row, s0, span, delta_q, COS, SIN, BLOCK_SIZE: gl.constexpr,
-                        BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, CHUNK: gl.constexpr, num_warps: gl.constexpr):
+    def _ws_rotate_keys(
+        k_slot,
+        meta_row,
+        s0,
+        span,
+        delta_q,
+        COS,
+        SIN,
+        BLOCK_SIZE: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        CHUNK: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
         """A mixed tile's keys, in place in their slot, in CHUNK-row steps (the producer has few registers): key n
         (block s0 + n // BLOCK_SIZE, delta d) becomes R(d - delta_q) k, so that the query rotated for ``delta_q``
         sees each key at its document's offset (R(-a) q . R(b - a) k = R(-b) q . k)."""
@@ -351,12 +542,47 @@ if HAVE_GLUON:
             _rotate_rows(k_slot.slice(c * CHUNK, CHUNK, dim=0), rel, COS, SIN, HALF, RL)
 
     @gluon.jit
-    def _ws_producer(k_smem, v_smem, full, empty, K_CACHE, V_CACHE, K_NEW, V_NEW, META, TILES, NUM_TILES, COS, SIN,
-                     b, kvh, seq_start, seq_len, t0, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                     stride_knt, stride_knh, stride_vnt, stride_vnh, stride_mb, stride_tb,
-                     G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, TILE_M: gl.constexpr,
-                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ROTATE: gl.constexpr, KEY_CHUNK: gl.constexpr,
-                     num_warps: gl.constexpr):
+    def _ws_producer(
+        k_smem,
+        v_smem,
+        full,
+        empty,
+        K_CACHE,
+        V_CACHE,
+        K_NEW,
+        V_NEW,
+        META,
+        TILES,
+        NUM_TILES,
+        COS,
+        SIN,
+        b,
+        kvh,
+        seq_start,
+        seq_len,
+        t0,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_vb,
+        stride_vs,
+        stride_vh,
+        stride_knt,
+        stride_knh,
+        stride_vnt,
+        stride_vnh,
+        stride_mb,
+        stride_tb,
+        G: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        BLOCK_SIZE: gl.constexpr,
+        TILE_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+        ROTATE: gl.constexpr,
+        KEY_CHUNK: gl.constexpr,
+        num_warps: gl.constexpr,
+    ):
         """Tile u's K/V copies into slot u % STAGES once the consumers handed it back; tile u-1 is handed over
         when its copies have landed (a mixed tile's keys of other documents rotated first, in place)."""
         LOAD: gl.constexpr = _copy_layout(BLOCK_N, HEAD_DIM, num_warps)
@@ -370,9 +596,35 @@ if HAVE_GLUON:
             valid = gl.load(tiles_row + TILE_FIELDS * u + 2, mask=u < n_ctx, other=0)
             meta = _tile_metas(meta_row, u, n_ctx, s0, valid, BLOCK_SIZE, BLOCK_N, LOAD)
             mbarrier.wait(empty.index(u % STAGES), ((u // STAGES) & 1) ^ 1, pred=u < n_all)
-            _issue_kv(k_smem.index(u % STAGES), v_smem.index(u % STAGES), u, n_ctx, n_all, meta, seq_start, hi_new,
-                      K_CACHE, V_CACHE, K_NEW, V_NEW, kvh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-                      stride_vh, stride_knt, stride_knh, stride_vnt, stride_vnh, BLOCK_SIZE, BLOCK_N, HEAD_DIM, LOAD)
+            _issue_kv(
+                k_smem.index(u % STAGES),
+                v_smem.index(u % STAGES),
+                u,
+                n_ctx,
+                n_all,
+                meta,
+                seq_start,
+                hi_new,
+                K_CACHE,
+                V_CACHE,
+                K_NEW,
+                V_NEW,
+                kvh,
+                stride_kb,
+                stride_ks,
+                stride_kh,
+                stride_vb,
+                stride_vs,
+                stride_vh,
+                stride_knt,
+                stride_knh,
+                stride_vnt,
+                stride_vnh,
+                BLOCK_SIZE,
+                BLOCK_N,
+                HEAD_DIM,
+                LOAD,
+            )
             if u > 0:
                 f = u - 1
                 async_copy.wait_group(1)  # tile f's copies (this thread's); tile u's may run on
@@ -380,22 +632,66 @@ if HAVE_GLUON:
                 if ROTATE:
                     if valid_f < 0:
                         _cta_barrier()  # every producer thread's copies of tile f
-                        _ws_rotate_keys(k_smem.index(f % STAGES), meta_row, gl.load(tiles_row + TILE_FIELDS * f),
-                                        -valid_f, gl.load(tiles_row + TILE_FIELDS * f + 3), COS, SIN, BLOCK_SIZE,
-                                        BLOCK_N, HEAD_DIM, KEY_CHUNK, num_warps)
+                        _ws_rotate_keys(
+                            k_smem.index(f % STAGES),
+                            meta_row,
+                            gl.load(tiles_row + TILE_FIELDS * f),
+                            -valid_f,
+                            gl.load(tiles_row + TILE_FIELDS * f + 3),
+                            COS,
+                            SIN,
+                            BLOCK_SIZE,
+                            BLOCK_N,
+                            HEAD_DIM,
+                            KEY_CHUNK,
+                            num_warps,
+                        )
                 fence_async_shared()
                 mbarrier.arrive(full.index(f % STAGES))
         async_copy.wait_group(0)
 
     @gluon.jit
     def _lazy_prefill_ws_kernel(
-        Q, K_NEW, V_NEW, CU_SEQLENS, K_CACHE, V_CACHE, META, TILES, NUM_TILES, COS, SIN, OUT, qk_scale,
-        stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
-        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        stride_mb, stride_tb, stride_ot, stride_oh,
-        G: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr, BLOCK_M: gl.constexpr,
-        BLOCK_N: gl.constexpr, STAGES: gl.constexpr, ROTATE: gl.constexpr,
-        CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr, KEY_CHUNK: gl.constexpr, num_warps: gl.constexpr,
+        Q,
+        K_NEW,
+        V_NEW,
+        CU_SEQLENS,
+        K_CACHE,
+        V_CACHE,
+        META,
+        TILES,
+        NUM_TILES,
+        COS,
+        SIN,
+        OUT,
+        qk_scale,
+        stride_qt,
+        stride_qh,
+        stride_knt,
+        stride_knh,
+        stride_vnt,
+        stride_vnh,
+        stride_kb,
+        stride_ks,
+        stride_kh,
+        stride_vb,
+        stride_vs,
+        stride_vh,
+        stride_mb,
+        stride_tb,
+        stride_ot,
+        stride_oh,
+        G: gl.constexpr,
+        HEAD_DIM: gl.constexpr,
+        BLOCK_SIZE: gl.constexpr,
+        BLOCK_M: gl.constexpr,
+        BLOCK_N: gl.constexpr,
+        STAGES: gl.constexpr,
+        ROTATE: gl.constexpr,
+        CONSUMER_REGS: gl.constexpr,
+        PRODUCER_REGS: gl.constexpr,
+        KEY_CHUNK: gl.constexpr,
+        num_warps: gl.constexpr,
     ):
         TOK: gl.constexpr = BLOCK_M // G
         dtype: gl.constexpr = Q.dtype.element_ty
@@ -419,24 +715,156 @@ if HAVE_GLUON:
                 mbarrier.init(empty.index(s), count=2)  # both consumers'
             for w in gl.static_range(2):
                 mbarrier.init(turn.index(w), count=1)  # the other consumer's
-            gl.warp_specialize([
-                (_ws_consumer, (q_smem, k_smem, v_smem, full, empty, turn, Q, COS, SIN, OUT, META, TILES, NUM_TILES,
-                                qk_scale, b, kvh, seq_start, seq_len, t0, stride_qt, stride_qh, stride_mb, stride_tb,
-                                stride_ot, stride_oh, 0, G, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, STAGES,
-                                ROTATE, num_warps)),
-                (_ws_consumer, (q_smem, k_smem, v_smem, full, empty, turn, Q, COS, SIN, OUT, META, TILES, NUM_TILES,
-                                qk_scale, b, kvh, seq_start, seq_len, t0, stride_qt, stride_qh, stride_mb, stride_tb,
-                                stride_ot, stride_oh, 1, G, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, STAGES,
-                                ROTATE, num_warps)),
-                (_ws_producer, (k_smem, v_smem, full, empty, K_CACHE, V_CACHE, K_NEW, V_NEW, META, TILES, NUM_TILES,
-                                COS, SIN, b, kvh, seq_start, seq_len, t0, stride_kb, stride_ks, stride_kh, stride_vb,
-                                stride_vs, stride_vh, stride_knt, stride_knh, stride_vnt, stride_vnh, stride_mb,
-                                stride_tb, G, HEAD_DIM, BLOCK_SIZE, BLOCK_M, BLOCK_N, STAGES, ROTATE, KEY_CHUNK, 4)),
-            ], [num_warps, 4], [CONSUMER_REGS, PRODUCER_REGS])
+            gl.warp_specialize(
+                [
+                    (
+                        _ws_consumer,
+                        (
+                            q_smem,
+                            k_smem,
+                            v_smem,
+                            full,
+                            empty,
+                            turn,
+                            Q,
+                            COS,
+                            SIN,
+                            OUT,
+                            META,
+                            TILES,
+                            NUM_TILES,
+                            qk_scale,
+                            b,
+                            kvh,
+                            seq_start,
+                            seq_len,
+                            t0,
+                            stride_qt,
+                            stride_qh,
+                            stride_mb,
+                            stride_tb,
+                            stride_ot,
+                            stride_oh,
+                            0,
+                            G,
+                            HEAD_DIM,
+                            BLOCK_SIZE,
+                            BLOCK_M,
+                            BLOCK_N,
+                            STAGES,
+                            ROTATE,
+                            num_warps,
+                        ),
+                    ),
+                    (
+                        _ws_consumer,
+                        (
+                            q_smem,
+                            k_smem,
+                            v_smem,
+                            full,
+                            empty,
+                            turn,
+                            Q,
+                            COS,
+                            SIN,
+                            OUT,
+                            META,
+                            TILES,
+                            NUM_TILES,
+                            qk_scale,
+                            b,
+                            kvh,
+                            seq_start,
+                            seq_len,
+                            t0,
+                            stride_qt,
+                            stride_qh,
+                            stride_mb,
+                            stride_tb,
+                            stride_ot,
+                            stride_oh,
+                            1,
+                            G,
+                            HEAD_DIM,
+                            BLOCK_SIZE,
+                            BLOCK_M,
+                            BLOCK_N,
+                            STAGES,
+                            ROTATE,
+                            num_warps,
+                        ),
+                    ),
+                    (
+                        _ws_producer,
+                        (
+                            k_smem,
+                            v_smem,
+                            full,
+                            empty,
+                            K_CACHE,
+                            V_CACHE,
+                            K_NEW,
+                            V_NEW,
+                            META,
+                            TILES,
+                            NUM_TILES,
+                            COS,
+                            SIN,
+                            b,
+                            kvh,
+                            seq_start,
+                            seq_len,
+                            t0,
+                            stride_kb,
+                            stride_ks,
+                            stride_kh,
+                            stride_vb,
+                            stride_vs,
+                            stride_vh,
+                            stride_knt,
+                            stride_knh,
+                            stride_vnt,
+                            stride_vnh,
+                            stride_mb,
+                            stride_tb,
+                            G,
+                            HEAD_DIM,
+                            BLOCK_SIZE,
+                            BLOCK_M,
+                            BLOCK_N,
+                            STAGES,
+                            ROTATE,
+                            KEY_CHUNK,
+                            4,
+                        ),
+                    ),
+                ],
+                [num_warps, 4],
+                [CONSUMER_REGS, PRODUCER_REGS],
+            )
 
 
-def lazy_prefill_wgmma(q, k_new, v_new, cu, k_cache, v_cache, block_meta, tiles, n_tiles, rope_cos, rope_sin,
-                       qk_scale, out, grid, config, registers, key_chunk, apply_rotation=True):
+def lazy_prefill_wgmma(
+    q,
+    k_new,
+    v_new,
+    cu,
+    k_cache,
+    v_cache,
+    block_meta,
+    tiles,
+    n_tiles,
+    rope_cos,
+    rope_sin,
+    qk_scale,
+    out,
+    grid,
+    config,
+    registers,
+    key_chunk,
+    apply_rotation=True,
+):
     """Launch the kernel on prepared arguments (``prefill.run_prefill`` checks and converts them; ``tiles``,
     ``n_tiles``: its packed tile table for ``BLOCK_N // block_size`` pages a tile; ``qk_scale`` includes log2(e);
     ``grid``: (query tiles of ``BLOCK_M // G`` tokens, KV heads, sequences); ``config`` (BLOCK_M, BLOCK_N, 12,
@@ -451,13 +879,45 @@ def lazy_prefill_wgmma(q, k_new, v_new, cu, k_cache, v_cache, block_meta, tiles,
     # after tile u-STAGES+1: with two stages that would wait on itself
     assert stages >= 3, "STAGES: at least 3"
     compiled = _lazy_prefill_ws_kernel[grid](
-        q, k_new, v_new, cu, k_cache, v_cache, block_meta, tiles, n_tiles, rope_cos, rope_sin, out, qk_scale,
-        q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_meta.stride(0), tiles.stride(0), out.stride(0), out.stride(1),
-        G=G, HEAD_DIM=D, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=bm, BLOCK_N=bn, STAGES=stages,
-        ROTATE=apply_rotation, num_warps=4,
-        CONSUMER_REGS=registers[0], PRODUCER_REGS=registers[1], KEY_CHUNK=key_chunk,
+        q,
+        k_new,
+        v_new,
+        cu,
+        k_cache,
+        v_cache,
+        block_meta,
+        tiles,
+        n_tiles,
+        rope_cos,
+        rope_sin,
+        out,
+        qk_scale,
+        q.stride(0),
+        q.stride(1),
+        k_new.stride(0),
+        k_new.stride(1),
+        v_new.stride(0),
+        v_new.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_meta.stride(0),
+        tiles.stride(0),
+        out.stride(0),
+        out.stride(1),
+        G=G,
+        HEAD_DIM=D,
+        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        STAGES=stages,
+        ROTATE=apply_rotation,
+        num_warps=4,
+        CONSUMER_REGS=registers[0],
+        PRODUCER_REGS=registers[1],
+        KEY_CHUNK=key_chunk,
     )
     return compiled

@@ -8,6 +8,7 @@ model launches 64 fewer kernels. Numerics: the arithmetic runs in fp32 on the mo
 inputs (cos/sin as the caller cast them) and is rounded once, as ``torch.compile`` fuses
 :func:`lazyrag.model.llama.rotate_qk`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,9 +18,23 @@ import triton.language as tl
 
 @triton.jit
 def _rotate_qk_store_kernel(
-    QKV, COS, SIN, QK_OUT, K_CACHE, V_CACHE, SLOTS, scaling,
-    stride_x, stride_c, stride_o, stride_kslot, stride_vslot,
-    HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, SCALE: tl.constexpr,
+    QKV,
+    COS,
+    SIN,
+    QK_OUT,
+    K_CACHE,
+    V_CACHE,
+    SLOTS,
+    scaling,
+    stride_x,
+    stride_c,
+    stride_o,
+    stride_kslot,
+    stride_vslot,
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    HALF: tl.constexpr,
+    SCALE: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)  # q heads, then k heads, then v heads
@@ -56,8 +71,17 @@ def _rotate_qk_store_kernel(
     tl.store(vdst + HALF + offs, r2.to(V_CACHE.dtype.element_ty), mask=v_ok)
 
 
-def rotate_qk_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scaling: float, hq: int, hkv: int,
-                    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor):
+def rotate_qk_store(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    scaling: float,
+    hq: int,
+    hkv: int,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+):
     """``rotate_qk`` followed by the pool write, in one launch.
 
     qkv: ``[T, (hq + 2 hkv) * D]``; cos, sin: ``[T, 1, D/2]`` (or ``[T, D/2]``); k_cache, v_cache: one
@@ -72,9 +96,24 @@ def rotate_qk_store(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sca
     out = torch.empty(T, hq + hkv, d, dtype=qkv.dtype, device=qkv.device)
     if T:
         _rotate_qk_store_kernel[(T, hq + 2 * hkv)](
-            qkv, cos2, sin2, out, k_cache, v_cache, slots, float(scaling),
-            qkv.stride(0), cos2.stride(0), out.stride(0), hkv * d, hkv * d,
-            HQ=hq, HKV=hkv, HALF=d // 2, SCALE=scaling != 1.0, num_warps=1,
+            qkv,
+            cos2,
+            sin2,
+            out,
+            k_cache,
+            v_cache,
+            slots,
+            float(scaling),
+            qkv.stride(0),
+            cos2.stride(0),
+            out.stride(0),
+            hkv * d,
+            hkv * d,
+            HQ=hq,
+            HKV=hkv,
+            HALF=d // 2,
+            SCALE=scaling != 1.0,
+            num_warps=1,
         )
-    v = qkv[:, (hq + hkv) * d:].view(T, hkv, d)
+    v = qkv[:, (hq + hkv) * d :].view(T, hkv, d)
     return out[:, :hq], out[:, hq:], v

@@ -15,6 +15,7 @@ One program handles ``BLOCK_M`` rows = (query token, q head) pairs of the ``G`` 
 ("packed GQA", as kernels/prefill.py), so each K/V tile is loaded once for the group. The context is already rotated
 to its final positions (the recompute rotates the cached keys by their placement's delta once per layer).
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,9 +30,26 @@ LOG2E = 1.4426950408889634
 
 @triton.jit
 def _prefix_attention_kernel(
-    Q, K, V, LIMIT, OUT, qk_scale, S,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    Q,
+    K,
+    V,
+    LIMIT,
+    OUT,
+    qk_scale,
+    S,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     TOK: tl.constexpr = BLOCK_M // G  # query tokens per program (G need not divide BLOCK_M: the tail rows idle)
     PREC: tl.constexpr = "ieee" if IEEE else "tf32"
@@ -41,7 +59,9 @@ def _prefix_attention_kernel(
     head = kvh * G + rows % G
     row_ok = (rows < TOK * G) & (tok < S)
     offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q = tl.load(
+        Q + tok[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0
+    )
     q = (q.to(tl.float32) * qk_scale).to(K.dtype.element_ty)  # scale and log2(e) folded in: softmax in base 2
     limit = tl.load(LIMIT + tok, mask=row_ok, other=0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -57,12 +77,23 @@ def _prefix_attention_kernel(
         keep = cols[None, :] < limit[:, None]
         m_i, l_i, acc = softmax_step(q, k, v, keep, m_i, l_i, acc, PREC)
     out = acc / l_i[:, None]  # idle rows (NaN: they saw no key) are not stored
-    tl.store(OUT + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(
+        OUT + tok[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+        out.to(OUT.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
 
 
-def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limit: torch.Tensor, sm_scale: float,
-                     block_n: int = 64, num_warps: int | None = None, num_stages: int = 2) -> torch.Tensor:
+def prefix_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    limit: torch.Tensor,
+    sm_scale: float,
+    block_n: int = 64,
+    num_warps: int | None = None,
+    num_stages: int = 2,
+) -> torch.Tensor:
     """Softmax attention of each query over the first ``limit`` keys.
 
     q: [S, Hq, D]; k, v: [N, Hkv, D], in q's dtype, positions already applied; limit: [S] int, each >= 1 and <= N.
@@ -82,18 +113,49 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limit: t
     grid = (triton.cdiv(S, block_m // G), Hkv)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     _prefix_attention_kernel[grid](
-        q, k, v, limit, out, sm_scale * LOG2E, S,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        G=G, HEAD_DIM=D, BLOCK_M=block_m, BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
-        num_warps=num_warps or (8 if D > 64 else 4), num_stages=num_stages,
+        q,
+        k,
+        v,
+        limit,
+        out,
+        sm_scale * LOG2E,
+        S,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        G=G,
+        HEAD_DIM=D,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        IEEE=q.dtype == torch.float32,
+        num_warps=num_warps or (8 if D > 64 else 4),
+        num_stages=num_stages,
     )
     return out
 
 
 @triton.jit
 def _gather_rotated_kernel(
-    K, V, SLOTS, DELTA, COS, SIN, KO, VO, N, stride_slot, stride_cos,
-    HKV: tl.constexpr, HKV_P2: tl.constexpr, HALF: tl.constexpr, BLOCK_T: tl.constexpr,
+    K,
+    V,
+    SLOTS,
+    DELTA,
+    COS,
+    SIN,
+    KO,
+    VO,
+    N,
+    stride_slot,
+    stride_cos,
+    HKV: tl.constexpr,
+    HKV_P2: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_T: tl.constexpr,
 ):
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < N
@@ -116,22 +178,44 @@ def _gather_rotated_kernel(
     tl.store(VO + dst + HALF, tl.load(V + src + HALF, mask=ok, other=0.0), mask=ok)
 
 
-def gather_rotated(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, delta: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_rotated(
+    k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, delta: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens ``slots`` [N] of one layer's pool (``k``, ``v``: [slots, Hkv, D]), keys rotated by ``delta`` [N] (>= 0)
     with the tables ``cos``, ``sin`` [positions, D/2] (fp32): K, V [N, Hkv, D] in the pool's dtype."""
     S, Hkv, D = k.shape
-    assert v.shape == k.shape and k.stride()[1:] == (D, 1) and v.stride() == k.stride(), (k.shape, k.stride(), v.stride())
+    assert v.shape == k.shape and k.stride()[1:] == (D, 1) and v.stride() == k.stride(), (
+        k.shape,
+        k.stride(),
+        v.stride(),
+    )
     assert slots.shape == delta.shape and cos.shape == sin.shape and cos.shape[1] * 2 == D and cos.stride(1) == 1
     N = slots.shape[0]
-    ko, vo = torch.empty(N, Hkv, D, dtype=k.dtype, device=k.device), torch.empty(N, Hkv, D, dtype=v.dtype, device=v.device)
+    ko, vo = (
+        torch.empty(N, Hkv, D, dtype=k.dtype, device=k.device),
+        torch.empty(N, Hkv, D, dtype=v.dtype, device=v.device),
+    )
     if N == 0:
         return ko, vo
     if D & (D - 1) or D < 16:
         return gather_rotated_reference(k, v, slots, delta, cos, sin)
     block_t = max(1, 4096 // (triton.next_power_of_2(Hkv) * D))  # ~4k elements per load
     _gather_rotated_kernel[(triton.cdiv(N, block_t),)](
-        k, v, slots, delta, cos, sin, ko, vo, N, k.stride(0), cos.stride(0),
-        HKV=Hkv, HKV_P2=triton.next_power_of_2(Hkv), HALF=D // 2, BLOCK_T=block_t, num_warps=4,
+        k,
+        v,
+        slots,
+        delta,
+        cos,
+        sin,
+        ko,
+        vo,
+        N,
+        k.stride(0),
+        cos.stride(0),
+        HKV=Hkv,
+        HKV_P2=triton.next_power_of_2(Hkv),
+        HALF=D // 2,
+        BLOCK_T=block_t,
+        num_warps=4,
     )
     return ko, vo

@@ -22,6 +22,7 @@ attention in fp32. The Triton kernels instead rotate the query tile once per doc
 by ``-delta``; since ``<R(n) q, R(delta) R(s) k> = <R(-delta) R(n) q, R(s) k>``, the two
 agree up to rounding, which is what the tests check.
 """
+
 from __future__ import annotations
 
 import torch
@@ -63,7 +64,9 @@ def gather_contexts(
     k = apply_rotary(k_cache[block_ids].float(), rope_cos[deltas][:, :, None, None], rope_sin[deltas][:, :, None, None])
     v = v_cache[block_ids].float()  # [B, W, bs, Hkv, D]
     slot = torch.arange(block_size, device=k.device)
-    ok = (slot[None, None, :] < valid[:, :, None]) & (torch.arange(W, device=k.device)[None, :, None] < num_blocks[:, None, None].long())
+    ok = (slot[None, None, :] < valid[:, :, None]) & (
+        torch.arange(W, device=k.device)[None, :, None] < num_blocks[:, None, None].long()
+    )
     # padding slots hold whatever the pool held: zero them, since a masked weight times NaN is still NaN
     k, v = (t.masked_fill(~ok[..., None, None], 0.0) for t in (k, v))
     return k.flatten(1, 2), v.flatten(1, 2), ok.flatten(1)
@@ -82,8 +85,9 @@ def gather_context(
     return k[0][ok[0]], v[0][ok[0]]
 
 
-def gather_rotated_reference(k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, delta: torch.Tensor,
-                             cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_rotated_reference(
+    k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, delta: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens ``slots`` [N] of one layer's pool (``k``, ``v``: [slots, Hkv, D]), keys rotated in fp32 by ``delta`` [N]:
     K, V [N, Hkv, D] in the pool's dtype (kernels/recompute.py's ``gather_rotated``)."""
     kr = apply_rotary(k[slots].float(), cos[delta][:, None], sin[delta][:, None])
@@ -106,8 +110,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return out.transpose(1, 2)
 
 
-def prefix_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limit: torch.Tensor,
-                               sm_scale: float) -> torch.Tensor:
+def prefix_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limit: torch.Tensor, sm_scale: float
+) -> torch.Tensor:
     """What kernels/recompute.py's ``prefix_attention`` computes, as a dense fp32 mask over ``attend``: each query of
     ``q`` [S, Hq, D] over the first ``limit`` [S] keys of ``k``, ``v`` [N, Hkv, D]; returns [S, Hq, D] fp32."""
     mask = torch.arange(k.shape[0], device=k.device)[None, :] < limit.to(k.device)[:, None]

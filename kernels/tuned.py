@@ -4,6 +4,7 @@
 the device (``torch.cuda.get_device_name``) merged over it. ``LAZYRAG_TUNED_CONFIGS`` may name more files of the
 same layout (``os.pathsep``-separated), merged over the package's in order: how a benchmark adopts a sweep's table.
 """
+
 from __future__ import annotations
 
 import functools

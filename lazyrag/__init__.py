@@ -4,6 +4,7 @@ Each retrieved chunk's KV cache is computed once, stored once, and reused at any
 of any prompt; the positional rotation (RoPE) for its actual place is applied lazily inside
 the attention kernels.
 """
+
 from __future__ import annotations
 
 from lazyrag.version import __version__  # noqa: F401

@@ -1,6 +1,7 @@
 """The offline demo: cache a small bundled corpus once, then answer its questions over the cached chunks
 in shuffled orders with a full prefill, plain lazy stitching and the demo's recovery side by side,
 each answer marked right or wrong against the expected one, with its time to first token."""
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,15 @@ def is_right(answer: str, match: list[list[str]]) -> bool:
     return all(any(normalize(alt) in text for alt in group) for group in match)
 
 
-def run_demo(model: str | None = None, device: str | None = None, max_new_tokens: int = 32, orders: int = 1,
-             seed: int = 0, strategies: tuple[str, ...] = DEMO_STRATEGIES, json_out: str | None = None) -> list[dict]:
+def run_demo(
+    model: str | None = None,
+    device: str | None = None,
+    max_new_tokens: int = 32,
+    orders: int = 1,
+    seed: int = 0,
+    strategies: tuple[str, ...] = DEMO_STRATEGIES,
+    json_out: str | None = None,
+) -> list[dict]:
     """Answer every question of the bundled corpus with each strategy; returns one row per answer
     (and writes them, with the summary per strategy, to ``json_out``)."""
     from tqdm import tqdm
@@ -47,11 +55,16 @@ def run_demo(model: str | None = None, device: str | None = None, max_new_tokens
     docs = {d["id"]: d["text"] for d in corpus["documents"]}
     with console.status("Loading the model (the embedded SmolLM2-135M-Instruct unless --model is given)..."):
         engine = LazyEngine.from_pretrained(model, device=device)
-    console.print(f"[bold]Model[/] {engine.model_name} on {engine.device} ({engine.dtype}), attention backend: {engine.attention_backend}")
+    console.print(
+        f"[bold]Model[/] {engine.model_name} on {engine.device} ({engine.dtype}), attention backend: "
+        f"{engine.attention_backend}"
+    )
     for text in tqdm(docs.values(), desc="Pre-caching chunk KV", unit="chunk"):
         engine.precache([text])
-    console.print(f"Cached {len(docs)} chunks once each (+ the shared system prefix). Each question is asked over "
-                  f"its note and three unrelated ones, shuffled, with: " + ", ".join(strategies) + ".\n")
+    console.print(
+        f"Cached {len(docs)} chunks once each (+ the shared system prefix). Each question is asked over "
+        f"its note and three unrelated ones, shuffled, with: " + ", ".join(strategies) + ".\n"
+    )
     first = corpus["questions"][0]
     for strategy in strategies:  # warm-up: one-time costs (first forward, allocations) out of the timings
         engine.generate(first["question"], [docs[d] for d in first["documents"]], max_new_tokens=1, strategy=strategy)
@@ -63,7 +76,9 @@ def run_demo(model: str | None = None, device: str | None = None, max_new_tokens
             chunks = [docs[d] for d in item["documents"]]
             rng.shuffle(chunks)
             tag = f"Q{n}" + (f".{order + 1}" if orders > 1 else "")
-            console.print(f"[bold cyan]{tag}[/] {escape(item['question'])}   [dim]expected: {escape(item['answer'])}[/]")
+            console.print(
+                f"[bold cyan]{tag}[/] {escape(item['question'])}   [dim]expected: {escape(item['answer'])}[/]"
+            )
             chunk_tokens = sum(map(len, engine.build_prompt(item["question"], chunks).chunk_ids))
             for strategy in strategies:
                 console.print(f"   {strategy:<{width}}  ", end="")
@@ -74,17 +89,33 @@ def run_demo(model: str | None = None, device: str | None = None, max_new_tokens
                 right = is_right(r.text, item["match"])
                 mark = "[bold green]right[/]" if right else "[bold red]wrong[/]"
                 console.print(f"  {mark} [dim]TTFT {1e3 * r.ttft_s:.0f} ms[/]")
-                rows.append({"question": f"Q{n}", "order": order, "strategy": strategy, "answer": r.text, "right": right,
-                             "ttft_ms": 1e3 * r.ttft_s, "tokens_prefilled": r.stats.tokens_prefilled,
-                             "prompt_tokens": r.stats.prompt_tokens, "chunks_hit": r.stats.chunks_hit,
-                             "recomputed_share": r.stats.tokens_recomputed / max(chunk_tokens, 1)})
+                rows.append(
+                    {
+                        "question": f"Q{n}",
+                        "order": order,
+                        "strategy": strategy,
+                        "answer": r.text,
+                        "right": right,
+                        "ttft_ms": 1e3 * r.ttft_s,
+                        "tokens_prefilled": r.stats.tokens_prefilled,
+                        "prompt_tokens": r.stats.prompt_tokens,
+                        "chunks_hit": r.stats.chunks_hit,
+                        "recomputed_share": r.stats.tokens_recomputed / max(chunk_tokens, 1),
+                    }
+                )
             console.print()
     summary = _summary(console, rows, strategies)
     if json_out:
         from pathlib import Path
 
-        meta = {"model": engine.model_name, "device": str(engine.device), "dtype": str(engine.dtype),
-                "max_new_tokens": max_new_tokens, "orders": orders, "seed": seed}
+        meta = {
+            "model": engine.model_name,
+            "device": str(engine.device),
+            "dtype": str(engine.dtype),
+            "max_new_tokens": max_new_tokens,
+            "orders": orders,
+            "seed": seed,
+        }
         Path(json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(json_out).write_text(json.dumps({"meta": meta, "summary": summary, "answers": rows}, indent=1))
         console.print(f"[dim]wrote {json_out}[/]")
@@ -100,12 +131,21 @@ def _summary(console: Console, rows: list[dict], strategies: tuple[str, ...]) ->
     summary = {}
     for s, rs in by.items():
         ttft = statistics.median(r["ttft_ms"] for r in rs)
-        summary[s] = {"right": sum(r["right"] for r in rs), "answers": len(rs), "ttft_ms_median": ttft,
-                      "recomputed_share_mean": statistics.mean(r["recomputed_share"] for r in rs)}
-        table.add_row(s, f"{sum(r['right'] for r in rs)} / {len(rs)}", f"{ttft:.0f}",
-                      f"{full_ttft / ttft:.1f}x faster" if full_ttft and s != "full" else "",
-                      f"{statistics.median(r['tokens_prefilled'] for r in rs):.0f} of {statistics.median(r['prompt_tokens'] for r in rs):.0f}",
-                      f"{100 * statistics.mean(r['recomputed_share'] for r in rs):.0f}%")
+        summary[s] = {
+            "right": sum(r["right"] for r in rs),
+            "answers": len(rs),
+            "ttft_ms_median": ttft,
+            "recomputed_share_mean": statistics.mean(r["recomputed_share"] for r in rs),
+        }
+        table.add_row(
+            s,
+            f"{sum(r['right'] for r in rs)} / {len(rs)}",
+            f"{ttft:.0f}",
+            f"{full_ttft / ttft:.1f}x faster" if full_ttft and s != "full" else "",
+            f"{statistics.median(r['tokens_prefilled'] for r in rs):.0f} of "
+            f"{statistics.median(r['prompt_tokens'] for r in rs):.0f}",
+            f"{100 * statistics.mean(r['recomputed_share'] for r in rs):.0f}%",
+        )
     console.print(table)
     if "full" not in by:
         return summary
@@ -117,19 +157,26 @@ def _summary(console: Console, rows: list[dict], strategies: tuple[str, ...]) ->
 
     full_wrong = [c for c in cases if not answers[(*c, "full")]]
     if full_wrong:
-        console.print(f"[bold]Where the model itself fails:[/] full prefill, which reads the whole prompt at once, is wrong "
-                      f"on {names(full_wrong)}. That is the 135M model's limit, not the cache's: a cached strategy cannot be "
-                      "expected to do better there (a bigger model, --model, can).")
+        console.print(
+            f"[bold]Where the model itself fails:[/] full prefill, which reads the whole prompt at once, is wrong "
+            f"on {names(full_wrong)}. That is the 135M model's limit, not the cache's: a cached strategy cannot be "
+            "expected to do better there (a bigger model, --model, can)."
+        )
     for s in strategies:
         if s == "full":
             continue
         lost = [c for c in cases if answers[(*c, "full")] and not answers[(*c, s)]]
         won = [c for c in cases if not answers[(*c, "full")] and answers[(*c, s)]]
-        line = (f"[bold]{s}[/] is wrong where full is right on {names(lost)}" if lost
-                else f"[bold]{s}[/] is right wherever full is")
+        line = (
+            f"[bold]{s}[/] is wrong where full is right on {names(lost)}"
+            if lost
+            else f"[bold]{s}[/] is right wherever full is"
+        )
         if won:
             line += f", and right where full is wrong on {names(won)} (luck of a small model, not a method)"
         console.print(line + ".")
-    console.print("[dim]lazy reads every chunk's KV as cached, encoded without the other chunks; the recovery "
-                  "recomputes some chunk tokens in context to win back what that costs (docs: Answer quality).[/]")
+    console.print(
+        "[dim]lazy reads every chunk's KV as cached, encoded without the other chunks; the recovery "
+        "recomputes some chunk tokens in context to win back what that costs (docs: Answer quality).[/]"
+    )
     return summary

@@ -21,6 +21,7 @@ answer is contained in the normalised prediction: small instruct models answer i
 Next to quality: tokens prefilled and recomputed, and how often a strategy's answer is
 identical to ``position_aware`` (the lazy kernel must give the same answers).
 """
+
 from __future__ import annotations
 
 import gzip
@@ -36,8 +37,14 @@ from collections import Counter
 from pathlib import Path
 
 # the shared evaluation data sits beside the repository (../shared/data from its root)
-DATA = next((p for p in (Path.cwd().parent / "shared" / "data", Path(__file__).resolve().parents[2] / "shared" / "data")
-             if p.is_dir()), Path("../shared/data"))
+DATA = next(
+    (
+        p
+        for p in (Path.cwd().parent / "shared" / "data", Path(__file__).resolve().parents[2] / "shared" / "data")
+        if p.is_dir()
+    ),
+    Path("../shared/data"),
+)
 
 
 def normalize(text: str) -> str:
@@ -69,8 +76,14 @@ def accuracy(pred: str, golds: list[str]) -> float:
 
 
 # the evaluation sets that ship with the repository (benchmarks/data/<name>/, each with its SOURCE.md)
-BENCH_DATA = next((p for p in (Path.cwd() / "benchmarks" / "data", Path(__file__).resolve().parents[1] / "benchmarks" / "data")
-                   if p.is_dir()), Path("benchmarks/data"))
+BENCH_DATA = next(
+    (
+        p
+        for p in (Path.cwd() / "benchmarks" / "data", Path(__file__).resolve().parents[1] / "benchmarks" / "data")
+        if p.is_dir()
+    ),
+    Path("benchmarks/data"),
+)
 DATASETS = ("nq", "hotpotqa", "squad", "2wiki", "musique")
 SPLITS = ("all", "tune", "report")
 TUNE_SHARE = 0.3
@@ -92,9 +105,9 @@ SAMPLES = Path(__file__).resolve().parent / "data" / "eval"
 # what --data must hold for the sets that are not shipped
 DATA_FORMATS = {
     "nq": "Natural Questions (open), one JSON object a line (.jsonl or .jsonl.gz): question, answers, ctxs[0].text "
-          "(the gold passage), as in the NQ-open 'oracle' files of the DPR / FiD releases",
+    "(the gold passage), as in the NQ-open 'oracle' files of the DPR / FiD releases",
     "hotpotqa": "HotpotQA dev, one JSON object a line (.jsonl or .jsonl.gz): question_text, answers_objects[0].spans, "
-                "contexts[].paragraph_text, as in IRCoT's processed HotpotQA files",
+    "contexts[].paragraph_text, as in IRCoT's processed HotpotQA files",
 }
 
 
@@ -115,8 +128,9 @@ def _open_text(path: Path):
     return gzip.open(path, "rt") if path.suffix == ".gz" else open(path)
 
 
-def load_dataset(dataset: str, path: Path, n: int, *, split: str = "all", seed: int = 0, shuffle: bool = False,
-                 distractors: int = 4) -> list[dict]:
+def load_dataset(
+    dataset: str, path: Path, n: int, *, split: str = "all", seed: int = 0, shuffle: bool = False, distractors: int = 4
+) -> list[dict]:
     """Up to ``n`` items ``{"question", "answers", "chunks"}`` of ``dataset`` from ``path``, from ``split``."""
     if dataset == "nq":
         return load_nq(path, n, distractors, seed, split)
@@ -127,7 +141,8 @@ def load_dataset(dataset: str, path: Path, n: int, *, split: str = "all", seed: 
 
 def load_chunked(path: Path, n: int, shuffle: bool, seed: int, split: str = "all") -> list[dict]:
     """benchmarks/data's format, one item a line: ``{"id", "question", "answers", "chunks": [{"title", "text",
-    "gold"}]}``, chunks (title, newline, text) in the order they are read (make_qa_sets.py fixed it), or ``shuffle``d."""
+    "gold"}]}``, chunks (title, newline, text) in the order they are read (make_qa_sets.py fixed it), or
+    ``shuffle``d."""
     rng = random.Random(seed)
     items = []
     with _open_text(path) as f:
@@ -135,7 +150,9 @@ def load_chunked(path: Path, n: int, shuffle: bool, seed: int, split: str = "all
             row = json.loads(line)
             if not _in_split(row["question"], split):
                 continue
-            chunks = [f"{c['title'].replace('_', ' ')}\n{c['text']}" if c.get("title") else c["text"] for c in row["chunks"]]
+            chunks = [
+                f"{c['title'].replace('_', ' ')}\n{c['text']}" if c.get("title") else c["text"] for c in row["chunks"]
+            ]
             if shuffle:
                 rng.shuffle(chunks)
             items.append({"question": row["question"], "answers": row["answers"], "chunks": chunks})
@@ -189,25 +206,47 @@ def load_hotpotqa(path: Path, n: int, shuffle: bool, seed: int, split: str = "al
             chunks = [c["paragraph_text"] for c in row["contexts"]]
             if shuffle:
                 rng.shuffle(chunks)
-            items.append({"question": row["question_text"], "answers": row["answers_objects"][0]["spans"], "chunks": chunks})
+            items.append(
+                {"question": row["question_text"], "answers": row["answers_objects"][0]["spans"], "chunks": chunks}
+            )
             if len(items) == n:
                 break
     return items
 
 
-def evaluate(engine, items: list[dict], strategies: list[str], max_new_tokens: int = 32, progress: bool = True,
-             batch_items: int = 4) -> dict:
+def evaluate(
+    engine,
+    items: list[dict],
+    strategies: list[str],
+    max_new_tokens: int = 32,
+    progress: bool = True,
+    batch_items: int = 4,
+) -> dict:
     """Every strategy's answer to every item, scored and summarised (see ``score`` and ``summarize``)."""
     from tqdm import tqdm
 
     bar = tqdm(total=len(items), desc="eval", unit="question", disable=not progress)
-    per = score(engine, items, strategies, max_new_tokens, batch_items, on_group=lambda _, rows: bar.update(len(rows[strategies[0]])))
+    per = score(
+        engine,
+        items,
+        strategies,
+        max_new_tokens,
+        batch_items,
+        on_group=lambda _, rows: bar.update(len(rows[strategies[0]])),
+    )
     bar.close()
     return summarize(per)
 
 
-def score(engine, items: list[dict], strategies: list[str], max_new_tokens: int, batch_items: int,
-          on_group=None, deadline: float | None = None) -> dict[str, list[dict]]:
+def score(
+    engine,
+    items: list[dict],
+    strategies: list[str],
+    max_new_tokens: int,
+    batch_items: int,
+    on_group=None,
+    deadline: float | None = None,
+) -> dict[str, list[dict]]:
     """Each strategy's scored answer to each item, in item order. ``batch_items`` items' requests run as one
     continuous batch per strategy, which decodes several times faster than one request at a time, and keeps a
     question's answer independent of the other strategies compared in the run.
@@ -234,13 +273,17 @@ def _score_group(engine, group: list[dict], strategies: list[str], max_new_token
     try:
         engine.encode_chunks([c for layout in layouts for c in layout.chunk_ids], layouts[0].encoding_prefix)
     except Exception as e:  # each request encodes its own misses, so a bad chunk fails its requests alone
-        print(f"warning: encoding the batch's chunks failed ({type(e).__name__}: {e}); each request encodes its own",
-              file=sys.stderr)
+        print(
+            f"warning: encoding the batch's chunks failed ({type(e).__name__}: {e}); each request encodes its own",
+            file=sys.stderr,
+        )
     # one strategy a batch: a question's answer then never depends on which other strategies were compared in the
     # same run (bf16 batched matmuls round by batch shape), only on its group of questions (--batch and the seed)
     by_strategy = []
     for s in strategies:
-        by_strategy.append([engine.add_request(layout, SamplingParams(max_new_tokens, strategy=s)) for layout in layouts])
+        by_strategy.append(
+            [engine.add_request(layout, SamplingParams(max_new_tokens, strategy=s)) for layout in layouts]
+        )
         while engine.has_unfinished_requests():
             engine.step()
     requests = [list(reqs) for reqs in zip(*by_strategy)]
@@ -252,16 +295,26 @@ def _score_group(engine, group: list[dict], strategies: list[str], max_new_token
                 rows[s].append(_failed_row(item, e))
                 continue
             answer, st = r.text.strip(), r.stats
-            new_tokens = st.prompt_tokens - st.tokens_context - st.tokens_recomputed  # the question tail (or all, for full)
-            rows[s].append({
-                "question": item["question"], "answer": answer, "em": exact_match(answer, item["answers"]), "f1": f1(answer, item["answers"]),
-                "acc": accuracy(answer, item["answers"]), "ttft_s": r.ttft_s, "prompt_tokens": st.prompt_tokens,
-                "tokens_prefilled": st.tokens_prefilled, "tokens_recomputed": st.tokens_recomputed,
-                "chunk_tokens": st.tokens_context + st.tokens_recomputed,
-                # compute beyond the new tokens, in tokens through the whole model: quality recovery, and
-                # position_aware's re-encoding of chunks at positions it has no copy for (chunks are pre-cached)
-                "recompute_cost": st.tokens_prefilled - new_tokens,
-            })
+            new_tokens = (
+                st.prompt_tokens - st.tokens_context - st.tokens_recomputed
+            )  # the question tail (or all, for full)
+            rows[s].append(
+                {
+                    "question": item["question"],
+                    "answer": answer,
+                    "em": exact_match(answer, item["answers"]),
+                    "f1": f1(answer, item["answers"]),
+                    "acc": accuracy(answer, item["answers"]),
+                    "ttft_s": r.ttft_s,
+                    "prompt_tokens": st.prompt_tokens,
+                    "tokens_prefilled": st.tokens_prefilled,
+                    "tokens_recomputed": st.tokens_recomputed,
+                    "chunk_tokens": st.tokens_context + st.tokens_recomputed,
+                    # compute beyond the new tokens, in tokens through the whole model: quality recovery, and
+                    # position_aware's re-encoding of chunks at positions it has no copy for (chunks are pre-cached)
+                    "recompute_cost": st.tokens_prefilled - new_tokens,
+                }
+            )
     return rows
 
 
@@ -278,8 +331,10 @@ class Checkpoint:
             saved = json.loads(lines[0]) if lines else None
             if saved != run:
                 differ = sorted(k for k in run.keys() | (saved or {}).keys() if (saved or {}).get(k) != run.get(k))
-                raise ValueError(f"{path} holds another run's rows (it differs in {', '.join(differ)}); "
-                                 "run with the same options, or without --resume to start again")
+                raise ValueError(
+                    f"{path} holds another run's rows (it differs in {', '.join(differ)}); "
+                    "run with the same options, or without --resume to start again"
+                )
             for line in lines[1:]:
                 try:
                     part = json.loads(line)
@@ -291,7 +346,8 @@ class Checkpoint:
             path.write_text(json.dumps(run) + "\n")
 
     def add(self, indices: list[int], rows: dict[str, list[dict]]) -> None:
-        """Record the rows of items ``indices`` and append them to the file (one line: a batch is saved whole or not at all)."""
+        """Record the rows of items ``indices`` and append them to the file (one line: a batch is saved whole or not at
+        all)."""
         self._record(indices, rows)
         with open(self.path, "a") as f:
             f.write(json.dumps({"items": indices, "rows": rows}) + "\n")
@@ -327,9 +383,20 @@ def answered_questions(reports: list[Path], strategies: list[str]) -> set[str]:
 
 def _failed_row(item: dict, error: Exception) -> dict:
     print(f"warning: a request failed ({type(error).__name__}: {error}); it scores 0", file=sys.stderr)
-    return {"question": item["question"], "answer": "", "error": f"{type(error).__name__}: {error}", "em": 0.0, "f1": 0.0,
-            "acc": 0.0, "ttft_s": float("nan"), "prompt_tokens": 0, "tokens_prefilled": 0, "tokens_recomputed": 0,
-            "chunk_tokens": 0, "recompute_cost": 0}
+    return {
+        "question": item["question"],
+        "answer": "",
+        "error": f"{type(error).__name__}: {error}",
+        "em": 0.0,
+        "f1": 0.0,
+        "acc": 0.0,
+        "ttft_s": float("nan"),
+        "prompt_tokens": 0,
+        "tokens_prefilled": 0,
+        "tokens_recomputed": 0,
+        "chunk_tokens": 0,
+        "recompute_cost": 0,
+    }
 
 
 def summarize(per: dict[str, list[dict]]) -> dict:
@@ -339,14 +406,19 @@ def summarize(per: dict[str, list[dict]]) -> dict:
         mean = lambda key, rows=rows: 100 * statistics.fmean(r[key] for r in rows)  # noqa: E731
         chunk_tokens = sum(r["chunk_tokens"] for r in rows) or 1
         summary[s] = {
-            "em": mean("em"), "f1": mean("f1"), "accuracy": mean("acc"),
+            "em": mean("em"),
+            "f1": mean("f1"),
+            "accuracy": mean("acc"),
             # inside a batch: compare with care
-            "median_ttft_ms": 1e3 * statistics.median([r["ttft_s"] for r in rows if "error" not in r] or [float("nan")]),
+            "median_ttft_ms": 1e3
+            * statistics.median([r["ttft_s"] for r in rows if "error" not in r] or [float("nan")]),
             "failed": sum("error" in r for r in rows),
             "recomputed_pct_of_chunk_tokens": 100 * sum(r["tokens_recomputed"] for r in rows) / chunk_tokens,
             # blend runs every chunk token through layer 0 to select: its cost exceeds its tokens
             "recompute_cost_pct_of_chunk_tokens": 100 * sum(r["recompute_cost"] for r in rows) / chunk_tokens,
-            "prefilled_pct_of_prompt": 100 * sum(r["tokens_prefilled"] for r in rows) / (sum(r["prompt_tokens"] for r in rows) or 1),
+            "prefilled_pct_of_prompt": 100
+            * sum(r["tokens_prefilled"] for r in rows)
+            / (sum(r["prompt_tokens"] for r in rows) or 1),
         }
         for ref in ("position_aware", "full"):  # the kernel's exactness; how close recovery gets to the reference
             if ref in per:
@@ -354,11 +426,14 @@ def summarize(per: dict[str, list[dict]]) -> dict:
                 summary[s][f"identical_to_{ref}_pct"] = 100 * same / len(rows)
     errors = {s: {i: r["error"] for i, r in enumerate(rows) if "error" in r} for s, rows in per.items()}
     first = next(iter(per.values()), [])
-    return {"summary": summary, "questions": [r["question"] for r in first],  # which items (a time-limited run: a subset)
-            "answers": {s: [r["answer"] for r in rows] for s, rows in per.items()},
-            # per question, for paired differences between strategies (benchmarks/quality_sets.py)
-            "scores": {s: {"acc": [r["acc"] for r in rows], "f1": [r["f1"] for r in rows]} for s, rows in per.items()},
-            "errors": {s: e for s, e in errors.items() if e}}
+    return {
+        "summary": summary,
+        "questions": [r["question"] for r in first],  # which items (a time-limited run: a subset)
+        "answers": {s: [r["answer"] for r in rows] for s, rows in per.items()},
+        # per question, for paired differences between strategies (benchmarks/quality_sets.py)
+        "scores": {s: {"acc": [r["acc"] for r in rows], "f1": [r["f1"] for r in rows]} for s, rows in per.items()},
+        "errors": {s: e for s, e in errors.items() if e},
+    }
 
 
 # -- several processes: on a GPU the eval is bound by host work per request (planning, launches,
@@ -398,9 +473,19 @@ def _score_in_worker(job):
     return first, _score_group(_worker_engine, items, strategies, max_new_tokens)
 
 
-def score_parallel(engine_kwargs: dict, items: list[dict], strategies: list[str], max_new_tokens: int, batch_items: int,
-                   workers: int, store=None, progress: bool = True, deadline: float | None = None, gpus: int = 1,
-                   on_group=None) -> dict[str, list[dict]]:
+def score_parallel(
+    engine_kwargs: dict,
+    items: list[dict],
+    strategies: list[str],
+    max_new_tokens: int,
+    batch_items: int,
+    workers: int,
+    store=None,
+    progress: bool = True,
+    deadline: float | None = None,
+    gpus: int = 1,
+    on_group=None,
+) -> dict[str, list[dict]]:
     """``score`` over ``workers`` processes, each with its own engine (``LazyEngine.from_pretrained(**engine_kwargs)``)
     and KV budget, taking ``batch_items`` items at a time, spread round-robin over ``gpus`` GPUs; rows come back
     in item order, and to ``on_group(first, rows)`` as each batch finishes. Past ``deadline`` the workers are
@@ -413,8 +498,10 @@ def score_parallel(engine_kwargs: dict, items: list[dict], strategies: list[str]
     parts = {}
     ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
     started = ctx.Value("i", 0)
-    with ctx.Pool(workers, initializer=_start_worker, initargs=(engine_kwargs, store, started, gpus)) as pool, \
-            tqdm(total=len(items), desc=f"eval ({workers} workers)", unit="question", disable=not progress) as bar:
+    with (
+        ctx.Pool(workers, initializer=_start_worker, initargs=(engine_kwargs, store, started, gpus)) as pool,
+        tqdm(total=len(items), desc=f"eval ({workers} workers)", unit="question", disable=not progress) as bar,
+    ):
         for first, rows in pool.imap_unordered(_score_in_worker, jobs):
             parts[first] = rows
             if on_group is not None:
@@ -436,7 +523,9 @@ def plot(summary: dict, path: Path, title: str) -> None:
     xs = range(len(names))
     for off, key in ((-0.2, "accuracy"), (0.2, "f1")):
         ax.bar([x + off for x in xs], [summary[n][key] for n in names], width=0.4, label=key)
-    ax.set_xticks(list(xs), [f"{n}\n{summary[n]['prefilled_pct_of_prompt']:.0f}% of prompt computed" for n in names], fontsize=8)
+    ax.set_xticks(
+        list(xs), [f"{n}\n{summary[n]['prefilled_pct_of_prompt']:.0f}% of prompt computed" for n in names], fontsize=8
+    )
     ax.set_ylabel("%")
     ax.set_title(title, fontsize=9)
     ax.legend()
@@ -461,25 +550,35 @@ def run_eval(args, engine_options: dict | None = None) -> int:
     if args.dataset is None:  # nq where its file is (a clone beside shared/data), else a set a wheel ships
         args.dataset = "nq" if args.data or default_data("nq").is_file() else "squad"
         if args.dataset == "squad":
-            print("nq's file is not here (nq is not shipped with lazyrag): evaluating on squad; "
-                  "--dataset nq --data FILE for Natural Questions", file=sys.stderr)
+            print(
+                "nq's file is not here (nq is not shipped with lazyrag): evaluating on squad; "
+                "--dataset nq --data FILE for Natural Questions",
+                file=sys.stderr,
+            )
     path = args.data or default_data(args.dataset)
     if not path.is_file():
         if args.data:
             print(f"error: --data {path}: no such file", file=sys.stderr)
         elif args.dataset in DATA_FORMATS:
-            print(f"error: {args.dataset} is not shipped with lazyrag; pass its file with --data: "
-                  f"{DATA_FORMATS[args.dataset]}. squad, 2wiki and musique run without --data.", file=sys.stderr)
+            print(
+                f"error: {args.dataset} is not shipped with lazyrag; pass its file with --data: "
+                f"{DATA_FORMATS[args.dataset]}. squad, 2wiki and musique run without --data.",
+                file=sys.stderr,
+            )
         else:
             print(f"error: {path} not found; pass --data FILE", file=sys.stderr)
         return 2
     if path.parent == SAMPLES:
-        print(f"{args.dataset}: the {path.name} shipped with lazyrag ({sum(1 for _ in _open_text(path))} questions); "
-              "--data FILE for the full set", file=sys.stderr)
+        print(
+            f"{args.dataset}: the {path.name} shipped with lazyrag ({sum(1 for _ in _open_text(path))} questions); "
+            "--data FILE for the full set",
+            file=sys.stderr,
+        )
     passages = getattr(args, "passages", None)
     distractors = passages - 1 if passages and args.dataset == "nq" else args.distractors
-    items = load_dataset(args.dataset, path, args.n, split=args.split, seed=args.seed, shuffle=args.shuffle,
-                         distractors=distractors)
+    items = load_dataset(
+        args.dataset, path, args.n, split=args.split, seed=args.seed, shuffle=args.shuffle, distractors=distractors
+    )
     if passages and args.dataset != "nq":
         pool = load_dataset(args.dataset, path, 1 << 30, split=args.split, seed=args.seed)
         items = with_passages(items, pool, passages, args.seed)
@@ -493,8 +592,14 @@ def run_eval(args, engine_options: dict | None = None) -> int:
             print("nothing left to score: no report written")
             return 0
     # a batch's questions run as one continuous batch per strategy (_score_group)
-    engine_kwargs = dict(model=args.model, device=args.device, dtype=args.dtype, adapter=getattr(args, "adapter", None),
-                         scheduler=SchedulerConfig(max_running=max(64, args.batch * len(strategies))), **(engine_options or {}))
+    engine_kwargs = dict(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        adapter=getattr(args, "adapter", None),
+        scheduler=SchedulerConfig(max_running=max(64, args.batch * len(strategies))),
+        **(engine_options or {}),
+    )
     if args.kv_budget is not None:
         engine_kwargs["kv_budget"] = args.kv_budget  # bytes (the CLI parsed the size)
     if args.eager:
@@ -507,14 +612,30 @@ def run_eval(args, engine_options: dict | None = None) -> int:
             item["chunks"] = [h.text for h in hits]
     config = EngineConfig(**engine_kwargs)  # the device and dtype the engines resolve to
     model_name = resolve_model_source(args.model).name
-    run = {"dataset": args.dataset, "data": path.name, "n": args.n, "split": args.split, "seed": args.seed, "strategies": strategies,
-           "max_new_tokens": args.max_new_tokens, "model": model_name, "device": config.device.type,
-           "dtype": str(config.dtype).replace("torch.", ""), "encoding_passage": passage_label(config.encoding_passage),
-           "encoding_passage_sha256": passage_sha256(config.encoding_passage),  # a resume under another default's text is refused
-           **({"distractors": distractors} if args.dataset == "nq" else {"shuffle": args.shuffle}),
-           **({"passages": passages} if passages else {}),
-           **({"store": str(args.store), "k": args.k} if args.store is not None else {}),
-           **({"skip_answered": sorted(p.name for p in args.skip_answered)} if getattr(args, "skip_answered", None) else {})}
+    run = {
+        "dataset": args.dataset,
+        "data": path.name,
+        "n": args.n,
+        "split": args.split,
+        "seed": args.seed,
+        "strategies": strategies,
+        "max_new_tokens": args.max_new_tokens,
+        "model": model_name,
+        "device": config.device.type,
+        "dtype": str(config.dtype).replace("torch.", ""),
+        "encoding_passage": passage_label(config.encoding_passage),
+        "encoding_passage_sha256": passage_sha256(
+            config.encoding_passage
+        ),  # a resume under another default's text is refused
+        **({"distractors": distractors} if args.dataset == "nq" else {"shuffle": args.shuffle}),
+        **({"passages": passages} if passages else {}),
+        **({"store": str(args.store), "k": args.k} if args.store is not None else {}),
+        **(
+            {"skip_answered": sorted(p.name for p in args.skip_answered)}
+            if getattr(args, "skip_answered", None)
+            else {}
+        ),
+    }
     try:
         checkpoint = Checkpoint(args.out.with_suffix(".partial.jsonl"), run, args.resume)
     except ValueError as e:
@@ -535,44 +656,86 @@ def run_eval(args, engine_options: dict | None = None) -> int:
         import torch
 
         gpus = torch.cuda.device_count() if config.device.type == "cuda" and config.device.index is None else 1
-        score_parallel(engine_kwargs, left, strategies, args.max_new_tokens, args.batch, args.workers, store,
-                       deadline=deadline, gpus=gpus, on_group=save)
+        score_parallel(
+            engine_kwargs,
+            left,
+            strategies,
+            args.max_new_tokens,
+            args.batch,
+            args.workers,
+            store,
+            deadline=deadline,
+            gpus=gpus,
+            on_group=save,
+        )
     elif left:
         engine = LazyEngine.from_pretrained(**engine_kwargs)
         if args.store is not None:
             engine.attach_store(args.store)
         bar = tqdm(total=len(left), desc="eval", unit="question")
-        score(engine, left, strategies, args.max_new_tokens, args.batch, deadline=deadline,
-              on_group=lambda first, rows: (save(first, rows), bar.update(len(rows[strategies[0]]))))
+        score(
+            engine,
+            left,
+            strategies,
+            args.max_new_tokens,
+            args.batch,
+            deadline=deadline,
+            on_group=lambda first, rows: (save(first, rows), bar.update(len(rows[strategies[0]]))),
+        )
         bar.close()
     per = checkpoint.per_strategy(strategies)
     done = len(per[strategies[0]])
     if done < len(items):
-        print(f"warning: --time-limit reached: {done} of {len(items)} questions scored; "
-              f"the same command with --resume goes on from {checkpoint.path}", file=sys.stderr)
+        print(
+            f"warning: --time-limit reached: {done} of {len(items)} questions scored; "
+            f"the same command with --resume goes on from {checkpoint.path}",
+            file=sys.stderr,
+        )
         if not done:
             return 1
     result = summarize(per)
-    result.update({"dataset": args.dataset, "split": args.split, "n": done, "n_asked": len(items), "model": model_name, "device": _device_name(config.device),
-                   "dtype": str(config.dtype).replace("torch.", ""), "encoding_passage": run["encoding_passage"],
-                   "workers": args.workers, "resumed": len(items) - len(todo),
-                   "command": "lazyrag " + " ".join(sys.argv[1:]), "seconds": time.time() - t,
-                   "mode": "retrieval" if args.store is not None else "oracle", "passages": passages,
-                   "adapter": getattr(args, "adapter", None)})
-    print(f"\n{args.dataset} ({args.split}), n={done}, {model_name} on {result['device']}, {result['dtype']}, "
-          f"{result['seconds']:.0f} s")
+    result.update(
+        {
+            "dataset": args.dataset,
+            "split": args.split,
+            "n": done,
+            "n_asked": len(items),
+            "model": model_name,
+            "device": _device_name(config.device),
+            "dtype": str(config.dtype).replace("torch.", ""),
+            "encoding_passage": run["encoding_passage"],
+            "workers": args.workers,
+            "resumed": len(items) - len(todo),
+            "command": "lazyrag " + " ".join(sys.argv[1:]),
+            "seconds": time.time() - t,
+            "mode": "retrieval" if args.store is not None else "oracle",
+            "passages": passages,
+            "adapter": getattr(args, "adapter", None),
+        }
+    )
+    print(
+        f"\n{args.dataset} ({args.split}), n={done}, {model_name} on {result['device']}, {result['dtype']}, "
+        f"{result['seconds']:.0f} s"
+    )
     width = max(18, *(len(s) + 2 for s in strategies))
-    print(f"{'strategy':<{width}}{'acc':>7}{'F1':>7}{'EM':>7}{'recomp%':>9}{'tokens%':>9}{'prefill%':>9}{'same as PA':>11}"
-          f"{'same as full':>13}")
+    print(
+        f"{'strategy':<{width}}{'acc':>7}{'F1':>7}{'EM':>7}{'recomp%':>9}{'tokens%':>9}{'prefill%':>9}"
+        f"{'same as PA':>11}{'same as full':>13}"
+    )
     for s, m in result["summary"].items():
         same = m.get("identical_to_position_aware_pct", float("nan"))
-        print(f"{s:<{width}}{m['accuracy']:>7.1f}{m['f1']:>7.1f}{m['em']:>7.1f}{m['recompute_cost_pct_of_chunk_tokens']:>9.1f}"
-              f"{m['recomputed_pct_of_chunk_tokens']:>9.1f}{m['prefilled_pct_of_prompt']:>9.1f}{same:>11.1f}"
-              f"{m.get('identical_to_full_pct', float('nan')):>13.1f}")
+        print(
+            f"{s:<{width}}{m['accuracy']:>7.1f}{m['f1']:>7.1f}{m['em']:>7.1f}{m['recompute_cost_pct_of_chunk_tokens']:>9.1f}"
+            f"{m['recomputed_pct_of_chunk_tokens']:>9.1f}{m['prefilled_pct_of_prompt']:>9.1f}{same:>11.1f}"
+            f"{m.get('identical_to_full_pct', float('nan')):>13.1f}"
+        )
     print("recomp%: the recompute's cost, in chunk tokens through the whole model; tokens%: chunk tokens recomputed")
     for s, m in result["summary"].items():
         if m["failed"]:
-            print(f"warning: {m['failed']} {s} requests failed and scored 0 (their errors are in {args.out})", file=sys.stderr)
+            print(
+                f"warning: {m['failed']} {s} requests failed and scored 0 (their errors are in {args.out})",
+                file=sys.stderr,
+            )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     wrote = f"wrote {args.out}"
@@ -585,4 +748,3 @@ def run_eval(args, engine_options: dict | None = None) -> int:
     if done == len(items):
         checkpoint.path.unlink()  # everything is in --out now
     return 0
-

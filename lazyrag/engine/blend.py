@@ -23,6 +23,7 @@ slots and rotations are computed once per request, nothing syncs inside the laye
 fresh K/V are written to the pool in one go at the end, and the elementwise steps run eagerly (a
 compiled op's guards cost more than its launches at these sizes).
 """
+
 from __future__ import annotations
 
 import functools
@@ -64,7 +65,9 @@ class PlacedContext:
         self.pool, dev = runner.pool, runner.device
         self.rope_cos, self.rope_sin = runner.rope_cos, runner.rope_sin
         bs = self.pool.shape.block_size
-        offsets = [np.arange(p.first_block * bs, p.segment.num_tokens) for p in placed]  # each token's index in its segment
+        offsets = [
+            np.arange(p.first_block * bs, p.segment.num_tokens) for p in placed
+        ]  # each token's index in its segment
         owner = np.concatenate([np.full(len(t), i) for i, t in enumerate(offsets)])
         delta = np.concatenate([np.full(len(t), p.delta) for p, t in zip(placed, offsets)])
         position = np.concatenate([p.segment.start + p.delta + t for p, t in zip(placed, offsets)])
@@ -74,8 +77,9 @@ class PlacedContext:
         self.position = torch.from_numpy(position).to(dev)  # [N]
         self.delta = torch.from_numpy(delta)  # [N] host
         # [N]: each token's slot in a layer's pool viewed as [blocks * bs, Hkv, D] (worked out on the host: one copy)
-        slots = np.concatenate([np.asarray(p.segment.blocks, dtype=np.int64)[t // bs] * bs + t % bs
-                                for p, t in zip(placed, offsets)])
+        slots = np.concatenate(
+            [np.asarray(p.segment.blocks, dtype=np.int64)[t // bs] * bs + t % bs for p, t in zip(placed, offsets)]
+        )
         self.slots = torch.from_numpy(slots).to(dev)
         self.delta_dev = self.delta.to(dev)
         attn = runner.model.layers[0].attn
@@ -102,7 +106,9 @@ class PlacedContext:
         if self.fast:
             kv = gather_rotated(k, v, self.slots, self.delta_dev, self.rope_cos, self.rope_sin)
         else:
-            kv = gather_rotated_reference(k.float(), v.float(), self.slots, self.delta_dev, self.rope_cos, self.rope_sin)
+            kv = gather_rotated_reference(
+                k.float(), v.float(), self.slots, self.delta_dev, self.rope_cos, self.rope_sin
+            )
         if keep and self._keep:
             self._kept[i] = kv
         return kv
@@ -113,7 +119,9 @@ def kv_deviation(k: torch.Tensor, v: torch.Tensor, k_cached: torch.Tensor, v_cac
     return ((k.float() - k_cached) ** 2).sum((1, 2)) + ((v.float() - v_cached) ** 2).sum((1, 2))
 
 
-def select(deviation: torch.Tensor, chunk: torch.Tensor, ratio: float, forced: torch.Tensor, per_chunk: bool = False) -> torch.Tensor:
+def select(
+    deviation: torch.Tensor, chunk: torch.Tensor, ratio: float, forced: torch.Tensor, per_chunk: bool = False
+) -> torch.Tensor:
     """Sorted indices of the tokens to recompute: the ``forced`` ones and the top ``ratio`` of the
     others by ``deviation`` (all [C]), counted over all chunk tokens or, ``per_chunk``, in each chunk."""
     score = deviation.masked_fill(forced, float("inf"))
@@ -143,8 +151,9 @@ GRADUAL_FACTOR = 2.0
 
 
 @torch.inference_mode()
-def question_attention(runner: ModelRunner, ctx: PlacedContext, question: list[int], start: int,
-                       layers: tuple[int, int] | None = None) -> tuple[torch.Tensor, int]:
+def question_attention(
+    runner: ModelRunner, ctx: PlacedContext, question: list[int], start: int, layers: tuple[int, int] | None = None
+) -> tuple[torch.Tensor, int]:
     """[N]: the attention each context token gets from the question run over the context as cached, summed over
     heads and question tokens in layers [lo, hi); and the number of layers the question ran through. The
     gathered layers are kept in ``ctx`` for the recompute that follows."""
@@ -152,7 +161,9 @@ def question_attention(runner: ModelRunner, ctx: PlacedContext, question: list[i
     L, n_ctx = len(model.layers), len(ctx)
     lo, hi = layers or (0, L)
     x = model.embed(torch.tensor(question, device=dev))
-    cos, sin = rope_at(runner.rope_cos, runner.rope_sin, torch.arange(start, start + len(question), device=dev), x.dtype)
+    cos, sin = rope_at(
+        runner.rope_cos, runner.rope_sin, torch.arange(start, start + len(question), device=dev), x.dtype
+    )
     T = len(question)
     score = torch.zeros(n_ctx, device=dev)
     hidden = None  # [G*T, T]: the question's own later tokens, for each row (q head within its group, token)
@@ -212,7 +223,9 @@ def selective_recompute(
     C = len(chunk_pos)
     if not C:
         return Blend(list(placed), torch.zeros(0, dtype=torch.int64), torch.zeros(0), 0.0)
-    chunk_ids = torch.tensor([ids[i][j] for i, j in zip(owner[chunk_pos].tolist(), offset[chunk_pos].tolist())], device=dev)
+    chunk_ids = torch.tensor(
+        [ids[i][j] for i, j in zip(owner[chunk_pos].tolist(), offset[chunk_pos].tolist())], device=dev
+    )
     chunk_of, forced = owner[chunk_pos], offset[chunk_pos] < first
     cost = 0.0  # in tokens through the whole model
     attn = None
@@ -283,7 +296,10 @@ def selective_recompute(
     context, slots = _private_copies(pool, placed, owner[chunk_pos[cur]], offset[chunk_pos[cur]], allocate)
     if fresh:
         d = ctx.delta[chunk_pos[cur]].to(dev)
-        back = runner.rope_cos[d][:, None], -runner.rope_sin[d][:, None]  # R(-delta): the copy is read at the chunk's delta
+        back = (
+            runner.rope_cos[d][:, None],
+            -runner.rope_sin[d][:, None],
+        )  # R(-delta): the copy is read at the chunk's delta
         rows = [torch.searchsorted(was, cur).to(dev) for _, was, _, _ in fresh]  # the final tokens' rows of each layer
         k = torch.stack([kk[r] for (_, _, kk, _), r in zip(fresh, rows)]).float()  # [L', S, Hkv, D]
         v = torch.stack([vv[r] for (_, _, _, vv), r in zip(fresh, rows)])
@@ -298,8 +314,16 @@ def prefix_attention(q, k, v, limit, sm_scale):
     return kernel(q, k, v, limit, sm_scale)
 
 
-def recompute_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, sel: torch.Tensor, k: torch.Tensor,
-                        v: torch.Tensor, limit: torch.Tensor, sm_scale: float) -> torch.Tensor:
+def recompute_attention(
+    q: torch.Tensor,
+    kc: torch.Tensor,
+    vc: torch.Tensor,
+    sel: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    limit: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
     """The running tokens' attention ([S, Hq, D]) over the context as cached (``kc``, ``vc``: [N, Hkv, D] fp32) where
     their own rows ``sel`` hold their fresh ``k``, ``v``; each sees the first ``limit`` context tokens. On CUDA in the
     model's dtype through kernels/recompute.py (a dense fp32 mask was most of a recovery's time), else in fp32."""
@@ -331,7 +355,10 @@ def _kernel_checked(device: torch.device, dtype: torch.dtype, hq: int, hkv: int,
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(n, h, d, generator=g).to(device, dtype) for n, h in ((37, hq), (300, hkv), (300, hkv)))
     limit = torch.randint(1, 301, (37,), generator=g).sort().values.to(device)
-    slots, delta = torch.randperm(300, generator=g)[:120].to(device), torch.randint(0, 50, (120,), generator=g).to(device)
+    slots, delta = (
+        torch.randperm(300, generator=g)[:120].to(device),
+        torch.randint(0, 50, (120,), generator=g).to(device),
+    )
     angles = torch.rand(50, d // 2, generator=g) * 6
     cos, sin = angles.cos().to(device), angles.sin().to(device)
     try:
@@ -344,12 +371,18 @@ def _kernel_checked(device: torch.device, dtype: torch.dtype, hq: int, hkv: int,
     except Exception as e:  # e.g. a Triton that cannot compile it here
         if KERNEL_ON_CPU:
             raise
-        log.warning("the recovery's attention kernel failed on %s (%s: %s); using the PyTorch reference", device,
-                    type(e).__name__, e)
+        log.warning(
+            "the recovery's attention kernel failed on %s (%s: %s); using the PyTorch reference",
+            device,
+            type(e).__name__,
+            e,
+        )
         return False
     ok = err < (1e-4 if dtype == torch.float32 else 2e-2)
     if not ok:
-        log.warning("the recovery's attention kernel is off by %.2g on %s (%s); using the PyTorch reference", err, device, dtype)
+        log.warning(
+            "the recovery's attention kernel is off by %.2g on %s (%s); using the PyTorch reference", err, device, dtype
+        )
     return ok
 
 

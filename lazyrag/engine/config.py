@@ -1,4 +1,5 @@
 """One configuration for an engine: which model, where, how much KV memory, and how requests are batched."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -34,7 +35,9 @@ class EngineConfig:
     model_cache: bool | None = None
     device: str | torch.device | None = None  # None: cuda when available, else cpu
     dtype: str | torch.dtype | None = None  # None: bfloat16 on cuda, float32 on cpu
-    kv_budget: int | str | None = None  # bytes of the paged KV pool ("4GiB", "512MB" too); None: 8 GiB on cuda, 1 GiB on cpu
+    kv_budget: int | str | None = (
+        None  # bytes of the paged KV pool ("4GiB", "512MB" too); None: 8 GiB on cuda, 1 GiB on cpu
+    )
     block_size: int = 16  # tokens per KV block
     attention: str | None = None  # "triton" | "torch"; None: triton on cuda, torch on cpu
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
@@ -43,14 +46,19 @@ class EngineConfig:
     encoding_passage: str | None = DEFAULT_ENCODING_PASSAGE
     cuda_graphs: bool | None = None  # None: on with cuda + triton
     compile_elementwise: bool | None = None  # None: on with cuda
-    # norms and silu*up as Triton kernels (kernels/elementwise.py), replacing the compiled ones; None: on with cuda + triton
+    # norms and silu*up as Triton kernels (kernels/elementwise.py), replacing the compiled ones; None: on with cuda +
+    # triton
     triton_elementwise: bool | None = None
     fused_kv_store: bool | None = None  # q/k rotation and the K/V pool write in one Triton kernel; None: on with triton
     # torch's BLAS library for short prefills (<= 512 tokens, e.g. a question over cached documents): "cublaslt" |
     # "cublas"; None: cuBLASLt on cuda (measured faster at 64 tokens), torch's own choice elsewhere
     short_prefill_blas: str | None = None
-    gemv: bool | None = None  # one-token projections as Triton GEMVs, the norm / silu*up folded in; None: on with cuda + triton
-    skinny_gemm: bool | None = None  # 2-64 token projections as Triton skinny GEMMs (kernels/gemm.py); None: off until measured
+    gemv: bool | None = (
+        None  # one-token projections as Triton GEMVs, the norm / silu*up folded in; None: on with cuda + triton
+    )
+    skinny_gemm: bool | None = (
+        None  # 2-64 token projections as Triton skinny GEMMs (kernels/gemm.py); None: off until measured
+    )
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     # one model across N processes (engine/tensor_parallel.py): heads and MLP columns split, an all-reduce per
@@ -66,8 +74,13 @@ class EngineConfig:
         if self.adapter is not None and str(self.adapter).lower() == "none":
             self.adapter = None
         self.defaulted = tuple(f for f in _RESOLVED if getattr(self, f) is None) + (
-            ("async_scheduling",) if self.scheduler.async_scheduling is None else ())
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu") if self.device is None else torch.device(self.device)
+            ("async_scheduling",) if self.scheduler.async_scheduling is None else ()
+        )
+        self.device = (
+            torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            if self.device is None
+            else torch.device(self.device)
+        )
         if self.dtype is None:
             self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         elif isinstance(self.dtype, str):
@@ -84,7 +97,9 @@ class EngineConfig:
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1; got {self.block_size}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be an integer of at least 1; got {self.tensor_parallel_size!r}")
+            raise ValueError(
+                f"tensor_parallel_size must be an integer of at least 1; got {self.tensor_parallel_size!r}"
+            )
         if not self.tensor_parallel_timeout_s > 0:
             raise ValueError(f"tensor_parallel_timeout_s must be positive; got {self.tensor_parallel_timeout_s!r}")
         # every other None resolved here, once: the engine reads the settings as they are
@@ -92,10 +107,15 @@ class EngineConfig:
         if self.attention is None:
             self.attention = "triton" if on_cuda else "torch"
         triton_on_cuda = on_cuda and self.attention == "triton"
-        defaults = {"compile_elementwise": on_cuda, "triton_elementwise": triton_on_cuda, "gemv": triton_on_cuda,
-                    "cuda_graphs": triton_on_cuda, "skinny_gemm": False,
-                    # where the model's head_dim allows it (the engine checks: head_dim / 2 a power of two, >= 8)
-                    "fused_kv_store": self.attention == "triton"}
+        defaults = {
+            "compile_elementwise": on_cuda,
+            "triton_elementwise": triton_on_cuda,
+            "gemv": triton_on_cuda,
+            "cuda_graphs": triton_on_cuda,
+            "skinny_gemm": False,
+            # where the model's head_dim allows it (the engine checks: head_dim / 2 a power of two, >= 8)
+            "fused_kv_store": self.attention == "triton",
+        }
         for name, value in defaults.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
@@ -112,5 +132,17 @@ class EngineConfig:
 
 
 # EngineConfig's fields whose None means "the default for this device", resolved in __post_init__
-_RESOLVED = ("device", "dtype", "kv_budget", "model_cache", "attention", "compile_elementwise", "triton_elementwise", "gemv", "cuda_graphs",
-             "skinny_gemm", "fused_kv_store", "short_prefill_blas")
+_RESOLVED = (
+    "device",
+    "dtype",
+    "kv_budget",
+    "model_cache",
+    "attention",
+    "compile_elementwise",
+    "triton_elementwise",
+    "gemv",
+    "cuda_graphs",
+    "skinny_gemm",
+    "fused_kv_store",
+    "short_prefill_blas",
+)

@@ -6,6 +6,7 @@ each replay refills with one copy; shapes are padded up to buckets. Padding toke
 scratch block that no sequence reads, and padded batch rows have no context, so neither
 touches real results.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -64,9 +65,15 @@ class GraphRunner:
         if is_decode:
             empty = HostBatch(True, *(np.zeros(0, np.int64),) * 3, [], np.zeros(1, np.int64), 1)
         else:
-            empty = HostBatch(False, np.zeros(tokens, np.int64), np.zeros(tokens, np.int64),
-                              np.full(tokens, self.scratch_slot, np.int64), [np.zeros(0, np.int64)],
-                              np.array([0, tokens], np.int64), tokens)
+            empty = HostBatch(
+                False,
+                np.zeros(tokens, np.int64),
+                np.zeros(tokens, np.int64),
+                np.full(tokens, self.scratch_slot, np.int64),
+                [np.zeros(0, np.int64)],
+                np.array([0, tokens], np.int64),
+                tokens,
+            )
         empty.fill(host_np, tokens, batch, width, self.scratch_slot)
         dev = host.to(self.device)
         ids, positions, meta = HostBatch.views(dev, tokens, batch, width, is_decode, 1 if is_decode else tokens)
@@ -91,8 +98,12 @@ class GraphRunner:
         token ids on the device, copied over the host's after the one copy (stream-ordered, no sync)."""
         b, n = batch.batch, batch.num_tokens
         width = _bucket(batch.width, 64)
-        key = (batch.is_decode, _bucket(b, 1) if batch.is_decode else 1,
-               _bucket(n, 1) if batch.is_decode else _bucket(n, 16), width)
+        key = (
+            batch.is_decode,
+            _bucket(b, 1) if batch.is_decode else 1,
+            _bucket(n, 1) if batch.is_decode else _bucket(n, 16),
+            width,
+        )
         g = self.graphs.get(key)
         if g is None:
             g = self.graphs[key] = self._capture(key)

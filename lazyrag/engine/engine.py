@@ -5,6 +5,7 @@ A request's path: ``generate`` / ``stream`` (or an adapter) -> ``submit`` -> the
 model runner (engine/runner.py) -> the model (model/llama.py) -> an attention backend
 (model/attention.py) -> a Triton kernel (kernels/).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -144,14 +145,23 @@ class LazyEngine:
     """One model, one paged KV pool, one cache of position-free chunk KV, and a continuous-batching
     scheduler that plans each request with its strategy (``SamplingParams.strategy``)."""
 
-    def __init__(self, model: LlamaModel, hf_config, tokenizer, config: EngineConfig, model_fingerprint: str,
-                 model_name: str = "model"):
+    def __init__(
+        self,
+        model: LlamaModel,
+        hf_config,
+        tokenizer,
+        config: EngineConfig,
+        model_fingerprint: str,
+        model_name: str = "model",
+    ):
         self.model, self.hf_config, self.tokenizer, self.config = model, hf_config, tokenizer, config
         self.fingerprint, self.model_name = model_fingerprint, model_name
         args, tp = model.args, model.tp
         self.tp_driver = None  # rank 0 of a tensor-parallel engine: sends every state change to the other ranks
         if tp is not None and config.cache.disk_dir:  # each rank's disk tier holds its own heads
-            config.cache = dataclasses.replace(config.cache, disk_dir=str(Path(config.cache.disk_dir) / f"tp{tp.size}-rank{tp.rank}"))
+            config.cache = dataclasses.replace(
+                config.cache, disk_dir=str(Path(config.cache.disk_dir) / f"tp{tp.size}-rank{tp.rank}")
+            )
         # under tensor parallelism ``args`` is this rank's shard: the pool holds its KV heads of every block
         shape = KVShape(args.num_layers, args.num_kv_heads, args.head_dim, config.block_size, config.dtype)
         pool = BlockPool.with_budget(shape, config.kv_budget, config.device)
@@ -177,11 +187,19 @@ class LazyEngine:
         if config.cuda_graphs:
             # padding tokens of captured shapes write their K/V here; no sequence reads it
             self.runner.enable_cuda_graphs(scratch_block=pool.allocate(1)[0])
-        self.prompts = PromptBuilder(tokenizer, config.system_prompt, config.encoding_passage) if tokenizer is not None else None
+        self.prompts = (
+            PromptBuilder(tokenizer, config.system_prompt, config.encoding_passage) if tokenizer is not None else None
+        )
         self.chunk_finder = ChunkFinder()  # texts of known chunks, to find them inside free-form prompts
         passage_ids = self.prompts.passage_ids() if self.prompts is not None else []
-        self.scheduler = Scheduler(self.runner, self.cache, Planner(self.cache, self.runner, model_fingerprint, passage_ids),
-                                   tokenizer, self._end_tokens(), config.scheduler)
+        self.scheduler = Scheduler(
+            self.runner,
+            self.cache,
+            Planner(self.cache, self.runner, model_fingerprint, passage_ids),
+            tokenizer,
+            self._end_tokens(),
+            config.scheduler,
+        )
         self._lock = threading.Lock()  # held by whichever thread steps the scheduler (or touches the cache)
         self._stepping_thread: int | None = None  # ident of the thread inside ``step``, if any
         self._work = threading.Event()  # set when a request arrives, for the asyncio driver thread
@@ -210,14 +228,18 @@ class LazyEngine:
         source = resolve_model_source(cfg.model)
         if cfg.adapter is not None:
             if cfg.tensor_parallel_size > 1:
-                raise ValueError("An adapter is merged into the whole model at load, which tensor parallelism does not "
-                                 "hold in one process: merge it into a model folder first (peft's merge_and_unload, then "
-                                 "save_pretrained) and pass that folder as the model.")
+                raise ValueError(
+                    "An adapter is merged into the whole model at load, which tensor parallelism does not "
+                    "hold in one process: merge it into a model folder first (peft's merge_and_unload, then "
+                    "save_pretrained) and pass that folder as the model."
+                )
             from lazyrag.tune.adapter import adapter_folder, apply_adapter
 
             hf_model, tokenizer = load_checkpoint(source, torch.float32)  # merged in float32, then cast once
             hf_model = apply_adapter(hf_model, cfg.adapter)
-            return cls.from_hf(hf_model, tokenizer, model_name=f"{source.name}+{adapter_folder(cfg.adapter).name}", config=cfg)
+            return cls.from_hf(
+                hf_model, tokenizer, model_name=f"{source.name}+{adapter_folder(cfg.adapter).name}", config=cfg
+            )
         cached = source.gguf_file is not None and cfg.model_cache
         if cfg.tensor_parallel_size == 1:
             if cached:
@@ -242,7 +264,9 @@ class LazyEngine:
         return cls._assemble(config, tokenizer, state, fp, source.name, cfg, tp, workers)
 
     @classmethod
-    def from_hf(cls, hf_model, tokenizer, model_name: str = "model", config: EngineConfig | None = None, **fields) -> "LazyEngine":
+    def from_hf(
+        cls, hf_model, tokenizer, model_name: str = "model", config: EngineConfig | None = None, **fields
+    ) -> "LazyEngine":
         """Wrap an already-loaded transformers ``LlamaForCausalLM`` (its weights are copied). With
         ``tensor_parallel_size=N`` only under torchrun (every rank passes its own copy of the model)."""
         cfg = config.with_changes(**fields) if config is not None else EngineConfig(**fields)
@@ -253,9 +277,11 @@ class LazyEngine:
             import lazyrag.engine.tensor_parallel as tensor_parallel
 
             if not tensor_parallel.launched_by_torchrun():
-                raise ValueError("from_hf cannot start tensor-parallel workers for a model already in memory (they load it "
-                                 "themselves): use LazyEngine.from_pretrained(path, tensor_parallel_size=N), or start every "
-                                 "rank with torchrun --nproc-per-node N.")
+                raise ValueError(
+                    "from_hf cannot start tensor-parallel workers for a model already in memory (they load it "
+                    "themselves): use LazyEngine.from_pretrained(path, tensor_parallel_size=N), or start every "
+                    "rank with torchrun --nproc-per-node N."
+                )
         args = LlamaArgs.from_hf(hf_model.config)
         tp, workers = _join_group(args, cfg)
         if tp is not None:
@@ -263,16 +289,18 @@ class LazyEngine:
         return cls._assemble(hf_model.config, tokenizer, state, fp, model_name, cfg, tp, workers)
 
     @classmethod
-    def _assemble(cls, hf_config, tokenizer, state: dict, fp: str, model_name: str, cfg: EngineConfig,
-                  tp=None, workers=()) -> "LazyEngine":
+    def _assemble(
+        cls, hf_config, tokenizer, state: dict, fp: str, model_name: str, cfg: EngineConfig, tp=None, workers=()
+    ) -> "LazyEngine":
         """The engine over ``state`` (transformers' names; under tensor parallelism this rank's shard)."""
         args = _rank_args(LlamaArgs.from_hf(hf_config), tp, cfg)
         with torch.device("meta"):
             model = LlamaModel(args, tp)
         # to_empty(device).to(dtype) in one step, with torch.empty: to_empty's empty_like of a meta tensor imports
         # sympy (0.5 s of a model load on 2 cores), and no float32 copy of the weights is made on the way
-        model = model._apply(lambda t: torch.empty(t.shape, dtype=cfg.dtype if t.is_floating_point() else t.dtype,
-                                                   device=cfg.device))
+        model = model._apply(
+            lambda t: torch.empty(t.shape, dtype=cfg.dtype if t.is_floating_point() else t.dtype, device=cfg.device)
+        )
         model.load_hf_state_dict(state)
         if model.args.tie_word_embeddings:
             model.lm_head.weight = model.embed.weight
@@ -329,8 +357,10 @@ class LazyEngine:
         if self.tp_driver is not None or self.prompts is None:
             return
         if len(self.cache) or self.has_unfinished_requests():
-            raise ValueError("warm_up() is for a new engine (it empties the cache afterwards), and this one has cached "
-                             "KV or requests in flight: call it right after loading, or not at all.")
+            raise ValueError(
+                "warm_up() is for a new engine (it empties the cache afterwards), and this one has cached "
+                "KV or requests in flight: call it right after loading, or not at all."
+            )
         layout = self.prompts.build("Hi?", [], None)  # not build_prompt: nothing joins the texts found in prompts
         RequestStream(self, self.add_request(layout, SamplingParams(max_new_tokens=2, ignore_eos=True))).result()
         with self._lock:
@@ -360,10 +390,20 @@ class LazyEngine:
         prefix_ids = prompts.prefix_ids(system)
         shape = self.cache.pool.shape
         # the model's KV heads, not this rank's share: a store holds every head, and each rank reads its own
-        return KVIdentity(self.fingerprint, self.model_name, str(shape.dtype).replace("torch.", ""), shape.block_size,
-                          shape.num_layers, shape.num_kv_heads * self.tensor_parallel_size, shape.head_dim, system, list(prefix_ids),
-                          self.scheduler.planner["lazy"].prefix_key(prefix_ids), list(self.scheduler.planner.passage_ids),
-                          prompts.encoding_passage or "")
+        return KVIdentity(
+            self.fingerprint,
+            self.model_name,
+            str(shape.dtype).replace("torch.", ""),
+            shape.block_size,
+            shape.num_layers,
+            shape.num_kv_heads * self.tensor_parallel_size,
+            shape.head_dim,
+            system,
+            list(prefix_ids),
+            self.scheduler.planner["lazy"].prefix_key(prefix_ids),
+            list(self.scheduler.planner.passage_ids),
+            prompts.encoding_passage or "",
+        )
 
     # -- prompts --------------------------------------------------------------------------
 
@@ -375,8 +415,9 @@ class LazyEngine:
     def build_prompt(self, question: str, chunks: list[str], system: str | None = None) -> PromptLayout:
         """Token ids of each segment: shared prefix, each chunk (tokenized alone), question tail."""
         chunks = check_chunks(chunks)
-        layout = self._require_prompts().build(check_text(question, "question"), chunks,
-                                               None if system is None else check_text(system, "system"))
+        layout = self._require_prompts().build(
+            check_text(question, "question"), chunks, None if system is None else check_text(system, "system")
+        )
         self._check_length(layout.num_tokens)
         self.register_chunks(chunks)
         return layout
@@ -401,8 +442,12 @@ class LazyEngine:
         else:
             users = [i for i, m in enumerate(prompt) if m.get("role") == "user"]
             last = users[-1] if users else -1
-            passages = [p for i, m in enumerate(prompt) if m.get("role") in ("user", "system") and isinstance(m.get("content"), str)
-                        for p in pasted_passages(m["content"], keep_last=i != last)[m.get("role") == "system":]]
+            passages = [
+                p
+                for i, m in enumerate(prompt)
+                if m.get("role") in ("user", "system") and isinstance(m.get("content"), str)
+                for p in pasted_passages(m["content"], keep_last=i != last)[m.get("role") == "system" :]
+            ]
         # a paragraph around a chunk known already (a store's, say) would hide it: that chunk is reused as it is
         self.register_chunks(p for p in passages if not self.chunk_finder.find(p))
         return len(passages)
@@ -430,8 +475,9 @@ class LazyEngine:
 
     # -- chunk KV ahead of time, and stores -------------------------------------------------
 
-    def encode_chunks(self, chunks: list[list[int]], prefix_ids: list[int] | None = None,
-                      read: bool = False) -> tuple[int, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
+    def encode_chunks(
+        self, chunks: list[list[int]], prefix_ids: list[int] | None = None, read: bool = False
+    ) -> tuple[int, dict[str, tuple[torch.Tensor, torch.Tensor]]]:
         """Encode the chunks' KV (token ids, each after ``prefix_ids``, default the shared prefix) into the
         cache unless already there. Returns how many were new and, with ``read``, each segment's K/V
         ``[L, T, Hkv, D]`` on the CPU by content key (the prefix's included), as a store writes them."""
@@ -441,9 +487,11 @@ class LazyEngine:
             if self.tp_driver is None:
                 return self._encode_locked(prefix_ids, chunks, read)
             if read:
-                raise ValueError("A tensor-parallel engine's ranks each hold their share of the KV heads, so it cannot read "
-                                 "whole chunk KV (e.g. to build a store): build the store with tensor_parallel_size=1; a "
-                                 "tensor-parallel engine reads it, each rank its own heads.")
+                raise ValueError(
+                    "A tensor-parallel engine's ranks each hold their share of the KV heads, so it cannot read "
+                    "whole chunk KV (e.g. to build a store): build the store with tensor_parallel_size=1; a "
+                    "tensor-parallel engine reads it, each rank its own heads."
+                )
             return self.tp_driver.sync("encode", prefix_ids, chunks, False)
 
     def _encode_locked(self, prefix_ids: list[int], chunks: list[list[int]], read: bool):
@@ -475,7 +523,9 @@ class LazyEngine:
         from lazyrag.store.corpus import CorpusStore
 
         folder = Path(store.path if isinstance(store, CorpusStore) else store).expanduser().resolve()
-        attached = next((t for t in self.cache.tiers if isinstance(t, CorpusStore) and t.path.resolve() == folder), None)
+        attached = next(
+            (t for t in self.cache.tiers if isinstance(t, CorpusStore) and t.path.resolve() == folder), None
+        )
         if attached is not None:
             return attached
         if self.tp_driver is not None:  # every rank opens the folder and attaches it at the same point of its work
@@ -501,8 +551,15 @@ class LazyEngine:
 
     # -- requests: every generation goes through the continuous-batching scheduler --------
 
-    def add_request(self, layout: PromptLayout, params: SamplingParams, *, arrival: float | None = None,
-                    prompt_logits_only: bool = False, notify=None) -> Request:
+    def add_request(
+        self,
+        layout: PromptLayout,
+        params: SamplingParams,
+        *,
+        arrival: float | None = None,
+        prompt_logits_only: bool = False,
+        notify=None,
+    ) -> Request:
         """Queue a request for the scheduler (vLLM's ``add_request``); ``step`` runs it. Any thread.
 
         Everything about the request is checked here, so a bad one fails alone before it joins a batch.
@@ -516,8 +573,13 @@ class LazyEngine:
         if self.tp_driver is not None and params.seed is None and params.temperature > 0:
             # every rank samples the same token only from the same generator: a seed for each rank to use
             params = dataclasses.replace(params, seed=random.getrandbits(63))
-        req = Request(layout, params, arrival=self.scheduler.clock() if arrival is None else arrival,
-                      prompt_logits_only=prompt_logits_only, notify=notify)
+        req = Request(
+            layout,
+            params,
+            arrival=self.scheduler.clock() if arrival is None else arrival,
+            prompt_logits_only=prompt_logits_only,
+            notify=notify,
+        )
         if self.tp_driver is not None:
             self.tp_driver.add(req)  # taken in by every rank at the next step
         else:
@@ -568,7 +630,8 @@ class LazyEngine:
                 self.scheduler.abort(req)
             self._work.set()
             if not wait or self._stepping_thread == threading.get_ident():
-                return  # the next step drops it (the driver's, for an event loop that must not block; or this thread's own)
+                # the next step drops it (the driver's, for an event loop that must not block; or this thread's own)
+                return
             with self._lock:
                 if self.tp_driver is None:
                     self.scheduler.drop_aborted()
@@ -599,24 +662,52 @@ class LazyEngine:
             raise ValueError(f"pass either params= or sampling keywords ({', '.join(sampling)}), not both")
         return params if params is not None else SamplingParams(**sampling)
 
-    def generate(self, question: str, chunks: list[str], params: SamplingParams | None = None, *,
-                 system: str | None = None, **sampling) -> GenerationResult:
+    def generate(
+        self,
+        question: str,
+        chunks: list[str],
+        params: SamplingParams | None = None,
+        *,
+        system: str | None = None,
+        **sampling,
+    ) -> GenerationResult:
         """Answer ``question`` over ``chunks``; each chunk's KV is reused from the cache when it was seen before.
         ``sampling``: SamplingParams fields (max_new_tokens, temperature, top_p, stop, seed, strategy, ...)."""
         return self.submit(self.build_prompt(question, chunks, system), self._params(params, sampling)).result()
 
-    def stream(self, question: str, chunks: list[str], params: SamplingParams | None = None, *,
-               system: str | None = None, **sampling) -> RequestStream:
+    def stream(
+        self,
+        question: str,
+        chunks: list[str],
+        params: SamplingParams | None = None,
+        *,
+        system: str | None = None,
+        **sampling,
+    ) -> RequestStream:
         """``generate``, streamed: iterate the returned stream for text deltas (then ``.result()`` for stats)."""
         return self.submit(self.build_prompt(question, chunks, system), self._params(params, sampling))
 
-    async def agenerate(self, question: str, chunks: list[str], params: SamplingParams | None = None, *,
-                        system: str | None = None, **sampling) -> GenerationResult:
+    async def agenerate(
+        self,
+        question: str,
+        chunks: list[str],
+        params: SamplingParams | None = None,
+        *,
+        system: str | None = None,
+        **sampling,
+    ) -> GenerationResult:
         """``generate`` for asyncio: awaiting many at once batches them on the device."""
         return await self.stream(question, chunks, params, system=system, **sampling).aresult()
 
-    def astream(self, question: str, chunks: list[str], params: SamplingParams | None = None, *,
-                system: str | None = None, **sampling) -> RequestStream:
+    def astream(
+        self,
+        question: str,
+        chunks: list[str],
+        params: SamplingParams | None = None,
+        *,
+        system: str | None = None,
+        **sampling,
+    ) -> RequestStream:
         """``stream`` for asyncio: ``async for delta in engine.astream(...)``."""
         return self.stream(question, chunks, params, system=system, **sampling)
 
@@ -626,6 +717,8 @@ class LazyEngine:
         RequestStream(self, req).result()  # raises the request's error, if any
         return req.prompt_logits
 
-    def next_token_logits(self, question: str, chunks: list[str], strategy: str = "lazy", system: str | None = None) -> torch.Tensor:
+    def next_token_logits(
+        self, question: str, chunks: list[str], strategy: str = "lazy", system: str | None = None
+    ) -> torch.Tensor:
         """Logits ``[V]`` (fp32, CPU) of the token after the prompt."""
         return self.layout_logits(self.build_prompt(question, chunks, system), strategy)

@@ -1,5 +1,6 @@
 """What a request is: its sampling parameters (strategy included), its state in flight, its result,
 and the plan that says where each part of its prompt's KV comes from (the scheduler-to-planner interface)."""
+
 from __future__ import annotations
 
 import functools
@@ -46,36 +47,52 @@ class SamplingParams:
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
             raise ValueError(f"stop must be a string or a list of strings; got {self.stop!r}")
         put("stop", tuple(s for s in stop if s))
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, numbers.Integral) or self.max_new_tokens < 1:
+        if (
+            isinstance(self.max_new_tokens, bool)
+            or not isinstance(self.max_new_tokens, numbers.Integral)
+            or self.max_new_tokens < 1
+        ):
             raise ValueError(f"max_new_tokens must be an integer of at least 1; got {self.max_new_tokens!r}")
         put("max_new_tokens", int(self.max_new_tokens))
         if not _finite_number(self.temperature) or not (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE):
-            raise ValueError(f"temperature must be 0 (greedy) or a finite number of at least {MIN_TEMPERATURE:g} (smaller "
-                             f"ones sample greedily anyway, and fail in float32); got {self.temperature!r}")
+            raise ValueError(
+                f"temperature must be 0 (greedy) or a finite number of at least {MIN_TEMPERATURE:g} (smaller "
+                f"ones sample greedily anyway, and fail in float32); got {self.temperature!r}"
+            )
         if not _finite_number(self.top_p) or not MIN_TOP_P <= self.top_p <= 1:
             raise ValueError(f"top_p must be a number in [{MIN_TOP_P:g}, 1]; got {self.top_p!r}")
         put("temperature", float(self.temperature))
         put("top_p", float(self.top_p))
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral)
-                                      or not 0 <= self.seed < SEED_LIMIT):
+        if self.seed is not None and (
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, numbers.Integral)
+            or not 0 <= self.seed < SEED_LIMIT
+        ):
             raise ValueError(f"seed must be None or an integer in [0, 2**63); got {self.seed!r}")
         check_strategy(self.strategy)
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 or 0 (off) or an integer of at least 1; got {self.top_k!r}")
         put("top_k", int(self.top_k))
         if not _finite_number(self.repetition_penalty) or not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 100:
-            raise ValueError(f"repetition_penalty must be a number in [{MIN_REPETITION_PENALTY}, 100] (1 = off); got "
-                             f"{self.repetition_penalty!r}")
+            raise ValueError(
+                f"repetition_penalty must be a number in [{MIN_REPETITION_PENALTY}, 100] (1 = off); got "
+                f"{self.repetition_penalty!r}"
+            )
         put("repetition_penalty", float(self.repetition_penalty))
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _finite_number(value) or not -2 <= value <= 2:
                 raise ValueError(f"{name} must be a number in [-2, 2] (0 = off); got {value!r}")
             put(name, float(value))
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, numbers.Integral)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be None or an integer from 0 to {MAX_LOGPROBS} (top logprobs per token); "
-                             f"got {self.logprobs!r}")
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool)
+            or not isinstance(self.logprobs, numbers.Integral)
+            or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs must be None or an integer from 0 to {MAX_LOGPROBS} (top logprobs per token); "
+                f"got {self.logprobs!r}"
+            )
         put("logprobs", None if self.logprobs is None else int(self.logprobs))
 
     @property
@@ -121,14 +138,22 @@ class RequestStats:
     chunks_hit: int = 0
     chunks_missed: int = 0
     tokens_prefilled: int = 0  # tokens run through the model for this request, chunk encoding included
-    tokens_context: int = 0  # prompt tokens read as placed context, not computed in context (cached, or encoded alone now)
-    tokens_reused: int = 0  # of those, the tokens whose KV was already in the cache (0 on a cold cache): usage's cache_read;
+    tokens_context: int = (
+        0  # prompt tokens read as placed context, not computed in context (cached, or encoded alone now)
+    )
+    tokens_reused: int = (
+        0  # of those, the tokens whose KV was already in the cache (0 on a cold cache): usage's cache_read;
+    )
     # = prefix_tokens_reused + chunk_tokens_reused (a cold request over new chunks still reuses the cached prefix)
     new_tokens: int = 0
     prefix_tokens_reused: int = 0  # of tokens_reused, the shared prompt prefix's (system prompt, chat template head)
-    chunk_tokens_reused: int = 0  # of tokens_reused, the chunks' (and, for prefix caching, other prompt blocks'): the sum is tokens_reused
+    chunk_tokens_reused: int = (
+        0  # of tokens_reused, the chunks' (and, for prefix caching, other prompt blocks'): the sum is tokens_reused
+    )
     tokens_recomputed: int = 0  # chunk tokens computed again in context (quality recovery), part of tokens_prefilled
-    recompute_cost: float = 0.0  # that recovery's compute in tokens through the whole model (blend's selection included)
+    recompute_cost: float = (
+        0.0  # that recovery's compute in tokens through the whole model (blend's selection included)
+    )
     plan_s: float = 0.0  # host time to look up, encode or copy the prompt's segments (TTFT minus prefill and sampling)
     queue_s: float = 0.0  # time from arrival until the scheduler took the request in
 
@@ -203,5 +228,12 @@ class Request:
         assert self.done, "the request is still running"
         text = self.detok.text if self.detok else ""
         ttft = (self.first_token_at if self.first_token_at is not None else self.finished_at) - self.arrival
-        return GenerationResult(text, list(self.seq.generated) if self.seq else [], ttft, self.finished_at - self.arrival,
-                                self.finish_reason, self.stats, None if self.logprobs is None else list(self.logprobs))
+        return GenerationResult(
+            text,
+            list(self.seq.generated) if self.seq else [],
+            ttft,
+            self.finished_at - self.arrival,
+            self.finish_reason,
+            self.stats,
+            None if self.logprobs is None else list(self.logprobs),
+        )

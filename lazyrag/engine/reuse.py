@@ -18,6 +18,7 @@ allocates and records its misses (the cache changes exactly as if they were enco
 request at a time), and the step's misses are computed together in one batched forward
 before the step's prefill.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -91,7 +92,10 @@ class EncodeBatch:
         ENCODE_BATCH_TOKENS; a failing batch is run again one job at a time."""
         pending, self.pending = self.pending, []
         try:
-            for wave in ([p for p in pending if p.job.kind != SegmentKind.CHUNK], [p for p in pending if p.job.kind == SegmentKind.CHUNK]):
+            for wave in (
+                [p for p in pending if p.job.kind != SegmentKind.CHUNK],
+                [p for p in pending if p.job.kind == SegmentKind.CHUNK],
+            ):
                 batch: list[_Pending] = []
                 for p in wave:
                     if batch and sum(len(q.job.ids) for q in batch) + len(p.job.ids) > ENCODE_BATCH_TOKENS:
@@ -145,8 +149,14 @@ class Strategy:
     name = "base"
     defers = False  # its plans read no KV while planning: their misses may be computed in the step's batch
 
-    def __init__(self, cache: CacheManager, runner: ModelRunner, fingerprint: str, batch: EncodeBatch | None = None,
-                 passage_ids: list[int] = ()):
+    def __init__(
+        self,
+        cache: CacheManager,
+        runner: ModelRunner,
+        fingerprint: str,
+        batch: EncodeBatch | None = None,
+        passage_ids: list[int] = (),
+    ):
         self.cache, self.runner, self.fingerprint = cache, runner, fingerprint
         self.passage_ids = list(passage_ids)  # the encoding passage chunks are encoded after (prompt.py)
         self.batch = batch if batch is not None else EncodeBatch(cache, runner)  # shared by a planner's strategies
@@ -192,7 +202,9 @@ class Strategy:
     def chunk_key(self, prefix_ids: list[int], chunk_ids: list[int]) -> str:
         return chunk_key(self.fingerprint, prefix_ids, chunk_ids, self.passage_ids)
 
-    def encoding_context(self, enc_ids: list[int], plan: Plan, prefix: Segment | None = None, defer: bool = False) -> Segment:
+    def encoding_context(
+        self, enc_ids: list[int], plan: Plan, prefix: Segment | None = None, defer: bool = False
+    ) -> Segment:
         """What a missing chunk is encoded after: the encoding prefix and, if the engine has one, the encoding
         passage (one segment, cached like a prefix); pinned. ``prefix``: the encoding prefix's segment, if held."""
         if prefix is not None and not self.passage_ids:
@@ -203,7 +215,9 @@ class Strategy:
         """Encode a chunk right after ``context`` (``encoding_context``), rebased over the passage."""
         return EncodeJob(key, ids, context.num_tokens, [Placement(context, 0)], rebase=len(self.passage_ids))
 
-    def encode(self, jobs: list[EncodeJob], plan: Plan | None = None, keep: bool = True, defer: bool = False) -> list[Segment]:
+    def encode(
+        self, jobs: list[EncodeJob], plan: Plan | None = None, keep: bool = True, defer: bool = False
+    ) -> list[Segment]:
         """Compute each job's KV into fresh blocks, in batches, and cache (pinned) the segments.
 
         With ``plan``, each segment is recorded in ``plan.pinned`` as soon as it exists, so a
@@ -220,7 +234,11 @@ class Strategy:
             seqs = []
             try:
                 for j in batch:
-                    seqs.append(SeqState(context=j.context, blocks=self.cache.allocate(blocks_for(len(j.ids), bs)), next_pos=j.start))
+                    seqs.append(
+                        SeqState(
+                            context=j.context, blocks=self.cache.allocate(blocks_for(len(j.ids), bs)), next_pos=j.start
+                        )
+                    )
                 if not defer:
                     _compute(self.runner, list(zip(batch, seqs)))
             except BaseException:
@@ -264,8 +282,15 @@ class Strategy:
             plan.prefix_tokens_reused = len(ids)
         return seg
 
-    def base_segments(self, layout: PromptLayout, plan: Plan, keep: bool = True, only: set[str] | None = None,
-                      keys: list[str] | None = None, defer: bool = False) -> tuple[Segment, dict[str, Segment]]:
+    def base_segments(
+        self,
+        layout: PromptLayout,
+        plan: Plan,
+        keep: bool = True,
+        only: set[str] | None = None,
+        keys: list[str] | None = None,
+        defer: bool = False,
+    ) -> tuple[Segment, dict[str, Segment]]:
         """The request's prefix and each distinct chunk encoded after the encoding prefix. All pinned.
 
         Chunks are encoded after the *encoding* prefix (usually the same as the request's
@@ -285,7 +310,9 @@ class Strategy:
             seg = self.cache.get(key) if keep else None
             if seg is None:
                 if context is None:  # what a miss is encoded after: a request whose chunks all hit never needs it
-                    context = self.encoding_context(enc_ids, plan, prefix if enc_ids == layout.prefix_ids else None, defer)
+                    context = self.encoding_context(
+                        enc_ids, plan, prefix if enc_ids == layout.prefix_ids else None, defer
+                    )
                 jobs.append(self.chunk_job(key, ids, context))
             else:
                 found[key] = seg
@@ -321,9 +348,19 @@ class LazyStitching(Strategy):
     name = "lazy"
     defers = True  # its misses join the step's encode batch; a recovering variant computes them before it recomputes
 
-    def __init__(self, cache, runner, fingerprint, batch: EncodeBatch | None = None, passage_ids: list[int] = (),
-                 recompute_first: int = 0, blend: float = 0.0, blend_select: str = "global", blend_budget: str = "global",
-                 attn_from: float = 0.0):
+    def __init__(
+        self,
+        cache,
+        runner,
+        fingerprint,
+        batch: EncodeBatch | None = None,
+        passage_ids: list[int] = (),
+        recompute_first: int = 0,
+        blend: float = 0.0,
+        blend_select: str = "global",
+        blend_budget: str = "global",
+        attn_from: float = 0.0,
+    ):
         super().__init__(cache, runner, fingerprint, batch, passage_ids)
         self.recompute_first, self.blend, self.blend_select = recompute_first, blend, blend_select
         self.blend_budget, self.attn_from = blend_budget, attn_from
@@ -364,10 +401,19 @@ class LazyStitching(Strategy):
             plan.owned_blocks.extend(blocks)  # release(plan) frees them with the request, even if this fails midway
             return blocks
 
-        b = selective_recompute(self.runner, placed, [None, *layout.chunk_ids], self.blend, allocate,
-                                first=self.recompute_first, selection=self.blend_select,
-                                per_chunk=self.blend_budget == "chunk", attn_from=self.attn_from,
-                                question=list(layout.question_ids), question_start=layout.question_start)
+        b = selective_recompute(
+            self.runner,
+            placed,
+            [None, *layout.chunk_ids],
+            self.blend,
+            allocate,
+            first=self.recompute_first,
+            selection=self.blend_select,
+            per_chunk=self.blend_budget == "chunk",
+            attn_from=self.attn_from,
+            question=list(layout.question_ids),
+            question_start=layout.question_start,
+        )
         plan.tokens_recomputed, plan.recompute_cost = len(b.selected), b.cost
         return b.context
 
@@ -426,7 +472,9 @@ class PositionAware(Strategy):
                     base = bases[base_key]
                     blocks = self.cache.allocate(len(base.blocks))
                     self.runner.copy_rotated(base, blocks, delta)
-                    copies[key] = self.cache.put(Segment(key, blocks, base.num_tokens, base.start + delta, kind=SegmentKind.COPY))
+                    copies[key] = self.cache.put(
+                        Segment(key, blocks, base.num_tokens, base.start + delta, kind=SegmentKind.COPY)
+                    )
                     plan.pinned.append(copies[key])
             for base in bases.values():  # a source used for copies only is freed now, not at the request's end
                 if base.transient and all(copies[k] is not base for k, _, _ in wanted):
@@ -508,11 +556,18 @@ class Planner:
         self.cache, self.runner, self.fingerprint = cache, runner, fingerprint
         self.passage_ids = list(passage_ids)
         self.batch = EncodeBatch(cache, runner)  # the step's deferred encodes, shared by every strategy
-        self._by_name: dict[str, Strategy] = {n: cls(cache, runner, fingerprint, self.batch, self.passage_ids)
-                                              for n, cls in STRATEGIES.items()}
+        self._by_name: dict[str, Strategy] = {
+            n: cls(cache, runner, fingerprint, self.batch, self.passage_ids) for n, cls in STRATEGIES.items()
+        }
 
     def __getitem__(self, name: str) -> Strategy:
         if name not in self._by_name:
-            self._by_name[name] = LazyStitching(self.cache, self.runner, self.fingerprint, self.batch, self.passage_ids,
-                                                **lazy_options(check_strategy(name)))
+            self._by_name[name] = LazyStitching(
+                self.cache,
+                self.runner,
+                self.fingerprint,
+                self.batch,
+                self.passage_ids,
+                **lazy_options(check_strategy(name)),
+            )
         return self._by_name[name]

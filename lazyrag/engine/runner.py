@@ -1,4 +1,5 @@
 """Runs the model over sequences whose context is a list of placed, cached segments."""
+
 from __future__ import annotations
 
 import itertools
@@ -43,8 +44,12 @@ class SeqState:
         context never changes while the sequence runs)."""
         if self._context_meta is None:
             self._context_meta = pack_block_runs_host(
-                [(p.segment.blocks[p.first_block:], p.delta, p.segment.num_tokens - p.first_block * block_size)
-                 for p in self.context], block_size)
+                [
+                    (p.segment.blocks[p.first_block :], p.delta, p.segment.num_tokens - p.first_block * block_size)
+                    for p in self.context
+                ],
+                block_size,
+            )
         n = blocks_for(own_tokens, block_size)
         if not n:
             return self._context_meta
@@ -55,8 +60,8 @@ class SeqState:
         return np.concatenate((self._context_meta, own | (valid << (PHYS_BITS + DELTA_BITS))))
 
 
-# H200, Llama-3.1-8B shapes at M = 64 (round 6, benchmarks/NOTES.md): cuBLASLt's GEMMs took 4.15 ms for the 32 layers and
-# lm_head against cuBLAS's 4.37 (down without a split-K reduce launch); at M = 1 cuBLAS was faster (4.05 vs 4.19 ms)
+# H200, Llama-3.1-8B shapes at M = 64 (round 6, benchmarks/NOTES.md): cuBLASLt's GEMMs took 4.15 ms for the 32 layers
+# and lm_head against cuBLAS's 4.37 (down without a split-K reduce launch); at M = 1 cuBLAS was faster (4.05 vs 4.19 ms)
 SHORT_PREFILL_TOKENS = 512
 
 
@@ -83,8 +88,12 @@ class ModelRunner:
 
     def compile_elementwise(self) -> None:
         """Fuse the model's elementwise steps with torch.compile (CUDA: a kernel each instead of dozens)."""
-        self.ops = replace(ElementwiseOps.compiled(), rotate_qk_store=self.ops.rotate_qk_store, gemv=self.ops.gemv,
-                           skinny=self.ops.skinny)
+        self.ops = replace(
+            ElementwiseOps.compiled(),
+            rotate_qk_store=self.ops.rotate_qk_store,
+            gemv=self.ops.gemv,
+            skinny=self.ops.skinny,
+        )
 
     def use_triton_elementwise(self) -> None:
         """The norms and silu*up as Triton kernels (kernels/elementwise.py) instead of torch.compile's."""
@@ -99,7 +108,8 @@ class ModelRunner:
         self.ops = replace(self.ops, gemv=frozenset(layers))
 
     def use_skinny_gemm(self, layers=GEMV_LAYERS) -> None:
-        """2-64 token forwards (the TTFT prefill) run these projections through Triton's skinny GEMM (kernels/gemm.py)."""
+        """2-64 token forwards (the TTFT prefill) run these projections through Triton's skinny GEMM
+        (kernels/gemm.py)."""
         self.ops = replace(self.ops, skinny=frozenset(layers))
 
     def enable_cuda_graphs(self, scratch_block: int) -> None:
@@ -107,8 +117,9 @@ class ModelRunner:
 
         self.graphs = GraphRunner(self._last_logits, scratch_block * self.pool.shape.block_size, self.device)
 
-    def _batch(self, seqs: list[SeqState], own_tokens: list[int], ids: list[int], new_counts: list[int],
-               is_decode: bool) -> HostBatch:
+    def _batch(
+        self, seqs: list[SeqState], own_tokens: list[int], ids: list[int], new_counts: list[int], is_decode: bool
+    ) -> HostBatch:
         """The forward pass's inputs on the host: token ids, positions, pool slots and block metas."""
         bs = self.pool.shape.block_size
         slots, positions = [], []
@@ -117,15 +128,31 @@ class ModelRunner:
                 i = s.num_written
                 slots.append(s.blocks[i // bs] * bs + i % bs)
                 positions.append(s.next_pos)
-            else:  # a list comprehension, converted once below: for a prefill's few dozen slots, cheaper than numpy calls
+            else:
+                # a list comprehension, converted once below: for a prefill's few dozen slots, cheaper than numpy calls
                 slots += [s.blocks[i // bs] * bs + i % bs for i in range(s.num_written, s.num_written + n)]
                 positions += range(s.next_pos, s.next_pos + n)
-        return HostBatch(is_decode, np.asarray(ids, dtype=np.int64), np.asarray(positions, dtype=np.int64),
-                         np.asarray(slots, dtype=np.int64), [s.block_meta(bs, n) for s, n in zip(seqs, own_tokens)],
-                         np.array([0, *itertools.accumulate(new_counts)], dtype=np.int64), max(new_counts))
+        return HostBatch(
+            is_decode,
+            np.asarray(ids, dtype=np.int64),
+            np.asarray(positions, dtype=np.int64),
+            np.asarray(slots, dtype=np.int64),
+            [s.block_meta(bs, n) for s, n in zip(seqs, own_tokens)],
+            np.array([0, *itertools.accumulate(new_counts)], dtype=np.int64),
+            max(new_counts),
+        )
 
     def _runtime(self, meta: AttentionMetadata) -> Runtime:
-        return Runtime(self.pool, meta, self.attention, self.rope_cos, self.rope_sin, self.rope_scaling, self.model.sm_scale, self.ops)
+        return Runtime(
+            self.pool,
+            meta,
+            self.attention,
+            self.rope_cos,
+            self.rope_sin,
+            self.rope_scaling,
+            self.model.sm_scale,
+            self.ops,
+        )
 
     def _last_logits(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Logits ``[B, V]`` of each sequence's last new token (what a CUDA graph captures, too)."""
@@ -157,7 +184,9 @@ class ModelRunner:
         """Run each sequence's new tokens (all of them, causally) over its context; logits of each last token."""
         counts = [len(x) for x in new_ids]
         assert all(counts), "a sequence in a prefill batch has no new tokens"
-        batch = self._batch(seqs, [s.num_written for s in seqs], [t for x in new_ids for t in x], counts, is_decode=False)
+        batch = self._batch(
+            seqs, [s.num_written for s in seqs], [t for x in new_ids for t in x], counts, is_decode=False
+        )
         out = self._forward(batch, logits)
         for s, n in zip(seqs, counts):
             s.num_written += n
@@ -171,8 +200,13 @@ class ModelRunner:
         greedy tokens, not yet read by the host: the scheduler's async scheduling)."""
         on_device = isinstance(tokens, torch.Tensor)
         assert len(tokens) == len(seqs)
-        batch = self._batch(seqs, [s.num_written + 1 for s in seqs], [0] * len(seqs) if on_device else tokens,
-                            [1] * len(seqs), is_decode=True)
+        batch = self._batch(
+            seqs,
+            [s.num_written + 1 for s in seqs],
+            [0] * len(seqs) if on_device else tokens,
+            [1] * len(seqs),
+            is_decode=True,
+        )
         out = self._forward(batch, logits=True, device_ids=tokens if on_device else None)
         for s in seqs:
             s.num_written += 1

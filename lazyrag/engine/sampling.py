@@ -1,11 +1,17 @@
 """Token sampling and incremental detokenization with stop strings."""
+
 from __future__ import annotations
 
 import torch
 
 
-def sample(logits: torch.Tensor, params, generator: torch.Generator | None,
-           prompt_ids: torch.Tensor | None = None, output_ids: list[int] | None = None) -> int:
+def sample(
+    logits: torch.Tensor,
+    params,
+    generator: torch.Generator | None,
+    prompt_ids: torch.Tensor | None = None,
+    output_ids: list[int] | None = None,
+) -> int:
     """logits: [V] -> one token id (greedy at temperature 0, else temperature, top-k and nucleus sampling);
     ``params``: a SamplingParams. Penalties (vLLM's order: before temperature and the filters) need
     ``output_ids`` (the tokens generated so far) and, for the repetition penalty, ``prompt_ids`` (the
@@ -28,7 +34,9 @@ def sample(logits: torch.Tensor, params, generator: torch.Generator | None,
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
-def apply_penalties(logits: torch.Tensor, params, prompt_ids: torch.Tensor | None, output_ids: list[int]) -> torch.Tensor:
+def apply_penalties(
+    logits: torch.Tensor, params, prompt_ids: torch.Tensor | None, output_ids: list[int]
+) -> torch.Tensor:
     """A penalized copy of ``logits`` [V] (fp32), as vLLM: the repetition penalty (HF's: a seen token's logit
     divided by it when positive, multiplied when not) over the prompt's and the answer's tokens, then OpenAI's
     frequency (times the token's count in the answer) and presence (once per token in the answer) penalties."""
@@ -58,8 +66,10 @@ def token_logprobs(logits: torch.Tensor, token: int, n: int):
 
 # -- logprobs as OpenAI reports them (the server's responses, and ChatOpenAI's format in the LangChain adapter) --
 
+
 def logprob_entries(tokenizer, logprobs) -> list[tuple[str, float, list[tuple[str, float]]]]:
     """(token text, logprob, [(top token text, logprob)]) per generated token (a result's TokenLogprobs)."""
+
     def text(token_id: int) -> str:
         return tokenizer.decode([token_id])
 
@@ -68,6 +78,7 @@ def logprob_entries(tokenizer, logprobs) -> list[tuple[str, float, list[tuple[st
 
 def openai_chat_logprobs(entries: list[tuple[str, float, list[tuple[str, float]]]]) -> dict:
     """OpenAI's chat ``choices[i].logprobs["content"]`` from ``logprob_entries``."""
+
     def one(text: str, logprob: float) -> dict:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
@@ -80,8 +91,12 @@ def openai_completion_logprobs(entries: list[tuple[str, float, list[tuple[str, f
     for t, _, _ in entries:
         offsets.append(offset)
         offset += len(t)
-    return {"tokens": [t for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
-            "top_logprobs": [dict(top) for _, _, top in entries], "text_offset": offsets}
+    return {
+        "tokens": [t for t, _, _ in entries],
+        "token_logprobs": [lp for _, lp, _ in entries],
+        "top_logprobs": [dict(top) for _, _, top in entries],
+        "text_offset": offsets,
+    }
 
 
 class Detokenizer:

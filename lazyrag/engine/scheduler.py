@@ -25,6 +25,7 @@ or notifying a consumer fails (or, for a consumer gone away, aborts) only the re
 belongs to, which give back their blocks and pins; a batch whose forward pass fails is run
 again one request at a time to find them. ``step`` itself never raises for a request's fault.
 """
+
 from __future__ import annotations
 
 import logging
@@ -70,8 +71,16 @@ def launch_tokens(batch: list[Request], logits: torch.Tensor, greedy_tokens) -> 
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, cache: CacheManager, planner: Planner, tokenizer, end_tokens: set[int],
-                 config: SchedulerConfig | None = None, clock: Callable[[], float] = time.perf_counter):
+    def __init__(
+        self,
+        runner: ModelRunner,
+        cache: CacheManager,
+        planner: Planner,
+        tokenizer,
+        end_tokens: set[int],
+        config: SchedulerConfig | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         self.runner, self.cache, self.planner = runner, cache, planner
         self.tokenizer, self.end_tokens = tokenizer, end_tokens
         self.config = config or SchedulerConfig()
@@ -230,7 +239,9 @@ class Scheduler:
             # prefix caching publishes the request's own blocks: they must lie on the prompt's block grid
             assert strategy.name != "prefix" or plan.new_start % shape.block_size == 0
             own = len(plan.new_ids) + (0 if req.prompt_logits_only else req.params.max_new_tokens)
-            req.seq = SeqState(context=plan.context, blocks=self.cache.allocate(shape.blocks_for(own)), next_pos=plan.new_start)
+            req.seq = SeqState(
+                context=plan.context, blocks=self.cache.allocate(shape.blocks_for(own)), next_pos=plan.new_start
+            )
         except BaseException:
             strategy.release(plan)
             raise
@@ -239,9 +250,15 @@ class Scheduler:
         # its own forwards while planning (not the step's batched encodes it flushed) and its share of that batch
         own_forwarded = self.runner.tokens_forwarded - forwarded0 - (self.planner.batch.tokens_flushed - flushed0)
         stats.tokens_prefilled = own_forwarded + len(plan.new_ids) + plan.tokens_encoded_ahead
-        stats.chunks_hit, stats.chunks_missed, stats.tokens_context = plan.chunks_hit, plan.chunks_missed, plan.tokens_context
+        stats.chunks_hit, stats.chunks_missed, stats.tokens_context = (
+            plan.chunks_hit,
+            plan.chunks_missed,
+            plan.tokens_context,
+        )
         stats.tokens_recomputed, stats.recompute_cost = plan.tokens_recomputed, plan.recompute_cost
-        encoded = stats.tokens_prefilled - len(plan.new_ids) - plan.tokens_recomputed  # chunks (and prefix) missed and encoded now
+        encoded = (
+            stats.tokens_prefilled - len(plan.new_ids) - plan.tokens_recomputed
+        )  # chunks (and prefix) missed and encoded now
         stats.tokens_reused = max(0, plan.tokens_context - encoded)
         stats.prefix_tokens_reused = min(plan.prefix_tokens_reused, stats.tokens_reused)
         stats.chunk_tokens_reused = stats.tokens_reused - stats.prefix_tokens_reused
@@ -249,7 +266,9 @@ class Scheduler:
             req.detok = Detokenizer(self.tokenizer, req.params.stop)
 
     def _prefill(self, batch: list[Request]) -> Launched | None:
-        done, logits = self._forward_isolated(batch, lambda rs: self.runner.prefill([r.seq for r in rs], [r.plan.new_ids for r in rs]))
+        done, logits = self._forward_isolated(
+            batch, lambda rs: self.runner.prefill([r.seq for r in rs], [r.plan.new_ids for r in rs])
+        )
         self.steps["prefill"] += 1
         if not done:
             return None
@@ -271,17 +290,25 @@ class Scheduler:
 
     def _decode(self) -> Launched | None:
         batch = list(self.running)
-        done, logits = self._forward_isolated(batch, lambda rs: self.runner.decode([r.seq for r in rs], [r.last_token for r in rs]))
+        done, logits = self._forward_isolated(
+            batch, lambda rs: self.runner.decode([r.seq for r in rs], [r.last_token for r in rs])
+        )
         self.steps["decode"] += 1
         return launch_tokens(done, logits, self.runner.ops.greedy_tokens) if done else None
 
     def _can_chain(self, previous: Launched) -> bool:
         """Whether the next step is a decode of exactly ``previous``'s rows, each sure to want another token
         whatever ``previous`` gives it, so it can be launched on ``previous``'s device tokens before they are read."""
-        return (self.async_scheduling and not self.waiting and len(previous.batch) == len(self.running)
-                and all(r is q for r, q in zip(previous.batch, self.running))
-                and all(r.params.plain_greedy and not r.aborted and len(r.seq.generated) + 1 < r.params.max_new_tokens
-                        for r in previous.batch))
+        return (
+            self.async_scheduling
+            and not self.waiting
+            and len(previous.batch) == len(self.running)
+            and all(r is q for r, q in zip(previous.batch, self.running))
+            and all(
+                r.params.plain_greedy and not r.aborted and len(r.seq.generated) + 1 < r.params.max_new_tokens
+                for r in previous.batch
+            )
+        )
 
     def _chain_decode(self, previous: Launched) -> Launched | None:
         """The decode step after ``previous``, launched on its device tokens; None if the launch failed (the
@@ -290,12 +317,18 @@ class Scheduler:
         try:
             logits = self.runner.decode([r.seq for r in batch], previous.tokens)
         except Exception as e:
-            log.warning("lazyrag: an async decode launch of %d requests failed (%r); decoding after the host has the tokens", len(batch), e)
+            log.warning(
+                "lazyrag: an async decode launch of %d requests failed (%r); decoding after the host has the tokens",
+                len(batch),
+                e,
+            )
             return None
         self.steps["decode"] += 1
         return launch_tokens(batch, logits, self.runner.ops.greedy_tokens)
 
-    def _forward_isolated(self, batch: list[Request], forward: Callable[[list[Request]], torch.Tensor]) -> tuple[list[Request], torch.Tensor]:
+    def _forward_isolated(
+        self, batch: list[Request], forward: Callable[[list[Request]], torch.Tensor]
+    ) -> tuple[list[Request], torch.Tensor]:
         """The requests whose forward pass ran and their logits ``[B', V]``. A failing batch runs again one
         request at a time, so only the request(s) at fault fail (sequence state moves only on success)."""
         try:
@@ -304,7 +337,9 @@ class Scheduler:
             if len(batch) == 1:
                 self._fail(batch[0], e)
                 return [], None
-            log.warning("lazyrag: a batched forward of %d requests failed (%r); running them one at a time", len(batch), e)
+            log.warning(
+                "lazyrag: a batched forward of %d requests failed (%r); running them one at a time", len(batch), e
+            )
         done, rows = [], []
         for r in batch:
             try:
@@ -341,8 +376,11 @@ class Scheduler:
         else:  # penalties, top-k, top-p, temperature or logprobs: only these requests pay for them
             if params.repetition_penalty != 1.0 and r.penalty_ids is None:
                 r.penalty_ids = torch.tensor(sorted(set(r.layout.full_ids())), dtype=torch.long)
-            token = best if params.temperature == 0 and not params.has_penalties else \
-                sample(row, params, r.generator, r.penalty_ids, r.seq.generated)
+            token = (
+                best
+                if params.temperature == 0 and not params.has_penalties
+                else sample(row, params, r.generator, r.penalty_ids, r.seq.generated)
+            )
         if r.first_token_at is None:
             r.first_token_at = now
         if token in self.end_tokens and not params.ignore_eos:

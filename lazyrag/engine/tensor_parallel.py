@@ -35,6 +35,7 @@ worker is found within it. A rank that dies (or a collective that fails) breaks 
 request in flight fails with a ``TensorParallelError`` naming the dead rank and what to do, later
 requests fail at once, the driver stops the other workers, and a worker that loses rank 0 exits.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -67,6 +68,7 @@ PARENT_ENV = "LAZYRAG_TP_PARENT"  # set in the workers from_pretrained spawns: t
 
 # -- start-up --------------------------------------------------------------------------------------
 
+
 def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
@@ -84,8 +86,15 @@ def loopback_store(world_size: int, timeout_s: float):
     try:
         sock.bind((LOOPBACK, 0))
         sock.listen(max(128, world_size))
-        store = dist.TCPStore(LOOPBACK, sock.getsockname()[1], world_size, is_master=True,
-                              timeout=timedelta(seconds=timeout_s), wait_for_workers=False, master_listen_fd=sock.fileno())
+        store = dist.TCPStore(
+            LOOPBACK,
+            sock.getsockname()[1],
+            world_size,
+            is_master=True,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=sock.fileno(),
+        )
     except BaseException:
         sock.close()
         raise
@@ -102,13 +111,17 @@ def start(config, build=None) -> tuple[TensorParallel, list[subprocess.Popen]]:
     if launched_by_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         if world != size:
-            raise ValueError(f"tensor_parallel_size={size} but the launcher started {world} processes; pass "
-                             f"--nproc-per-node {size} or tensor_parallel_size={world}.")
+            raise ValueError(
+                f"tensor_parallel_size={size} but the launcher started {world} processes; pass "
+                f"--nproc-per-node {size} or tensor_parallel_size={world}."
+            )
         rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
         return _join(size, rank, local, config.device.type, timeout, None), []
     if build is None:
-        raise ValueError("this engine cannot start its tensor-parallel workers itself: start every rank with "
-                         f"torchrun --nproc-per-node {size}.")
+        raise ValueError(
+            "this engine cannot start its tensor-parallel workers itself: start every rank with "
+            f"torchrun --nproc-per-node {size}."
+        )
     store = loopback_store(size, max(START_TIMEOUT_S, timeout))
     fd, spec = tempfile.mkstemp(prefix="lazyrag-tp-", suffix=".pkl")
     with os.fdopen(fd, "wb") as f:
@@ -116,22 +129,38 @@ def start(config, build=None) -> tuple[TensorParallel, list[subprocess.Popen]]:
     workers = []
     try:
         for rank in range(1, size):
-            env = dict(os.environ, MASTER_ADDR=LOOPBACK, MASTER_PORT=str(store.port), RANK=str(rank),
-                       WORLD_SIZE=str(size), LOCAL_RANK=str(rank), **{PARENT_ENV: str(os.getpid())})
+            env = dict(
+                os.environ,
+                MASTER_ADDR=LOOPBACK,
+                MASTER_PORT=str(store.port),
+                RANK=str(rank),
+                WORLD_SIZE=str(size),
+                LOCAL_RANK=str(rank),
+                **{PARENT_ENV: str(os.getpid())},
+            )
             workers.append(subprocess.Popen([sys.executable, "-m", "lazyrag.engine.tensor_parallel", spec], env=env))
         tp = _join(size, 0, 0, config.device.type, timeout, store, workers)
     except BaseException as e:
         abandon_start(workers)
         dead = [f"rank {i + 1} exited with code {w.returncode}" for i, w in enumerate(workers)]
-        raise TensorParallelError(f"could not start the {size} tensor-parallel ranks ({e}); workers: {', '.join(dead)}") from e
+        raise TensorParallelError(
+            f"could not start the {size} tensor-parallel ranks ({e}); workers: {', '.join(dead)}"
+        ) from e
     finally:
         # the workers read the spec before they join, so it can go once every rank has joined (or failed)
         os.unlink(spec)
     return tp, workers
 
 
-def _join(size: int, rank: int, local_rank: int, device_type: str, timeout_s: float, store,
-          workers: list[subprocess.Popen] = ()) -> TensorParallel:
+def _join(
+    size: int,
+    rank: int,
+    local_rank: int,
+    device_type: str,
+    timeout_s: float,
+    store,
+    workers: list[subprocess.Popen] = (),
+) -> TensorParallel:
     """``store``: rank 0's ``loopback_store`` when it spawned the workers; None: the launcher's (``env://``)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
@@ -144,8 +173,14 @@ def _join(size: int, rank: int, local_rank: int, device_type: str, timeout_s: fl
         # a store given to init_process_group is used as it is, one it makes (env://, as the workers join) under the
         # prefix "default_pg": rank 0 puts its own under that prefix too, so every rank's keys meet
         given = {} if store is None else {"store": dist.PrefixStore("default_pg", store)}
-        _rendezvous(workers, backend=backend, rank=rank, world_size=size, timeout=timedelta(seconds=max(START_TIMEOUT_S, timeout_s)),
-                    **given)
+        _rendezvous(
+            workers,
+            backend=backend,
+            rank=rank,
+            world_size=size,
+            timeout=timedelta(seconds=max(START_TIMEOUT_S, timeout_s)),
+            **given,
+        )
     # the group every collective runs on, bounded by the engine's timeout (the default group's is the start-up's)
     group = dist.new_group(backend=backend, timeout=timeout)
     mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=("tp",))
@@ -207,8 +242,10 @@ def attach(engine, tp: TensorParallel, workers: list[subprocess.Popen]):
         _watching(workers, "loaded its shard", dist.barrier)  # the default group: START_TIMEOUT_S
     except BaseException as e:
         abandon_start(workers)
-        raise TensorParallelError(f"tensor-parallel rank {tp.rank}: not every rank loaded its shard ({e}); see the "
-                                  "other ranks' output for why (a missing file, out of memory?)") from e
+        raise TensorParallelError(
+            f"tensor-parallel rank {tp.rank}: not every rank loaded its shard ({e}); see the "
+            "other ranks' output for why (a missing file, out of memory?)"
+        ) from e
     if tp.rank == 0:
         engine.tp_driver = Driver(engine, tp, workers, engine.config.tensor_parallel_timeout_s)
         return engine
@@ -216,6 +253,7 @@ def attach(engine, tp: TensorParallel, workers: list[subprocess.Popen]):
 
 
 # -- the operations every rank runs, in the same order -------------------------------------------
+
 
 def run_op(engine, op: str, args: tuple):
     if op == "step":
@@ -278,8 +316,12 @@ class Driver:
         for i in ended:
             del self._live[i]
         aborted = [i for i, r in self._live.items() if r.aborted]
-        wire = [("add", r.tp_id, r.layout, r.params, r.arrival, r.prompt_logits_only) if kind == "add" else ("abort", r.tp_id)
-                for kind, r in queued]
+        wire = [
+            ("add", r.tp_id, r.layout, r.params, r.arrival, r.prompt_logits_only)
+            if kind == "add"
+            else ("abort", r.tp_id)
+            for kind, r in queued
+        ]
         try:
             torch.distributed.broadcast_object_list([(wire, ended, aborted, op, args)], src=0, group=self.tp.cpu_group)
         except Exception as e:
@@ -319,7 +361,9 @@ class Driver:
             return str(self.tp.failed)
         dead = [(i + 1, w) for i, w in enumerate(self.workers) if w.poll() is not None]
         if dead:
-            return "tensor-parallel " + ", ".join(f"rank {r} (pid {w.pid}) exited with code {w.returncode}" for r, w in dead)
+            return "tensor-parallel " + ", ".join(
+                f"rank {r} (pid {w.pid}) exited with code {w.returncode}" for r, w in dead
+            )
         return None
 
     def describe_failure(self, cause: BaseException) -> str:
@@ -330,14 +374,19 @@ class Driver:
             if not dead:
                 time.sleep(0.05)
         if dead:
-            who = ", ".join(f"rank {r} (pid {w.pid}) exited with code {w.returncode}"
-                            + (f" ({signal.Signals(-w.returncode).name})" if w.returncode < 0 else "") for r, w in dead)
+            who = ", ".join(
+                f"rank {r} (pid {w.pid}) exited with code {w.returncode}"
+                + (f" ({signal.Signals(-w.returncode).name})" if w.returncode < 0 else "")
+                for r, w in dead
+            )
         else:
             who = "a rank stopped answering"
-        return (f"tensor-parallel engine of {self.tp.size} ranks: {who}; the ranks can no longer run in step, so the "
-                f"request failed ({type(cause).__name__}: {str(cause)[:200]}). Every later request fails too: create "
-                f"the engine again (LazyEngine.from_pretrained(..., tensor_parallel_size={self.tp.size})), or rerun "
-                "torchrun, after finding why the rank died (its log; out of memory?).")
+        return (
+            f"tensor-parallel engine of {self.tp.size} ranks: {who}; the ranks can no longer run in step, so the "
+            f"request failed ({type(cause).__name__}: {str(cause)[:200]}). Every later request fails too: create "
+            f"the engine again (LazyEngine.from_pretrained(..., tensor_parallel_size={self.tp.size})), or rerun "
+            "torchrun, after finding why the rank died (its log; out of memory?)."
+        )
 
     def _ping(self) -> None:
         """Keep the workers' bounded wait for the next command from timing out while rank 0 is idle."""
@@ -345,7 +394,11 @@ class Driver:
             if time.monotonic() - self._last_sync < self.interval or self.tp.failed is not None:
                 continue
             with self.engine._lock:
-                if self._closed.is_set() or self.tp.failed is not None or time.monotonic() - self._last_sync < self.interval:
+                if (
+                    self._closed.is_set()
+                    or self.tp.failed is not None
+                    or time.monotonic() - self._last_sync < self.interval
+                ):
                     continue
                 try:
                     self.sync("noop")
@@ -380,6 +433,7 @@ class Driver:
 
 
 # -- a worker rank --------------------------------------------------------------------------------
+
 
 def _watch_parent(parent: int) -> None:
     while True:

@@ -1,4 +1,5 @@
 """The paged KV pool: fixed-size blocks of K and V for every layer, with reference counts."""
+
 from __future__ import annotations
 
 import math
@@ -69,7 +70,8 @@ class BlockPool:
         num_blocks = budget_bytes // shape.bytes_per_block
         if num_blocks < 1:
             raise ValueError(
-                f"A KV budget of {budget_bytes} bytes holds no block ({shape.bytes_per_block} bytes each); raise kv_budget."
+                f"A KV budget of {budget_bytes} bytes holds no block ({shape.bytes_per_block} bytes each); raise "
+                "kv_budget."
             )
         return cls(shape, num_blocks, device)
 

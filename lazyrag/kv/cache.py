@@ -16,6 +16,7 @@ host RAM or disk when those have room, and a lookup that misses the pool but hit
 promotes the KV back (bit-exact copy into fresh blocks). ``prefetch`` does that promotion
 in a background thread, ahead of the request that will need it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -91,7 +92,10 @@ class CacheConfig:
     disk_bytes: int = 0
     # how host and disk tiers keep KV (kv/codec.py): auto (16 bits) | float32 (exact) | bfloat16 | float16 | int8
     stored_kv_dtype: str = "auto"
-    demote_kinds: tuple[SegmentKind, ...] = (SegmentKind.CHUNK, SegmentKind.PREFIX)  # copies and prefix blocks are cheap to redo
+    demote_kinds: tuple[SegmentKind, ...] = (
+        SegmentKind.CHUNK,
+        SegmentKind.PREFIX,
+    )  # copies and prefix blocks are cheap to redo
     sketch_window: int = 10_000
     cost_model: CostModel = field(default_factory=CostModel)
 
@@ -127,8 +131,16 @@ def _rate(hits: int, lookups: int) -> float | None:
 
 
 def _tier_row(tier: str, label: str, entries, nbytes, hits: int, misses: int, evictions: int) -> dict:
-    return {"tier": tier, "label": label, "entries": entries, "bytes": nbytes, "hits": hits, "misses": misses,
-            "hit_rate": _rate(hits, hits + misses), "evictions": evictions}
+    return {
+        "tier": tier,
+        "label": label,
+        "entries": entries,
+        "bytes": nbytes,
+        "hits": hits,
+        "misses": misses,
+        "hit_rate": _rate(hits, hits + misses),
+        "evictions": evictions,
+    }
 
 
 class CacheManager:
@@ -352,7 +364,9 @@ class CacheManager:
             seg.spill = False
             try:
                 self._demote(seg)
-            except Exception:  # a tier that cannot take it (say, out of host memory): the KV is recomputed when asked for
+            except (
+                Exception
+            ):  # a tier that cannot take it (say, out of host memory): the KV is recomputed when asked for
                 log.warning("lazyrag: spilling segment %s to a tier failed", seg.key[:12], exc_info=True)
         self.pool.decref(seg.blocks)
 
@@ -385,7 +399,8 @@ class CacheManager:
             self.stats.evictions += 1
 
     def _unindex(self, seg: Segment) -> None:
-        """No lookup finds ``seg`` any more, and its blocks no longer count against the budget (caller holds the lock)."""
+        """No lookup finds ``seg`` any more, and its blocks no longer count against the budget (caller holds the
+        lock)."""
         self.policy.remove(seg.key)
         del self._segments[seg.key]
         self._cached_blocks -= len(seg.blocks)
@@ -423,7 +438,9 @@ class CacheManager:
     def write_kv(self, blocks: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Copy ``k, v [layers, tokens, H_kv, D]`` (on any device) into ``blocks`` (the padding tail stays unused)."""
         if k.dtype != self.pool.shape.dtype:
-            raise TypeError(f"KV is {k.dtype} but the pool holds {self.pool.shape.dtype}; it was made for another engine dtype.")
+            raise TypeError(
+                f"KV is {k.dtype} but the pool holds {self.pool.shape.dtype}; it was made for another engine dtype."
+            )
         L, bs = self.pool.shape.num_layers, self.pool.shape.block_size
         if self.kv_heads is not None and k.shape[2] != self.pool.shape.num_kv_heads:
             lo, hi = self.kv_heads  # stored with every head (built at tensor-parallel size 1): this rank's share
@@ -473,8 +490,17 @@ class CacheManager:
         st = self.stats
         with self._lock:
             device_misses = st.misses + st.tier_hits
-            rows = [_tier_row("device", "device pool", len(self._segments), self.cached_bytes, st.hits, device_misses,
-                              st.evictions)]
+            rows = [
+                _tier_row(
+                    "device",
+                    "device pool",
+                    len(self._segments),
+                    self.cached_bytes,
+                    st.hits,
+                    device_misses,
+                    st.evictions,
+                )
+            ]
             rows[0]["budget_bytes"] = self.budget_bytes
             for i, tier in enumerate(self.tiers):
                 nbytes = getattr(tier, "nbytes", None)
@@ -482,18 +508,36 @@ class CacheManager:
                     nbytes = tier.size_bytes()  # a corpus store: its folder on disk
                 name = getattr(tier, "name", "tier")
                 label = f"store {tier.path}" if name == "store" and hasattr(tier, "path") else name
-                rows.append(_tier_row(f"{i}:{type(tier).__name__}", label, len(tier) if hasattr(tier, "__len__") else None,
-                                      nbytes, st.tier_hits_by.get(i, 0), st.tier_misses_by.get(i, 0), tier.evictions))
-        reuse = {g: {"hits": st.reuse.get(g, [0, 0])[0], "tokens": st.reuse.get(g, [0, 0])[1]} for g in ("prefix", "chunk")}
-        return {"tiers": rows, "lookups": st.lookups, "misses": st.misses, "hit_rate": _rate(st.lookups - st.misses, st.lookups),
-                "reuse": reuse}
+                rows.append(
+                    _tier_row(
+                        f"{i}:{type(tier).__name__}",
+                        label,
+                        len(tier) if hasattr(tier, "__len__") else None,
+                        nbytes,
+                        st.tier_hits_by.get(i, 0),
+                        st.tier_misses_by.get(i, 0),
+                        tier.evictions,
+                    )
+                )
+        reuse = {
+            g: {"hits": st.reuse.get(g, [0, 0])[0], "tokens": st.reuse.get(g, [0, 0])[1]} for g in ("prefix", "chunk")
+        }
+        return {
+            "tiers": rows,
+            "lookups": st.lookups,
+            "misses": st.misses,
+            "hit_rate": _rate(st.lookups - st.misses, st.lookups),
+            "reuse": reuse,
+        }
 
     def _install(self, entry: TierEntry, pin: bool) -> Segment:
         bs = self.pool.shape.block_size
         blocks = self.allocate(blocks_for(entry.num_tokens, bs))
         self.write_kv(blocks, *entry.decode(self.pool.shape.dtype, self.pool.device))
         self.stats.promotions += 1
-        return self.put(Segment(entry.key, blocks, entry.num_tokens, entry.start, SegmentKind(entry.kind), cost=entry.cost), pin=pin)
+        return self.put(
+            Segment(entry.key, blocks, entry.num_tokens, entry.start, SegmentKind(entry.kind), cost=entry.cost), pin=pin
+        )
 
     def prefetch(self, keys: list[str]) -> Future:
         """Promote these keys from the tiers into the pool in a background thread; returns how many arrived."""
@@ -518,4 +562,3 @@ class CacheManager:
                     self.unpin(seg)
                     done += not seg.transient
         return done
-

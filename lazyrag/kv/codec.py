@@ -14,6 +14,7 @@ stored before RoPE, so its channels are the model's own, not mixed by position.
 An encoded segment describes itself (its tensors' dtypes, scales present or not): a reader
 decodes whatever it finds, whatever setting wrote it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,7 +28,8 @@ _FP16_MAX = torch.finfo(torch.float16).max
 
 
 def encode(k: torch.Tensor, v: torch.Tensor, fmt: str) -> dict[str, torch.Tensor]:
-    """``k, v [layers, tokens, H_kv, D]`` in a resolved format ``fmt``: {"k", "v"} and, for int8, {"k_scale", "v_scale"}."""
+    """``k, v [layers, tokens, H_kv, D]`` in a resolved format ``fmt``: {"k", "v"} and, for int8, {"k_scale",
+    "v_scale"}."""
     if fmt == "int8":
         kq, ks = _quantize(k, dim=1)  # K per channel: a scale per (layer, head, dim), over the tokens
         vq, vs = _quantize(v, dim=3)  # V per token: a scale per (layer, token, head), over the dims
@@ -39,8 +41,9 @@ def encode(k: torch.Tensor, v: torch.Tensor, fmt: str) -> dict[str, torch.Tensor
     return {"k": k.to(dtype).contiguous(), "v": v.to(dtype).contiguous()}
 
 
-def decode(tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device | str | None = None
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+def decode(
+    tensors: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V in ``dtype`` on ``device`` (default: where they are) from what ``encode`` made. The encoded bytes
     travel, then widen on arrival: a host-to-GPU copy moves 1 or 2 bytes per value, not 4."""
     t = {name: x.to(device, non_blocking=True) if device is not None else x for name, x in tensors.items()}

@@ -1,7 +1,6 @@
 """The stored KV dtypes' names and what ``auto`` means, importable without torch (the command line's choices);
 kv/codec.py encodes and decodes them."""
 
-
 STORED_KV_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 
 

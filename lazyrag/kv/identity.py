@@ -5,6 +5,7 @@ The content-key rule is here too: a chunk's cache key is ``content_key(model fin
 chunk ids)``, with ``"after", passage ids`` appended when it was encoded after an encoding passage too, and the
 shared prefix's ``content_key(model fingerprint, "prefix", prefix ids)`` (``chunk_key`` and ``prefix_key``); the
 keys of stores on disk were made by it, so it must not change."""
+
 from __future__ import annotations
 
 import hashlib

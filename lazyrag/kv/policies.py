@@ -16,6 +16,7 @@ a new entry is kept only if it was asked for more often than the entries it woul
 Under a budget smaller than a prompt's working set, LRU evicts the hot documents to make
 room for one-off ones; admission stops that churn.
 """
+
 from __future__ import annotations
 
 import heapq

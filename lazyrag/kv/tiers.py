@@ -5,6 +5,7 @@ manager chose (kv/codec.py: 16 bits by default, int8, or the pool's float32 exac
 trip pool -> tier -> pool is bit-exact). Tiers are passive: the cache manager demotes into them
 on eviction and promotes out of them on a hit.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -33,8 +34,17 @@ class TierEntry:
     cost: float = 0.0
 
     @classmethod
-    def encoded(cls, key: str, k: torch.Tensor, v: torch.Tensor, fmt: str, start: int, kind: str = "chunk",
-                cost: float = 0.0, pinned: bool = False) -> "TierEntry":
+    def encoded(
+        cls,
+        key: str,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        fmt: str,
+        start: int,
+        kind: str = "chunk",
+        cost: float = 0.0,
+        pinned: bool = False,
+    ) -> "TierEntry":
         """The segment ``k, v [L, T, H_kv, D]`` (any device) encoded as ``fmt`` (resolved, kv/codec.py), kept on CPU;
         ``pinned``: in page-locked memory, copied there straight from the device (one copy, not two)."""
         return cls(key, {n: to_host(t, pinned) for n, t in codec.encode(k, v, fmt).items()}, start, str(kind), cost)
@@ -168,8 +178,13 @@ class HostTier(Tier):
         if entry.nbytes > self.budget_bytes:
             return [entry]
         if self.pins_memory and not all(t.is_pinned() for t in entry.tensors.values()):
-            entry = TierEntry(entry.key, {n: to_host(t, pinned=True) for n, t in entry.tensors.items()}, entry.start,
-                              entry.kind, entry.cost)
+            entry = TierEntry(
+                entry.key,
+                {n: to_host(t, pinned=True) for n, t in entry.tensors.items()},
+                entry.start,
+                entry.kind,
+                entry.cost,
+            )
         out = []
         with self._lock:
             if entry.key in self._entries:

@@ -3,6 +3,7 @@
 Every backend computes the same function (kernels/reference.py defines it) over the
 paged pool; the model neither knows nor cares whether keys are rotated lazily.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -134,8 +135,9 @@ class TorchAttention:
 
     def __call__(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, rope_cos, rope_sin, sm_scale):
         width = int(meta.num_ctx_blocks.max()) if meta.num_ctx_blocks.numel() else 0
-        kc, vc, ctx_ok = reference.gather_contexts(k_cache, v_cache, meta.block_meta[:, :width], meta.num_ctx_blocks,
-                                                   rope_cos, rope_sin)  # [B, width * bs, Hkv, D]
+        kc, vc, ctx_ok = reference.gather_contexts(
+            k_cache, v_cache, meta.block_meta[:, :width], meta.num_ctx_blocks, rope_cos, rope_sin
+        )  # [B, width * bs, Hkv, D]
         if meta.is_decode:  # the new token's K/V is already in the pool: context only
             return reference.attend(q[:, None], kc, vc, ctx_ok[:, None, :], sm_scale)[:, 0].to(q.dtype)
         # new tokens, padded per sequence: [B, n, ...]
@@ -176,14 +178,22 @@ class TritonAttention:
         key = ("plan", q.is_cuda and torch.cuda.is_current_stream_capturing())
         plan = meta.kernel_cache.get(key)
         if plan is None:
-            shape = dict(num_heads=q.shape[1], num_kv_heads=k_cache.shape[2], head_dim=q.shape[2],
-                         block_size=k_cache.shape[1], dtype=q.dtype, device=q.device, options=self.options,
-                         tile_cache=meta.kernel_cache)
+            shape = dict(
+                num_heads=q.shape[1],
+                num_kv_heads=k_cache.shape[2],
+                head_dim=q.shape[2],
+                block_size=k_cache.shape[1],
+                dtype=q.dtype,
+                device=q.device,
+                options=self.options,
+                tile_cache=meta.kernel_cache,
+            )
             if meta.is_decode:
                 plan = self._decode.plan_decode(meta.block_meta, meta.num_ctx_blocks, batch=q.shape[0], **shape)
             else:
-                plan = self._prefill.plan_prefill(meta.cu_seqlens_q, meta.block_meta, meta.num_ctx_blocks,
-                                                  max_seqlen_q=meta.max_seqlen_q, **shape)
+                plan = self._prefill.plan_prefill(
+                    meta.cu_seqlens_q, meta.block_meta, meta.num_ctx_blocks, max_seqlen_q=meta.max_seqlen_q, **shape
+                )
             meta.kernel_cache[key] = plan
         return plan
 
@@ -195,7 +205,7 @@ class TritonAttention:
 
 
 def make_attention_backend(name: str, device: torch.device, options=None):
-    """"torch" (the PyTorch reference) or "triton" (EngineConfig picks: Triton on CUDA, torch elsewhere);
+    """ "torch" (the PyTorch reference) or "triton" (EngineConfig picks: Triton on CUDA, torch elsewhere);
     ``options``: the Triton kernels' (kvloop.KernelOptions; benchmarks)."""
     if name == "torch":
         return TorchAttention()

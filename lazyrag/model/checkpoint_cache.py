@@ -20,6 +20,7 @@ back as written).
 
 Off: ``LAZYRAG_MODEL_CACHE=0``, ``model_cache=False`` on the engine, or ``--no-model-cache`` on the command line.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -58,8 +59,8 @@ _OFF = ("0", "false", "no", "off")
 
 
 def cache_enabled() -> bool:
-    """Whether the environment leaves the cache on (``EngineConfig.model_cache``'s default): unless ``LAZYRAG_MODEL_CACHE``
-    is 0, false, no or off."""
+    """Whether the environment leaves the cache on (``EngineConfig.model_cache``'s default): unless
+    ``LAZYRAG_MODEL_CACHE`` is 0, false, no or off."""
     return os.environ.get(MODEL_CACHE_ENV, "1").strip().lower() not in _OFF
 
 
@@ -93,8 +94,12 @@ def load(source: ModelSource, dtype: torch.dtype, keep: Callable[[str, torch.Ten
     found = _open(folder, identity, dtype, keep)
     if found is not None:
         return found
-    log.warning("converting %s once into the model cache at %s (later loads read it in about a second; "
-                "LAZYRAG_MODEL_CACHE=0 turns the cache off)", source.name, folder)
+    log.warning(
+        "converting %s once into the model cache at %s (later loads read it in about a second; "
+        "LAZYRAG_MODEL_CACHE=0 turns the cache off)",
+        source.name,
+        folder,
+    )
     hf, tokenizer = load_checkpoint(source, dtype)
     state = {k: v.detach().to(dtype) for k, v in hf.state_dict().items()}
     config, fp = hf.config, fingerprint(hf.config, state, dtype)  # as ``LazyEngine.from_hf`` hashes the model
@@ -102,20 +107,33 @@ def load(source: ModelSource, dtype: torch.dtype, keep: Callable[[str, torch.Ten
     try:
         _write(folder, identity, config, tokenizer, state, fp)
     except OSError as e:  # a full disk or a read-only home: this load goes on from memory
-        log.warning("could not write the model cache at %s (%s); the next load converts %s again. Free space, point "
-                    "%s to a writable folder, or set %s=0.", folder, e, source.name, CACHE_DIR_ENV, MODEL_CACHE_ENV)
+        log.warning(
+            "could not write the model cache at %s (%s); the next load converts %s again. Free space, point "
+            "%s to a writable folder, or set %s=0.",
+            folder,
+            e,
+            source.name,
+            CACHE_DIR_ENV,
+            MODEL_CACHE_ENV,
+        )
     return config, tokenizer, {k: v if keep is None else keep(k, v) for k, v in state.items()}, fp
 
 
 def _identity(source: ModelSource, dtype: torch.dtype) -> dict:
     """What a converted folder depends on: it is valid only where all of these are equal."""
     path = source.folder / source.gguf_file
-    return {"format": FORMAT, "gguf_file": source.gguf_file, "gguf_sha256": gguf_sha256(path),
-            "gguf_bytes": path.stat().st_size, "transformers": importlib.metadata.version("transformers"),
-            "dtype": str(dtype).replace("torch.", "")}
+    return {
+        "format": FORMAT,
+        "gguf_file": source.gguf_file,
+        "gguf_sha256": gguf_sha256(path),
+        "gguf_bytes": path.stat().st_size,
+        "transformers": importlib.metadata.version("transformers"),
+        "dtype": str(dtype).replace("torch.", ""),
+    }
 
 
 # -- the GGUF's digest -------------------------------------------------------------------------
+
 
 def gguf_sha256(path: Path) -> str:
     """The file's sha256, remembered per (device, inode, size, mtime, ctime): a file that is written again, renamed
@@ -145,6 +163,7 @@ def _file_sha256(path: Path) -> str:
 
 
 # -- reading a folder ----------------------------------------------------------------------------
+
 
 def _open(folder: Path, identity: dict, dtype: torch.dtype, keep):
     """The folder's (config, tokenizer, state, fingerprint), or None: absent, or corrupt (then discarded, logged)."""
@@ -206,6 +225,7 @@ def _tokenizer(folder: Path):
 
 # -- writing a folder ----------------------------------------------------------------------------
 
+
 def _write(folder: Path, identity: dict, config, tokenizer, state: dict[str, torch.Tensor], fp: str) -> None:
     """Write the folder atomically: a temporary one, renamed into place once complete."""
     from safetensors.torch import save_file
@@ -217,7 +237,9 @@ def _write(folder: Path, identity: dict, config, tokenizer, state: dict[str, tor
     try:
         unique, tied = _untie(state)
         save_file(unique, str(tmp / WEIGHTS), metadata={"format": "pt"})
-        os.chmod(tmp / WEIGHTS, 0o666 & ~current_umask())  # safetensors writes it private; the folder's others follow the umask
+        os.chmod(
+            tmp / WEIGHTS, 0o666 & ~current_umask()
+        )  # safetensors writes it private; the folder's others follow the umask
         (tmp / "config.json").write_text(config.to_json_string(use_diff=False))
         _check_config_reads_back(tmp, config)
         tokenizer.save_pretrained(tmp)

@@ -5,6 +5,7 @@ Hq / Hkv = query / KV heads, D = head dim. Under tensor parallelism (model/paral
 args are one rank's shard: Hq, Hkv and the intermediate size are this rank's share, and the
 two row-parallel projections (wo, down) are followed by an all-reduce; ``tp`` None is one process.
 """
+
 from __future__ import annotations
 
 import math
@@ -63,7 +64,9 @@ def rope_frequencies(config) -> tuple[torch.Tensor, float]:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "dynamic":
-        raise ValueError("Dynamic NTK RoPE rescales frequencies with the prompt length; lazyrag needs static frequencies.")
+        raise ValueError(
+            "Dynamic NTK RoPE rescales frequencies with the prompt length; lazyrag needs static frequencies."
+        )
     if rope_type == "default":
         # transformers' formula (LlamaRotaryEmbedding.compute_default_rope_parameters), computed here because
         # importing its modeling code costs 0.7 s of a 2 s model load on 2 cores
@@ -151,11 +154,13 @@ class ElementwiseOps:
         return cls(compile(rms_norm), compile(add_rms_norm), compile(rotate_qk), compile(silu_mul))
 
     def with_triton_kernels(self) -> "ElementwiseOps":
-        """The norms, silu*up and the greedy argmax as the Triton kernels of kernels/elementwise.py (any token count)."""
+        """The norms, silu*up and the greedy argmax as the Triton kernels of kernels/elementwise.py (any token
+        count)."""
         from lazyrag.kernels import elementwise as E
 
-        return replace(self, rms_norm=E.rms_norm, add_rms_norm=E.add_rms_norm, silu_mul=E.silu_mul,
-                       greedy_tokens=E.greedy_tokens)
+        return replace(
+            self, rms_norm=E.rms_norm, add_rms_norm=E.add_rms_norm, silu_mul=E.silu_mul, greedy_tokens=E.greedy_tokens
+        )
 
     def with_fused_kv_store(self) -> "ElementwiseOps":
         from lazyrag.kernels.qkv import rotate_qk_store
@@ -171,7 +176,8 @@ class ElementwiseOps:
         return None
 
     def _gemm(self, name: str, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
-        """``linear(x)``: kernels.gemm's skinny GEMM where this projection of a 2-64 token forward uses it, else torch's."""
+        """``linear(x)``: kernels.gemm's skinny GEMM where this projection of a 2-64 token forward uses it, else
+        torch's."""
         if name in self.skinny and 2 <= x.shape[0] <= 64:
             from lazyrag.kernels.gemm import skinny_linear
             from lazyrag.kernels.kvloop import interpreting
@@ -186,8 +192,15 @@ class ElementwiseOps:
         if k is not None:
             if residual is None:
                 return x, k.gemv(x, linear.weight, linear.bias, prologue=k.NORM, norm_weight=norm.weight, eps=norm.eps)
-            return k.gemv(x, linear.weight, linear.bias, prologue=k.ADD_NORM, residual=residual,
-                          norm_weight=norm.weight, eps=norm.eps)
+            return k.gemv(
+                x,
+                linear.weight,
+                linear.bias,
+                prologue=k.ADD_NORM,
+                residual=residual,
+                norm_weight=norm.weight,
+                eps=norm.eps,
+            )
         if residual is None:
             return x, self._gemm(name, self.rms_norm(x, norm.weight, norm.eps), linear)
         residual, h = self.add_rms_norm(x, residual, norm.weight, norm.eps)
@@ -236,12 +249,23 @@ class Attention(nn.Module):
         # Keys are stored rotated at the positions they were computed at; the attention
         # backend adds each cached segment's offset later.
         if rt.ops.rotate_qk_store is not None:  # rotation and K/V store in one kernel
-            q, k, v = rt.ops.rotate_qk_store(qkv, cos, sin, rt.rope_scaling, self.hq, self.hkv,
-                                             rt.pool.k[self.layer], rt.pool.v[self.layer], rt.meta.slot_mapping)
+            q, k, v = rt.ops.rotate_qk_store(
+                qkv,
+                cos,
+                sin,
+                rt.rope_scaling,
+                self.hq,
+                self.hkv,
+                rt.pool.k[self.layer],
+                rt.pool.v[self.layer],
+                rt.meta.slot_mapping,
+            )
         else:
             q, k, v = rt.ops.rotate_qk(qkv, cos, sin, rt.rope_scaling, self.hq, self.hkv)
             rt.pool.write(self.layer, rt.meta.slot_mapping, k, v)
-        o = rt.attention(q, k, v, rt.pool.k[self.layer], rt.pool.v[self.layer], rt.meta, rt.rope_cos, rt.rope_sin, rt.sm_scale)
+        o = rt.attention(
+            q, k, v, rt.pool.k[self.layer], rt.pool.v[self.layer], rt.meta, rt.rope_cos, rt.rope_sin, rt.sm_scale
+        )
         return _all_reduce(self.tp, rt.ops.linear("wo", o.reshape(T, self.hq * self.d), self.wo))  # [T, H]
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
@@ -277,7 +301,9 @@ class Block(nn.Module):
         their sum is ``after_attention(...)``'s output, to the bit (one-token GEMVs off: they round differently)."""
         ops, mlp = rt.ops, self.mlp
         residual, qkv = ops.norm_linear("wqkv", x, residual, self.attn_norm, self.attn.wqkv)
-        residual, gate_up = ops.norm_linear("gate_up", self.attn(qkv, cos, sin, rt), residual, self.mlp_norm, mlp.w_gate_up)
+        residual, gate_up = ops.norm_linear(
+            "gate_up", self.attn(qkv, cos, sin, rt), residual, self.mlp_norm, mlp.w_gate_up
+        )
         return _all_reduce(mlp.tp, ops.gated_linear("down", gate_up, mlp.inter, mlp.w_down)), residual
 
     # The layer in two halves around its attention, for callers that attend their own way (engine/blend.py).
@@ -312,7 +338,9 @@ class LlamaModel(nn.Module):
         self.args, self.tp = args, tp
         # made uninitialised: every caller loads or initialises the weights, and nn.Embedding's own normal_ on the meta
         # device imports torch._dynamo (1.4 s of a model load on 2 cores)
-        self.embed = nn.Embedding(args.vocab_size, args.hidden_size, _weight=torch.empty(args.vocab_size, args.hidden_size))
+        self.embed = nn.Embedding(
+            args.vocab_size, args.hidden_size, _weight=torch.empty(args.vocab_size, args.hidden_size)
+        )
         self.layers = nn.ModuleList(Block(args, i, tp) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
@@ -351,10 +379,14 @@ class LlamaModel(nn.Module):
                 own[f"layers.{i}.attn.wqkv.bias"] = torch.cat([sd[att + f"{n}_proj.bias"] for n in "qkv"])
                 own[f"layers.{i}.attn.wo.bias"] = sd[att + "o_proj.bias"]
             own[f"layers.{i}.attn.wo.weight"] = sd[att + "o_proj.weight"]
-            own[f"layers.{i}.mlp.w_gate_up.weight"] = torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]])
+            own[f"layers.{i}.mlp.w_gate_up.weight"] = torch.cat(
+                [sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]
+            )
             own[f"layers.{i}.mlp.w_down.weight"] = sd[p + "mlp.down_proj.weight"]
             if a.mlp_bias:
-                own[f"layers.{i}.mlp.w_gate_up.bias"] = torch.cat([sd[p + "mlp.gate_proj.bias"], sd[p + "mlp.up_proj.bias"]])
+                own[f"layers.{i}.mlp.w_gate_up.bias"] = torch.cat(
+                    [sd[p + "mlp.gate_proj.bias"], sd[p + "mlp.up_proj.bias"]]
+                )
                 own[f"layers.{i}.mlp.w_down.bias"] = sd[p + "mlp.down_proj.bias"]
             own[f"layers.{i}.attn_norm.weight"] = sd[p + "input_layernorm.weight"]
             own[f"layers.{i}.mlp_norm.weight"] = sd[p + "post_attention_layernorm.weight"]

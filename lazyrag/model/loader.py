@@ -1,5 +1,6 @@
 """Find and load Llama-architecture checkpoints: the embedded default, a local folder, a GGUF file, or a model id of
 the Hugging Face hub already in the local Hugging Face cache (never downloaded)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -38,7 +39,9 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 class ModelSource:
     folder: Path
     gguf_file: str | None  # a file name inside ``folder``, or None for a transformers folder
-    hub_id: str | None = None  # the hub id it was found under in the local Hugging Face cache (``folder``: its snapshot)
+    hub_id: str | None = (
+        None  # the hub id it was found under in the local Hugging Face cache (``folder``: its snapshot)
+    )
 
     @property
     def name(self) -> str:
@@ -98,7 +101,9 @@ def _folder_source(path: Path) -> ModelSource:
     if len(ggufs) == 1:
         return ModelSource(path, ggufs[0])
     if ggufs:
-        raise ModelLoadError(f"{path} holds several .gguf files ({', '.join(ggufs)}); pass one of them as the model path.")
+        raise ModelLoadError(
+            f"{path} holds several .gguf files ({', '.join(ggufs)}); pass one of them as the model path."
+        )
     raise ModelLoadError(f"{path} has neither config.json (transformers checkpoint) nor a .gguf file.")
 
 
@@ -121,18 +126,23 @@ def hub_snapshot(repo_id: str) -> Path:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
     except ImportError:  # transformers depends on it: only a broken install gets here
-        raise ModelLoadError(f"{repo_id!r} is not a local path, and looking it up in the Hugging Face cache needs "
-                             "huggingface_hub: pip install huggingface_hub.") from None
+        raise ModelLoadError(
+            f"{repo_id!r} is not a local path, and looking it up in the Hugging Face cache needs "
+            "huggingface_hub: pip install huggingface_hub."
+        ) from None
     cache = _hub_cache()
-    fetch = (f"lazyrag never downloads models: fetch it first (`hf download {repo_id}`, or `huggingface-cli download "
-             f"{repo_id}` with an older huggingface_hub), then pass the same id again")
+    fetch = (
+        f"lazyrag never downloads models: fetch it first (`hf download {repo_id}`, or `huggingface-cli download "
+        f"{repo_id}` with an older huggingface_hub), then pass the same id again"
+    )
     try:
         return Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=True))
     except (LocalEntryNotFoundError, HFValidationError):
         raise ModelLoadError(
             f"Model path {repo_id!r} does not exist, and {repo_id!r} is not a model in the local Hugging Face cache "
             f"({cache}). {fetch}; or pass a local folder with config.json and *.safetensors, a .gguf file, or nothing "
-            "for the embedded default model.") from None
+            "for the embedded default model."
+        ) from None
     except Exception as e:  # e.g. IncompleteSnapshotError: a download that was interrupted
         if type(e).__name__ != "IncompleteSnapshotError":
             raise
@@ -143,7 +153,8 @@ def _require_gguf_support() -> None:
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:
         raise ModelLoadError(
-            f"Reading GGUF checkpoints needs {' and '.join(missing)}: pip install 'lazyrag[gguf]' (or pip install gguf accelerate)."
+            f"Reading GGUF checkpoints needs {' and '.join(missing)}: pip install 'lazyrag[gguf]' (or pip install gguf "
+            "accelerate)."
         )
 
 
@@ -279,22 +290,31 @@ def load_sharded(source: ModelSource, config, dtype: torch.dtype, keep: Callable
         names = sorted(AutoModelForCausalLM.from_config(config).state_dict())
     files = sorted(source.folder.glob("*.safetensors"))
     if not files:
-        raise ModelLoadError(f"{source.folder} has config.json but no *.safetensors; lazyrag reads safetensors checkpoints.")
+        raise ModelLoadError(
+            f"{source.folder} has config.json but no *.safetensors; lazyrag reads safetensors checkpoints."
+        )
     handle = {name: h for h in (safe_open(str(f), framework="pt") for f in files) for name in h.keys()}  # noqa: SIM118 (a safe_open handle, not iterable)
     stored = {name: name for name in handle}
     if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in stored:
         stored["lm_head.weight"] = "model.embed_tokens.weight"  # transformers' state dict names the tied tensor twice
     missing = [n for n in names if stored.get(n) not in handle]
     if missing:
-        raise ModelLoadError(f"{source.folder}'s safetensors lack {len(missing)} of the model's tensors "
-                             f"(e.g. {missing[0]}); is the checkpoint complete?")
+        raise ModelLoadError(
+            f"{source.folder}'s safetensors lack {len(missing)} of the model's tensors "
+            f"(e.g. {missing[0]}); is the checkpoint complete?"
+        )
     state, fp = stream_state(lambda name: handle[stored[name]].get_tensor(stored[name]), names, config, dtype, keep)
     tokenizer = AutoTokenizer.from_pretrained(source.folder)
     return tokenizer, state, fp
 
 
-def stream_state(read: Callable[[str], torch.Tensor], names: list[str], config, dtype: torch.dtype,
-                 keep: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], str]:
+def stream_state(
+    read: Callable[[str], torch.Tensor],
+    names: list[str],
+    config,
+    dtype: torch.dtype,
+    keep: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[dict[str, torch.Tensor], str]:
     """(the state dict, the whole model's fingerprint), reading the tensors one at a time (``read(name)``) and
     keeping of each what ``keep(name, tensor)`` returns (all of it by default): host memory holds the kept
     tensors plus one whole one."""

@@ -11,6 +11,7 @@ capture see the same code with smaller shapes, and TP=1 runs today's path untouc
 
 A rank's attention runs over its own heads only: its KV pool holds its KV heads of every block.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -43,9 +44,14 @@ class TensorParallel:
     def fail(self, cause: BaseException) -> TensorParallelError:
         """Mark the group broken (``cause``: what the collective raised) and return the error to raise."""
         if self.failed is None:
-            msg = self.describe_failure(cause) if self.describe_failure is not None else (
-                f"tensor-parallel rank {self.rank} of {self.size}: a collective failed ({cause}); another rank died or "
-                "stopped answering. Start the engine again (every rank).")
+            msg = (
+                self.describe_failure(cause)
+                if self.describe_failure is not None
+                else (
+                    f"tensor-parallel rank {self.rank} of {self.size}: a collective failed ({cause}); another rank "
+                    "died or stopped answering. Start the engine again (every rank)."
+                )
+            )
             self.failed = TensorParallelError(msg)
         return self.failed
 
@@ -70,17 +76,27 @@ def check_divisible(args, size: int) -> None:
     """Refuse a split that would give ranks unequal heads (each rank's pool and kernels need whole KV heads)."""
     if size < 1:
         raise ValueError(f"tensor_parallel_size must be at least 1; got {size}")
-    for what, n in (("KV heads", args.num_kv_heads), ("query heads", args.num_heads), ("intermediate size", args.intermediate_size)):
+    for what, n in (
+        ("KV heads", args.num_kv_heads),
+        ("query heads", args.num_heads),
+        ("intermediate size", args.intermediate_size),
+    ):
         if n % size:
-            raise ValueError(f"tensor_parallel_size={size} does not divide the model's {n} {what}; each rank must hold an "
-                             f"equal share. Pick a size that divides {args.num_kv_heads} (the KV heads).")
+            raise ValueError(
+                f"tensor_parallel_size={size} does not divide the model's {n} {what}; each rank must hold an "
+                f"equal share. Pick a size that divides {args.num_kv_heads} (the KV heads)."
+            )
 
 
 def local_args(args, size: int):
     """The ``LlamaArgs`` of one rank's shard: its query heads, KV heads and intermediate columns."""
     check_divisible(args, size)
-    return replace(args, num_heads=args.num_heads // size, num_kv_heads=args.num_kv_heads // size,
-                   intermediate_size=args.intermediate_size // size)
+    return replace(
+        args,
+        num_heads=args.num_heads // size,
+        num_kv_heads=args.num_kv_heads // size,
+        intermediate_size=args.intermediate_size // size,
+    )
 
 
 def shard_tensor(name: str, t: torch.Tensor, args, tp: TensorParallel) -> torch.Tensor:

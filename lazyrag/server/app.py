@@ -9,6 +9,7 @@ Where a request's chunks come from, in order:
 3. chat only, with ``--store``: the top ``k`` chunks retrieved for the last user message
    (``retrieve: false`` turns it off, ``retrieve: true`` forces it).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -106,7 +107,7 @@ def seed_sampling(seed: int) -> None:
 def _route_path(scope) -> str:
     """The path the app routes on: uvicorn puts ``--root-path`` in front of it (a proxy strips that prefix)."""
     path, root = scope["path"], scope.get("root_path", "")
-    return path[len(root):] or "/" if root and path.startswith(root) else path
+    return path[len(root) :] or "/" if root and path.startswith(root) else path
 
 
 class APIError(Exception):
@@ -124,7 +125,11 @@ def key_refused(api_key: str | None, covers: str, path: str, authorization: byte
     under /v1/, and with ``covers`` "all" every other path but OPEN_PATHS (a constant-time comparison).
     One rule for ``lazyrag serve`` and the front of ``lazyrag serve --replicas``."""
     guarded = path.startswith("/v1/") or (covers == "all" and path not in OPEN_PATHS)
-    return bool(api_key) and guarded and not hmac.compare_digest(authorization, f"Bearer {api_key}".encode("latin-1", "replace"))
+    return (
+        bool(api_key)
+        and guarded
+        and not hmac.compare_digest(authorization, f"Bearer {api_key}".encode("latin-1", "replace"))
+    )
 
 
 class _Gate:
@@ -151,8 +156,10 @@ class _Gate:
             if key_refused(self.config.api_key, self.config.api_key_covers, path, headers.get(b"authorization", b"")):
                 return await answer(401, WRONG_KEY, "authentication_error")
             limit = self.config.max_request_bytes
-            too_large = (f"The request body is over {limit} bytes (lazyrag serve --max-request-mb): send fewer or "
-                         "shorter documents, or retrieve them from a store (--store).")
+            too_large = (
+                f"The request body is over {limit} bytes (lazyrag serve --max-request-mb): send fewer or "
+                "shorter documents, or retrieve them from a store (--store)."
+            )
             declared = headers.get(b"content-length", b"").decode("latin-1")
             if declared.isdigit() and int(declared) > limit:
                 return await answer(413, too_large, "invalid_request_error")
@@ -164,8 +171,11 @@ class _Gate:
                 try:
                     message = await asyncio.wait_for(receive(), self.config.body_timeout_s)
                 except asyncio.TimeoutError:
-                    raise StarletteHTTPException(408, f"The request body stopped arriving for {self.config.body_timeout_s:g} s "
-                                                      "(lazyrag serve --body-timeout): send it whole.") from None
+                    raise StarletteHTTPException(
+                        408,
+                        f"The request body stopped arriving for {self.config.body_timeout_s:g} s "
+                        "(lazyrag serve --body-timeout): send it whole.",
+                    ) from None
                 if message["type"] == "http.request":
                     received[0] += len(message.get("body", b""))
                     body_done[0] = not message.get("more_body", False)
@@ -186,11 +196,16 @@ class _Gate:
 def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever | None" = None) -> FastAPI:
     """The app for one engine. ``retriever`` (over the store attached to ``engine``) serves chat requests
     that bring no chunks."""
-    app = FastAPI(title="lazyrag", description="OpenAI-compatible server with reusable, position-free chunk KV",
-                  version=__version__)
+    app = FastAPI(
+        title="lazyrag",
+        description="OpenAI-compatible server with reusable, position-free chunk KV",
+        version=__version__,
+    )
     if config.max_model_len is not None and not 0 < config.max_model_len <= engine.max_context:
-        raise ValueError(f"max_model_len (--max-model-len) {config.max_model_len} must be from 1 to the model's context, "
-                         f"{engine.max_context} tokens (its max_position_embeddings).")
+        raise ValueError(
+            f"max_model_len (--max-model-len) {config.max_model_len} must be from 1 to the model's context, "
+            f"{engine.max_context} tokens (its max_position_embeddings)."
+        )
     if config.api_key_covers not in ("v1", "all"):
         raise ValueError(f"api_key_covers must be 'v1' or 'all'; got {config.api_key_covers!r}.")
     max_len = config.max_model_len or engine.max_context  # prompt plus answer, in tokens
@@ -209,8 +224,9 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
-        problems = "; ".join(f"{'.'.join(str(p) for p in err['loc'] if p != 'body') or 'body'}: {err['msg']}"
-                             for err in e.errors()[:5])
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'] if p != 'body') or 'body'}: {err['msg']}" for err in e.errors()[:5]
+        )
         param = next((str(err["loc"][-1]) for err in e.errors() if err.get("loc")), None)
         return _error(422, f"Invalid request: {problems}", "invalid_request_error", param)
 
@@ -226,18 +242,27 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
         from lazyrag.store.corpus import StoreError
 
         if isinstance(e, StoreError):
-            return _error(503, f"The server's corpus store could not be read (error {ref}: the server's log says why; "
-                               "its operator may need to rebuild or reopen the store).", "server_error")
-        return _error(500, f"Internal error ({type(e).__name__}, error {ref}: the server's log has the details).",
-                      "server_error")
+            return _error(
+                503,
+                f"The server's corpus store could not be read (error {ref}: the server's log says why; "
+                "its operator may need to rebuild or reopen the store).",
+                "server_error",
+            )
+        return _error(
+            500, f"Internal error ({type(e).__name__}, error {ref}: the server's log has the details).", "server_error"
+        )
 
     app.add_middleware(_Gate, config=config, metrics=metrics, error=_error)
     if config.allowed_origins:  # added last, so outermost: a browser's preflight is answered before the API key check
         from starlette.middleware.cors import CORSMiddleware
 
-        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
-                           allow_methods=list(config.allowed_methods), allow_headers=list(config.allowed_headers),
-                           allow_credentials=config.allow_credentials)
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_methods=list(config.allowed_methods),
+            allow_headers=list(config.allowed_headers),
+            allow_credentials=config.allow_credentials,
+        )
 
     # -- plain endpoints ------------------------------------------------------------------------
 
@@ -301,8 +326,12 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
 
     def _check_model(model: str | None) -> None:
         if model is not None and model not in (config.model_name, *config.aliases):
-            raise APIError(404, f"The model {model!r} does not exist here; this server serves "
-                                f"{config.model_name!r} (GET /v1/models).", "invalid_request_error", "model")
+            raise APIError(
+                404,
+                f"The model {model!r} does not exist here; this server serves {config.model_name!r} (GET /v1/models).",
+                "invalid_request_error",
+                "model",
+            )
 
     def _check(body: _Common, generations: int) -> None:
         """Refuse what is wrong with the request before any work; else reserve its generations under
@@ -310,12 +339,19 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
         _check_model(body.model)
         bad = body.unsupported()
         if bad:
-            raise APIError(400, f"Not supported by lazyrag serve: {', '.join(bad)}. Leave them out.", "invalid_request_error",
-                           bad[0].split()[0])
+            raise APIError(
+                400,
+                f"Not supported by lazyrag serve: {', '.join(bad)}. Leave them out.",
+                "invalid_request_error",
+                bad[0].split()[0],
+            )
         if pending[0] + generations > config.max_pending:
-            raise APIError(503, f"The server has {pending[0]} generations in flight and the request asks for "
-                                f"{generations} (--max-pending {config.max_pending}); retry shortly, or ask for fewer.",
-                           "server_overloaded")
+            raise APIError(
+                503,
+                f"The server has {pending[0]} generations in flight and the request asks for "
+                f"{generations} (--max-pending {config.max_pending}); retry shortly, or ask for fewer.",
+                "server_overloaded",
+            )
         pending[0] += generations
 
     _flag = " (lazyrag serve --max-model-len)" if config.max_model_len else ""
@@ -330,29 +366,44 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
         # worded as vLLM and OpenAI word it: clients (LiteLLM, ...) recognise a context overflow by it
         limit = f"This model's maximum context length is {max_len} tokens{_flag}."
         if room < 1:
-            raise APIError(400, f"{limit} However, your request has {num_prompt_tokens} input tokens: send fewer or "
-                                "shorter documents or messages.", param="messages")
+            raise APIError(
+                400,
+                f"{limit} However, your request has {num_prompt_tokens} input tokens: send fewer or "
+                "shorter documents or messages.",
+                param="messages",
+            )
         asked = max_tokens or config.max_tokens
         if max_tokens is not None and max_tokens > room:
-            raise APIError(400, f"{limit} However, you requested {num_prompt_tokens + max_tokens} tokens "
-                                f"({num_prompt_tokens} in the prompt, {max_tokens} in max_tokens): ask for at most {room}.",
-                           param="max_tokens")
+            raise APIError(
+                400,
+                f"{limit} However, you requested {num_prompt_tokens + max_tokens} tokens "
+                f"({num_prompt_tokens} in the prompt, {max_tokens} in max_tokens): ask for at most {room}.",
+                param="max_tokens",
+            )
         seed = None if body.seed is None else (body.seed + choice) % 2**63
         try:
-            return SamplingParams(max_new_tokens=min(asked, room),
-                                  temperature=config.temperature if body.temperature is None else body.temperature,
-                                  top_p=1.0 if body.top_p is None else body.top_p, stop=body.stop or [], seed=seed,
-                                  strategy=body.strategy or config.strategy,
-                                  top_k=-1 if body.top_k is None else body.top_k,
-                                  repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-                                  presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
-                                  logprobs=body.engine_logprobs(), ignore_eos=bool(body.ignore_eos))
+            return SamplingParams(
+                max_new_tokens=min(asked, room),
+                temperature=config.temperature if body.temperature is None else body.temperature,
+                top_p=1.0 if body.top_p is None else body.top_p,
+                stop=body.stop or [],
+                seed=seed,
+                strategy=body.strategy or config.strategy,
+                top_k=-1 if body.top_k is None else body.top_k,
+                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                presence_penalty=body.presence_penalty or 0.0,
+                frequency_penalty=body.frequency_penalty or 0.0,
+                logprobs=body.engine_logprobs(),
+                ignore_eos=bool(body.ignore_eos),
+            )
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
     async def _retrieved(question: str, k: int) -> list[str]:
         if retriever is None:
-            raise APIError(400, "retrieve: true needs a corpus store: start the server with --store STORE.", param="retrieve")
+            raise APIError(
+                400, "retrieve: true needs a corpus store: start the server with --store STORE.", param="retrieve"
+            )
         try:
             check_text(question, "the question")
         except ValueError as e:
@@ -382,7 +433,9 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
 
         text, holds_known = await asyncio.to_thread(rendered)
         # retrieve when asked to, or by default when a store is attached and the text holds no known chunk
-        if documents is None and (body.retrieve or (body.retrieve is None and retriever is not None and not holds_known)):
+        if documents is None and (
+            body.retrieve or (body.retrieve is None and retriever is not None and not holds_known)
+        ):
             documents = await _retrieved(messages[last]["content"], body.k or config.k)
 
         def laid_out():
@@ -399,8 +452,12 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
             documents = await _retrieved(prompt, body.k or config.k)
 
         def laid_out():
-            if documents:  # the prompt is the question of the engine's RAG prompt, as engine.generate(prompt, documents)
-                return engine.layout_from_text(engine.render_chat([{"role": "user", "content": _with_documents(prompt, documents)}]))
+            if (
+                documents
+            ):  # the prompt is the question of the engine's RAG prompt, as engine.generate(prompt, documents)
+                return engine.layout_from_text(
+                    engine.render_chat([{"role": "user", "content": _with_documents(prompt, documents)}])
+                )
             if config.pasted_context:
                 engine.register_pasted(prompt)
             return engine.layout_from_text(prompt)  # raw text: known chunks inside it are still reused
@@ -500,7 +557,7 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
         def next(self):
             if self.request.logprobs is None:
                 return None
-            new = self.request.logprobs[self.sent:]
+            new = self.request.logprobs[self.sent :]
             self.sent += len(new)
             if self.chat:
                 return _chat_logprobs(new)
@@ -539,8 +596,9 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
             finally:
                 _done(streams)  # also on a client that hung up: Starlette cancels this generator
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, http: Request):
@@ -556,19 +614,34 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
         rid, created = new_id("chatcmpl"), now()
         head = {"id": rid, "created": created, "model": config.model_name}
         if body.stream:
+
             def chunk_of(i, delta, reason, logprobs=None):
                 d = {"role": "assistant", "content": ""} if delta is None else ({"content": delta} if delta else {})
-                return {**head, "object": "chat.completion.chunk",
-                        "choices": [{"index": i, "delta": d, "finish_reason": reason, "logprobs": logprobs}]}
+                return {
+                    **head,
+                    "object": "chat.completion.chunk",
+                    "choices": [{"index": i, "delta": d, "finish_reason": reason, "logprobs": logprobs}],
+                }
 
-            return _streaming(streams, chunk_of, {**head, "object": "chat.completion.chunk"}, body.include_usage(), chat=True)
+            return _streaming(
+                streams, chunk_of, {**head, "object": "chat.completion.chunk"}, body.include_usage(), chat=True
+            )
         results = await _results(streams, http)
-        return {**head, "object": "chat.completion",
-                "choices": [{"index": i, "message": {"role": "assistant", "content": r.text},
-                             "finish_reason": _finish_reason(r),
-                             "logprobs": None if r.logprobs is None else _chat_logprobs(r.logprobs)}
-                            for i, r in enumerate(results)],
-                "usage": _usage(results), "lazyrag": _lazyrag_info(results)}
+        return {
+            **head,
+            "object": "chat.completion",
+            "choices": [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": r.text},
+                    "finish_reason": _finish_reason(r),
+                    "logprobs": None if r.logprobs is None else _chat_logprobs(r.logprobs),
+                }
+                for i, r in enumerate(results)
+            ],
+            "usage": _usage(results),
+            "lazyrag": _lazyrag_info(results),
+        }
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, http: Request):
@@ -587,19 +660,35 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
         rid, created = new_id("cmpl"), now()
         head = {"id": rid, "created": created, "model": config.model_name}
         if body.stream:
+
             def chunk_of(i, delta, reason, logprobs=None):
                 if delta is None:
                     return None  # completions streams have no role chunk
-                return {**head, "object": "text_completion",
-                        "choices": [{"index": i, "text": delta, "finish_reason": reason, "logprobs": logprobs}]}
+                return {
+                    **head,
+                    "object": "text_completion",
+                    "choices": [{"index": i, "text": delta, "finish_reason": reason, "logprobs": logprobs}],
+                }
 
-            return _streaming(streams, chunk_of, {**head, "object": "text_completion"}, body.include_usage(), chat=False)
+            return _streaming(
+                streams, chunk_of, {**head, "object": "text_completion"}, body.include_usage(), chat=False
+            )
         results = await _results(streams, http)
-        return {**head, "object": "text_completion",
-                "choices": [{"index": i, "text": r.text, "finish_reason": _finish_reason(r),
-                             "logprobs": None if r.logprobs is None else _completion_logprobs(r.logprobs)}
-                            for i, r in enumerate(results)],
-                "usage": _usage(results), "lazyrag": _lazyrag_info(results)}
+        return {
+            **head,
+            "object": "text_completion",
+            "choices": [
+                {
+                    "index": i,
+                    "text": r.text,
+                    "finish_reason": _finish_reason(r),
+                    "logprobs": None if r.logprobs is None else _completion_logprobs(r.logprobs),
+                }
+                for i, r in enumerate(results)
+            ],
+            "usage": _usage(results),
+            "lazyrag": _lazyrag_info(results),
+        }
 
     return app
 
@@ -618,4 +707,3 @@ def wait_until_ready(url: str, timeout_s: float = 60.0) -> None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{url} did not answer /health within {timeout_s:.0f} s") from None
             time.sleep(0.1)
-

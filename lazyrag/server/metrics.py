@@ -3,6 +3,7 @@
 Counters and histograms are updated as requests finish; the cache's numbers (chunks and bytes per
 tier, hits, evictions) are read from the engine at scrape time, so they are never stale.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -22,22 +23,40 @@ class ServerMetrics:
     def __init__(self, engine: "LazyEngine"):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("lazyrag_requests", "HTTP requests answered, by endpoint and status code",
-                                ["endpoint", "status"], registry=r)
-        self.ttft = Histogram("lazyrag_time_to_first_token_seconds", "time to first token of each generation",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("lazyrag_time_per_output_token_seconds",
-                             "mean inter-token latency of each generation (after its first token)",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("lazyrag_e2e_request_latency_seconds", "time from arrival to the last token",
-                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.requests = Counter(
+            "lazyrag_requests",
+            "HTTP requests answered, by endpoint and status code",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "lazyrag_time_to_first_token_seconds",
+            "time to first token of each generation",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "lazyrag_time_per_output_token_seconds",
+            "mean inter-token latency of each generation (after its first token)",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "lazyrag_e2e_request_latency_seconds",
+            "time from arrival to the last token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.prompt_tokens = Counter("lazyrag_prompt_tokens", "prompt tokens of finished generations", registry=r)
-        self.cached_tokens = Counter("lazyrag_cached_prompt_tokens",
-                                     "prompt tokens whose KV was reused from the cache, not computed", registry=r)
+        self.cached_tokens = Counter(
+            "lazyrag_cached_prompt_tokens", "prompt tokens whose KV was reused from the cache, not computed", registry=r
+        )
         self.generation_tokens = Counter("lazyrag_generation_tokens", "tokens generated", registry=r)
         self.chunk_hits = Counter("lazyrag_chunk_hits", "prompt chunks whose KV was found cached", registry=r)
         self.chunk_misses = Counter("lazyrag_chunk_misses", "prompt chunks encoded for the request", registry=r)
-        self.aborted = Counter("lazyrag_requests_aborted", "generations stopped because the client went away", registry=r)
+        self.aborted = Counter(
+            "lazyrag_requests_aborted", "generations stopped because the client went away", registry=r
+        )
         self.in_flight = Gauge("lazyrag_requests_in_flight", "generations admitted and not finished", registry=r)
         r.register(_CacheCollector(engine))
 
@@ -64,19 +83,25 @@ class _CacheCollector:
         cache = self.engine.cache
         stats = cache.stats
         report = self.engine.cache_report()
-        lookups = CounterMetricFamily("lazyrag_cache_lookups", "cache lookups of prompt segments, by outcome",
-                                      labels=["outcome"])
+        lookups = CounterMetricFamily(
+            "lazyrag_cache_lookups", "cache lookups of prompt segments, by outcome", labels=["outcome"]
+        )
         lookups.add_metric(["device_hit"], stats.hits)
         lookups.add_metric(["tier_hit"], stats.tier_hits)
         lookups.add_metric(["miss"], stats.misses)
         yield lookups
-        yield CounterMetricFamily("lazyrag_cache_evictions", "segments evicted from the device pool", value=stats.evictions)
+        yield CounterMetricFamily(
+            "lazyrag_cache_evictions", "segments evicted from the device pool", value=stats.evictions
+        )
         entries = GaugeMetricFamily("lazyrag_cache_entries", "cached segments per tier", labels=["tier"])
         nbytes = GaugeMetricFamily("lazyrag_cache_bytes", "bytes of cached KV per tier", labels=["tier"])
         tier_hits = CounterMetricFamily("lazyrag_cache_tier_hits", "lookups each tier served", labels=["tier"])
-        tier_misses = CounterMetricFamily("lazyrag_cache_tier_misses", "lookups that reached a tier and it could not serve",
-                                          labels=["tier"])
-        tier_evictions = CounterMetricFamily("lazyrag_cache_tier_evictions", "entries each tier pushed out", labels=["tier"])
+        tier_misses = CounterMetricFamily(
+            "lazyrag_cache_tier_misses", "lookups that reached a tier and it could not serve", labels=["tier"]
+        )
+        tier_evictions = CounterMetricFamily(
+            "lazyrag_cache_tier_evictions", "entries each tier pushed out", labels=["tier"]
+        )
         for row in report["tiers"]:
             if row["entries"] is not None:
                 entries.add_metric([row["tier"]], row["entries"])
@@ -86,8 +111,9 @@ class _CacheCollector:
             tier_misses.add_metric([row["tier"]], row["misses"])
             tier_evictions.add_metric([row["tier"]], row["evictions"])
         yield from (entries, nbytes, tier_hits, tier_misses, tier_evictions)
-        reused = CounterMetricFamily("lazyrag_cache_reused_tokens", "prompt tokens served from the cache, by segment kind",
-                                     labels=["kind"])
+        reused = CounterMetricFamily(
+            "lazyrag_cache_reused_tokens", "prompt tokens served from the cache, by segment kind", labels=["kind"]
+        )
         for kind, r in report["reuse"].items():
             reused.add_metric([kind], r["tokens"])
         yield reused

@@ -1,5 +1,6 @@
 """The OpenAI wire format that ``lazyrag serve`` speaks: request bodies (validated by pydantic, so a
 malformed one is a 422 before anything runs), the extra fields lazyrag adds, and the response bodies."""
+
 from __future__ import annotations
 
 import time
@@ -14,6 +15,7 @@ from lazyrag.strategy_names import check_strategy
 
 class Document(BaseModel):
     """A chunk of context given with the request (lazyrag's ``documents`` field): its KV is reused."""
+
     model_config = ConfigDict(extra="ignore")
     text: str = Field(min_length=1)
 
@@ -21,6 +23,7 @@ class Document(BaseModel):
 class _Common(BaseModel):
     """Fields both endpoints take. Unknown fields are ignored (as vLLM does); fields lazyrag cannot
     honour are refused when set to anything but their no-op value (``unsupported``)."""
+
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
@@ -37,17 +40,29 @@ class _Common(BaseModel):
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2, allow_inf_nan=False)
     # vLLM's extra sampling fields
     top_k: int | None = Field(default=None, ge=-1, description="keep the k most likely tokens; -1 or 0 = all")
-    repetition_penalty: float | None = Field(default=None, ge=MIN_REPETITION_PENALTY, le=100, allow_inf_nan=False,
-                                             description="HF / vLLM repetition penalty over prompt and answer tokens; 1 = off")
-    ignore_eos: bool | None = Field(default=None, description="keep generating past end-of-turn tokens up to max_tokens")
+    repetition_penalty: float | None = Field(
+        default=None,
+        ge=MIN_REPETITION_PENALTY,
+        le=100,
+        allow_inf_nan=False,
+        description="HF / vLLM repetition penalty over prompt and answer tokens; 1 = off",
+    )
+    ignore_eos: bool | None = Field(
+        default=None, description="keep generating past end-of-turn tokens up to max_tokens"
+    )
     # no-op unless set: refused with a clear message otherwise
     logit_bias: dict | None = None
     # lazyrag's own
     documents: list[str | Document] | None = Field(
-        default=None, description="chunks of context whose KV is cached and reused at any position")
-    strategy: str | None = Field(default=None, description="how the prompt's KV is obtained: lazy, lazy+recover, full, ...")
+        default=None, description="chunks of context whose KV is cached and reused at any position"
+    )
+    strategy: str | None = Field(
+        default=None, description="how the prompt's KV is obtained: lazy, lazy+recover, full, ..."
+    )
     k: int | None = Field(default=None, ge=1, le=MAX_K, description="chunks to retrieve from the attached store")
-    retrieve: bool | None = Field(default=None, description="retrieve from the attached store (chat: when no chunk is given or found)")
+    retrieve: bool | None = Field(
+        default=None, description="retrieve from the attached store (chat: when no chunk is given or found)"
+    )
 
     @field_validator("strategy")
     @classmethod
@@ -88,7 +103,9 @@ class ChatMessage(BaseModel):
         parts = []
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ValueError(f"message content part of type {part.get('type')!r} is not supported: send text parts only.")
+                raise ValueError(
+                    f"message content part of type {part.get('type')!r} is not supported: send text parts only."
+                )
             parts.append(part["text"])
         return "".join(parts)
 
@@ -127,7 +144,9 @@ class CompletionRequest(_Common):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, description="top logprobs per token (0: the chosen token's only)")
+    logprobs: int | None = Field(
+        default=None, ge=0, le=MAX_LOGPROBS, description="top logprobs per token (0: the chosen token's only)"
+    )
 
     def engine_logprobs(self) -> int | None:
         return self.logprobs
@@ -148,6 +167,7 @@ class CompletionRequest(_Common):
 
 class TokenizeRequest(BaseModel):
     """vLLM's /tokenize body: ``prompt`` (a completion's text) or ``messages`` (through the chat template)."""
+
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     prompt: str | None = None
@@ -180,11 +200,15 @@ def now() -> int:
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
     """OpenAI's usage object. ``cached_tokens``: prompt tokens whose KV was already cached (chunks read
     from the cache or a store, and the shared prompt prefix); they were not computed for this request."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
-def error_body(message: str, type_: str = "invalid_request_error", code: int | str | None = None,
-               param: str | None = None) -> dict:
+def error_body(
+    message: str, type_: str = "invalid_request_error", code: int | str | None = None, param: str | None = None
+) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}

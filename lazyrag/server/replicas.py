@@ -53,7 +53,9 @@ class ReplicaSpec:
     kv_budget: int | None = None
     encoding_passage: str | None = DEFAULT_ENCODING_PASSAGE  # EngineConfig's
     store: str | None = None  # a corpus store path every replica can read
-    embedder: str | None = None  # the store's embedder as the user named it (serve --embedder; retriever.store_embedder)
+    embedder: str | None = (
+        None  # the store's embedder as the user named it (serve --embedder; retriever.store_embedder)
+    )
     host_bytes: int = 0  # each replica's host-RAM tier below its GPU pool (CacheConfig.host_bytes)
     adapter: str | None = None  # EngineConfig's: a LoRA adapter merged at load
     server: dict = field(default_factory=dict)  # ServerConfig fields (model_name set from the engine if absent)
@@ -76,9 +78,20 @@ async def call_asgi(app, method: str, path: str, query: bytes, headers: list[tup
     async def send(message):
         await sent.put(message)
 
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
-             "path": path, "raw_path": path.encode(), "query_string": query, "root_path": "", "headers": headers,
-             "client": ("front", 0), "server": ("replica", 80)}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": query,
+        "root_path": "",
+        "headers": headers,
+        "client": ("front", 0),
+        "server": ("replica", 80),
+    }
     task = asyncio.ensure_future(app(scope, receive, send))
     try:
         while True:
@@ -112,8 +125,14 @@ class LazyragReplica:
             from lazyrag.kv.cache import CacheConfig
 
             kw["cache"] = CacheConfig(host_bytes=spec.host_bytes)
-        self.engine = LazyEngine.from_pretrained(spec.model, device=spec.device, dtype=spec.dtype, adapter=spec.adapter,
-                                                 encoding_passage=spec.encoding_passage, **kw)
+        self.engine = LazyEngine.from_pretrained(
+            spec.model,
+            device=spec.device,
+            dtype=spec.dtype,
+            adapter=spec.adapter,
+            encoding_passage=spec.encoding_passage,
+            **kw,
+        )
         if spec.seed is not None:
             seed_sampling(spec.seed)
         retriever = None
@@ -121,9 +140,16 @@ class LazyragReplica:
             from lazyrag.store.retriever import Retriever
 
             retriever = Retriever(self.engine.attach_store(spec.store), spec.embedder)
-        named = "model_name" in spec.server  # --served-model-name or MODEL: the names serve gives (aliases too), as vLLM does
-        config = ServerConfig(**{"model_name": self.engine.model_name, "aliases": () if named else model_aliases(self.engine.model_name),
-                                 **spec.server})
+        named = (
+            "model_name" in spec.server
+        )  # --served-model-name or MODEL: the names serve gives (aliases too), as vLLM does
+        config = ServerConfig(
+            **{
+                "model_name": self.engine.model_name,
+                "aliases": () if named else model_aliases(self.engine.model_name),
+                **spec.server,
+            }
+        )
         self.app = create_app(self.engine, config, retriever)
         self._events: deque = deque()
         self.engine.cache.subscribe(lambda event, key: self._events.append((event, key)))
@@ -131,8 +157,13 @@ class LazyragReplica:
     def identity(self) -> dict:
         """What the front needs to compute this replica's chunk keys: the model fingerprint and encoding prefix."""
         prompts = self.engine._require_prompts()
-        return {"fingerprint": self.engine.fingerprint, "prefix_ids": prompts.prefix_ids(), "passage_ids": prompts.passage_ids(),
-                "model_name": self.engine.model_name, "held": list(self.engine.cache._segments)}
+        return {
+            "fingerprint": self.engine.fingerprint,
+            "prefix_ids": prompts.prefix_ids(),
+            "passage_ids": prompts.passage_ids(),
+            "model_name": self.engine.model_name,
+            "held": list(self.engine.cache._segments),
+        }
 
     def kv_events(self) -> list[tuple[str, str]]:
         """The KV events since the last call (stored / removed chunk keys), oldest first."""
@@ -197,15 +228,23 @@ class KeyGate:
         from lazyrag.server.app import WRONG_KEY, _route_path, key_refused
         from lazyrag.server.protocol import error_body
 
-        if scope["type"] == "http" and key_refused(self.api_key, self.covers, _route_path(scope),
-                                                   dict(scope["headers"]).get(b"authorization", b"")):
+        if scope["type"] == "http" and key_refused(
+            self.api_key, self.covers, _route_path(scope), dict(scope["headers"]).get(b"authorization", b"")
+        ):
             response = JSONResponse(error_body(WRONG_KEY, "authentication_error", 401), status_code=401)
             return await response(scope, receive, send)
         await self.app(scope, receive, send)
 
 
-def build_app(spec: ReplicaSpec, replicas: int = 2, router: str = "chunk_affinity", poll_s: float = 0.2,
-              replica_options: dict | None = None, api_key: str | None = None, api_key_covers: str = "v1"):
+def build_app(
+    spec: ReplicaSpec,
+    replicas: int = 2,
+    router: str = "chunk_affinity",
+    poll_s: float = 0.2,
+    replica_options: dict | None = None,
+    api_key: str | None = None,
+    api_key_covers: str = "v1",
+):
     """The Ray Serve application: ``replicas`` replica deployments and the front that routes to them.
     ``api_key``: what every request to the front must bring (``lazyrag serve --api-key``; None: no key)."""
     from ray import serve
@@ -215,8 +254,13 @@ def build_app(spec: ReplicaSpec, replicas: int = 2, router: str = "chunk_affinit
 
     assert replicas >= 1
     names = [f"replica-{i}" for i in range(replicas)]
-    options = {"ray_actor_options": {"num_cpus": 0}, "health_check_period_s": 2, "health_check_timeout_s": 10,
-               "max_ongoing_requests": 1024, **(replica_options or {})}
+    options = {
+        "ray_actor_options": {"num_cpus": 0},
+        "health_check_period_s": 2,
+        "health_check_timeout_s": 10,
+        "max_ongoing_requests": 1024,
+        **(replica_options or {}),
+    }
     Replica = serve.deployment(LazyragReplica, **options)
     front_api = FastAPI(title="lazyrag replicas")
     front_api.add_middleware(KeyGate, api_key=api_key, covers=api_key_covers)
@@ -234,8 +278,7 @@ def build_app(spec: ReplicaSpec, replicas: int = 2, router: str = "chunk_affinit
         async def _ready(self):
             if self.keys is None:
                 identity = await self.handles[names[0]].identity.remote()
-                self.keys = await asyncio.to_thread(ChunkKeys, spec.model, identity,
-                                                    spec.server.get("system_prompt"))
+                self.keys = await asyncio.to_thread(ChunkKeys, spec.model, identity, spec.server.get("system_prompt"))
             if self._poller is None:
                 self._poller = asyncio.get_running_loop().create_task(self._poll())
 
@@ -256,8 +299,10 @@ def build_app(spec: ReplicaSpec, replicas: int = 2, router: str = "chunk_affinit
                 await asyncio.sleep(poll_s)
 
         def routing(self) -> dict:
-            return {n: {"alive": r.alive, "held": len(r.held), "in_flight": r.in_flight}
-                    for n, r in self.router.replicas.items()}
+            return {
+                n: {"alive": r.alive, "held": len(r.held), "in_flight": r.in_flight}
+                for n, r in self.router.replicas.items()
+            }
 
         @front_api.get("/routing")
         async def routing_state(self):
@@ -280,22 +325,31 @@ def build_app(spec: ReplicaSpec, replicas: int = 2, router: str = "chunk_affinit
                     return JSONResponse(error_body(str(e), "server_error", 503), status_code=503)
                 if route.replica in tried:  # every replica up has failed this request
                     self.router.finish(route)
-                    return JSONResponse(error_body("every replica failed this request", "server_error", 502),
-                                        status_code=502)
+                    return JSONResponse(
+                        error_body("every replica failed this request", "server_error", 502), status_code=502
+                    )
                 tried.add(route.replica)
-                stream = self.handles[route.replica].options(stream=True).serve_http.remote(
-                    request.method, "/" + path, request.url.query.encode(), headers, body)
+                stream = (
+                    self.handles[route.replica]
+                    .options(stream=True)
+                    .serve_http.remote(request.method, "/" + path, request.url.query.encode(), headers, body)
+                )
                 try:
                     start = await stream.__anext__()
                 except Exception as e:  # nothing sent yet: mark it down, try another replica
-                    log.warning("lazyrag: %s failed a request before answering (%s); retrying elsewhere", route.replica, e)
+                    log.warning(
+                        "lazyrag: %s failed a request before answering (%s); retrying elsewhere", route.replica, e
+                    )
                     self.router.finish(route)
                     self.router.mark_down(route.replica)
                     continue
                 break
             status = start["status"]
-            out_headers = {k.decode(): v.decode() for k, v in start.get("headers", [])
-                           if k.lower() not in (b"content-length", b"transfer-encoding")}
+            out_headers = {
+                k.decode(): v.decode()
+                for k, v in start.get("headers", [])
+                if k.lower() not in (b"content-length", b"transfer-encoding")
+            }
             out_headers[REPLICA_HEADER] = route.replica
 
             async def body_parts():
@@ -305,8 +359,11 @@ def build_app(spec: ReplicaSpec, replicas: int = 2, router: str = "chunk_affinit
                             yield message["body"]
                 except Exception as e:  # the replica died mid-answer: this client alone gets an error event
                     self.router.mark_down(route.replica)
-                    yield ("data: " + json.dumps(error_body(f"replica {route.replica} failed mid-answer: {e}",
-                                                            "server_error", 502)) + "\n\n").encode()
+                    yield (
+                        "data: "
+                        + json.dumps(error_body(f"replica {route.replica} failed mid-answer: {e}", "server_error", 502))
+                        + "\n\n"
+                    ).encode()
                 finally:
                     self.router.finish(route)
 
@@ -324,8 +381,18 @@ def ray_init_options(ray_address: str | None) -> dict:
     return {"include_dashboard": False, "log_to_driver": False}
 
 
-def run(spec: ReplicaSpec, replicas: int, router: str, host: str, port: int, ray_address: str | None = None,
-        blocking: bool = True, replica_options: dict | None = None, api_key: str | None = None, api_key_covers: str = "v1"):
+def run(
+    spec: ReplicaSpec,
+    replicas: int,
+    router: str,
+    host: str,
+    port: int,
+    ray_address: str | None = None,
+    blocking: bool = True,
+    replica_options: dict | None = None,
+    api_key: str | None = None,
+    api_key_covers: str = "v1",
+):
     """Start Ray (or join ``ray_address``), deploy, and serve on ``host:port`` until interrupted.
     ``replica_options``: Ray Serve deployment options of each replica (e.g. ``{"ray_actor_options": {"num_cpus": 0,
     "num_gpus": 0.5}}`` for two replicas sharing one GPU; without ``num_gpus`` a replica sees every GPU of its host).
@@ -336,7 +403,9 @@ def run(spec: ReplicaSpec, replicas: int, router: str, host: str, port: int, ray
     if not ray.is_initialized():
         ray.init(**ray_init_options(ray_address))
     serve.start(http_options={"host": host, "port": port})
-    app = build_app(spec, replicas, router, replica_options=replica_options, api_key=api_key, api_key_covers=api_key_covers)
+    app = build_app(
+        spec, replicas, router, replica_options=replica_options, api_key=api_key, api_key_covers=api_key_covers
+    )
     handle = serve.run(app, name="lazyrag", route_prefix="/")
     if blocking:
         _serve_until_interrupted()

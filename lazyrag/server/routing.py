@@ -11,6 +11,7 @@ replica holding all of a request's chunks wins unless it is busier by more than 
 The routers are plain objects (no I/O, thread-safe): the same code routes in the simulated cluster
 (``benchmarks/routing.py``) and in front of several replicas.
 """
+
 from __future__ import annotations
 
 import itertools

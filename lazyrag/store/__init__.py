@@ -5,6 +5,7 @@ FAISS index) and serves the cache as its bottom tier; ``build.py`` builds one wi
 (``lazyrag precache``); ``retriever.py`` searches one. build and retriever depend on corpus, never
 the reverse, and corpus depends on nothing above the KV cache.
 """
+
 from lazyrag.store.corpus import CorpusStore, StoreError, StoreManifest, StoreMismatch
 
 __all__ = ["CorpusStore", "StoreError", "StoreManifest", "StoreMismatch"]

@@ -3,7 +3,8 @@
     from lazyrag.store.build import PrecacheConfig, precache
     report = precache(engine, PrecacheConfig(inputs=["docs/"], out="store"))
     # documents already in memory: ``inputs`` then only names their source (the manifest's ``sources``)
-    report = precache(engine, PrecacheConfig(["my:documents"], "store", chunk_tokens=None), documents=[Document(id, text, meta)])
+    config = PrecacheConfig(["my:documents"], "store", chunk_tokens=None)
+    report = precache(engine, config, documents=[Document(id, text, meta)])
 
 (``lazyrag.integrations.llama_index.precache_store`` and ``lazyrag.integrations.langchain.precache_store``
 pass a framework's nodes or Documents this way.)
@@ -14,6 +15,7 @@ back exactly, and equal to a recomputation up to the float rounding of another b
 One ``precache`` writes a store at a time: a second one on the same ``out`` waits for the
 first (saying so), then finds its chunks done.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -71,8 +73,11 @@ class PrecacheConfig:
     system: str | None = None  # system prompt of the encoding prefix (default: the engine's)
     progress: bool = True
     verify: bool = False  # check every stored chunk against its digest first; rebuild the bad shards
-    overwrite: bool = False  # delete the store at ``out`` (its own files only: see corpus.clear_store) and build from scratch
-    # how the shards keep KV (kv/codec.py): auto (16 bits) | float32 (the engine's KV exactly) | bfloat16 | float16 | int8
+    overwrite: bool = (
+        False  # delete the store at ``out`` (its own files only: see corpus.clear_store) and build from scratch
+    )
+    # how the shards keep KV (kv/codec.py): auto (16 bits) | float32 (the engine's KV exactly) | bfloat16 | float16 |
+    # int8
     stored_kv_dtype: str = "auto"
 
 
@@ -90,25 +95,39 @@ class PrecacheReport:
     def summary(self) -> str:
         rate = self.tokens_encoded / self.seconds if self.seconds else 0.0
         verified = f"verify found {len(self.corrupt)} corrupt chunk(s), rebuilt; " if self.corrupt else ""
-        return (f"{self.store}: {self.chunks} chunks from {self.documents} documents; {verified}encoded {self.chunks_encoded} chunks "
-                f"({self.tokens_encoded} tokens) in {self.seconds:.1f} s = {rate:.0f} tokens/s; "
-                f"store {self.store_bytes / 2**30:.2f} GiB")
+        return (
+            f"{self.store}: {self.chunks} chunks from {self.documents} documents; {verified}encoded "
+            f"{self.chunks_encoded} chunks ({self.tokens_encoded} tokens) in {self.seconds:.1f} s = {rate:.0f} "
+            f"tokens/s; store {self.store_bytes / 2**30:.2f} GiB"
+        )
 
 
 # -- reading ------------------------------------------------------------------------------------
+
 
 def _records_to_documents(rec: dict, line_no: int, source: str) -> Iterator[Document]:
     """HotpotQA (``contexts[]``), NQ/DPR (``ctxs[]``), or a plain record with ``text``/``contents``."""
     if isinstance(rec.get("contexts"), list):
         for c in rec["contexts"]:
-            yield Document(f"{source}:{c.get('id', line_no)}", _titled(c.get("title"), c.get("paragraph_text") or c.get("text", "")),
-                           {"title": c.get("title", ""), "source": source})
+            yield Document(
+                f"{source}:{c.get('id', line_no)}",
+                _titled(c.get("title"), c.get("paragraph_text") or c.get("text", "")),
+                {"title": c.get("title", ""), "source": source},
+            )
     elif isinstance(rec.get("ctxs"), list):
         for j, c in enumerate(rec["ctxs"]):
-            yield Document(f"{source}:{line_no}.{j}", _titled(c.get("title"), c.get("text", "")), {"title": c.get("title", ""), "source": source})
+            yield Document(
+                f"{source}:{line_no}.{j}",
+                _titled(c.get("title"), c.get("text", "")),
+                {"title": c.get("title", ""), "source": source},
+            )
     else:
         text = rec.get("text") or rec.get("contents") or rec.get("paragraph_text") or ""
-        yield Document(str(rec.get("id", f"{source}:{line_no}")), _titled(rec.get("title"), text), {"title": rec.get("title", ""), "source": source})
+        yield Document(
+            str(rec.get("id", f"{source}:{line_no}")),
+            _titled(rec.get("title"), text),
+            {"title": rec.get("title", ""), "source": source},
+        )
 
 
 def _titled(title: str | None, text: str) -> str:
@@ -124,17 +143,24 @@ def _read_inputs(inputs: list[str]) -> Iterator[Document]:
     for inp in inputs:
         path = Path(inp).expanduser()
         if path.is_dir() and (path / LLAMA_INDEX_DOCSTORE).is_file():  # its nodes are read by the CLI, or the adapter
-            raise StoreError(f"{inp} is a folder LlamaIndex persisted ({LLAMA_INDEX_DOCSTORE}): pre-cache its nodes with "
-                             f"`lazyrag precache {inp} --out STORE` or lazyrag.integrations.llama_index.precache_store({inp!r}, STORE).")
+            raise StoreError(
+                f"{inp} is a folder LlamaIndex persisted ({LLAMA_INDEX_DOCSTORE}): pre-cache its nodes with "
+                f"`lazyrag precache {inp} --out STORE` or lazyrag.integrations.llama_index.precache_store({inp!r}, "
+                "STORE)."
+            )
         if path.is_dir():
             files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file())
-            docs = (Document(str(p.relative_to(path)), p.read_text(errors="replace"), {"source": str(p)}) for p in files)
+            docs = (
+                Document(str(p.relative_to(path)), p.read_text(errors="replace"), {"source": str(p)}) for p in files
+            )
         elif path.is_file() and path.name.endswith((".jsonl", ".jsonl.gz")):
             docs = _read_jsonl(path)
         elif path.is_file() and path.suffix in TEXT_SUFFIXES:
             docs = iter([Document(path.name, path.read_text(errors="replace"), {"source": str(path)})])
         else:
-            raise StoreError(f"{inp}: expected a folder of .txt/.md files, a .txt/.md file, or a .jsonl / .jsonl.gz file.")
+            raise StoreError(
+                f"{inp}: expected a folder of .txt/.md files, a .txt/.md file, or a .jsonl / .jsonl.gz file."
+            )
         yield from docs
 
 
@@ -151,11 +177,18 @@ def _usable(docs, limit: int | None) -> Iterator[Document]:
 
 
 def _in_memory(documents) -> Iterator[Document]:
-    """``precache(documents=...)``'s items checked, their metadata made JSON (values it cannot hold become their str())."""
+    """``precache(documents=...)``'s items checked, their metadata made JSON (values it cannot hold become their
+    str())."""
     for i, doc in enumerate(documents):
         if not isinstance(doc, Document) or not isinstance(doc.text, str):
-            what = f"a Document whose text is {type(doc.text).__name__}" if isinstance(doc, Document) else type(doc).__name__
-            raise TypeError(f"precache(documents=...) takes lazyrag.store.build.Document(id, text, meta) items; item {i} is {what}.")
+            what = (
+                f"a Document whose text is {type(doc.text).__name__}"
+                if isinstance(doc, Document)
+                else type(doc).__name__
+            )
+            raise TypeError(
+                f"precache(documents=...) takes lazyrag.store.build.Document(id, text, meta) items; item {i} is {what}."
+            )
         yield Document(str(doc.id), doc.text, json.loads(json.dumps(doc.meta, default=str)))
 
 
@@ -169,8 +202,10 @@ def _read_jsonl(path: Path) -> Iterator[Document]:
                 if line.strip():
                     yield from _line_documents(line, i, path)
         except UnicodeDecodeError as e:
-            raise StoreError(f"{path}, line {i + 2}: not UTF-8 text ({e.reason} at byte {e.start} of its block); "
-                             "re-encode the file as UTF-8.") from None
+            raise StoreError(
+                f"{path}, line {i + 2}: not UTF-8 text ({e.reason} at byte {e.start} of its block); "
+                "re-encode the file as UTF-8."
+            ) from None
 
 
 def _line_documents(line: str, i: int, path: Path) -> Iterator[Document]:
@@ -178,10 +213,14 @@ def _line_documents(line: str, i: int, path: Path) -> Iterator[Document]:
     try:
         rec = json.loads(line)
     except json.JSONDecodeError as e:
-        raise StoreError(f"{where} is not JSON ({e.msg}, column {e.colno}): a .jsonl file holds one JSON object a line.") from None
+        raise StoreError(
+            f"{where} is not JSON ({e.msg}, column {e.colno}): a .jsonl file holds one JSON object a line."
+        ) from None
     if not isinstance(rec, dict):
-        raise StoreError(f"{where} is a JSON {type(rec).__name__}, not an object: each line needs a \"text\" field "
-                         "(or \"contents\", or NQ's \"ctxs\" / HotpotQA's \"contexts\").")
+        raise StoreError(
+            f'{where} is a JSON {type(rec).__name__}, not an object: each line needs a "text" field '
+            '(or "contents", or NQ\'s "ctxs" / HotpotQA\'s "contexts").'
+        )
     for doc in _records_to_documents(rec, i, path.name):
         try:
             check_text(doc.text, "its text")
@@ -191,6 +230,7 @@ def _line_documents(line: str, i: int, path: Path) -> Iterator[Document]:
 
 
 # -- chunking -----------------------------------------------------------------------------------
+
 
 @dataclass
 class Chunk:
@@ -206,12 +246,16 @@ def chunk_documents(docs, prompts, chunk_tokens: int, overlap: int, block_size: 
     Chunks with identical text are kept once: they have the same KV (same content key).
     """
     if chunk_tokens % block_size:
-        raise ValueError(f"--chunk-tokens {chunk_tokens} is not a multiple of the KV block size {block_size}; "
-                         f"use e.g. {max(block_size, chunk_tokens // block_size * block_size)}.")
+        raise ValueError(
+            f"--chunk-tokens {chunk_tokens} is not a multiple of the KV block size {block_size}; "
+            f"use e.g. {max(block_size, chunk_tokens // block_size * block_size)}."
+        )
     sep = _separator_tokens(prompts)
     window = chunk_tokens - sep
     if not 0 <= overlap < window:
-        raise ValueError(f"--overlap must be at least 0 and below the chunk size ({window} tokens of text); got {overlap}.")
+        raise ValueError(
+            f"--overlap must be at least 0 and below the chunk size ({window} tokens of text); got {overlap}."
+        )
     tok = prompts.tokenizer
     seen, out = set(), []
     for doc in docs:
@@ -241,24 +285,31 @@ def _separator_tokens(prompts) -> int:
     return len(prompts.encode_chunk("x")) - len(prompts.encode("x"))
 
 
-def whole_document_chunk_tokens(docs: list[Document], prompts, block_size: int, room: int, stored: int | None = None) -> int:
+def whole_document_chunk_tokens(
+    docs: list[Document], prompts, block_size: int, room: int, stored: int | None = None
+) -> int:
     """``chunk_tokens=None``: a chunk size that keeps every document one chunk (as ``chunk_documents`` splits),
     so a framework's node is stored exactly as it appears in prompts. ``stored``: the chunk size of the
     store being resumed or extended, kept when every document fits it; otherwise the default 256 or the
     smallest multiple of ``block_size`` above it that holds the longest. ValueError for a document longer
     than ``room`` (the model's context after the encoding prefix)."""
     sep = _separator_tokens(prompts)
-    need, doc_id = max((max(len(prompts.encode(d.text.strip())) + sep, len(prompts.encode_chunk(d.text))), d.id) for d in docs)
+    need, doc_id = max(
+        (max(len(prompts.encode(d.text.strip())) + sep, len(prompts.encode_chunk(d.text))), d.id) for d in docs
+    )
     if need > room:
-        raise ValueError(f"Document {doc_id} has {need} tokens, more than the model's context holds after the encoding prefix "
-                         f"({room}): split it first (a smaller chunk size in LlamaIndex's node parser or LangChain's text "
-                         "splitter), or pass chunk_tokens to have precache split it into windows.")
+        raise ValueError(
+            f"Document {doc_id} has {need} tokens, more than the model's context holds after the encoding prefix "
+            f"({room}): split it first (a smaller chunk size in LlamaIndex's node parser or LangChain's text "
+            "splitter), or pass chunk_tokens to have precache split it into windows."
+        )
     if stored is not None and stored >= need:
         return stored
     return max(DEFAULT_CHUNK_TOKENS, -(-need // block_size) * block_size)
 
 
 # -- building -----------------------------------------------------------------------------------
+
 
 def _encode_kv(engine, prefix_ids: list[int], chunk_ids: list[list[int]]) -> dict:
     """Each chunk's K/V via the engine's lazy strategy (encoded after the shared prefix), copied to CPU."""
@@ -275,9 +326,11 @@ def check_store_writer(engine) -> None:
     """Refuse to build a store with an engine whose ranks each hold a share of the KV heads."""
     size = getattr(engine, "tensor_parallel_size", 1)
     if size != STORE_TENSOR_PARALLEL_SIZE:
-        raise StoreError(f"This engine runs at tensor_parallel_size={size}, so each rank holds only its share of the KV "
-                         "heads; a store keeps every head. Build the store with one process (lazyrag precache without "
-                         "torchrun, or tensor_parallel_size=1): a tensor-parallel engine then reads it, each rank its heads.")
+        raise StoreError(
+            f"This engine runs at tensor_parallel_size={size}, so each rank holds only its share of the KV "
+            "heads; a store keeps every head. Build the store with one process (lazyrag precache without "
+            "torchrun, or tensor_parallel_size=1): a tensor-parallel engine then reads it, each rank its heads."
+        )
 
 
 def precache(engine, config: PrecacheConfig, embedder=None, documents=None) -> PrecacheReport:
@@ -297,26 +350,44 @@ def precache(engine, config: PrecacheConfig, embedder=None, documents=None) -> P
     check_store_writer(engine)
     if documents is not None and not config.inputs:
         config = replace(config, inputs=["documents"])
-    docs = list(read_documents(config.inputs, config.limit) if documents is None else _usable(_in_memory(documents), config.limit))
+    docs = list(
+        read_documents(config.inputs, config.limit)
+        if documents is None
+        else _usable(_in_memory(documents), config.limit)
+    )
     if not docs:
         raise StoreError(f"No documents found in {', '.join(config.inputs)}.")
     identity = engine.kv_identity(config.system)  # raises for an engine without a tokenizer
     if config.chunk_tokens is None:
         resumed = (out / MANIFEST).is_file() and not config.overwrite and not rebuild_interrupted(out)
         stored = read_manifest(out).chunk_tokens if resumed else None
-        config = replace(config, chunk_tokens=whole_document_chunk_tokens(
-            docs, engine.prompts, identity.block_size, engine.max_context - len(identity.prefix_ids), stored))
+        config = replace(
+            config,
+            chunk_tokens=whole_document_chunk_tokens(
+                docs, engine.prompts, identity.block_size, engine.max_context - len(identity.prefix_ids), stored
+            ),
+        )
     chunks = chunk_documents(docs, engine.prompts, config.chunk_tokens, config.overlap, identity.block_size)
     split = sorted({c.doc_id for c in chunks if c.meta["part"]}) if documents is not None else []
     if split:
-        log.warning("%d document(s) are longer than chunk_tokens=%d and were split into windows (%s): a prompt holding one "
-                    "whole reuses only the windows found in it; chunk_tokens=None keeps every document whole",
-                    len(split), config.chunk_tokens, ", ".join(split[:5]) + (", ..." if len(split) > 5 else ""))
+        log.warning(
+            "%d document(s) are longer than chunk_tokens=%d and were split into windows (%s): a prompt holding one "
+            "whole reuses only the windows found in it; chunk_tokens=None keeps every document whole",
+            len(split),
+            config.chunk_tokens,
+            ", ".join(split[:5]) + (", ..." if len(split) > 5 else ""),
+        )
     embedder = embedder or load_embedder(config.embedder)
-    manifest = engine_manifest(identity, embedder=config.embedder, embed_dim=_embed_dim(embedder),
-                               chunk_tokens=config.chunk_tokens, overlap=config.overlap,
-                               chunks_per_shard=config.chunks_per_shard, index_kind=config.index,
-                               stored_kv_dtype=config.stored_kv_dtype)
+    manifest = engine_manifest(
+        identity,
+        embedder=config.embedder,
+        embed_dim=_embed_dim(embedder),
+        chunk_tokens=config.chunk_tokens,
+        overlap=config.overlap,
+        chunks_per_shard=config.chunks_per_shard,
+        index_kind=config.index,
+        stored_kv_dtype=config.stored_kv_dtype,
+    )
     check_new_store_folder(out, config.overwrite)  # before a lock file goes into someone else's folder
     with writer_lock(out):
         # an interrupted --overwrite is finished by any run: the store it was deleting is half gone
@@ -325,7 +396,9 @@ def precache(engine, config: PrecacheConfig, embedder=None, documents=None) -> P
         corrupt = _verify(out) if config.verify else []
         store = CorpusStore.create_or_resume(out, manifest)
         encoded, tokens = _build(engine, config, store, chunks, embedder, t0)
-    return PrecacheReport(str(out), len(docs), len(chunks), encoded, tokens, time.perf_counter() - t0, store.size_bytes(), corrupt)
+    return PrecacheReport(
+        str(out), len(docs), len(chunks), encoded, tokens, time.perf_counter() - t0, store.size_bytes(), corrupt
+    )
 
 
 def _verify(out: Path) -> list[int]:
@@ -341,7 +414,9 @@ def _verify(out: Path) -> list[int]:
     return bad
 
 
-def _build(engine, config: PrecacheConfig, store: CorpusStore, chunks: list[Chunk], embedder, t0: float) -> tuple[int, int]:
+def _build(
+    engine, config: PrecacheConfig, store: CorpusStore, chunks: list[Chunk], embedder, t0: float
+) -> tuple[int, int]:
     """Encode and store every chunk whose shard is not done, then write the index; (chunks, tokens) encoded."""
     from tqdm import tqdm
 
@@ -368,13 +443,22 @@ def _build(engine, config: PrecacheConfig, store: CorpusStore, chunks: list[Chun
             todo.append((f"shard-{s // per:06d}-{missing[0]:06d}.safetensors", missing))
     n_done = len(chunks) - sum(len(ids) for _, ids in todo)
     encoded = tokens = 0
-    bar = tqdm(total=len(chunks), initial=n_done, unit="chunk", desc="precache", disable=not config.progress, dynamic_ncols=True)
+    bar = tqdm(
+        total=len(chunks),
+        initial=n_done,
+        unit="chunk",
+        desc="precache",
+        disable=not config.progress,
+        dynamic_ncols=True,
+    )
     for name, ids in todo:
         batch = [chunks[i] for i in ids]
         kv = _encode_kv(engine, manifest.prefix_ids, [c.ids for c in batch])
         vecs = embed(embedder, [c.text for c in batch])
-        rows = [ChunkRow(i, keys[i], c.doc_id, c.text, len(c.ids), start=len(manifest.prefix_ids), meta=c.meta)
-                for i, c in zip(ids, batch)]
+        rows = [
+            ChunkRow(i, keys[i], c.doc_id, c.text, len(c.ids), start=len(manifest.prefix_ids), meta=c.meta)
+            for i, c in zip(ids, batch)
+        ]
         store.add_shard(name, rows, kv, vecs)
         encoded += len(batch)
         tokens += sum(len(c.ids) for c in batch)

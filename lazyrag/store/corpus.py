@@ -70,6 +70,7 @@ match its digest is never used (the engine recomputes it; ``verify(repair=True)`
 the next ``precache`` run rebuilds it). A damaged manifest, chunk table or index, or a shard
 named outside the store, is refused at ``open`` with a StoreError that says how to rebuild.
 """
+
 from __future__ import annotations
 
 import errno
@@ -121,7 +122,13 @@ CREATE TABLE IF NOT EXISTS chunks (
 _META_SCHEMA = "CREATE TABLE IF NOT EXISTS store_meta (name TEXT PRIMARY KEY, value TEXT NOT NULL)"
 _TABLE_ID = "(SELECT value FROM store_meta WHERE name = 'table_id')"
 
-_STORE_FILES = (MANIFEST, TABLE, INDEX, INDEX_NEXT, REBUILDING)  # what atomic_write_bytes writes (its temp files are ours too)
+_STORE_FILES = (
+    MANIFEST,
+    TABLE,
+    INDEX,
+    INDEX_NEXT,
+    REBUILDING,
+)  # what atomic_write_bytes writes (its temp files are ours too)
 _TABLE_FILES = (TABLE, TABLE + "-journal", TABLE + "-wal", TABLE + "-shm")  # sqlite's own files beside the table
 _OWN_FILES = (MANIFEST, INDEX, INDEX_NEXT, REBUILDING, LOCK, *_TABLE_FILES)  # every file a store writes outside kv/
 # any of these in a manifest.json says it is lazyrag's (damaged or not); a JSON object with none is someone else's
@@ -174,18 +181,39 @@ class StoreManifest(KVIdentity):
     num_tokens: int = 0
     index_sha256: str = ""  # of index.faiss, checked whenever it is read
     table_id: str = ""  # the id chunks.sqlite carries (its store_meta row); "" for stores built before table ids
-    stored_kv_dtype: str = "float32"  # how the shards keep KV (kv/codec.py; a manifest without it: float32, as computed)
+    stored_kv_dtype: str = (
+        "float32"  # how the shards keep KV (kv/codec.py; a manifest without it: float32, as computed)
+    )
     sources: list[str] = field(default_factory=list)
     created: float = field(default_factory=time.time)
 
     # what must agree between a store and the engine reading it (and between runs of one build)
-    KV_FIELDS = ("layout_version", "model_fingerprint", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "prefix_ids",
-                 "passage_ids")
-    BUILD_FIELDS = KV_FIELDS + ("embedder", "chunk_tokens", "overlap", "chunks_per_shard", "system_prompt", "stored_kv_dtype")
+    KV_FIELDS = (
+        "layout_version",
+        "model_fingerprint",
+        "dtype",
+        "block_size",
+        "num_layers",
+        "num_kv_heads",
+        "head_dim",
+        "prefix_ids",
+        "passage_ids",
+    )
+    BUILD_FIELDS = KV_FIELDS + (
+        "embedder",
+        "chunk_tokens",
+        "overlap",
+        "chunks_per_shard",
+        "system_prompt",
+        "stored_kv_dtype",
+    )
 
     def differences(self, other: "StoreManifest", fields: tuple[str, ...]) -> list[str]:
-        return [f"{f}: store has {_short(getattr(self, f))}, expected {_short(getattr(other, f))}"
-                for f in fields if getattr(self, f) != getattr(other, f)]
+        return [
+            f"{f}: store has {_short(getattr(self, f))}, expected {_short(getattr(other, f))}"
+            for f in fields
+            if getattr(self, f) != getattr(other, f)
+        ]
 
 
 def _short(x) -> str:
@@ -193,14 +221,31 @@ def _short(x) -> str:
     return s if len(s) < 60 else s[:57] + "..."
 
 
-def engine_manifest(identity: KVIdentity, *, embedder: str, embed_dim: int, chunk_tokens: int, overlap: int,
-                    chunks_per_shard: int, index_kind: str = "flat", stored_kv_dtype: str = "auto") -> StoreManifest:
+def engine_manifest(
+    identity: KVIdentity,
+    *,
+    embedder: str,
+    embed_dim: int,
+    chunk_tokens: int,
+    overlap: int,
+    chunks_per_shard: int,
+    index_kind: str = "flat",
+    stored_kv_dtype: str = "auto",
+) -> StoreManifest:
     """The manifest of a store whose KV an engine of this ``identity`` (``engine.kv_identity(system)``) computes,
     kept as ``stored_kv_dtype`` (kv/codec.py; ``auto`` resolved against the engine's dtype)."""
     kv = {f: getattr(identity, f) for f in KVIdentity.__dataclass_fields__}
     stored = resolve_stored_dtype(stored_kv_dtype, identity.dtype)
-    return StoreManifest(**kv, embedder=embedder, embed_dim=embed_dim, chunk_tokens=chunk_tokens, overlap=overlap,
-                         chunks_per_shard=chunks_per_shard, index_kind=index_kind, stored_kv_dtype=stored)
+    return StoreManifest(
+        **kv,
+        embedder=embedder,
+        embed_dim=embed_dim,
+        chunk_tokens=chunk_tokens,
+        overlap=overlap,
+        chunks_per_shard=chunks_per_shard,
+        index_kind=index_kind,
+        stored_kv_dtype=stored,
+    )
 
 
 @dataclass
@@ -227,9 +272,20 @@ def row_digest(model_fingerprint: str, row: ChunkRow, tensors: dict[str, torch.T
     The KV alone is not enough: served under another key or at another start position,
     intact bytes give wrong logits, so those are hashed together with the bytes.
     """
-    head = json.dumps({"model": model_fingerprint, "id": row.id, "key": row.key, "kind": row.kind, "start": row.start,
-                       "num_tokens": row.num_tokens, "doc_id": row.doc_id, "text": row.text,
-                       **{n: [list(t.shape), str(t.dtype)] for n, t in tensors.items()}}, sort_keys=True)
+    head = json.dumps(
+        {
+            "model": model_fingerprint,
+            "id": row.id,
+            "key": row.key,
+            "kind": row.kind,
+            "start": row.start,
+            "num_tokens": row.num_tokens,
+            "doc_id": row.doc_id,
+            "text": row.text,
+            **{n: [list(t.shape), str(t.dtype)] for n, t in tensors.items()},
+        },
+        sort_keys=True,
+    )
     return hashlib.sha256(f"{head}\n{kv_checksum(tensors)}".encode()).hexdigest()
 
 
@@ -237,10 +293,22 @@ def row_check(row: ChunkRow, meta_json: str, embedding: bytes | None) -> str:
     """sha256 over every field of a stored row as it is in the table (the KV digest included): what a
     reader shows (text, doc_id, metadata, title) and what it uses (key, start, shard, embedding) is
     served only as it was stored. Cheap: no KV bytes are read."""
-    head = json.dumps({"id": row.id, "key": row.key, "kind": row.kind, "doc_id": row.doc_id, "text": row.text,
-                       "num_tokens": row.num_tokens, "start": row.start, "shard": row.shard, "digest": row.digest,
-                       "meta": meta_json, "embedding": None if embedding is None else hashlib.sha256(embedding).hexdigest()},
-                      sort_keys=True)
+    head = json.dumps(
+        {
+            "id": row.id,
+            "key": row.key,
+            "kind": row.kind,
+            "doc_id": row.doc_id,
+            "text": row.text,
+            "num_tokens": row.num_tokens,
+            "start": row.start,
+            "shard": row.shard,
+            "digest": row.digest,
+            "meta": meta_json,
+            "embedding": None if embedding is None else hashlib.sha256(embedding).hexdigest(),
+        },
+        sort_keys=True,
+    )
     return hashlib.sha256(head.encode()).hexdigest()
 
 
@@ -295,7 +363,9 @@ class CorpusStore(Tier):
         while True:
             manifest = cls._published_manifest(path)
             try:
-                store = cls(path, manifest, limit=manifest.num_chunks, read_only=True)  # rows a writer adds now are not served
+                store = cls(
+                    path, manifest, limit=manifest.num_chunks, read_only=True
+                )  # rows a writer adds now are not served
                 store.check_files()
                 break
             except _AnotherGeneration as e:
@@ -305,16 +375,23 @@ class CorpusStore(Tier):
                 if time.monotonic() > deadline or cls._still_published(path, manifest):
                     if isinstance(e, _TableOfAnotherGeneration):  # at open: not a rebuild since, a replaced table
                         raise StoreError(
-                            f"{path}: {TABLE} is not the chunk table {MANIFEST} published (its table id is {e.found}, the "
-                            f"manifest names {manifest.table_id}): it was replaced, e.g. copied from another store, so the "
-                            f"store is refused. Repair it with `{rebuild_command(path, manifest, '--verify')}` (it checks "
-                            f"every row against the store's KV, rebuilds what does not match and rewrites the index), or "
-                            f"rebuild it with --overwrite or into a new --out folder.") from None
+                            f"{path}: {TABLE} is not the chunk table {MANIFEST} published (its table id is {e.found}, "
+                            f"the manifest names {manifest.table_id}): it was replaced, e.g. copied from another "
+                            "store, so the store is refused. Repair it with "
+                            f"`{rebuild_command(path, manifest, '--verify')}` (it checks every row against the store's "
+                            "KV, rebuilds what does not match and rewrites the index), or rebuild it with --overwrite "
+                            "or into a new --out folder."
+                        ) from None
                     raise
                 time.sleep(0.02)
         if not manifest.table_id:
-            log.warning("%s was built before chunk tables carried an id, so a %s replaced by another store's would not be "
-                        "noticed; `%s` adds one (it encodes no chunk again)", path, TABLE, rebuild_command(path, manifest, "--verify"))
+            log.warning(
+                "%s was built before chunk tables carried an id, so a %s replaced by another store's would not be "
+                "noticed; `%s` adds one (it encodes no chunk again)",
+                path,
+                TABLE,
+                rebuild_command(path, manifest, "--verify"),
+            )
         return store
 
     @staticmethod
@@ -329,22 +406,35 @@ class CorpusStore(Tier):
     def _published_manifest(cls, path: Path) -> StoreManifest:
         if (path / REBUILDING).exists():
             if build_in_progress(path):
-                raise StoreError(f"{path} is being rebuilt right now by lazyrag precache --overwrite; open it once that finishes.")
-            raise StoreError(f"{path} is half deleted: a lazyrag precache --overwrite was interrupted. Rerun that command "
-                             "(or the same command without --overwrite: either finishes the rebuild), then open it.")
+                raise StoreError(
+                    f"{path} is being rebuilt right now by lazyrag precache --overwrite; open it once that finishes."
+                )
+            raise StoreError(
+                f"{path} is half deleted: a lazyrag precache --overwrite was interrupted. Rerun that command "
+                "(or the same command without --overwrite: either finishes the rebuild), then open it."
+            )
         if not (path / MANIFEST).is_file():
-            raise StoreError(f"{path} is not a lazyrag store (no {MANIFEST}); build one with: lazyrag precache CORPUS --out {path}")
+            raise StoreError(
+                f"{path} is not a lazyrag store (no {MANIFEST}); build one with: lazyrag precache CORPUS --out {path}"
+            )
         manifest = read_manifest(path)
         if manifest.layout_version != LAYOUT_VERSION:
-            raise StoreMismatch(f"{path} has store layout {manifest.layout_version}; this lazyrag reads layout {LAYOUT_VERSION}. "
-                                f"Rebuild it with `{rebuild_command(path, manifest, '--overwrite')}` or into a new --out folder.")
+            raise StoreMismatch(
+                f"{path} has store layout {manifest.layout_version}; this lazyrag reads layout {LAYOUT_VERSION}. "
+                f"Rebuild it with `{rebuild_command(path, manifest, '--overwrite')}` or into a new --out folder."
+            )
         if manifest.status != "complete":
             if build_in_progress(path):
                 raise StoreError(f"{path} is being built right now by another lazyrag precache; wait for it to finish.")
-            raise StoreError(f"{path} is an unfinished build (status {manifest.status!r}); rerun the same lazyrag precache command to finish it.")
+            raise StoreError(
+                f"{path} is an unfinished build (status {manifest.status!r}); rerun the same lazyrag precache command "
+                "to finish it."
+            )
         if not (path / TABLE).is_file():
-            raise StoreError(f"{path} has no chunk table ({TABLE}); rebuild the store with "
-                             f"`{rebuild_command(path, manifest, '--overwrite')}` or into a new --out folder.")
+            raise StoreError(
+                f"{path} has no chunk table ({TABLE}); rebuild the store with "
+                f"`{rebuild_command(path, manifest, '--overwrite')}` or into a new --out folder."
+            )
         return manifest
 
     @classmethod
@@ -355,14 +445,17 @@ class CorpusStore(Tier):
         path = Path(path)
         publish = True
         if (path / REBUILDING).exists():  # precache clears such a folder first; never resume a half-deleted store
-            raise StoreError(f"{path} is half deleted by an interrupted lazyrag precache --overwrite; rerun lazyrag precache "
-                             "(with or without --overwrite): it finishes the rebuild.")
+            raise StoreError(
+                f"{path} is half deleted by an interrupted lazyrag precache --overwrite; rerun lazyrag precache "
+                "(with or without --overwrite): it finishes the rebuild."
+            )
         if (path / MANIFEST).is_file():
             old = read_manifest(path)
             diff = old.differences(manifest, StoreManifest.BUILD_FIELDS)
             if diff:
                 raise StoreMismatch(
-                    f"{path} already holds a store built with other settings:\n  " + "\n  ".join(diff)
+                    f"{path} already holds a store built with other settings:\n  "
+                    + "\n  ".join(diff)
                     + "\nUse a new --out folder, or pass --overwrite to rebuild this one."
                 )
             manifest.created, manifest.sources = old.created, old.sources
@@ -374,8 +467,10 @@ class CorpusStore(Tier):
             check_new_store_folder(path)
         remove_stale_temp_files(path)
         if (path / KV_DIR).is_symlink():
-            raise StoreError(f"{path}/{KV_DIR} is a link; a store keeps its KV shards in a folder of its own. "
-                             "Remove the link, or build into a new --out folder.")
+            raise StoreError(
+                f"{path}/{KV_DIR} is a link; a store keeps its KV shards in a folder of its own. "
+                "Remove the link, or build into a new --out folder."
+            )
         try:
             (path / KV_DIR).mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -386,20 +481,25 @@ class CorpusStore(Tier):
         return cls(path, manifest)
 
     def check_files(self) -> None:
-        """Raise StoreError unless the chunk table reads, every shard lies in ``kv/`` and exists, and the index matches."""
+        """Raise StoreError unless the chunk table reads, every shard lies in ``kv/`` and exists, and the index
+        matches."""
         with self._table_errors():
             problems = [p for (p,) in self._db().execute("PRAGMA quick_check").fetchall()]
         if problems != ["ok"]:
             self._table_damaged(problems[0])
         for (shard,) in self._sql(f"SELECT DISTINCT shard FROM chunks WHERE 1{self._visible()}"):
             if not self.shard_path(shard).is_file():
-                raise StoreError(f"{self.path}: the KV shard {KV_DIR}/{shard} is missing; rebuild its chunks with "
-                                 f"`{rebuild_command(self.path, self.manifest, '--verify')}`.")
+                raise StoreError(
+                    f"{self.path}: the KV shard {KV_DIR}/{shard} is missing; rebuild its chunks with "
+                    f"`{rebuild_command(self.path, self.manifest, '--verify')}`."
+                )
         n, dim = len(self), self.manifest.embed_dim
         if (self.index.ntotal, self.index.d) != (n, dim):
             self._index = None
-            self._index_damaged(f"it holds {self.index.ntotal} vectors of dimension {self.index.d}, "
-                                f"the store {n} chunks embedded in dimension {dim}")
+            self._index_damaged(
+                f"it holds {self.index.ntotal} vectors of dimension {self.index.d}, "
+                f"the store {n} chunks embedded in dimension {dim}"
+            )
 
     def check_compatible(self, identity: KVIdentity) -> None:
         """Raise StoreMismatch unless this store's KV is what an engine of this ``identity``
@@ -407,12 +507,17 @@ class CorpusStore(Tier):
         m = self.manifest
         if identity.system_prompt != m.system_prompt:
             raise StoreMismatch(
-                f"The store at {self.path} was encoded after the system prompt {_short(m.system_prompt)} but the engine "
-                f"uses {_short(identity.system_prompt)}; the prompt prefix is part of every chunk's KV. Create the "
-                f"engine with system_prompt=store.manifest.system_prompt, or rebuild the store with lazyrag precache --system."
+                f"The store at {self.path} was encoded after the system prompt {_short(m.system_prompt)} but the "
+                f"engine uses {_short(identity.system_prompt)}; the prompt prefix is part of every chunk's KV. Create "
+                "the engine with system_prompt=store.manifest.system_prompt, or rebuild the store with lazyrag "
+                "precache --system."
             )
         if identity.passage_ids != m.passage_ids:
-            built = f"after an encoding passage of {len(m.passage_ids)} tokens" if m.passage_ids else "without an encoding passage"
+            built = (
+                f"after an encoding passage of {len(m.passage_ids)} tokens"
+                if m.passage_ids
+                else "without an encoding passage"
+            )
             uses = f"one of {len(identity.passage_ids)} tokens" if identity.passage_ids else "none"
             if not m.passage_ids:
                 how = "encoding_passage=None, or `--encoding-passage none`"
@@ -421,17 +526,24 @@ class CorpusStore(Tier):
             else:  # built by a version that kept only the passage's ids
                 how = "the store does not keep the passage's text: rebuild it"
             raise StoreMismatch(
-                f"The store at {self.path} was encoded {built}, but the engine uses {uses}; the passage is part of every "
-                f"chunk's KV. Create the engine with the store's passage ({how}), or rebuild the store with this engine: "
-                f"{rebuild_command(self.path, m, '--overwrite')}"
+                f"The store at {self.path} was encoded {built}, but the engine uses {uses}; the passage is part of "
+                f"every chunk's KV. Create the engine with the store's passage ({how}), or rebuild the store with this "
+                f"engine: {rebuild_command(self.path, m, '--overwrite')}"
             )
-        want = engine_manifest(identity, embedder=m.embedder, embed_dim=m.embed_dim, chunk_tokens=m.chunk_tokens,
-                               overlap=m.overlap, chunks_per_shard=m.chunks_per_shard)
+        want = engine_manifest(
+            identity,
+            embedder=m.embedder,
+            embed_dim=m.embed_dim,
+            chunk_tokens=m.chunk_tokens,
+            overlap=m.overlap,
+            chunks_per_shard=m.chunks_per_shard,
+        )
         diff = m.differences(want, StoreManifest.KV_FIELDS)
         if diff:
             raise StoreMismatch(
-                f"The store at {self.path} holds KV made for model {m.model_name} ({m.model_fingerprint[:12]}, {m.dtype}, "
-                f"block {m.block_size}), which this engine cannot use:\n  " + "\n  ".join(diff)
+                f"The store at {self.path} holds KV made for model {m.model_name} ({m.model_fingerprint[:12]}, "
+                f"{m.dtype}, block {m.block_size}), which this engine cannot use:\n  "
+                + "\n  ".join(diff)
                 + "\nLoad the model, dtype and block size it was built with, or rebuild it for this engine: "
                 "lazyrag precache CORPUS --out NEW_FOLDER --model ... --dtype ..."
             )
@@ -443,18 +555,22 @@ class CorpusStore(Tier):
         folder = self._kv_folder()
         path = (folder / shard).resolve()
         if not shard or path.parent != folder:
-            raise StoreError(f"{self.path}: the chunk table names the KV shard {shard!r}, which is not a file in {folder}; "
-                             f"the table was damaged or tampered with, so the store is refused. Repair it with "
-                             f"`{rebuild_command(self.path, self.manifest, '--verify')}` or build into a new --out folder.")
+            raise StoreError(
+                f"{self.path}: the chunk table names the KV shard {shard!r}, which is not a file in {folder}; "
+                f"the table was damaged or tampered with, so the store is refused. Repair it with "
+                f"`{rebuild_command(self.path, self.manifest, '--verify')}` or build into a new --out folder."
+            )
         return path
 
     def _kv_folder(self) -> Path:
         """``kv/``, resolved; StoreError if it is a link leading out of the store (shards are confined to the store)."""
         folder = (self.path / KV_DIR).resolve()
         if folder != self.path.resolve() / KV_DIR:
-            raise StoreError(f"{self.path}: {KV_DIR}/ leads to {folder}, outside the store, so the store is refused "
-                             f"(its KV shards must be files of its own {KV_DIR} folder). Move them back into it, or rebuild "
-                             f"with `{rebuild_command(self.path, self.manifest, '--overwrite')}` or into a new --out folder.")
+            raise StoreError(
+                f"{self.path}: {KV_DIR}/ leads to {folder}, outside the store, so the store is refused "
+                f"(its KV shards must be files of its own {KV_DIR} folder). Move them back into it, or rebuild "
+                f"with `{rebuild_command(self.path, self.manifest, '--overwrite')}` or into a new --out folder."
+            )
         return folder
 
     @property
@@ -475,8 +591,10 @@ class CorpusStore(Tier):
                 elif data is None:
                     self._index_damaged(f"{type(missing).__name__}: {missing}")
                 else:
-                    self._index_damaged("its sha256 is not the one the manifest recorded: it was changed or replaced",
-                                        _IndexOfAnotherGeneration)
+                    self._index_damaged(
+                        "its sha256 is not the one the manifest recorded: it was changed or replaced",
+                        _IndexOfAnotherGeneration,
+                    )
             try:
                 self._index = deserialize_index(data)
             except (RuntimeError, ValueError) as e:  # faiss reports a damaged file as RuntimeError
@@ -484,8 +602,11 @@ class CorpusStore(Tier):
         return self._index
 
     def _index_damaged(self, why: str, error: type = StoreError):
-        raise error(f"{self.path}: the FAISS index {INDEX} is missing or damaged ({why}). Rerun "
-                    f"`{rebuild_command(self.path, self.manifest, '--verify')}`: it checks the stored KV and rewrites the index.")
+        raise error(
+            f"{self.path}: the FAISS index {INDEX} is missing or damaged ({why}). Rerun "
+            f"`{rebuild_command(self.path, self.manifest, '--verify')}`: it checks the stored KV and rewrites the "
+            "index."
+        )
 
     # -- the chunk table ----------------------------------------------------------------------
 
@@ -528,7 +649,9 @@ class CorpusStore(Tier):
             f"the manifest read at open names {self.manifest.table_id}), so none of its rows is served with the index "
             f"read then. If the store was rebuilt (lazyrag precache --overwrite) since, open it again (restart "
             f"`lazyrag serve`); otherwise the table was replaced: repair the store with "
-            f"`{rebuild_command(self.path, self.manifest, '--verify')}`.", found)
+            f"`{rebuild_command(self.path, self.manifest, '--verify')}`.",
+            found,
+        )
 
     @contextmanager
     def _table_errors(self):
@@ -543,8 +666,10 @@ class CorpusStore(Tier):
             self._table_damaged(f"{type(e).__name__}: {e}", e)
 
     def _table_damaged(self, why: str, cause: Exception | None = None):
-        raise StoreError(f"{self.path}: the chunk table {TABLE} is damaged ({why}). Rebuild the store with "
-                         f"`{rebuild_command(self.path, self.manifest, '--overwrite')}` or into a new --out folder.") from cause
+        raise StoreError(
+            f"{self.path}: the chunk table {TABLE} is damaged ({why}). Rebuild the store with "
+            f"`{rebuild_command(self.path, self.manifest, '--overwrite')}` or into a new --out folder."
+        ) from cause
 
     def _sql(self, query: str, params=()) -> list[tuple]:
         with self._table_errors():
@@ -576,7 +701,9 @@ class CorpusStore(Tier):
         if ids is None:
             found = self._sql(f"{columns} WHERE kind = 'chunk'{self._visible()} ORDER BY id")
         else:
-            found = self._sql(f"{columns} WHERE id IN ({','.join('?' * len(ids))}){self._visible()}", [int(i) for i in ids])
+            found = self._sql(
+                f"{columns} WHERE id IN ({','.join('?' * len(ids))}){self._visible()}", [int(i) for i in ids]
+            )
         if table_id and found and found[0][12] != table_id:
             raise self._other_table(found[0][12] or "none")
         out, bad = [], []
@@ -604,9 +731,12 @@ class CorpusStore(Tier):
         return [r.text for r in rows if r.text and r.id not in skip]
 
     def _changed_rows(self, bad: list[int]) -> str:
-        return (f"{self.path}: chunk(s) {', '.join(map(str, bad[:10]))}{' ...' if len(bad) > 10 else ''} of {TABLE} do not match "
-                f"their row digest (text, doc_id, metadata, key, start, shard or embedding changed after they were stored), "
-                f"so they are not served. Repair the store with `{rebuild_command(self.path, self.manifest, '--verify')}`.")
+        return (
+            f"{self.path}: chunk(s) {', '.join(map(str, bad[:10]))}{' ...' if len(bad) > 10 else ''} of {TABLE} do not "
+            "match their row digest (text, doc_id, metadata, key, start, shard or embedding changed after they were "
+            "stored), so they are not served. Repair the store with "
+            f"`{rebuild_command(self.path, self.manifest, '--verify')}`."
+        )
 
     def embeddings(self) -> tuple[np.ndarray, np.ndarray]:
         """(ids, embeddings [N, dim] float32) of every chunk, in id order."""
@@ -620,8 +750,13 @@ class CorpusStore(Tier):
         dim = self.manifest.embed_dim
         return np.asarray(ids, dtype=np.int64), (np.stack(vecs) if vecs else np.zeros((0, dim), np.float32))
 
-    def add_shard(self, shard: str, rows: list[ChunkRow], kv: dict[str, tuple[torch.Tensor, torch.Tensor]],
-                  embeddings: np.ndarray | None) -> None:
+    def add_shard(
+        self,
+        shard: str,
+        rows: list[ChunkRow],
+        kv: dict[str, tuple[torch.Tensor, torch.Tensor]],
+        embeddings: np.ndarray | None,
+    ) -> None:
         """Write one shard's KV file (atomically), then its rows in one transaction."""
         from safetensors.torch import save
 
@@ -637,8 +772,22 @@ class CorpusStore(Tier):
         for j, r in enumerate(rows):
             blob = None if embeddings is None or r.kind != "chunk" else np.asarray(embeddings[j], np.float32).tobytes()
             meta = json.dumps(r.meta)
-            values.append((r.id, r.key, r.kind, r.doc_id, r.text, r.num_tokens, r.start, r.shard, r.digest, blob, meta,
-                           row_check(r, meta, blob)))
+            values.append(
+                (
+                    r.id,
+                    r.key,
+                    r.kind,
+                    r.doc_id,
+                    r.text,
+                    r.num_tokens,
+                    r.start,
+                    r.shard,
+                    r.digest,
+                    blob,
+                    meta,
+                    row_check(r, meta, blob),
+                )
+            )
         with self._table_errors(), self._db() as db:  # one transaction: all rows of the shard or none
             db.executemany("INSERT OR REPLACE INTO chunks VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", values)
         self._keys.update({r.key: r.id for r in rows})
@@ -679,8 +828,13 @@ class CorpusStore(Tier):
                 raise CorruptKV(f"chunk {cid} is now stored under another key")
         except Exception as e:
             self.bad.add(cid)
-            log.warning("store %s: chunk %d is unreadable or corrupt (%s); recomputing it. "
-                        "Repair the store with: %s", self.path, cid, e, rebuild_command(self.path, self.manifest, "--verify"))
+            log.warning(
+                "store %s: chunk %d is unreadable or corrupt (%s); recomputing it. Repair the store with: %s",
+                self.path,
+                cid,
+                e,
+                rebuild_command(self.path, self.manifest, "--verify"),
+            )
             return None
         return TierEntry(key, stored, row.start, row.kind)
 
@@ -695,15 +849,19 @@ class CorpusStore(Tier):
         row = rows[0]
         shard = self.shard_path(row.shard)  # StoreError for a shard outside the store, before anything is read
         if bad:
-            raise CorruptKV(f"chunk {chunk_id}'s row does not match its row digest (a field of it changed after it was stored)")
+            raise CorruptKV(
+                f"chunk {chunk_id}'s row does not match its row digest (a field of it changed after it was stored)"
+            )
         with safe_open(str(shard), framework="pt") as f:
             names = set(f.keys())
             stored = {n: f.get_tensor(f"{row.id}.{n}") for n in KV_TENSORS if f"{row.id}.{n}" in names}
         if "k" not in stored or "v" not in stored:
             raise CorruptKV(f"chunk {chunk_id}'s K/V are not in {row.shard}")
         if row_digest(self.manifest.model_fingerprint, row, stored) != row.digest:
-            raise CorruptKV(f"chunk {chunk_id} in {row.shard} does not match its row digest "
-                            "(its KV, key, start, token count or text changed after it was stored)")
+            raise CorruptKV(
+                f"chunk {chunk_id} in {row.shard} does not match its row digest "
+                "(its KV, key, start, token count or text changed after it was stored)"
+            )
         return stored, row
 
     def verify(self, repair: bool = False) -> list[int]:
@@ -720,7 +878,9 @@ class CorpusStore(Tier):
         if bad and repair:
             if self.read_only:  # opened for serving (``open``): repairing writes, so take writable connections now
                 self.read_only, self._local = False, threading.local()
-            shards = {s for (s,) in self._sql(f"SELECT shard FROM chunks WHERE id IN ({','.join('?' * len(bad))})", bad)}
+            shards = {
+                s for (s,) in self._sql(f"SELECT shard FROM chunks WHERE id IN ({','.join('?' * len(bad))})", bad)
+            }
             with self._table_errors(), self._db() as db:  # drop whole shards: builds resume shard by shard
                 db.executemany("DELETE FROM chunks WHERE shard = ?", [(s,) for s in shards])
             self._keys = dict(self._sql("SELECT key, id FROM chunks"))
@@ -736,9 +896,10 @@ def read_manifest(path: Path) -> StoreManifest:
         data = json.loads((Path(path) / MANIFEST).read_text())
         if isinstance(data, dict) and not _MANIFEST_KEYS & data.keys():
             raise _NotAStoreManifest(
-                f"{path} is not a lazyrag store: its {MANIFEST} is not a lazyrag manifest (it has none of its fields), so "
-                f"lazyrag leaves the folder alone, --overwrite included. Build a store into an empty or new folder: "
-                f"lazyrag precache CORPUS --out NEW_FOLDER")
+                f"{path} is not a lazyrag store: its {MANIFEST} is not a lazyrag manifest (it has none of its fields), "
+                f"so lazyrag leaves the folder alone, --overwrite included. Build a store into an empty or new folder: "
+                f"lazyrag precache CORPUS --out NEW_FOLDER"
+            )
         if isinstance(data, dict):  # a store built before encoding passages: its chunks follow the prefix alone
             data.setdefault("passage_ids", [])
             data.setdefault("encoding_passage", "")  # before the text was kept too: only passage_ids tell
@@ -746,8 +907,10 @@ def read_manifest(path: Path) -> StoreManifest:
         return _typed(StoreManifest(**{k: v for k, v in data.items() if k in known}))
     except (OSError, ValueError, TypeError, AttributeError) as e:  # unreadable, not JSON, not an object, fields missing
         # --overwrite is safe to name: it deletes only a store's own files, in a folder that shows it is a store
-        raise StoreError(f"{path}: {MANIFEST} is damaged ({type(e).__name__}: {e}), so the store cannot be used. "
-                         f"Rebuild it with `{rebuild_command(Path(path), None, '--overwrite')}` or into a new --out folder.") from e
+        raise StoreError(
+            f"{path}: {MANIFEST} is damaged ({type(e).__name__}: {e}), so the store cannot be used. "
+            f"Rebuild it with `{rebuild_command(Path(path), None, '--overwrite')}` or into a new --out folder."
+        ) from e
 
 
 _FIELD_TYPES = {"int": int, "str": str, "float": (int, float), "list[int]": list, "list[str]": list}
@@ -778,11 +941,14 @@ def _write(path: Path, data: bytes) -> None:
 def _write_failed(path: Path, e: Exception) -> str:
     full = getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT) or "full" in str(e)
     why = "the disk is full" if full else (getattr(e, "strerror", None) or str(e))
-    return (f"cannot write {path}: {why}. {'Free some space' if full else 'Fix that'} (or pick another --out), then rerun "
-            "the same lazyrag precache command: it resumes from the last whole shard.")
+    return (
+        f"cannot write {path}: {why}. {'Free some space' if full else 'Fix that'} (or pick another --out), then rerun "
+        "the same lazyrag precache command: it resumes from the last whole shard."
+    )
 
 
 # -- one writer at a time -------------------------------------------------------------------
+
 
 def check_new_store_folder(path: Path, overwrite: bool = False) -> None:
     """Refuse to build into a folder that is not a store's (a manifest of someone else's; without a manifest,
@@ -800,9 +966,11 @@ def check_new_store_folder(path: Path, overwrite: bool = False) -> None:
         read_manifest(path)  # someone else's or damaged: refused, saying what to do
     elif not half_built_store(path):
         if not _foreign_entries(path) and _looks_like_a_store(path):
-            raise StoreError(f"{path} holds a store's files but no {MANIFEST}: a rebuild (--overwrite) was interrupted. "
-                             "Rerun the command with --overwrite to finish it (it deletes only the store's own files), "
-                             "or pick a new --out folder.")
+            raise StoreError(
+                f"{path} holds a store's files but no {MANIFEST}: a rebuild (--overwrite) was interrupted. "
+                "Rerun the command with --overwrite to finish it (it deletes only the store's own files), "
+                "or pick a new --out folder."
+            )
         raise StoreError(f"{path} exists and is not a lazyrag store; pick an empty or new --out folder.")
 
 
@@ -824,16 +992,22 @@ def check_overwritable(path: Path) -> None:
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         if (path / MANIFEST).is_file():
-            raise StoreError(f"{path} holds {shown} besides a store's files. --overwrite deletes only a store's own files "
-                             f"and never anything else, so it leaves this folder as it is: move those out of {path}, or "
-                             "pick an empty or new --out folder.")
-        raise StoreError(f"{path} exists and is not a lazyrag store: it holds {shown}, which a store does not write. "
-                         "--overwrite deletes only a store's own files, so it leaves this folder as it is: pick an empty "
-                         "or new --out folder.")
+            raise StoreError(
+                f"{path} holds {shown} besides a store's files. --overwrite deletes only a store's own files "
+                f"and never anything else, so it leaves this folder as it is: move those out of {path}, or "
+                "pick an empty or new --out folder."
+            )
+        raise StoreError(
+            f"{path} exists and is not a lazyrag store: it holds {shown}, which a store does not write. "
+            "--overwrite deletes only a store's own files, so it leaves this folder as it is: pick an empty "
+            "or new --out folder."
+        )
     if not (ours or half_built_store(path) or _looks_like_a_store(path)):
-        raise StoreError(f"{path}: nothing in it shows it is a lazyrag store ({MANIFEST} is damaged or missing, and "
-                         f"there is no chunk table or KV shard), so --overwrite deletes nothing. Pick an empty or new "
-                         "--out folder.")
+        raise StoreError(
+            f"{path}: nothing in it shows it is a lazyrag store ({MANIFEST} is damaged or missing, and "
+            f"there is no chunk table or KV shard), so --overwrite deletes nothing. Pick an empty or new "
+            "--out folder."
+        )
 
 
 def _foreign_entries(path: Path) -> list[str]:
@@ -841,15 +1015,19 @@ def _foreign_entries(path: Path) -> list[str]:
     out = []
     for p in sorted(path.iterdir()):
         if p.name == KV_DIR and p.is_dir() and not p.is_symlink():
-            out += [f"{KV_DIR}/{q.name}" for q in sorted(p.iterdir())
-                    if not (_our_temp_file(q, True) or (q.is_file() and not q.is_symlink() and _SHARD_FILE.match(q.name)))]
+            out += [
+                f"{KV_DIR}/{q.name}"
+                for q in sorted(p.iterdir())
+                if not (_our_temp_file(q, True) or (q.is_file() and not q.is_symlink() and _SHARD_FILE.match(q.name)))
+            ]
         elif not (_our_temp_file(p, False) or (p.is_file() and not p.is_symlink() and p.name in _OWN_FILES)):
             out.append(p.name + ("/" if p.is_dir() else ""))
     return out
 
 
 def _looks_like_a_store(path: Path) -> bool:
-    """Whether a folder whose manifest is damaged or gone is a store's: our rebuild marker, KV shards, or our chunk table."""
+    """Whether a folder whose manifest is damaged or gone is a store's: our rebuild marker, KV shards, or our chunk
+    table."""
     kv = path / KV_DIR
     if (path / REBUILDING).is_file() or (kv.is_dir() and any(_SHARD_FILE.match(q.name) for q in kv.iterdir())):
         return True
@@ -918,8 +1096,11 @@ def writer_lock(path: Path):
     try:
         lock.acquire(timeout=0)
     except Timeout:
-        log.warning("%s is being built by another lazyrag precache; waiting for it to finish "
-                    "(the chunks it stores will not be encoded again)", path)
+        log.warning(
+            "%s is being built by another lazyrag precache; waiting for it to finish "
+            "(the chunks it stores will not be encoded again)",
+            path,
+        )
         lock.acquire()
     try:
         yield
@@ -945,7 +1126,8 @@ def build_in_progress(path: Path) -> bool:
 
 
 def rebuild_interrupted(path: Path) -> bool:
-    """Whether an ``--overwrite`` is deleting the store, or was stopped doing so (the one answer holding the writer lock)."""
+    """Whether an ``--overwrite`` is deleting the store, or was stopped doing so (the one answer holding the writer
+    lock)."""
     return (Path(path) / REBUILDING).is_file()
 
 
@@ -981,11 +1163,14 @@ def _delete(p: Path) -> None:
         else:
             p.unlink(missing_ok=True)
     except OSError as e:
-        raise StoreError(f"cannot delete {p} ({e.strerror or e}); fix that, then rerun the same lazyrag precache "
-                         "command: it finishes the rebuild.") from e
+        raise StoreError(
+            f"cannot delete {p} ({e.strerror or e}); fix that, then rerun the same lazyrag precache "
+            "command: it finishes the rebuild."
+        ) from e
 
 
 # -- the FAISS index ------------------------------------------------------------------------
+
 
 def build_index(vecs: np.ndarray, ids: np.ndarray, kind: str = "flat"):
     """Inner product over normalised embeddings (cosine). flat: exact; ivf/hnsw: approximate, for large corpora."""

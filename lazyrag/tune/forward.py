@@ -18,6 +18,7 @@ distance of its final place, where the engine encodes it right after the passage
 
 Shapes: B items, R chunk rows, T tokens, H heads (Hkv K/V heads), D head dim, V vocabulary.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -82,15 +83,21 @@ def _layer(layer, x, cos, sin, mask, past_k, past_v):
     if past_k is not None:
         k, v = torch.cat((past_k, k), dim=2), torch.cat((past_v, v), dim=2)
     groups = q.shape[1] // k.shape[1]
-    o = F.scaled_dot_product_attention(q, _repeat_kv(k, groups), _repeat_kv(v, groups), attn_mask=mask,
-                                       is_causal=mask is None, scale=attn.scaling)
+    o = F.scaled_dot_product_attention(
+        q, _repeat_kv(k, groups), _repeat_kv(v, groups), attn_mask=mask, is_causal=mask is None, scale=attn.scaling
+    )
     x = x + attn.o_proj(o.transpose(1, 2).reshape(B, T, -1))
     x = x + layer.mlp(layer.post_attention_layernorm(x))
     return x, new_k, new_v
 
 
-def _layers(model, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None,
-            past: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
+def _layers(
+    model,
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    mask: torch.Tensor | None,
+    past: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+):
     """Run ``x [B, T, hidden]`` through every layer; returns the last hidden states and each layer's new (K, V)
     ``[B, Hkv, T, D]`` (K rotated at ``positions``). ``past``: each layer's context K/V ``[B, Hkv, N, D]``,
     attended to before the new tokens; ``mask [B, 1, T, N + T]``: True where a token may attend; None: plain
@@ -170,8 +177,9 @@ def lazy_logits(model, examples: list[Example], passage_ids: list[int]) -> torch
     """``[sum of answers, V]``: each prompt as the engine's ``lazy`` strategy reads it, chunks encoded on their own."""
     device = next(model.parameters()).device
     enc = list(examples[0].layout.encoding_prefix)
-    assert all(e.layout.encoding_prefix == enc and e.layout.prefix_ids == enc for e in examples), \
+    assert all(e.layout.encoding_prefix == enc and e.layout.prefix_ids == enc for e in examples), (
         "one encoding prefix, also each prompt's own prefix (the engine's usual case)"
+    )
     context = enc + list(passage_ids)
     P = len(context)
     # 1. the encoding context, once

@@ -13,6 +13,7 @@ what the engine computes (tune/forward.py), so what is learnt is what the engine
 A LoRA adapter (peft) by default, or every weight (``method="full"``, for small models). Progress bar,
 checkpoints every ``save_every`` steps, resume after a kill (the same command again), a seed.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -68,7 +69,9 @@ class TuneConfig:
     encoding_passage: str | None = DEFAULT_ENCODING_PASSAGE  # as the engine that will serve the tuned model
     system_prompt: str = DEFAULT_SYSTEM_PROMPT
     progress: bool = False
-    time_limit: float | None = None  # seconds: past it, checkpoint and write the adapter as far as it got (rerun to go on)
+    time_limit: float | None = (
+        None  # seconds: past it, checkpoint and write the adapter as far as it got (rerun to go on)
+    )
 
     def __post_init__(self):
         if self.method not in ("lora", "full"):
@@ -97,10 +100,12 @@ class TuneResult:
 
     def summary(self) -> str:
         kl = self.dev_kl
-        return (f"tuned {self.steps} steps in {self.seconds:.0f} s -> {self.out}\n"
-                f"KL to the base model's full prefill on {kl.get('prompts', 0)} held-out prompts: lazy "
-                f"{kl.get('base_lazy', float('nan')):.4f} (base) -> {kl.get('tuned_lazy', float('nan')):.4f} (tuned); "
-                f"tuned full prefill {kl.get('tuned_full', float('nan')):.4f}")
+        return (
+            f"tuned {self.steps} steps in {self.seconds:.0f} s -> {self.out}\n"
+            f"KL to the base model's full prefill on {kl.get('prompts', 0)} held-out prompts: lazy "
+            f"{kl.get('base_lazy', float('nan')):.4f} (base) -> {kl.get('tuned_lazy', float('nan')):.4f} (tuned); "
+            f"tuned full prefill {kl.get('tuned_full', float('nan')):.4f}"
+        )
 
 
 def kl_to(teacher: torch.Tensor, student: torch.Tensor) -> torch.Tensor:
@@ -136,13 +141,20 @@ class Tuner:
     def too_long(self, question: str, chunks: list[str]) -> bool:
         """Whether the prompt and its answer overrun the model's context (the sampler then drops distractors)."""
         layout = self.prompts.build(question, chunks)
-        n = max(len(layout.prefix_ids), len(layout.encoding_prefix)) + sum(map(len, layout.chunk_ids)) + len(layout.question_ids)
+        n = (
+            max(len(layout.prefix_ids), len(layout.encoding_prefix))
+            + sum(map(len, layout.chunk_ids))
+            + len(layout.question_ids)
+        )
         return n + self.config.answer_tokens > self.base.config.max_position_embeddings
 
     def train_draws(self, first_step: int, end_step: int) -> list[tuple[str, tuple[str, list[str]]]]:
         n = self.config.prompts_per_step
-        return [(f"train:{s}:{j}", self.sampler.draw(s * n + j)) for s in range(first_step, min(end_step, self.config.max_steps))
-                for j in range(n)]
+        return [
+            (f"train:{s}:{j}", self.sampler.draw(s * n + j))
+            for s in range(first_step, min(end_step, self.config.max_steps))
+            for j in range(n)
+        ]
 
     # -- teacher answers: the base model's greedy full prefill, by the engine, once ---------------------------
 
@@ -172,10 +184,17 @@ class Tuner:
 
             c = self.config
             self._engine = LazyEngine.from_hf(
-                self.base, self.tokenizer, model_name=self.model_name, device=self.device,
+                self.base,
+                self.tokenizer,
+                model_name=self.model_name,
+                device=self.device,
                 dtype=torch.bfloat16 if self.device.type == "cuda" else torch.float32,
-                system_prompt=c.system_prompt, encoding_passage=c.encoding_passage, kv_budget=TEACHER_KV_BYTES,
-                cuda_graphs=False, compile_elementwise=False)  # a batch job beside training: no capture or compile
+                system_prompt=c.system_prompt,
+                encoding_passage=c.encoding_passage,
+                kv_budget=TEACHER_KV_BYTES,
+                cuda_graphs=False,
+                compile_elementwise=False,
+            )  # a batch job beside training: no capture or compile
         return self._engine
 
     def _generate(self, missing, known: dict, path: Path) -> None:
@@ -216,8 +235,10 @@ class Tuner:
             return student
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(self.base.to(self.device), LoraConfig(r=c.lora_rank, lora_alpha=c.lora_alpha, lora_dropout=0.0,
-                                                                     target_modules=list(LORA_TARGETS)))
+        model = get_peft_model(
+            self.base.to(self.device),
+            LoraConfig(r=c.lora_rank, lora_alpha=c.lora_alpha, lora_dropout=0.0, target_modules=list(LORA_TARGETS)),
+        )
         self.teacher = None  # the same model with its adapter off
         return model.train()
 
@@ -232,7 +253,11 @@ class Tuner:
         return [Example(self.prompts.build(q, chunks), answers[i]) for i, (q, chunks) in draws]
 
     def _autocast(self):
-        return torch.autocast("cuda", dtype=torch.bfloat16) if self.device.type == "cuda" else torch.autocast("cpu", enabled=False)
+        return (
+            torch.autocast("cuda", dtype=torch.bfloat16)
+            if self.device.type == "cuda"
+            else torch.autocast("cpu", enabled=False)
+        )
 
     def dev_kl(self, student, examples: list[Example], base: bool = False) -> dict:
         """KL to base full prefill of tuned lazy and tuned full (``base``: also of the base model's lazy)."""
@@ -248,7 +273,9 @@ class Tuner:
                 sums["tuned_lazy"] += n * kl_to(t, lazy_logits(student, batch, self.passage_ids)).item()
                 sums["tuned_full"] += n * kl_to(t, full_logits(student, batch)).item()
                 if base:
-                    sums["base_lazy"] += n * kl_to(t, self.teacher_logits(student, lazy_logits, batch, self.passage_ids)).item()
+                    sums["base_lazy"] += (
+                        n * kl_to(t, self.teacher_logits(student, lazy_logits, batch, self.passage_ids)).item()
+                    )
             total = sum(len(e.targets) for e in examples)
             out.update({k: v / total for k, v in sums.items() if base or k != "base_lazy"})
         student.train(was)
@@ -269,8 +296,17 @@ class Tuner:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         trainable = {k: v.detach().cpu() for k, v in student.named_parameters() if v.requires_grad}
-        torch.save({"step": step, "weights": trainable, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "history": history, "identity": self.config.identity()}, tmp / "state.pt")
+        torch.save(
+            {
+                "step": step,
+                "weights": trainable,
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "history": history,
+                "identity": self.config.identity(),
+            },
+            tmp / "state.pt",
+        )
         if final.exists():
             final.rename(old)
         tmp.rename(final)
@@ -285,8 +321,10 @@ class Tuner:
             state = torch.load(state_file, map_location="cpu", weights_only=False)
             if state["identity"] != self.config.identity():
                 diff = sorted(k for k in state["identity"] if state["identity"][k] != self.config.identity().get(k))
-                raise ValueError(f"{self.out} holds a tuning run with other settings ({', '.join(diff)}); rerun with its "
-                                 "settings to resume it, or choose a new --out folder.")
+                raise ValueError(
+                    f"{self.out} holds a tuning run with other settings ({', '.join(diff)}); rerun with its "
+                    "settings to resume it, or choose a new --out folder."
+                )
             params = dict(student.named_parameters())
             with torch.no_grad():
                 for k, v in state["weights"].items():
@@ -357,14 +395,24 @@ class Tuner:
         if step < c.max_steps:
             log.info("lazyrag tune stopped at step %d of %d (time limit); rerun to go on", step, c.max_steps)
         last_dev = next((h for h in reversed(history) if "tuned_lazy" in h), {})
-        dev_kl = {**next((h for h in history if h["step"] == 0 and "base_lazy" in h), {}),
-                  **{k: v for k, v in last_dev.items() if k in ("tuned_lazy", "tuned_full", "prompts")}}
+        dev_kl = {
+            **next((h for h in history if h["step"] == 0 and "base_lazy" in h), {}),
+            **{k: v for k, v in last_dev.items() if k in ("tuned_lazy", "tuned_full", "prompts")},
+        }
         dev_kl.pop("step", None)
         self.save_weights(student, self.out)
-        record = {"base_model": self.model_name, "base_id": self.base_id, "method": c.method,
-                  "encoding_passage": passage_label(c.encoding_passage), "encoding_passage_sha256": passage_sha256(c.encoding_passage),
-                  "steps": step, "finished": step >= c.max_steps, "dev_kl": dev_kl, "identity": c.identity(),
-                  "seconds": time.perf_counter() - t0}
+        record = {
+            "base_model": self.model_name,
+            "base_id": self.base_id,
+            "method": c.method,
+            "encoding_passage": passage_label(c.encoding_passage),
+            "encoding_passage_sha256": passage_sha256(c.encoding_passage),
+            "steps": step,
+            "finished": step >= c.max_steps,
+            "dev_kl": dev_kl,
+            "identity": c.identity(),
+            "seconds": time.perf_counter() - t0,
+        }
         tmp = finished.with_suffix(".tmp")
         tmp.write_text(json.dumps(record, indent=1))
         os.replace(tmp, finished)
@@ -382,7 +430,9 @@ class Tuner:
             with record_function("tune.lazy_forward"):
                 loss_lazy = kl_to(t, lazy_logits(student, batch, self.passage_ids))
             with record_function("tune.full_forward"):
-                loss_full = kl_to(t, full_logits(student, batch)) if c.full_weight else torch.zeros((), device=self.device)
+                loss_full = (
+                    kl_to(t, full_logits(student, batch)) if c.full_weight else torch.zeros((), device=self.device)
+                )
             loss = loss_lazy + c.full_weight * loss_full
         optimizer.zero_grad(set_to_none=True)
         with record_function("tune.backward"):
