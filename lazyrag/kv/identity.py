@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -99,7 +100,7 @@ def prefix_key(fingerprint: str, prefix_ids: list[int]) -> str:
     return _content_keys(fingerprint, "prefix", prefix_ids)
 
 
-def chunk_key(fingerprint: str, prefix_ids: list[int], chunk_ids: list[int], passage_ids: list[int] = ()) -> str:
+def chunk_key(fingerprint: str, prefix_ids: list[int], chunk_ids: list[int], passage_ids: Sequence[int] = ()) -> str:
     """The cache key of a chunk's KV: its token ids, encoded after ``prefix_ids`` (and ``passage_ids``), under the
     model with this fingerprint (its position in a prompt is no part of it: the KV is position-free)."""
     if passage_ids:

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The style gate (CI runs it before the tests): ruff lint and ruff format on the product code.
+# Settings: [tool.ruff] in pyproject.toml. ruff comes with the test extra (bash scripts/setup.sh test).
+# tests/ and benchmarks/ are not gated yet.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RUFF="${RUFF:-.venv/bin/ruff}"
+FOLDERS=(lazyrag integrations kernels)
+"$RUFF" check "${FOLDERS[@]}"
+"$RUFF" format --check "${FOLDERS[@]}"
+# mypy ([tool.mypy]) on the folders that reach zero errors; imports into other folders are read, not reported
+"${MYPY:-.venv/bin/mypy}" --follow-imports=silent lazyrag/kv
