@@ -215,15 +215,16 @@ def _free_port() -> int:
 
 
 class Server:
-    """``lazyrag serve``'s app over ``engine``, run by uvicorn in a thread on a free loopback port."""
+    """``lazyrag serve``'s app over ``engine``, run by uvicorn in a thread on a free loopback port. ``config``:
+    other ``ServerConfig`` fields (``strategy`` is ``lazy`` unless given; ``pasted_context=False``, say)."""
 
-    def __init__(self, engine, max_tokens: int, concurrency: int, log_level: str):
+    def __init__(self, engine, max_tokens: int, concurrency: int, log_level: str, **config):
         import uvicorn
 
         from lazyrag.server import ServerConfig, create_app, wait_until_ready
 
-        self.config = ServerConfig(model_name=engine.model_name, max_tokens=max_tokens, strategy="lazy",
-                                   max_pending=max(256, 2 * concurrency))
+        self.config = ServerConfig(model_name=engine.model_name, max_tokens=max_tokens,
+                                   **{"strategy": "lazy", "max_pending": max(256, 2 * concurrency), **config})
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.server = uvicorn.Server(uvicorn.Config(create_app(engine, self.config), host="127.0.0.1", port=port,
@@ -232,13 +233,17 @@ class Server:
         self.thread.start()
         wait_until_ready(self.url, timeout_s=120)  # polls GET /health
 
-    def chunk_counters(self) -> dict:
-        """The server's /metrics chunk hit and miss counters."""
+    def scrape(self) -> dict[str, float]:
+        """Every sample of the server's /metrics, by its series as written there (``name{label="value"}``)."""
         import httpx
 
         text = httpx.get(f"{self.url}/metrics", timeout=30).text
-        found = dict(re.findall(r"^(lazyrag_chunk_(?:hits|misses)_total) (\S+)$", text, flags=re.M))
-        return {"hits": int(float(found["lazyrag_chunk_hits_total"])), "misses": int(float(found["lazyrag_chunk_misses_total"]))}
+        return {m[0]: float(m[1]) for m in re.findall(r"^([a-zA-Z_:][\w:]*(?:\{[^}]*\})?) (\S+)$", text, flags=re.M)}
+
+    def chunk_counters(self) -> dict:
+        """The server's /metrics chunk hit and miss counters."""
+        found = self.scrape()
+        return {"hits": int(found["lazyrag_chunk_hits_total"]), "misses": int(found["lazyrag_chunk_misses_total"])}
 
     def clients(self, n: int):
         import openai
