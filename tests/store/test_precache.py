@@ -47,34 +47,40 @@ def _store_snapshot(path):
     return db.execute("SELECT id, key, doc_id, text, num_tokens, start, shard, digest, embedding FROM chunks ORDER BY id").fetchall()
 
 
+# `lazyrag precache` in a child process that kill -9s itself right after its second chunk shard is written (rows
+# committed): a real SIGKILL at an exact point of the build, not a race between a poll and the kill
+_KILLED_AFTER_TWO_SHARDS = textwrap.dedent("""
+    import os, signal, sys
+    from lazyrag.store.corpus import CorpusStore
+    add_shard, written = CorpusStore.add_shard, []
+    def add_shard_then_die(self, shard, rows, *args):
+        add_shard(self, shard, rows, *args)
+        written.extend(r for r in rows if r.kind == "chunk")
+        if len(written) == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+    CorpusStore.add_shard = add_shard_then_die
+    from lazyrag.cli import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
 @pytest.mark.slow
 def test_killed_build_resumes_to_the_same_store(default_engine, tiny_corpus, embedder, tmp_path):
     reference = tmp_path / "reference"
     precache(default_engine, PrecacheConfig([str(tiny_corpus)], str(reference), chunks_per_shard=1, progress=False), embedder)
 
     out = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "lazyrag.cli", "precache", str(tiny_corpus), "--out", str(out), "--chunks-per-shard", "1", "--quiet"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if (out / TABLE).exists():
-            try:
-                n = sqlite3.connect(out / TABLE).execute("SELECT COUNT(*) FROM chunks WHERE kind = 'chunk'").fetchone()[0]
-            except sqlite3.OperationalError:
-                n = 0
-            if n >= 2:
-                break
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, proc.stdout.read().decode()[-2000:]
+    cmd = [sys.executable, "-c", _KILLED_AFTER_TWO_SHARDS, "precache", str(tiny_corpus), "--out", str(out),
+           "--chunks-per-shard", "1", "--quiet"]
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)  # hang guard
+    assert proc.returncode == -signal.SIGKILL, proc.stdout.decode()[-2000:]
     partial = _store_snapshot(out)
-    assert 2 <= len(partial) - 1 < 5, "the build was not interrupted midway"
+    assert len(partial) - 1 == 2, "the build was not killed after its second chunk"  # the prefix row and two chunks
     with pytest.raises(Exception, match="unfinished"):
         CorpusStore.open(out)
 
     report = precache(default_engine, PrecacheConfig([str(tiny_corpus)], str(out), chunks_per_shard=1, progress=False), embedder)
-    assert report.chunks_encoded == 5 - (len(partial) - 1)  # only what the killed run had not finished
+    assert report.chunks_encoded == 5 - 2  # only what the killed run had not finished
     assert _store_snapshot(out) == _store_snapshot(reference)  # same rows, digests and embeddings
     assert CorpusStore.open(out).verify() == []
 

@@ -386,9 +386,12 @@ def test_a_kv_folder_linked_outside_the_store_is_refused(tiny_engine, tiny_store
 
 def test_readers_see_one_generation_while_precache_extends_the_store(tiny_engine, tiny_corpus, embedder, tmp_path, monkeypatch):
     """`lazyrag ask --store S` during `lazyrag precache --out S` with more input: every reader serves the
-    old generation or the new one whole (its rows, its index, its shards), never a mix, and never fails."""
+    old generation or the new one whole (its rows, its index, its shards), never a mix, and never fails.
+    The writer and the reader go in lockstep: the writer stops before and after every shard it adds and once its new
+    index is in place (the manifest still publishing the old one), and goes on only after a reader has opened and
+    checked the store at that very point; no sleeps, so every step is read on any machine, however busy."""
+    import queue
     import threading
-    import time
 
     import lazyrag.store.corpus as corpus
 
@@ -402,20 +405,26 @@ def test_readers_see_one_generation_while_precache_extends_the_store(tiny_engine
     early = CorpusStore.open(out)  # opened before the extension, used throughout it
     early_retriever, early_texts = Retriever(early, embedder), {r.id: r.text for r in early.rows()}
 
+    at, go = queue.Queue(), queue.Queue()  # the writer says where it stopped; the reader lets it go on
+
+    def pause(step):
+        at.put(step)
+        go.get(timeout=600)  # a hang guard only
+
     add_shard, write_index = CorpusStore.add_shard, corpus.write_index
 
-    def slow_add_shard(self, *args):  # the writer pauses at every step, so readers open at each of them
-        time.sleep(0.05)
-        add_shard(self, *args)
-        time.sleep(0.05)
+    def pausing_add_shard(self, shard, *args):
+        pause(f"before {shard}")
+        add_shard(self, shard, *args)
+        pause(f"after {shard}")
 
-    def slow_write_index(*args):
+    def pausing_write_index(*args):
         digest = write_index(*args)
-        time.sleep(0.3)  # the new index is in place, the manifest still publishes the old one
+        pause("index written")  # the new index is in place, the manifest still publishes the old one
         return digest
 
-    monkeypatch.setattr(CorpusStore, "add_shard", slow_add_shard)
-    monkeypatch.setattr(corpus, "write_index", slow_write_index)
+    monkeypatch.setattr(CorpusStore, "add_shard", pausing_add_shard)
+    monkeypatch.setattr(corpus, "write_index", pausing_write_index)
     reports, errors = [], []
 
     def extend():
@@ -424,11 +433,10 @@ def test_readers_see_one_generation_while_precache_extends_the_store(tiny_engine
             reports.append(precache(tiny_engine, config, embedder))
         except Exception as e:  # surfaced below
             errors.append(e)
+        finally:
+            at.put("done")
 
-    writer = threading.Thread(target=extend)
-    writer.start()
-    seen = []
-    while writer.is_alive() or (not errors and (not seen or seen[-1] != 11)):
+    def read():
         store = CorpusStore.open(out)
         n = store.manifest.num_chunks
         assert n in (5, 11) and len(store) == n == store.index.ntotal
@@ -438,11 +446,24 @@ def test_readers_see_one_generation_while_precache_extends_the_store(tiny_engine
             assert store.load_kv(h.id)[1].text == h.text
         old = early_retriever.retrieve("Extra document about comets", k=50)
         assert {h.id: h.text for h in old} == early_texts
-        seen.append(n)
-        assert len(seen) < 10_000
-    writer.join()
+        return n
+
+    writer = threading.Thread(target=extend, daemon=True)
+    writer.start()
+    seen = {}
+    try:
+        while (step := at.get(timeout=600)) != "done":  # a hang guard only
+            seen[step] = read()
+            go.put(None)
+    finally:
+        go.put(None)  # a failed read lets the writer finish (its own failure is then in errors)
+        writer.join(timeout=600)
     assert not errors, errors
-    assert 5 in seen and reports[0].chunks_encoded == 6
+    seen["done"] = read()
+    shards = [s for s in seen if s.startswith(("before ", "after "))]
+    assert len(shards) >= 6 and all(seen[s] == 5 for s in shards), seen  # six new chunks, two a shard, unpublished
+    assert seen["index written"] == 5 and seen["done"] == 11, seen
+    assert reports[0].chunks_encoded == 6
     assert CorpusStore.open(out).verify() == [] and early.verify() == []
 
 
