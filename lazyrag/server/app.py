@@ -345,11 +345,19 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
                 "invalid_request_error",
                 bad[0].split()[0],
             )
+        if generations > config.max_pending:  # never fits, however idle the server: retrying cannot help
+            raise APIError(
+                400,
+                f"The request asks for {generations} generations (prompts x n) and this server's --max-pending "
+                f"is {config.max_pending}: split the request, or start the server with a larger --max-pending.",
+                "invalid_request_error",
+                "n",
+            )
         if pending[0] + generations > config.max_pending:
             raise APIError(
                 503,
                 f"The server has {pending[0]} generations in flight and the request asks for "
-                f"{generations} (--max-pending {config.max_pending}); retry shortly, or ask for fewer.",
+                f"{generations} (--max-pending {config.max_pending}); retry shortly.",
                 "server_overloaded",
             )
         pending[0] += generations

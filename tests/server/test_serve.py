@@ -205,7 +205,7 @@ def test_bad_requests_get_openai_errors(server, client):
     assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"]
 
 
-def test_overload_and_api_key_answer_503_and_401(adapter_engine):
+def test_overload_and_api_key_answer_400_and_401(adapter_engine):
     from lazyrag.server import ServerConfig, create_app
 
     running = Running(create_app(adapter_engine, ServerConfig(MODEL, max_pending=1, api_key="sesame", max_request_bytes=4096)))
@@ -214,14 +214,14 @@ def test_overload_and_api_key_answer_503_and_401(adapter_engine):
         with pytest.raises(openai.AuthenticationError):
             denied.models.list()
         ok = openai.OpenAI(base_url=f"{running.url}/v1", api_key="sesame", max_retries=0)
-        with pytest.raises(openai.InternalServerError) as e:  # 503: n=2 is more than --max-pending 1
+        with pytest.raises(openai.BadRequestError) as e:  # 400: n=2 can never fit --max-pending 1
             ok.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=2)
-        assert e.value.status_code == 503
+        assert e.value.status_code == 400
         assert ok.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2).choices
         # a completions batch counts each prompt's choices: two prompts are two generations, over the limit of 1
-        with pytest.raises(openai.InternalServerError) as e:
+        with pytest.raises(openai.BadRequestError) as e:
             ok.completions.create(model=MODEL, prompt=["Say hi.", "Say ho."], max_tokens=2)
-        assert e.value.status_code == 503 and "asks for 2" in e.value.message
+        assert e.value.status_code == 400 and "asks for 2 generations" in e.value.message
         assert ok.completions.create(model=MODEL, prompt=["Say hi."], max_tokens=2).choices  # the refusal reserved nothing
         # bodies over --max-request-mb: 413 from the declared length, and from a chunked body as it arrives
         auth = {"authorization": "Bearer sesame", "content-type": "application/json"}
@@ -233,6 +233,42 @@ def test_overload_and_api_key_answer_503_and_401(adapter_engine):
         assert httpx.get(f"{running.url}/health").json()["requests_in_flight"] == 0
         metrics = httpx.get(f"{running.url}/metrics").text
         assert 'lazyrag_requests_total{endpoint="/v1/completions",status="413"} 2.0' in metrics
+    finally:
+        running.stop()
+
+
+def test_a_request_that_can_never_fit_is_400_and_one_that_fits_a_busy_server_503(adapter_engine):
+    """More generations (prompts x n) than --max-pending is the client's error (400: split it or raise the limit);
+    a request that would fit is 503 only while others hold the slots. The busy state is an open stream holding the
+    one slot (reserved before the response starts), and the test waits on /health, not on a clock."""
+    from lazyrag.server import ServerConfig, create_app
+
+    running = Running(create_app(adapter_engine, ServerConfig(MODEL, max_pending=2)))
+    try:
+        client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        r = httpx.post(f"{running.url}/v1/completions", json={"model": MODEL, "prompt": ["a", "b"], "n": 2, "max_tokens": 2})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["type"] == "invalid_request_error" and error["param"] == "n", r.text
+        assert "asks for 4 generations" in error["message"] and "--max-pending is 2" in error["message"]
+        assert "split the request" in error["message"] and "retry" not in error["message"]
+        with pytest.raises(openai.BadRequestError, match="asks for 3 generations"):
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=3, max_tokens=2)
+        assert httpx.get(f"{running.url}/health").json()["requests_in_flight"] == 0  # the refusals reserved nothing
+
+        body = {"model": MODEL, "prompt": "Count to a thousand:", "n": 2, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{running.url}/v1/completions", json=body, timeout=120) as held:
+            assert held.status_code == 200
+            lines = held.iter_lines()  # kept: a dropped iter_lines() closes the response, which aborts the stream
+            assert next(lines).startswith("data: ")  # both slots are held while the stream runs
+            assert httpx.get(f"{running.url}/health").json()["requests_in_flight"] == 2
+            with pytest.raises(openai.InternalServerError) as e:  # fits the limit, but not now
+                client.completions.create(model=MODEL, prompt="Say hi.", max_tokens=2)
+            assert e.value.status_code == 503 and "retry shortly" in e.value.message
+        deadline = time.monotonic() + 120  # a hang guard only: the hang-up aborts the stream and frees its slots
+        while httpx.get(f"{running.url}/health").json()["requests_in_flight"]:
+            assert time.monotonic() < deadline, "the closed stream never released its slots"
+            time.sleep(0.05)
+        assert client.completions.create(model=MODEL, prompt=["Say hi.", "Say ho."], max_tokens=2).choices
     finally:
         running.stop()
 
