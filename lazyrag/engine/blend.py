@@ -106,9 +106,9 @@ class PlacedContext:
         if self.fast:
             kv = gather_rotated(k, v, self.slots, self.delta_dev, self.rope_cos, self.rope_sin)
         else:
-            kv = gather_rotated_reference(
-                k.float(), v.float(), self.slots, self.delta_dev, self.rope_cos, self.rope_sin
-            )
+            # fp32 (the CPU's path): the rows indexed first, then widened, so the whole layer is never copied
+            cos, sin = self.rope_cos[self.delta_dev][:, None], self.rope_sin[self.delta_dev][:, None]
+            kv = apply_rotary(k[self.slots].float(), cos, sin), v[self.slots].float()
         if keep and self._keep:
             self._kept[i] = kv
         return kv
