@@ -84,6 +84,8 @@ class PlacedContext:
         self.delta_dev = self.delta.to(dev)
         attn = runner.model.layers[0].attn
         self.fast = use_kernels(dev, self.pool.k.dtype, attn.hq, attn.hkv, attn.d, runner.model.sm_scale)
+        if not self.fast:  # the fp32 path rotates with tables gathered once, not once per layer
+            self.cos, self.sin = self.rope_cos[self.delta_dev][:, None], self.rope_sin[self.delta_dev][:, None]
         self._kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         L, _, _, hkv, hd = self.pool.k.shape
         elem = self.pool.k.element_size() if self.fast else 4
@@ -107,8 +109,7 @@ class PlacedContext:
             kv = gather_rotated(k, v, self.slots, self.delta_dev, self.rope_cos, self.rope_sin)
         else:
             # fp32 (the CPU's path): the rows indexed first, then widened, so the whole layer is never copied
-            cos, sin = self.rope_cos[self.delta_dev][:, None], self.rope_sin[self.delta_dev][:, None]
-            kv = apply_rotary(k[self.slots].float(), cos, sin), v[self.slots].float()
+            kv = apply_rotary(k[self.slots].float(), self.cos, self.sin), v[self.slots].float()
         if keep and self._keep:
             self._kept[i] = kv
         return kv
