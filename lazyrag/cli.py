@@ -573,8 +573,16 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="new prompt tokens prefilled in one step (SchedulerConfig.max_prefill_tokens; default: 8192); "
-        "a single longer prompt still runs, alone",
+        help="new prompt tokens prefilled in one step (SchedulerConfig.max_prefill_tokens; default: 8192)",
+    )
+    p.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=None,
+        metavar="N",
+        help="a prompt with more new tokens is prefilled N at a step, so that a cancelled request stops "
+        "between pieces and other requests are admitted meanwhile (SchedulerConfig.long_prefill_tokens; "
+        "default: 8192 on a GPU, 2048 on the CPU)",
     )
     p.add_argument(
         "--max-model-len",
@@ -1563,7 +1571,11 @@ def _serve(args) -> int:
 
 def _scheduler_fields(args) -> dict:
     """SchedulerConfig fields from vLLM's flags, those given."""
-    fields = {"max_running": args.max_num_seqs, "max_prefill_tokens": args.max_num_batched_tokens}
+    fields = {
+        "max_running": args.max_num_seqs,
+        "max_prefill_tokens": args.max_num_batched_tokens,
+        "long_prefill_tokens": args.long_prefill_token_threshold,
+    }
     return {k: v for k, v in fields.items() if v is not None}
 
 

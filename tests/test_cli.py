@@ -320,11 +320,12 @@ def test_serve_passes_vllm_s_flags_to_the_engine_the_app_and_uvicorn(monkeypatch
     monkeypatch.setattr(server, "run_server", lambda *a, **k: served.append((a, k)))
     cert = tmp_path / "cert.pem"
     cert.write_text("-")
-    assert cli.main(["serve", str(model), "--max-num-seqs", "3", "--max-num-batched-tokens", "512", "--max-model-len", "1024",
+    assert cli.main(["serve", str(model), "--max-num-seqs", "3", "--max-num-batched-tokens", "512", "--long-prefill-token-threshold", "256", "--max-model-len", "1024",
                      "--allowed-origins", '["http://ui.example"]', "--ssl-certfile", str(cert), "--root-path", "/api/",
                      "--uvicorn-log-level", "debug", "--seed", "11"]) == 0
     (path, kw), = loaded
     assert path == str(model) and kw["scheduler"].max_running == 3 and kw["scheduler"].max_prefill_tokens == 512
+    assert kw["scheduler"].long_prefill_tokens == 256
     (engine, config, host, port, retriever, log_level), options = served[0]
     assert config.max_model_len == 1024 and config.allowed_origins == ("http://ui.example",) and log_level == "debug"
     # vLLM's served name: MODEL as written; the engine's own name (and its aliases) still answer

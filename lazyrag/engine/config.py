@@ -18,6 +18,9 @@ DEFAULT_KV_BUDGET = {"cpu": 1 << 30, "cuda": 8 << 30}
 class SchedulerConfig:
     max_running: int = 64  # sequences in flight (decoding) at once
     max_prefill_tokens: int = 8192  # new tokens in one prefill batch (a longer single prompt still runs alone)
+    # a prompt with more new tokens is prefilled in pieces of this many, one piece a step (vLLM's chunked prefill),
+    # so that an abort lands between pieces instead of after the whole prompt; None: 8192 on cuda, 2048 on cpu
+    long_prefill_tokens: int | None = None
     # the chunks that a step's requests miss are encoded together, in one batched forward before the step's prefill
     # (the cache changes as if each request encoded its own); False: each request encodes its misses as it is planned
     batch_encodes: bool = True
@@ -73,8 +76,8 @@ class EngineConfig:
     def __post_init__(self):
         if self.adapter is not None and str(self.adapter).lower() == "none":
             self.adapter = None
-        self.defaulted = tuple(f for f in _RESOLVED if getattr(self, f) is None) + (
-            ("async_scheduling",) if self.scheduler.async_scheduling is None else ()
+        self.defaulted = tuple(f for f in _RESOLVED if getattr(self, f) is None) + tuple(
+            f for f in _RESOLVED_SCHEDULER if getattr(self.scheduler, f) is None
         )
         self.device = (
             torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -122,12 +125,17 @@ class EngineConfig:
         self.short_prefill_blas = (self.short_prefill_blas or "cublaslt") if on_cuda else None
         if self.scheduler.async_scheduling is None:
             self.scheduler = replace(self.scheduler, async_scheduling=on_cuda)
+        if self.scheduler.long_prefill_tokens is None:
+            self.scheduler = replace(self.scheduler, long_prefill_tokens=8192 if on_cuda else 2048)
+        if self.scheduler.long_prefill_tokens < 1:
+            raise ValueError(f"long_prefill_tokens must be at least 1; got {self.scheduler.long_prefill_tokens}")
 
     def with_changes(self, **fields) -> "EngineConfig":
         """A copy with ``fields`` changed and the defaults it took resolved again (another device changes them)."""
-        again = {f: None for f in self.defaulted if f != "async_scheduling" and f not in fields}
-        if "async_scheduling" in self.defaulted and "scheduler" not in fields:
-            again["scheduler"] = replace(self.scheduler, async_scheduling=None)
+        again = {f: None for f in self.defaulted if f not in _RESOLVED_SCHEDULER and f not in fields}
+        scheduler_again = {f: None for f in self.defaulted if f in _RESOLVED_SCHEDULER}
+        if scheduler_again and "scheduler" not in fields:
+            again["scheduler"] = replace(self.scheduler, **scheduler_again)
         return replace(self, **again, **fields)
 
 
@@ -146,3 +154,5 @@ _RESOLVED = (
     "fused_kv_store",
     "short_prefill_blas",
 )
+# SchedulerConfig's fields whose None means "the default for this device", likewise
+_RESOLVED_SCHEDULER = ("async_scheduling", "long_prefill_tokens")

@@ -9,6 +9,8 @@ are planned (their missing chunks looked up, loaded or encoded) and their new to
 prefilled together in one batch; when none is waiting, every running request decodes one
 token, all in one batch. Requests join and leave between steps, so a long answer never
 holds up a new question, and requests over the same chunks share one copy of their KV.
+A prompt with more new tokens than ``long_prefill_tokens`` is prefilled in pieces, one a step
+and ahead of new admissions (vLLM's chunked prefill): an abort lands between pieces.
 
 Async scheduling (vLLM's ``--async-scheduling``; on with CUDA): a step's greedy tokens stay on
 the device, and while they are being computed the next decode step of the same batch is
@@ -90,6 +92,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._prefilling: list[Request] = []
+        self._partial: list[Request] = []  # admitted, their prompt prefilled in part: continued first, next step
         self._launched: Launched | None = None  # async scheduling: the step in flight, not yet accepted
         self.async_scheduling = bool(self.config.async_scheduling)  # EngineConfig resolved None (on with cuda)
         self.steps = {"prefill": 0, "decode": 0}
@@ -107,13 +110,13 @@ class Scheduler:
     def drop(self, req: Request) -> None:
         """End ``req`` now, wherever it is, giving back what it holds (stepping thread only): tensor parallelism's
         ranks end here what rank 0 ended alone (engine/tensor_parallel.py)."""
-        for queue in (self.inbox, self.waiting):
+        for queue in (self.inbox, self.waiting, self._partial):
             if req in queue:
                 queue.remove(req)
         self._finish(req, "abort")
 
     def has_work(self) -> bool:
-        return bool(self.inbox or self.waiting or self.running or self._launched)
+        return bool(self.inbox or self.waiting or self._partial or self.running or self._launched)
 
     # -- the stepping thread --------------------------------------------------------------------
 
@@ -147,9 +150,10 @@ class Scheduler:
         except Exception as e:  # a fault no single request owns (a bug): fail those in flight rather than hang them
             log.exception("lazyrag scheduler step failed; failing the requests in flight")
             in_flight = [r for step in (previous, self._launched) if step is not None for r in step.batch]
-            for req in list(self.waiting) + self.running + self._prefilling + in_flight:
+            for req in list(self.waiting) + self.running + self._partial + self._prefilling + in_flight:
                 self._fail(req, e)
             self.waiting.clear()
+            self._partial = []
             self._prefilling = []
             self._launched = None
             return True
@@ -165,24 +169,30 @@ class Scheduler:
         for req in [r for r in self.waiting if r.aborted]:
             self.waiting.remove(req)
             self._finish(req, "abort")
+        for req in [r for r in self._partial if r.aborted]:
+            self._partial.remove(req)
+            self._finish(req, "abort")
         for req in [r for r in self.running if r.aborted]:
             self._finish(req, "abort")
 
     def _admit(self) -> list[Request]:
-        """Plan waiting requests in arrival order while the batch, the token budget and the pool allow; the
-        chunks they miss are computed together, in the step's encode batch (engine/reuse.py ``EncodeBatch``),
-        before their prefill. A request whose chunk could not be encoded fails alone."""
+        """The requests whose prompt was prefilled in part, then waiting requests planned in arrival order while
+        the batch, the token budget and the pool allow; the chunks they miss are computed together, in the step's
+        encode batch (engine/reuse.py ``EncodeBatch``), before their prefill. A request whose chunk could not be
+        encoded fails alone."""
+        continued, self._partial = self._partial, []
+        tokens = sum(len(self._next_piece(r)) for r in continued)
         batch = self.planner.batch
         if not self.config.batch_encodes:
-            return self._admit_planned()
+            return continued + self._admit_planned(len(continued), tokens)
         batch.begin()
         try:
-            admitted = self._admit_planned()
+            admitted = self._admit_planned(len(continued), tokens)
         finally:
             batch.end()
         if not batch.failed:
-            return admitted
-        ok = []
+            return continued + admitted
+        ok = continued
         for req in admitted:
             try:
                 batch.check(req.plan)
@@ -191,20 +201,20 @@ class Scheduler:
                 self._fail(req, e)
         return ok
 
-    def _admit_planned(self) -> list[Request]:
+    def _admit_planned(self, continued: int, tokens: int) -> list[Request]:
+        """Waiting requests planned, after ``continued`` requests of ``tokens`` new tokens already in the step."""
         batch: list[Request] = []
-        tokens = 0
-        while self.waiting and len(self.running) + len(batch) < self.config.max_running:
+        while self.waiting and len(self.running) + continued + len(batch) < self.config.max_running:
             req = self.waiting[0]
             new_tokens = len(req.layout.question_ids)  # a lower bound before planning (full and prefix add more)
-            if batch and tokens + new_tokens > self.config.max_prefill_tokens:
+            if (batch or continued) and tokens + new_tokens > self.config.max_prefill_tokens:
                 break
             try:
-                if (self.running or batch) and self.pool_cannot_fit(req):
+                if (self.running or batch or continued) and self.pool_cannot_fit(req):
                     break  # planning now would encode its chunks only to fail for blocks and throw them away
                 self._plan(req)
             except OutOfBlocks as e:
-                if self.running or batch:
+                if self.running or batch or continued:
                     break  # blocks come back as running requests finish: try again then
                 self.waiting.popleft()
                 self._fail(req, e)
@@ -215,8 +225,13 @@ class Scheduler:
                 continue
             self.waiting.popleft()
             batch.append(req)
-            tokens += len(req.plan.new_ids)
+            tokens += len(self._next_piece(req))
         return batch
+
+    def _next_piece(self, req: Request) -> list[int]:
+        """The prompt tokens ``req`` prefills in this step: all that are left, or the next ``long_prefill_tokens``."""
+        done = req.seq.num_written
+        return req.plan.new_ids[done : done + (self.config.long_prefill_tokens or self.config.max_prefill_tokens)]
 
     def pool_cannot_fit(self, req: Request) -> bool:
         """Whether the pool surely lacks room for the request's worst case: every chunk encoded
@@ -266,14 +281,20 @@ class Scheduler:
             req.detok = Detokenizer(self.tokenizer, req.params.stop)
 
     def _prefill(self, batch: list[Request]) -> Launched | None:
+        """One forward over each request's next piece of prompt; the requests whose prompt it completes get their
+        first token launched, the others wait in ``_partial`` for their next piece."""
+        pieces = {id(r): self._next_piece(r) for r in batch}
         done, logits = self._forward_isolated(
-            batch, lambda rs: self.runner.prefill([r.seq for r in rs], [r.plan.new_ids for r in rs])
+            batch, lambda rs: self.runner.prefill([r.seq for r in rs], [pieces[id(r)] for r in rs])
         )
         self.steps["prefill"] += 1
         if not done:
             return None
         kept = []  # indices into ``done`` of the requests whose plans finished
         for i, r in enumerate(done):
+            if r.seq.num_written < len(r.plan.new_ids):
+                self._partial.append(r)
+                continue
             try:
                 self.planner[r.params.strategy].finish(r.plan, r.seq)
             except Exception as e:
@@ -302,6 +323,7 @@ class Scheduler:
         return (
             self.async_scheduling
             and not self.waiting
+            and not self._partial
             and len(previous.batch) == len(self.running)
             and all(r is q for r, q in zip(previous.batch, self.running))
             and all(

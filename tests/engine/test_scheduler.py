@@ -9,7 +9,7 @@ import torch
 
 from lazyrag.kv.block_pool import OutOfBlocks
 from lazyrag.engine import SamplingParams, SchedulerConfig
-from tests.helpers import CHUNKS, QUESTION, assert_nothing_held, random_layouts, run_in_threads, stepped_by_hand
+from tests.helpers import CHUNKS, QUESTION, assert_nothing_held, random_layouts, rel_err, run_in_threads, stepped_by_hand
 
 
 def test_batched_requests_match_one_at_a_time(tiny_engine):
@@ -183,3 +183,51 @@ def test_async_scheduling_gives_the_same_answers_and_everything_back(tiny_engine
     monkeypatch.setattr(sched, "async_scheduling", False)
     assert stream == engine.submit(layouts[2], greedy[2]).result().text
     assert_nothing_held(engine, free_before)
+
+
+def test_a_long_prompt_is_prefilled_in_pieces_and_an_abort_lands_between_them(tiny_engine, monkeypatch):
+    """A prompt with more new tokens than ``long_prefill_tokens`` is prefilled a piece a step: its logits are those
+    of one whole prefill (within float tolerance), a short request admitted meanwhile is not held back, and an abort
+    between pieces ends the request there, having forwarded only the pieces already run, with everything given back."""
+    engine, sched = tiny_engine, tiny_engine.scheduler
+    layout = random_layouts(engine, 1, seed=31)[0]
+    short = random_layouts(engine, 2, seed=32)[1]
+    piece = -(-len(short.question_ids) // 16) * 16  # the short request's question fits one piece
+    assert layout.num_tokens > 3 * piece
+    whole = engine.layout_logits(layout, strategy="full")
+    engine.submit(short, SamplingParams(max_new_tokens=1)).result()  # its chunks cached
+    free_before = engine.cache.pool.num_free
+    monkeypatch.setattr(sched, "config", replace(sched.config, long_prefill_tokens=piece))
+
+    steps = sched.steps["prefill"]
+    pieces = engine.layout_logits(layout, strategy="full")
+    assert sched.steps["prefill"] - steps == -(-layout.num_tokens // piece)
+    assert rel_err(pieces, whole) < 1e-4
+    assert_nothing_held(engine, free_before)
+
+    with engine._lock:
+        long = engine.add_request(layout, SamplingParams(max_new_tokens=4, ignore_eos=True, strategy="full"))
+        sched.step()  # the long prompt's first piece
+        assert long.seq.num_written == piece and not long.done and sched.has_work()
+        quick = engine.add_request(short, SamplingParams(max_new_tokens=2, ignore_eos=True))
+        sched.step()  # the long prompt's second piece and the short request's whole prompt, in one forward
+        assert long.seq.num_written == 2 * piece and quick.first_token_at is not None and long.first_token_at is None
+        forwarded = engine.runner.tokens_forwarded
+        sched.abort(long)
+        while sched.has_work():
+            sched.step()
+    assert long.finish_reason == "abort" and long.seq.num_written == 2 * piece
+    assert engine.runner.tokens_forwarded - forwarded == 1  # the short request's second token, nothing of the long one
+    assert len(quick.result().token_ids) == 2
+    assert_nothing_held(engine, free_before)
+
+
+def test_long_prefill_tokens_defaults_by_device():
+    from lazyrag.engine import EngineConfig
+
+    assert EngineConfig(device="cpu").scheduler.long_prefill_tokens == 2048
+    config = EngineConfig(device="cpu", scheduler=SchedulerConfig(long_prefill_tokens=64))
+    assert config.scheduler.long_prefill_tokens == 64
+    assert EngineConfig(device="cpu").with_changes(device="cuda").scheduler.long_prefill_tokens == 8192
+    with pytest.raises(ValueError, match="long_prefill_tokens"):
+        EngineConfig(device="cpu", scheduler=SchedulerConfig(long_prefill_tokens=0))
