@@ -104,7 +104,7 @@ def seed_sampling(seed: int) -> None:
     numpy.random.seed(seed % 2**32)
 
 
-def _route_path(scope) -> str:
+def route_path(scope) -> str:
     """The path the app routes on: uvicorn puts ``--root-path`` in front of it (a proxy strips that prefix)."""
     path, root = scope["path"], scope.get("root_path", "")
     return path[len(root) :] or "/" if root and path.startswith(root) else path
@@ -132,6 +132,53 @@ def key_refused(api_key: str | None, covers: str, path: str, authorization: byte
     )
 
 
+def json_error(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
+    """OpenAI's error shape, as every lazyrag endpoint (and the replicas' front) answers."""
+    return JSONResponse(error_body(message, type_, status, param), status_code=status)
+
+
+class BodyLimits:
+    """Pure ASGI middleware: a body over ``max_request_bytes`` gets 413 before it is read into memory (from its
+    declared length, or as a chunked body arrives), and one whose next part takes longer than ``body_timeout_s``
+    to arrive gets 408. One rule for ``lazyrag serve`` and the front of ``lazyrag serve --replicas``; the 413 and
+    408 raised mid-body reach the app's ``StarletteHTTPException`` handler."""
+
+    def __init__(self, app, max_request_bytes: int, body_timeout_s: float):
+        self.app, self.limit, self.timeout_s = app, max_request_bytes, body_timeout_s
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        too_large = (
+            f"The request body is over {self.limit} bytes (lazyrag serve --max-request-mb): send fewer or "
+            "shorter documents, or retrieve them from a store (--store)."
+        )
+        declared = dict(scope["headers"]).get(b"content-length", b"").decode("latin-1")
+        if declared.isdigit() and int(declared) > self.limit:
+            return await json_error(413, too_large, "invalid_request_error")(scope, receive, send)
+        received, body_done = [0], [False]
+
+        async def counted_receive():  # a chunked body declares no length: count it as it arrives
+            if body_done[0]:  # after the body, receive() waits for a disconnect: no deadline
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.timeout_s)
+            except asyncio.TimeoutError:
+                raise StarletteHTTPException(
+                    408,
+                    f"The request body stopped arriving for {self.timeout_s:g} s "
+                    "(lazyrag serve --body-timeout): send it whole.",
+                ) from None
+            if message["type"] == "http.request":
+                received[0] += len(message.get("body", b""))
+                body_done[0] = not message.get("more_body", False)
+                if received[0] > self.limit:  # FastAPI lets an HTTPException out of its body parsing as it is
+                    raise StarletteHTTPException(413, too_large)
+            return message
+
+        await self.app(scope, counted_receive, send)
+
+
 class _Gate:
     """Pure ASGI middleware: the API key, the request-size limit and the per-status request counter.
 
@@ -139,56 +186,25 @@ class _Gate:
     ``Request.is_disconnected()`` never turns true, so a non-streaming client that hung up went on generating.
     """
 
-    def __init__(self, app, config: ServerConfig, metrics: ServerMetrics, error):
-        self.app, self.config, self.metrics, self.error = app, config, metrics, error
+    def __init__(self, app, config: ServerConfig, metrics: ServerMetrics):
+        self.config, self.metrics = config, metrics
+        self.app = BodyLimits(app, config.max_request_bytes, config.body_timeout_s)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path, headers = _route_path(scope), dict(scope["headers"])
+        path, headers = route_path(scope), dict(scope["headers"])
         status = [500]
 
-        async def answer(code: int, message: str, type_: str):
-            status[0] = code
-            await self.error(code, message, type_)(scope, receive, send)
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
 
         try:
             if key_refused(self.config.api_key, self.config.api_key_covers, path, headers.get(b"authorization", b"")):
-                return await answer(401, WRONG_KEY, "authentication_error")
-            limit = self.config.max_request_bytes
-            too_large = (
-                f"The request body is over {limit} bytes (lazyrag serve --max-request-mb): send fewer or "
-                "shorter documents, or retrieve them from a store (--store)."
-            )
-            declared = headers.get(b"content-length", b"").decode("latin-1")
-            if declared.isdigit() and int(declared) > limit:
-                return await answer(413, too_large, "invalid_request_error")
-            received, body_done = [0], [False]
-
-            async def counted_receive():  # a chunked body declares no length: count it as it arrives
-                if body_done[0]:  # after the body, receive() waits for a disconnect: no deadline
-                    return await receive()
-                try:
-                    message = await asyncio.wait_for(receive(), self.config.body_timeout_s)
-                except asyncio.TimeoutError:
-                    raise StarletteHTTPException(
-                        408,
-                        f"The request body stopped arriving for {self.config.body_timeout_s:g} s "
-                        "(lazyrag serve --body-timeout): send it whole.",
-                    ) from None
-                if message["type"] == "http.request":
-                    received[0] += len(message.get("body", b""))
-                    body_done[0] = not message.get("more_body", False)
-                    if received[0] > limit:  # FastAPI lets an HTTPException out of its body parsing as it is
-                        raise StarletteHTTPException(413, too_large)
-                return message
-
-            async def send_status(message):
-                if message["type"] == "http.response.start":
-                    status[0] = message["status"]
-                await send(message)
-
-            await self.app(scope, counted_receive, send_status)
+                return await json_error(401, WRONG_KEY, "authentication_error")(scope, receive, send_status)
+            await self.app(scope, receive, send_status)
         finally:
             self.metrics.requests.labels(path, str(status[0])).inc()
 
@@ -215,8 +231,7 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
 
     # -- errors: OpenAI's JSON shape, never a traceback ------------------------------------------
 
-    def _error(status: int, message: str, type_: str, param: str | None = None) -> JSONResponse:
-        return JSONResponse(error_body(message, type_, status, param), status_code=status)
+    _error = json_error
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
@@ -252,7 +267,7 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
             500, f"Internal error ({type(e).__name__}, error {ref}: the server's log has the details).", "server_error"
         )
 
-    app.add_middleware(_Gate, config=config, metrics=metrics, error=_error)
+    app.add_middleware(_Gate, config=config, metrics=metrics)
     if config.allowed_origins:  # added last, so outermost: a browser's preflight is answered before the API key check
         from starlette.middleware.cors import CORSMiddleware
 

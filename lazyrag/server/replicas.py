@@ -32,7 +32,7 @@ import json
 import logging
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the handlers' annotations here
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -225,15 +225,33 @@ class KeyGate:
         self.app, self.api_key, self.covers = app, api_key, covers
 
     async def __call__(self, scope, receive, send):
-        from lazyrag.server.app import WRONG_KEY, _route_path, key_refused
-        from lazyrag.server.protocol import error_body
+        from lazyrag.server.app import WRONG_KEY, json_error, key_refused, route_path
 
         if scope["type"] == "http" and key_refused(
-            self.api_key, self.covers, _route_path(scope), dict(scope["headers"]).get(b"authorization", b"")
+            self.api_key, self.covers, route_path(scope), dict(scope["headers"]).get(b"authorization", b"")
         ):
-            response = JSONResponse(error_body(WRONG_KEY, "authentication_error", 401), status_code=401)
-            return await response(scope, receive, send)
+            return await json_error(401, WRONG_KEY, "authentication_error")(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+def add_front_gates(front_api: FastAPI, server: dict, api_key: str | None, covers: str = "v1") -> None:
+    """The front's checks, before it reads a body or routes anything: ``lazyrag serve``'s API key (``KeyGate``,
+    outermost), then the replicas' own body limits (``server``'s ``max_request_bytes`` and ``body_timeout_s``,
+    ``lazyrag serve --max-request-mb / --body-timeout``), answered in OpenAI's error shape."""
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    from lazyrag.server.app import BodyLimits, ServerConfig, json_error
+
+    defaults = {f.name: f.default for f in fields(ServerConfig)}
+    limits = {k: server.get(k, defaults[k]) for k in ("max_request_bytes", "body_timeout_s")}
+    front_api.add_middleware(BodyLimits, **limits)
+    front_api.add_middleware(KeyGate, api_key=api_key, covers=covers)
+
+    @front_api.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        return json_error(
+            e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error"
+        )
 
 
 def build_app(
@@ -263,7 +281,7 @@ def build_app(
     }
     Replica = serve.deployment(LazyragReplica, **options)
     front_api = FastAPI(title="lazyrag replicas")
-    front_api.add_middleware(KeyGate, api_key=api_key, covers=api_key_covers)
+    add_front_gates(front_api, spec.server, api_key, api_key_covers)
 
     @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
     @serve.ingress(front_api)

@@ -1,6 +1,9 @@
 """What `lazyrag serve --replicas N` exposes, checked without starting Ray (tests/server/test_replicas.py starts it):
-the front checks `lazyrag serve`'s API key before routing, the Ray it starts has no dashboard, and the HTTP proxy
-listens on --host (loopback by default)."""
+the front checks `lazyrag serve`'s API key and body limits before routing, the Ray it starts has no dashboard, and
+the HTTP proxy listens on --host (loopback by default)."""
+import json
+import socket
+
 import pytest
 
 pytest.importorskip("fastapi")
@@ -8,25 +11,32 @@ pytest.importorskip("fastapi")
 from fastapi import FastAPI  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
-from lazyrag.server.replicas import KeyGate, ray_init_options  # noqa: E402
+from lazyrag.server.replicas import add_front_gates, ray_init_options  # noqa: E402
 
 KEY = "sesame"
 
 
-def _front(api_key, covers="v1"):
-    """A front app as build_app makes it (KeyGate added the same way), whose routes answer who reached them."""
+def _front_app(api_key, covers="v1", server=None):
+    """A front app with build_app's gates (``add_front_gates``), whose relay reads the body as the real one does
+    and answers who it reached."""
+    from fastapi import Request
+
     app = FastAPI()
-    app.add_middleware(KeyGate, api_key=api_key, covers=covers)
+    add_front_gates(app, server or {}, api_key, covers)
 
     @app.get("/routing")
     async def routing():
         return {"reached": "routing"}
 
     @app.api_route("/{path:path}", methods=["GET", "POST"])
-    async def relay(path: str):
-        return {"reached": path}
+    async def relay(path: str, request: Request):
+        return {"reached": path, "bytes": len(await request.body())}
 
-    return TestClient(app)
+    return app
+
+
+def _front(api_key, covers="v1", server=None):
+    return TestClient(_front_app(api_key, covers, server))
 
 
 @pytest.mark.parametrize("covers", ["v1", "all"])
@@ -45,7 +55,41 @@ def test_the_front_refuses_a_request_without_the_key_before_routing_it(covers):
 
 
 def test_a_front_without_a_key_routes_everything():
-    assert _front(None).get("/v1/models").json() == {"reached": "v1/models"}
+    assert _front(None).get("/v1/models").json() == {"reached": "v1/models", "bytes": 0}
+
+
+def test_the_front_holds_the_replicas_body_limits_before_reading_a_body():
+    """`--max-request-mb` at the front: 413 from the declared length (before the body is read) and from a chunked
+    body as it arrives, in OpenAI's error shape; the key is checked first. Without the settings, ServerConfig's."""
+    client = _front(KEY, server={"max_request_bytes": 4000})
+    auth = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
+    big = json.dumps({"model": "m", "prompt": "x" * 5000}).encode()
+    assert client.post("/v1/completions", content=big).status_code == 401
+    r = client.post("/v1/completions", content=big, headers=auth)
+    assert r.status_code == 413 and "--max-request-mb" in r.json()["error"]["message"], r.text
+    r = client.post("/v1/completions", content=iter([big[:3000], big[3000:]]), headers=auth)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert client.post("/v1/completions", content=big[:3000], headers=auth).json()["bytes"] == 3000
+    assert _front(None).post("/v1/completions", content=big).json()["bytes"] == len(big)  # 8 MiB by default
+
+
+def test_a_body_that_stops_arriving_at_the_front_gets_408():
+    """`--body-timeout` at the front: headers, part of the body, then nothing is answered 408 and the connection
+    closed; the test waits for that answer (the front's own deadline), not on a clock of its own."""
+    from tests.server.test_serve import Running
+
+    running = Running(_front_app(None, server={"body_timeout_s": 0.5}))
+    try:
+        host, port = running.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"model\": ")
+            answer = b""
+            while chunk := sock.recv(4096):  # until the front closes the connection
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 408") and b"--body-timeout" in answer, answer[:300]
+    finally:
+        running.stop()
 
 
 def test_ray_started_here_has_no_dashboard_and_a_joined_cluster_keeps_its_settings():
