@@ -17,8 +17,7 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
-from lazyrag.defaults import MAX_K, MAX_LOGPROBS, MIN_TEMPERATURE, MIN_TOP_P, SEED_LIMIT
-from lazyrag.strategy_names import check_strategy
+from lazyrag.defaults import MAX_K, MAX_LOGPROBS, MIN_TOP_P, SEED_LIMIT
 
 if TYPE_CHECKING:  # torch is imported only when an engine is really needed
     from lazyrag.engine import GenerationResult, LazyEngine, RequestStream
@@ -217,33 +216,8 @@ _NOT_HERE = {
 }
 _GENERATE_KEYS = ("temperature", "top_p", "top_k", "repetition_penalty", "seed", "max_new_tokens", "do_sample", "stop")
 
-
-def adapter_validators(renames: dict[str, str]) -> tuple:
-    """An adapter class's pydantic validators: its constructor's arguments (``init_kwargs``), its
-    ``strategy`` field and its ``temperature`` (0 or at least MIN_TEMPERATURE, as SamplingParams takes),
-    checked before any model loads. In the class: ``_a, _b, _c = adapter_validators(...)``; the other
-    numbers are checked by the fields' own constraints (``SAMPLING_LIMITS``)."""
-    from pydantic import field_validator, model_validator
-
-    def known_arguments(cls, data: Any) -> Any:
-        return init_kwargs(cls, data, renames)
-
-    def strategy_exists(cls, name: str) -> str:
-        return check_strategy(name)
-
-    def greedy_or_warm(cls, t: float) -> float:
-        if t != 0 and t < MIN_TEMPERATURE:
-            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}; got {t!r}")
-        return t
-
-    return (
-        model_validator(mode="before")(classmethod(known_arguments)),
-        field_validator("strategy")(classmethod(strategy_exists)),
-        field_validator("temperature")(classmethod(greedy_or_warm)),
-    )
-
-
-# pydantic Field constraints of the adapters' numeric fields: what SamplingParams and the engine accept
+# pydantic Field constraints of the adapters' numeric fields (``_adapter.AdapterFields`` and the adapters' own):
+# what SamplingParams and the engine accept
 SAMPLING_LIMITS = {
     "temperature": dict(ge=0.0, allow_inf_nan=False),
     "top_p": dict(ge=MIN_TOP_P, le=1.0, allow_inf_nan=False),
@@ -255,19 +229,6 @@ SAMPLING_LIMITS = {
     "penalty": dict(ge=-2.0, le=2.0, allow_inf_nan=False),
     "top_logprobs": dict(ge=0, le=MAX_LOGPROBS),
 }
-
-# the adapters' fields that go into SamplingParams as they are (besides max tokens, temperature, top_p, stop, seed,
-# strategy)
-KNOBS = ("top_k", "repetition_penalty", "presence_penalty", "frequency_penalty")
-
-
-def knob_params(adapter, kwargs: dict) -> dict:
-    """SamplingParams keywords for the knobs (a call's keyword wins over the adapter's field) and logprobs:
-    ``logprobs=True`` (ChatOpenAI's name) asks for the chosen token's logprob and ``top_logprobs`` best ones."""
-    out = {k: kwargs.get(k, getattr(adapter, k)) for k in KNOBS}
-    logprobs = kwargs.get("logprobs", adapter.logprobs)
-    out["logprobs"] = int(kwargs.get("top_logprobs", adapter.top_logprobs) or 0) if logprobs else None
-    return out
 
 
 def openai_logprobs(engine: "LazyEngine", logprobs) -> dict | None:

@@ -56,6 +56,7 @@ from langchain_core.vectorstores import VectorStore, VectorStoreRetriever
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from lazyrag.integrations import _common
+from lazyrag.integrations._adapter import AdapterFields
 
 if TYPE_CHECKING:
     from lazyrag.store.build import PrecacheReport
@@ -173,66 +174,23 @@ class _NoToolCalling:
 _RENAMES = {"model_id": "model", "model_name": "model", "max_new_tokens": "max_tokens", "stop_sequences": "stop"}
 
 
-class ChatLazyLlama(BaseChatModel):
+class ChatLazyLlama(AdapterFields, BaseChatModel):
     """A lazyrag engine as a LangChain chat model (local, offline; one engine per model is shared).
 
     Unknown arguments are refused. Names from ChatHuggingFace / HuggingFacePipeline are accepted:
     ``model_id`` and ``model_name`` (= ``model``), ``max_new_tokens`` (= ``max_tokens``),
-    ``stop_sequences`` (= ``stop``) and ``generate_kwargs`` (temperature, top_p, seed, do_sample, ...)."""
+    ``stop_sequences`` (= ``stop``) and ``generate_kwargs`` (temperature, top_p, seed, do_sample, ...).
+    The fields it shares with ``LazyLlamaLLM`` (model, device, dtype, the sampling knobs, strategy, store,
+    kv_budget), their checks and the lazy ``engine`` are ``lazyrag.integrations._adapter.AdapterFields``."""
 
     model_config = ConfigDict(extra="forbid")
+    _renames: ClassVar[dict[str, str]] = _RENAMES
 
-    model: Optional[str] = Field(
-        default=None, description="Local Llama folder or .gguf file; None = the embedded SmolLM2-135M-Instruct."
-    )
-    device: Optional[str] = None
-    dtype: Optional[str] = None
-    temperature: float = Field(
-        default=0.0, description="0 = greedy, else at least 1e-5.", **_common.SAMPLING_LIMITS["temperature"]
-    )
     max_tokens: int = Field(default=256, gt=0, description="Most new tokens per call.")
-    top_p: float = Field(default=1.0, **_common.SAMPLING_LIMITS["top_p"])
-    seed: Optional[int] = Field(
-        default=None, description="Sampling seed, in [0, 2**63).", **_common.SAMPLING_LIMITS["seed"]
-    )
     stop: Optional[list[str]] = None
-    top_k: int = Field(
-        default=-1,
-        description="Sample from the k most likely tokens; -1 or 0 = all.",
-        **_common.SAMPLING_LIMITS["sampling_top_k"],
-    )
-    repetition_penalty: float = Field(
-        default=1.0,
-        description="HF / vLLM repetition penalty over prompt and answer tokens; 1 = off.",
-        **_common.SAMPLING_LIMITS["repetition_penalty"],
-    )
-    presence_penalty: float = Field(
-        default=0.0, description="OpenAI's presence penalty, in [-2, 2].", **_common.SAMPLING_LIMITS["penalty"]
-    )
-    frequency_penalty: float = Field(
-        default=0.0, description="OpenAI's frequency penalty, in [-2, 2].", **_common.SAMPLING_LIMITS["penalty"]
-    )
     logprobs: Optional[bool] = Field(
         default=None,
         description="Report each generated token's logprob in response_metadata['logprobs'] (ChatOpenAI's format).",
-    )
-    top_logprobs: Optional[int] = Field(
-        default=None,
-        description="With logprobs: also the n most likely tokens per position (0-20).",
-        **_common.SAMPLING_LIMITS["top_logprobs"],
-    )
-    strategy: str = Field(
-        default="lazy",
-        description="full, prefix, position_aware, lazy, lazy+recover (lazy with quality recovery, ~15% of chunk "
-        "tokens recomputed), lazy:first=K or lazy:blend=R[:select=attn_dev].",
-    )
-    store: Optional[str] = Field(
-        default=None, description="A corpus store folder (lazyrag precache) to serve chunk KV from."
-    )
-    kv_budget: Optional[int] = Field(
-        default=None,
-        description="Bytes of KV pool, when this model loads the shared engine.",
-        **_common.SAMPLING_LIMITS["positive"],
     )
     system_prompt: Optional[str] = Field(
         default=None, description="A system message put first when the messages have none."
@@ -241,28 +199,6 @@ class ChatLazyLlama(BaseChatModel):
     # Accepted because callers pass them to every chat model; a local engine has no network to time out or retry.
     timeout: Optional[float] = Field(default=None, ge=0.0)
     max_retries: int = Field(default=0, ge=0)
-
-    _engine: Any = PrivateAttr(default=None)
-
-    _known_arguments, _strategy_exists, _temperature_usable = _common.adapter_validators(_RENAMES)
-
-    def __init__(self, engine=None, **kwargs: Any):
-        super().__init__(**kwargs)
-        self._engine = engine
-        if engine is not None:
-            self._setup(engine)
-
-    @property
-    def engine(self):
-        """The LazyEngine, loaded on first use and shared with every adapter on the same model."""
-        if self._engine is None:
-            self._engine = _common.shared_engine(self.model, self.device, self.dtype, self.kv_budget)
-            self._setup(self._engine)
-        return self._engine
-
-    def _setup(self, engine) -> None:
-        _common.attach_store_once(engine, self.store)
-        _common.learn_into(engine)  # Documents any retriever returns become reusable chunks
 
     # -- token counting with the model's own tokenizer (LangChain's default downloads GPT-2's) --
 
@@ -314,17 +250,9 @@ class ChatLazyLlama(BaseChatModel):
         return params
 
     def sampling_params(self, stop: Optional[list[str]] = None, **kwargs: Any):
-        from lazyrag.engine import SamplingParams
-
-        return SamplingParams(
-            max_new_tokens=kwargs.get("max_tokens", self.max_tokens),
-            temperature=kwargs.get("temperature", self.temperature),
-            top_p=kwargs.get("top_p", self.top_p),
-            stop=list(stop if stop is not None else (self.stop or [])),
-            seed=kwargs.get("seed", self.seed),
-            strategy=kwargs.get("strategy", self.strategy),
-            **_common.knob_params(self, kwargs),
-        )
+        """The SamplingParams of a call: its keywords (``max_tokens``, ``temperature``, ...) win over the fields."""
+        stop = list(stop if stop is not None else (self.stop or []))
+        return self._sampling_params(kwargs.get("max_tokens", self.max_tokens), stop, kwargs)
 
     # -- generation --
 

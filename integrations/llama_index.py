@@ -26,7 +26,7 @@ import os
 from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Optional, Sequence
 
 from lazyrag.extras import require
 
@@ -62,6 +62,7 @@ from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, Query
 from llama_index.core.storage.docstore.types import BaseDocumentStore
 
 from lazyrag.integrations import _common
+from lazyrag.integrations._adapter import AdapterFields
 
 if TYPE_CHECKING:
     from lazyrag.store.build import PrecacheReport
@@ -137,68 +138,23 @@ def _chat_response(completion: CompletionResponse) -> ChatResponse:
 _RENAMES = {"model_name": "model", "model_id": "model", "max_tokens": "max_new_tokens", "stop_sequences": "stop"}
 
 
-class LazyLlamaLLM(CustomLLM):
+class LazyLlamaLLM(AdapterFields, CustomLLM):
     """A lazyrag engine as a LlamaIndex LLM (conventions of llama-index-llms-huggingface: public
     config in fields, the heavy engine in a private attribute, loaded on first use).
 
     Unknown arguments are refused. HuggingFaceLLM's names are accepted: ``model_name`` (= ``model``),
     ``context_window``, ``max_new_tokens``, ``system_prompt``, ``device``, ``generate_kwargs``
-    (temperature, top_p, seed, do_sample, ...); also ``max_tokens`` and ``stop_sequences``."""
+    (temperature, top_p, seed, do_sample, ...); also ``max_tokens`` and ``stop_sequences``.
+    The fields it shares with ``ChatLazyLlama`` (model, device, dtype, the sampling knobs, strategy, store,
+    kv_budget), their checks and the lazy ``engine`` are ``lazyrag.integrations._adapter.AdapterFields``."""
 
     model_config = ConfigDict(extra="forbid")
+    _renames: ClassVar[dict[str, str]] = _RENAMES
 
-    model: Optional[str] = Field(
-        default=None, description="Local Llama folder or .gguf file; None = the embedded SmolLM2-135M-Instruct."
-    )
-    device: Optional[str] = Field(default=None, description="cpu or cuda (default: cuda if available).")
-    dtype: Optional[str] = Field(
-        default=None, description="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)."
-    )
     max_new_tokens: int = Field(default=256, gt=0, description="Most tokens generated per call.")
-    temperature: float = Field(
-        default=0.0, description="0 = greedy, else at least 1e-5.", **_common.SAMPLING_LIMITS["temperature"]
-    )
-    top_p: float = Field(default=1.0, **_common.SAMPLING_LIMITS["top_p"])
-    seed: Optional[int] = Field(
-        default=None, description="Sampling seed (temperature > 0), in [0, 2**63).", **_common.SAMPLING_LIMITS["seed"]
-    )
     stop: list[str] = Field(default_factory=list, description="Stop strings.")
-    top_k: int = Field(
-        default=-1,
-        description="Sample from the k most likely tokens; -1 or 0 = all.",
-        **_common.SAMPLING_LIMITS["sampling_top_k"],
-    )
-    repetition_penalty: float = Field(
-        default=1.0,
-        description="HF / vLLM repetition penalty over prompt and answer tokens; 1 = off.",
-        **_common.SAMPLING_LIMITS["repetition_penalty"],
-    )
-    presence_penalty: float = Field(
-        default=0.0, description="OpenAI's presence penalty, in [-2, 2].", **_common.SAMPLING_LIMITS["penalty"]
-    )
-    frequency_penalty: float = Field(
-        default=0.0, description="OpenAI's frequency penalty, in [-2, 2].", **_common.SAMPLING_LIMITS["penalty"]
-    )
     logprobs: Optional[bool] = Field(
         default=None, description="Report each generated token's logprob (CompletionResponse.logprobs)."
-    )
-    top_logprobs: Optional[int] = Field(
-        default=None,
-        description="With logprobs: also the n most likely tokens per position (0-20).",
-        **_common.SAMPLING_LIMITS["top_logprobs"],
-    )
-    strategy: str = Field(
-        default="lazy",
-        description="full, prefix, position_aware, lazy, lazy+recover (lazy with quality recovery, ~15% of chunk "
-        "tokens recomputed), lazy:first=K or lazy:blend=R[:select=attn_dev] (see the docs' engine page).",
-    )
-    store: Optional[str] = Field(
-        default=None, description="A corpus store folder (lazyrag precache) to serve chunk KV from."
-    )
-    kv_budget: Optional[int] = Field(
-        default=None,
-        description="Bytes of KV pool, when this LLM loads the shared engine.",
-        **_common.SAMPLING_LIMITS["positive"],
     )
     context_window: Optional[int] = Field(
         default=None, description="Override the model's context length (tokens).", **_common.SAMPLING_LIMITS["positive"]
@@ -207,21 +163,16 @@ class LazyLlamaLLM(CustomLLM):
         default=True, description="Register nodes retrieved by any LlamaIndex retriever as reusable chunks."
     )
 
-    _engine: Any = PrivateAttr(default=None)
     _stats: Any = PrivateAttr(default_factory=lambda: deque(maxlen=1000))
-
-    _known_arguments, _strategy_exists, _temperature_usable = _common.adapter_validators(_RENAMES)
 
     def __init__(self, engine=None, messages_to_prompt=None, completion_to_prompt=None, **kwargs: Any) -> None:
         # Like HuggingFaceLLM: the model's own chat template unless the user passes a formatter.
         super().__init__(
+            engine,
             messages_to_prompt=messages_to_prompt or self._render_messages,
             completion_to_prompt=completion_to_prompt or self._render_completion,
             **kwargs,
         )
-        self._engine = engine
-        if engine is not None:
-            self._setup(engine)
 
     @classmethod
     def class_name(cls) -> str:
@@ -231,19 +182,11 @@ class LazyLlamaLLM(CustomLLM):
         # the default formatters are this object's bound methods: printing them would recurse
         return [(k, v) for k, v in super().__repr_args__() if k not in ("messages_to_prompt", "completion_to_prompt")]
 
-    # -- the engine --
-
-    @property
-    def engine(self):
-        """The LazyEngine (loaded on first use; shared with other adapters on the same model)."""
-        if self._engine is None:
-            self._engine = _common.shared_engine(self.model, self.device, self.dtype, self.kv_budget)
-            self._setup(self._engine)
-        return self._engine
+    # -- the engine (AdapterFields.engine: loaded on first use, shared with other adapters on the same model) --
 
     def _setup(self, engine) -> None:
         _common.attach_store_once(engine, self.store)
-        if self.learn_retrieved_chunks:
+        if self.learn_retrieved_chunks:  # else AdapterFields._setup's learning is left out
             _install_retrieval_hook()
             _common.learn_into(engine)
 
@@ -281,16 +224,9 @@ class LazyLlamaLLM(CustomLLM):
         return self._render_messages([ChatMessage(role="user", content=prompt)])
 
     def _params(self, kwargs: dict):
-        from lazyrag.engine import SamplingParams
-
-        return SamplingParams(
-            max_new_tokens=kwargs.get("max_new_tokens", self.max_new_tokens),
-            temperature=kwargs.get("temperature", self.temperature),
-            top_p=kwargs.get("top_p", self.top_p),
-            stop=list(kwargs.get("stop", self.stop)),
-            seed=kwargs.get("seed", self.seed),
-            strategy=kwargs.get("strategy", self.strategy),
-            **_common.knob_params(self, kwargs),
+        """The SamplingParams of a call: its keywords (``max_new_tokens``, ``temperature``, ...) win over the fields."""
+        return self._sampling_params(
+            kwargs.get("max_new_tokens", self.max_new_tokens), list(kwargs.get("stop", self.stop)), kwargs
         )
 
     def _record(self, result) -> dict:

@@ -285,6 +285,17 @@ def test_unknown_arguments_are_refused_and_hugging_face_names_accepted():
         ChatLazyLlama(model="/a", model_id="/b")
 
 
+def test_the_fields_shared_with_the_llama_index_llm_are_declared_once():
+    """AdapterFields holds them (same defaults, constraints, descriptions in both adapters); LangChain's own
+    set-up still runs behind it (BaseLanguageModel.model_post_init seeds metadata["lc_versions"])."""
+    from lazyrag.integrations._adapter import AdapterFields
+    from lazyrag.integrations.llama_index import LazyLlamaLLM
+
+    for name, field in AdapterFields.model_fields.items():
+        assert repr(ChatLazyLlama.model_fields[name]) == repr(LazyLlamaLLM.model_fields[name]) == repr(field), name
+    assert "langchain-core" in ChatLazyLlama().metadata["lc_versions"]
+
+
 def test_token_counts_are_the_model_tokenizer_s(adapter_engine):
     llm = ChatLazyLlama(device="cpu", max_tokens=4, system_prompt="You answer briefly.")
     text = "Paganini was born in Genoa in 1782."
