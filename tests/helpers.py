@@ -95,3 +95,37 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def slow_body_answer(url: str) -> bytes:
+    """What a server at ``url`` answers a client that sends headers and part of a body, then nothing: read until
+    the server closes the connection (its own --body-timeout decides when, not a clock of the test's)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"model\": ")
+        answer = b""
+        while chunk := sock.recv(4096):
+            answer += chunk
+    return answer
+
+
+class Running:
+    """A uvicorn server in a thread, on a free loopback port."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        from lazyrag.server import wait_until_ready
+
+        self.url = f"http://127.0.0.1:{free_port()}"
+        host, port = self.url.rsplit(":", 1)
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=int(port), log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        wait_until_ready(self.url, timeout_s=30)
+        self.app = app
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)

@@ -2,7 +2,6 @@
 the front checks `lazyrag serve`'s API key and body limits before routing, the Ray it starts has no dashboard, and
 the HTTP proxy listens on --host (loopback by default)."""
 import json
-import socket
 
 import pytest
 
@@ -12,6 +11,7 @@ from fastapi import FastAPI  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 
 from lazyrag.server.replicas import add_front_gates, ray_init_options  # noqa: E402
+from tests.helpers import Running, slow_body_answer  # noqa: E402
 
 KEY = "sesame"
 
@@ -76,17 +76,9 @@ def test_the_front_holds_the_replicas_body_limits_before_reading_a_body():
 def test_a_body_that_stops_arriving_at_the_front_gets_408():
     """`--body-timeout` at the front: headers, part of the body, then nothing is answered 408 and the connection
     closed; the test waits for that answer (the front's own deadline), not on a clock of its own."""
-    from tests.server.test_serve import Running
-
     running = Running(_front_app(None, server={"body_timeout_s": 0.5}))
     try:
-        host, port = running.url.removeprefix("http://").split(":")
-        with socket.create_connection((host, int(port))) as sock:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: 100\r\n\r\n{\"model\": ")
-            answer = b""
-            while chunk := sock.recv(4096):  # until the front closes the connection
-                answer += chunk
+        answer = slow_body_answer(running.url)
         assert answer.startswith(b"HTTP/1.1 408") and b"--body-timeout" in answer, answer[:300]
     finally:
         running.stop()

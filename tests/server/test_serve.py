@@ -2,14 +2,13 @@
 the stock clients (openai, LangChain's ChatOpenAI, LlamaIndex's OpenAILike) pointed at it."""
 import json
 import socket
-import threading
 import time
 
 import httpx
 import openai
 import pytest
 
-from tests.helpers import TINY_DOCS, free_port
+from tests.helpers import TINY_DOCS, Running, slow_body_answer
 
 pytestmark = pytest.mark.slow
 
@@ -19,27 +18,6 @@ NOTES = [  # chunks no store holds: the first request encodes them, later ones r
     "Tea became popular in Britain after Catherine of Braganza brought the habit to the court in 1662.",
     "The Danube rises in the Black Forest and empties into the Black Sea through a wide delta.",
 ]
-
-
-class Running:
-    """A uvicorn server in a thread, on a free loopback port."""
-
-    def __init__(self, app):
-        import uvicorn
-
-        from lazyrag.server import wait_until_ready
-
-        self.url = f"http://127.0.0.1:{free_port()}"
-        host, port = self.url.rsplit(":", 1)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=int(port), log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        wait_until_ready(self.url, timeout_s=30)
-        self.app = app
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -280,13 +258,7 @@ def test_a_body_that_stops_arriving_gets_408_and_its_connection_closed(adapter_e
 
     running = Running(create_app(adapter_engine, ServerConfig(MODEL, body_timeout_s=0.5)))
     try:
-        host, port = running.url.removeprefix("http://").split(":")
-        with socket.create_connection((host, int(port))) as sock:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: 100\r\n\r\n{\"model\": ")
-            answer = b""
-            while chunk := sock.recv(4096):  # until the server closes the connection
-                answer += chunk
+        answer = slow_body_answer(running.url)
         assert answer.startswith(b"HTTP/1.1 408") and b"--body-timeout" in answer, answer[:300]
         assert httpx.get(f"{running.url}/health").json()["requests_in_flight"] == 0
     finally:
