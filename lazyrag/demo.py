@@ -155,7 +155,7 @@ def _summary(console: Console, rows: list[dict], strategies: tuple[str, ...]) ->
     def names(cs):
         return ", ".join(q + (f".{o + 1}" if any(c[1] for c in cases) else "") for q, o in cs)
 
-    full_wrong = [c for c in cases if not answers[(*c, "full")]]
+    full_wrong = [c for c in cases if not answers[c + ("full",)]]
     if full_wrong:
         console.print(
             f"[bold]Where the model itself fails:[/] full prefill, which reads the whole prompt at once, is wrong "
@@ -165,8 +165,8 @@ def _summary(console: Console, rows: list[dict], strategies: tuple[str, ...]) ->
     for s in strategies:
         if s == "full":
             continue
-        lost = [c for c in cases if answers[(*c, "full")] and not answers[(*c, s)]]
-        won = [c for c in cases if not answers[(*c, "full")] and answers[(*c, s)]]
+        lost = [c for c in cases if answers[c + ("full",)] and not answers[c + (s,)]]
+        won = [c for c in cases if not answers[c + ("full",)] and answers[c + (s,)]]
         line = (
             f"[bold]{s}[/] is wrong where full is right on {names(lost)}"
             if lost

@@ -252,7 +252,7 @@ def score(
     question's answer independent of the other strategies compared in the run.
     ``on_group(first, rows)`` gets each group's rows as it finishes (``first``: its first item's index).
     Past ``deadline`` (``time.monotonic()``) no new batch starts: the items scored so far are returned."""
-    per = {s: [] for s in strategies}
+    per: dict[str, list[dict]] = {s: [] for s in strategies}
     for i in range(0, len(items), batch_items):
         if deadline is not None and time.monotonic() > deadline:
             break
@@ -267,7 +267,7 @@ def score(
 def _score_group(engine, group: list[dict], strategies: list[str], max_new_tokens: int) -> dict[str, list[dict]]:
     from lazyrag.engine import SamplingParams
 
-    rows = {s: [] for s in strategies}
+    rows: dict[str, list[dict]] = {s: [] for s in strategies}
     layouts = [engine.build_prompt(item["question"], item["chunks"]) for item in group]
     # chunk encoding is not what is being compared: the group's chunks are encoded first, in one batch
     try:
@@ -370,7 +370,7 @@ def failed_requests(run: dict, strategy: str) -> set[int]:
 def answered_questions(reports: list[Path], strategies: list[str]) -> set[str]:
     """The questions that every one of ``strategies`` answered, without a failed request, in some report
     of ``reports`` (``lazyrag eval`` JSON; a strategy's answer may come from another report than another's)."""
-    have = {s: set() for s in strategies}
+    have: dict[str, set[str]] = {s: set() for s in strategies}
     for path in reports:
         run = json.loads(Path(path).read_text())
         if "scores" not in run:
@@ -541,6 +541,7 @@ def _device_name(device) -> str:
 
 def run_eval(args, engine_options: dict | None = None) -> int:
     """``lazyrag eval``; ``engine_options``: EngineConfig fields the command line set (``--encoding-passage``)."""
+    import torch
     from tqdm import tqdm
 
     from lazyrag.engine import EngineConfig, LazyEngine, SchedulerConfig
@@ -611,6 +612,8 @@ def run_eval(args, engine_options: dict | None = None) -> int:
         for item, hits in zip(items, retriever.retrieve_batch([it["question"] for it in items], args.k)):
             item["chunks"] = [h.text for h in hits]
     config = EngineConfig(**engine_kwargs)  # the device and dtype the engines resolve to
+    device = config.device
+    assert isinstance(device, torch.device)  # __post_init__ resolved it
     model_name = resolve_model_source(args.model).name
     run = {
         "dataset": args.dataset,
@@ -621,7 +624,7 @@ def run_eval(args, engine_options: dict | None = None) -> int:
         "strategies": strategies,
         "max_new_tokens": args.max_new_tokens,
         "model": model_name,
-        "device": config.device.type,
+        "device": device.type,
         "dtype": str(config.dtype).replace("torch.", ""),
         "encoding_passage": passage_label(config.encoding_passage),
         "encoding_passage_sha256": passage_sha256(
@@ -653,9 +656,7 @@ def run_eval(args, engine_options: dict | None = None) -> int:
     deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
     if left and args.workers > 1:
         store = None if args.store is None else str(getattr(args.store, "path", args.store))
-        import torch
-
-        gpus = torch.cuda.device_count() if config.device.type == "cuda" and config.device.index is None else 1
+        gpus = torch.cuda.device_count() if device.type == "cuda" and device.index is None else 1
         score_parallel(
             engine_kwargs,
             left,
@@ -673,6 +674,11 @@ def run_eval(args, engine_options: dict | None = None) -> int:
         if args.store is not None:
             engine.attach_store(args.store)
         bar = tqdm(total=len(left), desc="eval", unit="question")
+
+        def save_and_count(first: int, rows: dict[str, list[dict]]) -> None:
+            save(first, rows)
+            bar.update(len(rows[strategies[0]]))
+
         score(
             engine,
             left,
@@ -680,7 +686,7 @@ def run_eval(args, engine_options: dict | None = None) -> int:
             args.max_new_tokens,
             args.batch,
             deadline=deadline,
-            on_group=lambda first, rows: (save(first, rows), bar.update(len(rows[strategies[0]]))),
+            on_group=save_and_count,
         )
         bar.close()
     per = checkpoint.per_strategy(strategies)
@@ -701,7 +707,7 @@ def run_eval(args, engine_options: dict | None = None) -> int:
             "n": done,
             "n_asked": len(items),
             "model": model_name,
-            "device": _device_name(config.device),
+            "device": _device_name(device),
             "dtype": str(config.dtype).replace("torch.", ""),
             "encoding_passage": run["encoding_passage"],
             "workers": args.workers,

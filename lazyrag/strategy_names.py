@@ -28,7 +28,7 @@ def lazy_options(name: str) -> dict:
     )
     if name == RECOVER:
         name = RECOVER_AS
-    opts = {}
+    opts: dict[str, int | float | str] = {}
     for part in name.split(":")[1:]:
         key, _, value = part.partition("=")
         try:

@@ -121,6 +121,7 @@ def load(source: ModelSource, dtype: torch.dtype, keep: Callable[[str, torch.Ten
 
 def _identity(source: ModelSource, dtype: torch.dtype) -> dict:
     """What a converted folder depends on: it is valid only where all of these are equal."""
+    assert source.gguf_file is not None  # a GGUF source
     path = source.folder / source.gguf_file
     return {
         "format": FORMAT,
@@ -255,7 +256,9 @@ def _write(folder: Path, identity: dict, config, tokenizer, state: dict[str, tor
 
 def _untie(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(each tensor once, {other name: the name it is stored under}): safetensors refuses a tensor saved twice."""
-    unique, tied, seen = {}, {}, {}
+    unique: dict[str, torch.Tensor] = {}
+    tied: dict[str, str] = {}
+    seen: dict[tuple[int, int | torch.SymInt, tuple[int, ...]], str] = {}
     for name in sorted(state):
         t = state[name]
         ptr = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))

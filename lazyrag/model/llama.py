@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,9 @@ from lazyrag.kernels.reference import apply_rotary, rope_tables
 from lazyrag.model.attention import AttentionMetadata
 from lazyrag.model.loader import SavedConfig
 from lazyrag.model.parallel import TensorParallel
+
+if TYPE_CHECKING:
+    from lazyrag.kv.block_pool import BlockPool
 
 
 @dataclass
@@ -131,15 +135,15 @@ GEMV_DEFAULT = GEMV_LAYERS
 
 @dataclass
 class ElementwiseOps:
-    rms_norm: object = rms_norm
-    add_rms_norm: object = add_rms_norm
-    rotate_qk: object = rotate_qk
-    silu_mul: object = silu_mul
+    rms_norm: Callable[..., Any] = rms_norm
+    add_rms_norm: Callable[..., Any] = add_rms_norm
+    rotate_qk: Callable[..., Any] = rotate_qk
+    silu_mul: Callable[..., Any] = silu_mul
     # rotate_qk and the pool write of the new K/V in one kernel (kernels/qkv.py), where Triton runs;
     # None: rotate_qk, then ``pool.write``
-    rotate_qk_store: object = None
+    rotate_qk_store: Callable[..., Any] | None = None
     # each row's greedy token, ``[B, V]`` logits -> ``[B]`` int64 on the same device (no host sync)
-    greedy_tokens: object = greedy_tokens
+    greedy_tokens: Callable[..., Any] = greedy_tokens
     # projections (of GEMV_LAYERS) that a one-token forward runs as a Triton GEMV (kernels/gemv.py), the
     # norm or silu*up before them folded into its prologue: one launch instead of two, and the weights
     # read at a GEMV's rate rather than a GEMM's small-tile one. Empty: elementwise kernel, then torch's GEMM.
@@ -321,9 +325,9 @@ class Block(nn.Module):
 class Runtime:
     """Per-forward state the layers share: the pool, the batch's layout, the backend, RoPE tables."""
 
-    pool: object
+    pool: BlockPool
     meta: AttentionMetadata
-    attention: object
+    attention: Callable[..., torch.Tensor]
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
     rope_scaling: float

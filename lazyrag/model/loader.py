@@ -13,7 +13,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 from typing import TYPE_CHECKING, Callable
 
 from lazyrag.defaults import QUIET_GGUF_ENV
@@ -190,7 +190,7 @@ def load_checkpoint(source: ModelSource, dtype: torch.dtype):
 @contextlib.contextmanager
 def _quiet_gguf_bar(quiet: bool):
     """transformers' GGUF reader shows a bare tqdm bar; silence only that one (other bars of the run stay)."""
-    module = None
+    module: ModuleType | None = None
     if quiet:
         try:
             from transformers import modeling_gguf_pytorch_utils as module
@@ -200,11 +200,12 @@ def _quiet_gguf_bar(quiet: bool):
         yield
         return
     original = module.tqdm
-    module.tqdm = functools.partial(original, disable=True)
+    # typeshed's ModuleType reads any attribute (Any) but declares none to assign
+    module.tqdm = functools.partial(original, disable=True)  # type: ignore[attr-defined]
     try:
         yield
     finally:
-        module.tqdm = original
+        module.tqdm = original  # type: ignore[attr-defined]
 
 
 class SavedConfig(SimpleNamespace):

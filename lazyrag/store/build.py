@@ -25,7 +25,7 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 from lazyrag.prompt import check_text
 from lazyrag.store.corpus import (
@@ -150,7 +150,7 @@ def _read_inputs(inputs: list[str]) -> Iterator[Document]:
             )
         if path.is_dir():
             files = sorted(p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file())
-            docs = (
+            docs: Iterator[Document] = (
                 Document(str(p.relative_to(path)), p.read_text(errors="replace"), {"source": str(p)}) for p in files
             )
         elif path.is_file() and path.name.endswith((".jsonl", ".jsonl.gz")):
@@ -358,23 +358,22 @@ def precache(engine, config: PrecacheConfig, embedder=None, documents=None) -> P
     if not docs:
         raise StoreError(f"No documents found in {', '.join(config.inputs)}.")
     identity = engine.kv_identity(config.system)  # raises for an engine without a tokenizer
-    if config.chunk_tokens is None:
+    chunk_tokens = config.chunk_tokens
+    if chunk_tokens is None:
         resumed = (out / MANIFEST).is_file() and not config.overwrite and not rebuild_interrupted(out)
         stored = read_manifest(out).chunk_tokens if resumed else None
-        config = replace(
-            config,
-            chunk_tokens=whole_document_chunk_tokens(
-                docs, engine.prompts, identity.block_size, engine.max_context - len(identity.prefix_ids), stored
-            ),
+        chunk_tokens = whole_document_chunk_tokens(
+            docs, engine.prompts, identity.block_size, engine.max_context - len(identity.prefix_ids), stored
         )
-    chunks = chunk_documents(docs, engine.prompts, config.chunk_tokens, config.overlap, identity.block_size)
+        config = replace(config, chunk_tokens=chunk_tokens)
+    chunks = chunk_documents(docs, engine.prompts, chunk_tokens, config.overlap, identity.block_size)
     split = sorted({c.doc_id for c in chunks if c.meta["part"]}) if documents is not None else []
     if split:
         log.warning(
             "%d document(s) are longer than chunk_tokens=%d and were split into windows (%s): a prompt holding one "
             "whole reuses only the windows found in it; chunk_tokens=None keeps every document whole",
             len(split),
-            config.chunk_tokens,
+            chunk_tokens,
             ", ".join(split[:5]) + (", ..." if len(split) > 5 else ""),
         )
     embedder = embedder or load_embedder(config.embedder)
@@ -382,7 +381,7 @@ def precache(engine, config: PrecacheConfig, embedder=None, documents=None) -> P
         identity,
         embedder=config.embedder,
         embed_dim=_embed_dim(embedder),
-        chunk_tokens=config.chunk_tokens,
+        chunk_tokens=chunk_tokens,
         overlap=config.overlap,
         chunks_per_shard=config.chunks_per_shard,
         index_kind=config.index,
@@ -432,9 +431,9 @@ def _build(
 
     per = config.chunks_per_shard
     stored = set(store.keys_by_id())
-    todo = []
+    todo: list[tuple[str, Sequence[int]]] = []  # (shard file, its chunk ids)
     for s in range(0, len(chunks), per):
-        ids = range(s, min(s + per, len(chunks)))
+        ids: Sequence[int] = range(s, min(s + per, len(chunks)))
         missing = [i for i in ids if i not in stored]
         if len(missing) == len(ids):
             todo.append((f"shard-{s // per:06d}.safetensors", ids))

@@ -85,6 +85,7 @@ import uuid
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -706,10 +707,12 @@ class CorpusStore(Tier):
             )
         if table_id and found and found[0][12] != table_id:
             raise self._other_table(found[0][12] or "none")
-        out, bad = [], []
+        out: list[ChunkRow | tuple[ChunkRow, Any]] = []
+        bad: list[int] = []
         for r in found:
             try:
-                row = ChunkRow(*r[:9], meta=json.loads(r[9]))
+                id_, key, doc_id, text, num_tokens, shard, digest, kind, start, meta = r[:10]  # _COLUMNS
+                row = ChunkRow(id_, key, doc_id, text, num_tokens, shard, digest, kind, start, meta=json.loads(meta))
                 ok = row_check(row, r[9], r[10]) == r[11]
             except (TypeError, ValueError) as e:
                 self._table_damaged(f"a row's metadata is not JSON: {e}", e)
@@ -717,7 +720,7 @@ class CorpusStore(Tier):
                 bad.append(row.id)
             out.append((row, r[10]) if with_embeddings else row)
         if ids is not None:
-            by_id = {(r[0] if with_embeddings else r).id: r for r in out}
+            by_id = {(r[0] if isinstance(r, tuple) else r).id: r for r in out}  # a tuple: with_embeddings
             out = [by_id[int(i)] for i in ids if int(i) in by_id]
         return out, bad
 
@@ -913,7 +916,13 @@ def read_manifest(path: Path) -> StoreManifest:
         ) from e
 
 
-_FIELD_TYPES = {"int": int, "str": str, "float": (int, float), "list[int]": list, "list[str]": list}
+_FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
+    "int": int,
+    "str": str,
+    "float": (int, float),
+    "list[int]": list,
+    "list[str]": list,
+}
 
 
 def _typed(manifest: StoreManifest) -> StoreManifest:
@@ -1178,15 +1187,17 @@ def build_index(vecs: np.ndarray, ids: np.ndarray, kind: str = "flat"):
     import faiss
 
     dim = vecs.shape[1]
+    base: faiss.Index
     if kind == "flat":
         base = faiss.IndexFlatIP(dim)
     elif kind == "hnsw":
         base = faiss.IndexHNSWFlat(dim, 32, faiss.METRIC_INNER_PRODUCT)
     elif kind == "ivf":
         nlist = max(1, min(int(4 * np.sqrt(len(vecs))), len(vecs) // 39 or 1))  # FAISS wants ~39 points per list
-        base = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, nlist, faiss.METRIC_INNER_PRODUCT)
-        base.train(vecs)
-        base.nprobe = max(1, nlist // 8)
+        ivf = faiss.IndexIVFFlat(faiss.IndexFlatIP(dim), dim, nlist, faiss.METRIC_INNER_PRODUCT)
+        ivf.train(vecs)
+        ivf.nprobe = max(1, nlist // 8)
+        base = ivf
     else:
         raise ValueError(f"Unknown index kind {kind!r}: choose flat, ivf or hnsw.")
     index = faiss.IndexIDMap2(base)
@@ -1219,7 +1230,8 @@ def _read_pending_index(path: Path, sha256: str) -> np.ndarray | None:
         data = np.fromfile(Path(path) / INDEX_NEXT, dtype=np.uint8)
     except OSError:
         return None
-    return data if sha256 and hashlib.sha256(data).hexdigest() == sha256 else None
+    # numpy's stubs give ndarray its buffer protocol (__buffer__) only for Python 3.12+
+    return data if sha256 and hashlib.sha256(data).hexdigest() == sha256 else None  # type: ignore[arg-type]
 
 
 def settle_pending_index(path: Path, manifest: StoreManifest) -> None:

@@ -33,7 +33,7 @@ def is_dev(question: str) -> bool:
     return h % 1000 < DEV_SHARE * 1000
 
 
-def load_questions(dataset: str, path: Path | None = None) -> list[Question]:
+def load_questions(dataset: str, path: str | Path | None = None) -> list[Question]:
     """Every tune-part question of ``dataset`` with its own passages (``path``: the set's file, else the default)."""
     path = Path(path) if path is not None else quality.default_data(dataset)
     if not path.is_file():

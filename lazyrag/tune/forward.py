@@ -206,8 +206,8 @@ def lazy_logits(model, examples: list[Example], passage_ids: list[int]) -> torch
     n_prefix = len(enc)
     spans = []  # per example: (chunk row, tokens, rotation) in prompt order
     for e in examples:
-        starts = e.layout.chunk_starts()
-        spans.append([(chunks[tuple(c)], len(c), s - P) for c, s in zip(e.layout.chunk_ids, starts)])
+        chunk_starts = e.layout.chunk_starts()
+        spans.append([(chunks[tuple(c)], len(c), s - P) for c, s in zip(e.layout.chunk_ids, chunk_starts)])
     N = n_prefix + max((sum(n for _, n, _ in sp) for sp in spans), default=0)
     rot_pos = torch.zeros(B, N, dtype=torch.long, device=device)  # each context slot's rotation (0: prefix, padding)
     ctx_real = torch.zeros(B, N, dtype=torch.bool, device=device)
@@ -238,6 +238,7 @@ def lazy_logits(model, examples: list[Example], passage_ids: list[int]) -> torch
             hkv, hd = ck.shape[1], ck.shape[3]
             sel_k = ck.transpose(1, 2).reshape(-1, hkv, hd).index_select(0, flat).view(B, N - n_prefix, hkv, hd)
             sel_v = cv.transpose(1, 2).reshape(-1, hkv, hd).index_select(0, flat).view(B, N - n_prefix, hkv, hd)
+            assert cos is not None and sin is not None  # set whenever N > n_prefix
             sel_k = _rotate(sel_k.transpose(1, 2), cos, sin)  # [B, Hkv, N', D], rotated to each chunk's place
             k, v = torch.cat((k, sel_k), dim=2), torch.cat((v, sel_v.transpose(1, 2)), dim=2)
         past.append((k, v))

@@ -261,7 +261,7 @@ class Tuner:
 
     def dev_kl(self, student, examples: list[Example], base: bool = False) -> dict:
         """KL to base full prefill of tuned lazy and tuned full (``base``: also of the base model's lazy)."""
-        out = {"prompts": len(examples)}
+        out: dict[str, float] = {"prompts": len(examples)}
         was = student.training
         student.eval()
         with torch.no_grad(), self._autocast():
@@ -352,6 +352,7 @@ class Tuner:
         answers = self.teacher_answers(dev_draws)
         student = self.build_student()
         params = [p for p in student.parameters() if p.requires_grad]
+        assert c.learning_rate is not None  # __post_init__ set the method's default
         optimizer = torch.optim.AdamW(params, lr=c.learning_rate, weight_decay=0.0)
 
         def lr_at(step: int) -> float:  # linear warm-up, then cosine down to a tenth
@@ -394,7 +395,7 @@ class Tuner:
             torch.cuda.empty_cache()
         if step < c.max_steps:
             log.info("lazyrag tune stopped at step %d of %d (time limit); rerun to go on", step, c.max_steps)
-        last_dev = next((h for h in reversed(history) if "tuned_lazy" in h), {})
+        last_dev: dict[str, float] = next((h for h in reversed(history) if "tuned_lazy" in h), {})
         dev_kl = {
             **next((h for h in history if h["step"] == 0 and "base_lazy" in h), {}),
             **{k: v for k, v in last_dev.items() if k in ("tuned_lazy", "tuned_full", "prompts")},
