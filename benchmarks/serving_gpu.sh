@@ -4,8 +4,9 @@
 #   PART=s bash benchmarks/serving_gpu.sh OLD_TREE   # the 1 GB closed loop (lazy), old tree then this one
 #   PART=b bash benchmarks/serving_gpu.sh            # this tree's 1 GB closed loop: every peer, lazy with and without the batched encode
 #   PART=c bash benchmarks/serving_gpu.sh            # this tree, 1 GB plus a host-RAM tier holding the corpus: closed loop, 2 req/s
+#   PART=p bash benchmarks/serving_gpu.sh            # this tree's 1 GB closed loop under LRU and TinyLFU admission: lazy and its exact peers
 # OLD_TREE: `git archive <commit> | tar -x -C .snap`, carried. Writes to $OUT (or benchmarks/results): e2e_h100_serving_{new,old}.json,
-# serving_h100_old.json, serving_h100_1gb.json, serving_h100_host.json and their logs.
+# serving_h100_old.json, serving_h100_1gb.json, serving_h100_host.json, serving_h100_policies.json and their logs.
 set -u
 part=${PART:-a}
 OUT=$(cd "${OUT:-benchmarks/results}" && pwd)
@@ -47,4 +48,9 @@ c)
   timeout 560 python3 benchmarks/serving.py --experiments host $loop --host-gb ${HOST_GB:-40} --rate 2 --requests 60 \
       --strategies position_aware,position_aware:rerotate,reorder+prefix,lazy --out "$OUT/serving_h100_host.json" 2>&1 \
       | grep -v "Warning\|warn" | tee "$OUT/serving_h100_host_log.txt" | grep "^host\|^model\|^wrote" ;;
+p)
+  install "$new"
+  timeout 560 python3 benchmarks/serving.py --experiments throughput $loop --policies lru,lru+admit \
+      --strategies position_aware:rerotate,reorder+prefix,lazy --out "$OUT/serving_h100_policies.json" 2>&1 \
+      | grep -v "Warning\|warn" | tee "$OUT/serving_h100_policies_log.txt" | grep "^throughput\|^model\|^wrote" ;;
 esac
