@@ -2,6 +2,7 @@
 # Issue 41's device check, old tree against this one in the same call (one part a call, each under 10 minutes):
 #   PART=a bash benchmarks/serving_gpu.sh OLD_TREE   # e2e_gpu.py new then old; the old tree's 1 GB closed loop (lazy) unless E2E_ONLY=1
 #   PART=s bash benchmarks/serving_gpu.sh OLD_TREE   # the 1 GB closed loop (lazy), old tree then this one
+#   PART=e bash benchmarks/serving_gpu.sh OLD_TREE   # a then s in one call: e2e new and old, then the 1 GB loop old and new
 #   PART=b bash benchmarks/serving_gpu.sh            # this tree's 1 GB closed loop: every peer, lazy with and without the batched encode
 #   PART=c bash benchmarks/serving_gpu.sh            # this tree, 1 GB plus a host-RAM tier holding the corpus: closed loop, 2 req/s
 #   PART=p bash benchmarks/serving_gpu.sh            # this tree's 1 GB closed loop under LRU and TinyLFU admission: lazy and its exact peers
@@ -23,7 +24,7 @@ serve_lazy() {  # side tree: that tree's 1 GB closed loop with lazy alone
   grep "^throughput\|^model" "$OUT/serving_h100_$1_log.txt" | sed "s/^/$1: /"
 }
 case $part in
-a)
+a|e)
   old=${1:?old tree}
   for side in new old; do
     tree=$new; [ "$side" = old ] && tree=$old
@@ -33,7 +34,7 @@ a)
     grep "lazyrag TTFT\|lazyrag decode\|transformers full" "$OUT/e2e_h100_serving_${side}_log.txt" | sed "s/^/$side: /"
   done
   [ -n "${E2E_ONLY:-}" ] || serve_lazy old "$old"
-  install "$new" ;;
+  if [ "$part" = e ]; then serve_lazy new "$new"; else install "$new"; fi ;;
 s)  # the 1 GB closed loop, lazy alone, old tree then this one
   old=${1:?old tree}
   serve_lazy old "$old"
