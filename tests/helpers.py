@@ -1,10 +1,15 @@
 """Plain helpers shared by test modules (fixtures live in the conftest.py files); no test module imports another."""
+import os
 import random
 import socket
 import threading
 from contextlib import contextmanager
 
 import torch
+
+# A hang guard, not a deadline: how long a subprocess that loads the model (the CLI, an example, a snippet) may run
+# before the test calls it hung. A busy 2-core CI machine ran `lazyrag demo` past 600 s; a hang never ends.
+HANG_S = float(os.environ.get("LAZYRAG_TEST_HANG_S", "3600"))
 
 # -- prompts: chunks and questions the engine, scheduler, blend, fault and eval tests share ----------
 

@@ -3,6 +3,8 @@ and no modules import each other in a cycle. The code map in docs/design.md draw
 import ast
 from pathlib import Path
 
+from tests.helpers import HANG_S
+
 ROOT = Path(__file__).resolve().parents[1]
 # import name -> folder (pyproject's package-dir): kernels/ and integrations/ install as lazyrag.*
 PACKAGE_DIRS = {"lazyrag": ROOT / "lazyrag", "lazyrag.kernels": ROOT / "kernels", "lazyrag.integrations": ROOT / "integrations"}
@@ -159,6 +161,6 @@ def test_the_source_trees_kernels_folder_never_shadows_a_top_level_kernels():
              "try:\n    import kernels\nexcept ImportError:\n    print('absent')\n"
              "else:\n    f = getattr(kernels, '__file__', None)\n"
              "    print('absent' if f is None else 'shadowed' if kernels is ours or f == ours.__file__ else 'theirs')\n")
-    out = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True, text=True, timeout=HANG_S)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() in ("absent", "theirs")

@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from tests.helpers import HANG_S
+
 
 # runs the CLI, then says whether the engine module (torch, the model) was ever imported
 _PROBE = ("import sys; from lazyrag.cli import main; rc = main(sys.argv[1:]); "
@@ -13,11 +15,11 @@ _PROBE = ("import sys; from lazyrag.cli import main; rc = main(sys.argv[1:]); "
           "'torch imported' if 'torch' in sys.modules else 'no torch'); sys.exit(rc)")
 
 
-def run(*args, timeout=600):
+def run(*args, timeout=HANG_S):
     return subprocess.run([sys.executable, "-m", "lazyrag.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
-def probe(*args, timeout=120):
+def probe(*args, timeout=HANG_S):
     return subprocess.run([sys.executable, "-c", _PROBE, *args], capture_output=True, text=True, timeout=timeout)
 
 
@@ -30,7 +32,7 @@ def test_help_teaches():
 def test_help_imports_no_torch():
     for args in (["--help"], ["precache", "--help"], ["ask", "--help"]):
         code = "import sys; from lazyrag.cli import main\ntry: main(sys.argv[1:])\nexcept SystemExit: pass\nprint('torch' in sys.modules)"
-        r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=60)
+        r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=HANG_S)
         assert r.stdout.strip().endswith("False"), (args, r.stdout[-300:], r.stderr[-300:])
 
 
@@ -47,9 +49,9 @@ def test_demo_marks_each_strategys_answer_and_compares_ttft():
 
 
 def test_python_dash_m_lazyrag_is_the_command():
-    r = subprocess.run([sys.executable, "-m", "lazyrag", "--help"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "lazyrag", "--help"], capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 0 and "lazyrag demo" in r.stdout and "serve" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "lazyrag", "demo", "--strategies", "lazy"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "lazyrag", "demo", "--strategies", "lazy"], capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 2 and "must include full" in r.stderr
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import free_port
+from tests.helpers import HANG_S, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -30,7 +30,7 @@ DOCUMENTED_PORT = "127.0.0.1:8000"
 FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*([\w+-]*)\s*$")
 DIRECTIVE = re.compile(r"^\s*<!--\s*docs-test:\s*(.*?)\s*-->\s*$")
 SKIP = re.compile(r"^skip\s*\((.*)\)$")
-PAGE_TIMEOUT_S = 900
+PAGE_TIMEOUT_S = HANG_S
 
 
 @dataclass
@@ -205,10 +205,10 @@ def test_the_code_blocks_of_the_page_run(page, tmp_path):
 def test_a_broken_snippet_fails_and_a_skip_needs_a_reason(tmp_path):
     page = tmp_path / "broken.md"
     page.write_text("```python\nx = 1\n```\n\n```python\nassert x == 2, 'the snippet is broken'\n```\n")
-    r = run_page(page, tmp_path, timeout_s=120)
+    r = run_page(page, tmp_path)
     assert r.returncode != 0 and "the snippet is broken" in r.stdout and "broken.md:5" in _failure(page, r)
     page.write_text("```bash\necho one\nfalse\necho never\n```\n")
-    r = run_page(page, tmp_path, timeout_s=120)
+    r = run_page(page, tmp_path)
     assert r.returncode != 0 and "one" in r.stdout and "never" not in r.stdout
     page.write_text("<!-- docs-test: skip () -->\n```python\nx\n```\n\n```py\nx\n```\n\n<!-- docs-test: skip (why) -->\n\ntext\n")
     found = "\n".join(problems(page))

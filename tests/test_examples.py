@@ -7,13 +7,15 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import HANG_S
+
 pytestmark = pytest.mark.slow
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def run(name: str, *args: str) -> str:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=400, env=env)
+    proc = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=HANG_S, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 

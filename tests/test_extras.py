@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from tests.helpers import HANG_S
+
 HIDE = """
 import importlib.abc, sys
 class Hide(importlib.abc.MetaPathFinder):
@@ -24,7 +26,7 @@ sys.meta_path.insert(0, Hide())
     ("sentence_transformers", "from lazyrag.store.retriever import load_embedder; load_embedder()", "retrieval"),
 ])
 def test_a_missing_extra_names_what_to_install(top, code, extra):
-    run = subprocess.run([sys.executable, "-c", HIDE.format(top=top) + code], capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-c", HIDE.format(top=top) + code], capture_output=True, text=True, timeout=HANG_S)
     assert run.returncode != 0
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("lazyrag.extras.MissingExtra") and f"pip install 'lazyrag[{extra}]'" in last, run.stderr[-2000:]
@@ -52,13 +54,13 @@ import sys
 assert not any(m == "triton" or m.startswith("triton.") for m in sys.modules)
 print("ok")
 """
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
 
 
 @pytest.mark.parametrize("top,command,extra", [("uvicorn", "serve", "serve"), ("peft", "tune --out x", "tune")])
 def test_a_command_without_its_extra_says_what_to_install(top, command, extra):
     code = HIDE.format(top=top) + f"from lazyrag.cli import main; raise SystemExit(main({command.split()!r}))"
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
     assert run.returncode != 0 and f"needs {top}, which is not installed: pip install 'lazyrag[{extra}]'" in run.stderr, \
         run.stderr[-2000:]

@@ -47,7 +47,7 @@ def routing(client) -> dict:
     return client.get("/routing").json()
 
 
-def wait_for(predicate, timeout=30.0):
+def wait_for(predicate, timeout=120.0):  # a hang guard: the state is what is waited on
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         if predicate():
@@ -96,7 +96,7 @@ def test_busy_replica_sends_new_documents_to_the_other(endpoint):
     home = ask(endpoint, "Who discovered penicillin?", FLEMING).headers["x-lazyrag-replica"]
     t = threading.Thread(target=long_answer)
     t.start()
-    assert wait_for(lambda: routing(endpoint)[home]["in_flight"] >= 1, timeout=10)
+    assert wait_for(lambda: routing(endpoint)[home]["in_flight"] >= 1, timeout=120)  # a hang guard
     other = ask(endpoint, "Who won two Nobel Prizes?", CURIE)
     t.join()
     assert other.status_code == 200 and results["long"].status_code == 200

@@ -14,6 +14,7 @@ import pytest
 
 from lazyrag.store.build import PrecacheConfig, chunk_documents, precache, read_documents
 from lazyrag.store.corpus import LOCK, MANIFEST, TABLE, CorpusStore
+from tests.helpers import HANG_S
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT.parent / "shared" / "data"
@@ -72,7 +73,7 @@ def test_killed_build_resumes_to_the_same_store(default_engine, tiny_corpus, emb
     out = tmp_path / "killed"
     cmd = [sys.executable, "-c", _KILLED_AFTER_TWO_SHARDS, "precache", str(tiny_corpus), "--out", str(out),
            "--chunks-per-shard", "1", "--quiet"]
-    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)  # hang guard
+    proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=HANG_S)  # hang guard
     assert proc.returncode == -signal.SIGKILL, proc.stdout.decode()[-2000:]
     partial = _store_snapshot(out)
     assert len(partial) - 1 == 2, "the build was not killed after its second chunk"  # the prefix row and two chunks
@@ -102,7 +103,7 @@ def test_new_process_answers_from_the_store_with_hits(default_engine, tiny_corpu
         print(json.dumps(dict(r.stats.as_dict(), question_tokens=len(layout.question_ids),
                               tier_hits=engine.cache.stats.tier_hits, doc=chunks[0][:20])))
     """)
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     stats = json.loads(proc.stdout.strip().splitlines()[-1])
     assert stats["doc"].startswith("The Mariana Trench")
@@ -112,7 +113,7 @@ def test_new_process_answers_from_the_store_with_hits(default_engine, tiny_corpu
 
 
 def test_cli_help_teaches():
-    proc = subprocess.run([sys.executable, "-m", "lazyrag.cli", "precache", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-m", "lazyrag.cli", "precache", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0
     for word in ("--chunk-tokens", "--overlap", "--index", "--limit", "resume", "nq_open_oracle_2655.jsonl.gz"):
         assert word in proc.stdout
@@ -324,7 +325,7 @@ def test_a_new_process_answers_from_llama_index_and_langchain_stores_from_the_fi
     assert langchain.precache_store(vectors, docs_store, default_engine, progress=False).chunks == len(SPLITS)
 
     proc = subprocess.run([sys.executable, "-c", NEW_PROCESS, str(folder), str(index_store), str(tmp_path / "vectors.json"),
-                           str(docs_store)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                           str(docs_store)], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     # the first question of each framework: every retrieved chunk's KV read from its store, none computed
