@@ -968,7 +968,10 @@ def _config_argv(parser: argparse.ArgumentParser, path: str, drop_model: bool) -
 
 def _with_config(parser: argparse.ArgumentParser, argv: list[str], args):
     """``args`` again with the ``--config`` file's options under the command line's."""
-    command = parser._subparsers._group_actions[0].choices[args.command]
+    assert parser._subparsers is not None  # the commands' subparsers
+    subparsers = parser._subparsers._group_actions[0]
+    assert isinstance(subparsers, argparse._SubParsersAction)
+    command = subparsers.choices[args.command]
     at = argv.index(args.command) + 1
     given = args.model is not None or getattr(args, "model_tag", None) is not None
     return parser.parse_args(argv[:at] + _config_argv(command, args.config, drop_model=given) + argv[at:])
@@ -1317,10 +1320,11 @@ def store_report(path: Path) -> dict:
 def _size(n) -> str:
     if n is None:
         return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
+    return f"{n:.1f} TiB"
 
 
 def _cache(args) -> int:

@@ -8,8 +8,7 @@ RUFF="${RUFF:-.venv/bin/ruff}"
 FOLDERS=(lazyrag integrations kernels)
 "$RUFF" check "${FOLDERS[@]}"
 "$RUFF" format --check "${FOLDERS[@]}"
-# mypy ([tool.mypy]) on the folders and modules that reach zero errors (kv, store, model, tune, and the top-level
-# prompt, strategy_names, eval and demo); imports into other folders are read, not reported
-MYPY_PATHS=(lazyrag/kv lazyrag/store lazyrag/model lazyrag/tune
-    lazyrag/prompt.py lazyrag/strategy_names.py lazyrag/eval.py lazyrag/demo.py)
+# mypy ([tool.mypy]) on the whole lazyrag package at zero errors (engine, server, kv, store, model, tune and every
+# top-level module); integrations/ and kernels/ are not gated yet: imports into them are read, not reported
+MYPY_PATHS=(lazyrag)
 "${MYPY:-.venv/bin/mypy}" --follow-imports=silent "${MYPY_PATHS[@]}"

@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence, cast
 
 import numpy as np
 import torch
@@ -37,7 +37,7 @@ import torch
 from lazyrag.engine.runner import ModelRunner, Placement
 from lazyrag.kernels.reference import apply_rotary, gather_rotated_reference, prefix_attention_reference
 from lazyrag.kv.cache import Segment, SegmentKind
-from lazyrag.model.llama import ElementwiseOps, rope_at
+from lazyrag.model.llama import Block, ElementwiseOps, LlamaModel, rope_at
 from lazyrag.strategy_names import BLEND_SELECTIONS
 
 SELECTION_LAYER = 1  # the first layer whose K/V depend on the context
@@ -45,6 +45,11 @@ DENSE_OPS = ElementwiseOps()  # eager: token counts differ per request, a compil
 KEEP_CONTEXT_BYTES = 1 << 30  # a request's gathered layers kept for the second pass, up to this size
 KERNEL_ON_CPU = False  # the Triton attention on CPU tensors too (its interpreter: tests); CUDA uses it once checked
 log = logging.getLogger(__name__)
+
+
+def _blocks(model: LlamaModel) -> Sequence[Block]:
+    """The model's decoder blocks (an ``nn.ModuleList``, whose items torch types as plain modules)."""
+    return cast("Sequence[Block]", model.layers)
 
 
 @dataclass
@@ -82,7 +87,7 @@ class PlacedContext:
         )
         self.slots = torch.from_numpy(slots).to(dev)
         self.delta_dev = self.delta.to(dev)
-        attn = runner.model.layers[0].attn
+        attn = _blocks(runner.model)[0].attn
         self.fast = use_kernels(dev, self.pool.k.dtype, attn.hq, attn.hkv, attn.d, runner.model.sm_scale)
         if not self.fast:  # the fp32 path rotates with tables gathered once, not once per layer
             self.cos, self.sin = self.rope_cos[self.delta_dev][:, None], self.rope_sin[self.delta_dev][:, None]
@@ -168,7 +173,7 @@ def question_attention(
     T = len(question)
     score = torch.zeros(n_ctx, device=dev)
     hidden = None  # [G*T, T]: the question's own later tokens, for each row (q head within its group, token)
-    for layer, block in enumerate(model.layers[:hi]):
+    for layer, block in enumerate(_blocks(model)[:hi]):
         kc, vc = ctx.layer(layer, keep=True)
         q, k, v = block.attn.project(block.attn_input(x, ops), cos, sin, ops, runner.rope_scaling)
         hkv, G, D = k.shape[1], q.shape[1] // k.shape[1], q.shape[2]
@@ -214,7 +219,7 @@ def selective_recompute(
     """
     assert selection in SELECTIONS, selection
     pool, model, dev, ops = runner.pool, runner.model, runner.device, DENSE_OPS
-    layers = model.layers
+    layers = _blocks(model)
     L = len(layers)
     ctx = PlacedContext(runner, placed)
     owner, offset, pos = ctx.owner, ctx.offset, ctx.position
@@ -236,6 +241,7 @@ def selective_recompute(
         attn, cost = score[chunk_pos.to(dev)].cpu(), len(question) * ran / L
     sel_layer = min(SELECTION_LAYER, L - 1)
     # (layer, tokens kept there, score from the deviation there or None: the attention, before the layer runs)
+    stages: list[tuple[int, float, str | None]]
     if selection == "attn":
         stages = [(0, ratio, None)]
     elif selection == "gradual" and sel_layer + 1 < L:
@@ -262,6 +268,7 @@ def selective_recompute(
     for layer, block in enumerate(layers):
         stage = next((s for s in stages if s[0] == layer), None)
         if stage is not None and stage[2] is None:  # chosen before the layer runs: the dropped tokens cost nothing
+            assert attn is not None  # the "attn" selection's stage: the question's attention was computed
             rows_kept = keep(attn, stage[1])
             cur, x = cur[rows_kept], x[rows_kept.to(dev)]
             sel, cos, sin, limit = running(cur)

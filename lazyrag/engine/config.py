@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 
@@ -132,8 +133,8 @@ class EngineConfig:
 
     def with_changes(self, **fields) -> "EngineConfig":
         """A copy with ``fields`` changed and the defaults it took resolved again (another device changes them)."""
-        again = {f: None for f in self.defaulted if f not in _RESOLVED_SCHEDULER and f not in fields}
-        scheduler_again = {f: None for f in self.defaulted if f in _RESOLVED_SCHEDULER}
+        again: dict[str, Any] = {f: None for f in self.defaulted if f not in _RESOLVED_SCHEDULER and f not in fields}
+        scheduler_again: dict[str, Any] = {f: None for f in self.defaulted if f in _RESOLVED_SCHEDULER}
         if scheduler_again and "scheduler" not in fields:
             again["scheduler"] = replace(self.scheduler, **scheduler_again)
         return replace(self, **again, **fields)

@@ -14,7 +14,7 @@ import dataclasses
 import random
 import threading
 from pathlib import Path
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator, Iterator, cast
 
 import torch
 
@@ -111,6 +111,20 @@ class RequestStream:
             self.engine._abandon(self.request, wait)
 
 
+def _device(cfg: EngineConfig) -> torch.device:
+    """``cfg.device`` as ``EngineConfig.__post_init__`` resolved it (a ``torch.device``, never a str or None)."""
+    device = cfg.device
+    assert isinstance(device, torch.device)
+    return device
+
+
+def _dtype(cfg: EngineConfig) -> torch.dtype:
+    """``cfg.dtype`` as ``EngineConfig.__post_init__`` resolved it (never a str or None)."""
+    dtype = cfg.dtype
+    assert dtype is not None and not isinstance(dtype, str)
+    return dtype
+
+
 def _join_group(args: LlamaArgs, cfg: EngineConfig, build=None):
     """(None, []) for one process; else the split checked (before any process starts) and this process in the
     tensor-parallel group: (its ``TensorParallel``, the workers it spawned). ``build``: what a spawned worker calls."""
@@ -136,7 +150,7 @@ def _rank_args(args: LlamaArgs, tp, cfg: EngineConfig) -> LlamaArgs:
     """The model's args, or under tensor parallelism this rank's shard of them; a rank's GPU is cuda:LOCAL_RANK."""
     if tp is None:
         return args
-    if cfg.device.type == "cuda":
+    if cast(torch.device, cfg.device).type == "cuda":  # EngineConfig.__post_init__ resolved it
         cfg.device = torch.device("cuda", tp.local_rank)
     return local_args(args, tp.size)
 
@@ -162,14 +176,16 @@ class LazyEngine:
             config.cache = dataclasses.replace(
                 config.cache, disk_dir=str(Path(config.cache.disk_dir) / f"tp{tp.size}-rank{tp.rank}")
             )
+        device, kv_budget, attention_name = _device(config), config.kv_budget, config.attention
+        assert kv_budget is not None and not isinstance(kv_budget, str) and attention_name is not None  # resolved
         # under tensor parallelism ``args`` is this rank's shard: the pool holds its KV heads of every block
-        shape = KVShape(args.num_layers, args.num_kv_heads, args.head_dim, config.block_size, config.dtype)
-        pool = BlockPool.with_budget(shape, config.kv_budget, config.device)
+        shape = KVShape(args.num_layers, args.num_kv_heads, args.head_dim, config.block_size, _dtype(config))
+        pool = BlockPool.with_budget(shape, kv_budget, device)
         self.cache = CacheManager(pool, config.cache)
         if tp is not None:
             self.cache.kv_heads = tp.head_range(args.num_kv_heads * tp.size)
-        rope_cos, rope_sin, rope_scaling = build_rope(hf_config, config.device)
-        attention = make_attention_backend(config.attention, config.device)
+        rope_cos, rope_sin, rope_scaling = build_rope(hf_config, device)
+        attention = make_attention_backend(attention_name, device)
         self.attention_backend = attention.name
         self.runner = ModelRunner(model, pool, attention, rope_cos, rope_sin, rope_scaling)
         if config.compile_elementwise:
@@ -225,7 +241,7 @@ class LazyEngine:
 
     @classmethod
     def _load(cls, cfg: EngineConfig) -> "LazyEngine":
-        source = resolve_model_source(cfg.model)
+        source, dtype = resolve_model_source(cfg.model), _dtype(cfg)
         if cfg.adapter is not None:
             if cfg.tensor_parallel_size > 1:
                 raise ValueError(
@@ -243,9 +259,9 @@ class LazyEngine:
         cached = source.gguf_file is not None and cfg.model_cache
         if cfg.tensor_parallel_size == 1:
             if cached:
-                config, tokenizer, state, fp = checkpoint_cache.load(source, cfg.dtype)
+                config, tokenizer, state, fp = checkpoint_cache.load(source, dtype)
                 return cls._assemble(config, tokenizer, state, fp, source.name, cfg)
-            hf_model, tokenizer = load_checkpoint(source, cfg.dtype)
+            hf_model, tokenizer = load_checkpoint(source, dtype)
             return cls.from_hf(hf_model, tokenizer, model_name=source.name, config=cfg)
         config = load_config(source)
         args = LlamaArgs.from_hf(config)
@@ -253,9 +269,9 @@ class LazyEngine:
         try:
             keep = lambda name, t: shard_tensor(name, t, args, tp)  # noqa: E731
             if cached:
-                _, tokenizer, state, fp = checkpoint_cache.load(source, cfg.dtype, keep)
+                _, tokenizer, state, fp = checkpoint_cache.load(source, dtype, keep)
             else:
-                tokenizer, state, fp = load_sharded(source, config, cfg.dtype, keep)
+                tokenizer, state, fp = load_sharded(source, config, dtype, keep)
         except BaseException:
             import lazyrag.engine.tensor_parallel as tensor_parallel
 
@@ -271,8 +287,9 @@ class LazyEngine:
         ``tensor_parallel_size=N`` only under torchrun (every rank passes its own copy of the model)."""
         cfg = config.with_changes(**fields) if config is not None else EngineConfig(**fields)
         check_llama_config(hf_model.config)
-        state = {k: v.detach().to(cfg.dtype) for k, v in hf_model.state_dict().items()}
-        fp = fingerprint(hf_model.config, state, cfg.dtype)  # of the whole model: every rank's, and TP=1's
+        dtype = _dtype(cfg)
+        state = {k: v.detach().to(dtype) for k, v in hf_model.state_dict().items()}
+        fp = fingerprint(hf_model.config, state, dtype)  # of the whole model: every rank's, and TP=1's
         if cfg.tensor_parallel_size > 1:
             import lazyrag.engine.tensor_parallel as tensor_parallel
 
@@ -294,12 +311,13 @@ class LazyEngine:
     ) -> "LazyEngine":
         """The engine over ``state`` (transformers' names; under tensor parallelism this rank's shard)."""
         args = _rank_args(LlamaArgs.from_hf(hf_config), tp, cfg)
+        device, dtype = _device(cfg), _dtype(cfg)
         with torch.device("meta"):
             model = LlamaModel(args, tp)
         # to_empty(device).to(dtype) in one step, with torch.empty: to_empty's empty_like of a meta tensor imports
         # sympy (0.5 s of a model load on 2 cores), and no float32 copy of the weights is made on the way
         model = model._apply(
-            lambda t: torch.empty(t.shape, dtype=cfg.dtype if t.is_floating_point() else t.dtype, device=cfg.device)
+            lambda t: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
         )
         model.load_hf_state_dict(state)
         if model.args.tie_word_embeddings:
@@ -317,7 +335,7 @@ class LazyEngine:
         tp, workers = _join_group(args, cfg, (cls.from_config, (hf_config, tokenizer, seed), fields))
         args = _rank_args(args, tp, cfg)
         torch.manual_seed(seed)
-        with torch.device(cfg.device):
+        with torch.device(_device(cfg)):
             model = LlamaModel(args, tp).to(cfg.dtype)
         for p in model.parameters():
             torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
@@ -337,11 +355,11 @@ class LazyEngine:
 
     @property
     def device(self) -> torch.device:
-        return self.config.device
+        return _device(self.config)
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.config.dtype
+        return _dtype(self.config)
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -715,6 +733,7 @@ class LazyEngine:
         """Logits ``[V]`` (fp32, CPU) of the token after the prompt."""
         req = self.add_request(layout, SamplingParams(max_new_tokens=1, strategy=strategy), prompt_logits_only=True)
         RequestStream(self, req).result()  # raises the request's error, if any
+        assert req.prompt_logits is not None  # set as the request finished (it ran to its end: nothing aborts it)
         return req.prompt_logits
 
     def next_token_logits(

@@ -194,7 +194,7 @@ class Request:
     params: SamplingParams
     arrival: float
     prompt_logits_only: bool = False  # stop after the prefill and keep the logits (no sampling)
-    notify: Callable[[], None] | None = None  # called after outputs or done change (from the stepping thread)
+    notify: Callable[[], object] | None = None  # called after outputs or done change (from the stepping thread)
     id: int = field(default_factory=lambda: next(_ids))
 
     outputs: deque = field(default_factory=deque)
@@ -203,7 +203,7 @@ class Request:
     error: BaseException | None = None
     finish_reason: str = "length"
     prompt_logits: torch.Tensor | None = None  # [V] fp32 CPU, for prompt_logits_only
-    stats: RequestStats | None = None
+    stats: RequestStats = field(init=False)  # set in __post_init__
     first_token_at: float | None = None
     finished_at: float | None = None
     plan: Plan | None = None
@@ -226,6 +226,7 @@ class Request:
         if self.error is not None:
             raise self.error
         assert self.done, "the request is still running"
+        assert self.finished_at is not None  # set with done
         text = self.detok.text if self.detok else ""
         ttft = (self.first_token_at if self.first_token_at is not None else self.finished_at) - self.arrival
         return GenerationResult(

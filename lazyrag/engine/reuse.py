@@ -22,6 +22,7 @@ before the step's prefill.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from lazyrag.engine.request import Plan
 from lazyrag.engine.runner import ModelRunner, Placement, SeqState
@@ -155,7 +156,7 @@ class Strategy:
         runner: ModelRunner,
         fingerprint: str,
         batch: EncodeBatch | None = None,
-        passage_ids: list[int] = (),
+        passage_ids: Sequence[int] = (),
     ):
         self.cache, self.runner, self.fingerprint = cache, runner, fingerprint
         self.passage_ids = list(passage_ids)  # the encoding passage chunks are encoded after (prompt.py)
@@ -227,7 +228,8 @@ class Strategy:
         (its tokens counted in ``plan.tokens_encoded_ahead``).
         """
         bs = self.cache.pool.shape.block_size
-        segments, batch = [], []
+        segments: list[Segment] = []
+        batch: list[EncodeJob] = []
         defer = defer and self.batch.open
 
         def flush():
@@ -303,7 +305,8 @@ class Strategy:
         prefix = self.prefix_segment(layout.prefix_ids, plan, defer=defer)
         keys = keys if keys is not None else [self.chunk_key(enc_ids, c) for c in layout.chunk_ids]
         found: dict[str, Segment] = {}
-        jobs, context = [], None
+        jobs: list[EncodeJob] = []
+        context = None
         for key, ids in zip(keys, layout.chunk_ids):
             if key in found or any(j.key == key for j in jobs) or (only is not None and key not in only):
                 continue
@@ -354,7 +357,7 @@ class LazyStitching(Strategy):
         runner,
         fingerprint,
         batch: EncodeBatch | None = None,
-        passage_ids: list[int] = (),
+        passage_ids: Sequence[int] = (),
         recompute_first: int = 0,
         blend: float = 0.0,
         blend_select: str = "global",
@@ -472,10 +475,10 @@ class PositionAware(Strategy):
                     base = bases[base_key]
                     blocks = self.cache.allocate(len(base.blocks))
                     self.runner.copy_rotated(base, blocks, delta)
-                    copies[key] = self.cache.put(
+                    copy = copies[key] = self.cache.put(
                         Segment(key, blocks, base.num_tokens, base.start + delta, kind=SegmentKind.COPY)
                     )
-                    plan.pinned.append(copies[key])
+                    plan.pinned.append(copy)
             for base in bases.values():  # a source used for copies only is freed now, not at the request's end
                 if base.transient and all(copies[k] is not base for k, _, _ in wanted):
                     plan.pinned.remove(base)
@@ -483,7 +486,10 @@ class PositionAware(Strategy):
         hits = sum(key in found for key, _, _ in wanted)
         plan.chunks_hit, plan.chunks_missed = hits, len(wanted) - hits
         plan.context.append(Placement(prefix, 0))
-        plan.context.extend(Placement(copies[key], 0) for key, _, _ in wanted)
+        for key, _, _ in wanted:
+            seg = copies[key]
+            assert seg is not None  # found, or made above
+            plan.context.append(Placement(seg, 0))
         plan.tokens_context = layout.num_tokens - len(plan.new_ids)
 
 
@@ -552,7 +558,7 @@ assert set(STRATEGIES) == set(STRATEGY_NAMES), "lazyrag/strategy_names.py lists 
 class Planner:
     """The strategies by name over one cache and one model runner; ``lazy:...`` variants are made on first use."""
 
-    def __init__(self, cache: CacheManager, runner: ModelRunner, fingerprint: str, passage_ids: list[int] = ()):
+    def __init__(self, cache: CacheManager, runner: ModelRunner, fingerprint: str, passage_ids: Sequence[int] = ()):
         self.cache, self.runner, self.fingerprint = cache, runner, fingerprint
         self.passage_ids = list(passage_ids)
         self.batch = EncodeBatch(cache, runner)  # the step's deferred encodes, shared by every strategy

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -15,6 +16,9 @@ from lazyrag.kv.block_pool import BlockPool, blocks_for
 from lazyrag.kv.cache import Segment
 from lazyrag.model.attention import AttentionMetadata, HostBatch
 from lazyrag.model.llama import GEMV_DEFAULT, GEMV_LAYERS, ElementwiseOps, LlamaModel, Runtime
+
+if TYPE_CHECKING:
+    from lazyrag.engine.cuda_graphs import GraphRunner
 
 
 @dataclass
@@ -82,7 +86,7 @@ class ModelRunner:
         self.rope_cos, self.rope_sin, self.rope_scaling = rope_cos, rope_sin, rope_scaling
         self.device = pool.device
         self.tokens_forwarded = 0  # every token run through the model: how recompute is counted
-        self.graphs = None  # a GraphRunner replays captured forwards (CUDA + Triton only)
+        self.graphs: GraphRunner | None = None  # a GraphRunner replays captured forwards (CUDA + Triton only)
         self.ops = ElementwiseOps()
         self.short_prefill_blas: str | None = None  # torch's BLAS library for prefills of <= SHORT_PREFILL_TOKENS
 
@@ -198,19 +202,20 @@ class ModelRunner:
         """One token per sequence; its K/V is written first, then attends over every block of the sequence.
         ``tokens``: each sequence's last token, as ints or as a ``[B]`` device tensor (the previous step's
         greedy tokens, not yet read by the host: the scheduler's async scheduling)."""
-        on_device = isinstance(tokens, torch.Tensor)
+        device_tokens = tokens if isinstance(tokens, torch.Tensor) else None
         assert len(tokens) == len(seqs)
         batch = self._batch(
             seqs,
             [s.num_written + 1 for s in seqs],
-            [0] * len(seqs) if on_device else tokens,
+            [0] * len(seqs) if isinstance(tokens, torch.Tensor) else tokens,
             [1] * len(seqs),
             is_decode=True,
         )
-        out = self._forward(batch, logits=True, device_ids=tokens if on_device else None)
+        out = self._forward(batch, logits=True, device_ids=device_tokens)
         for s in seqs:
             s.num_written += 1
             s.next_pos += 1
+        assert out is not None  # logits=True
         return out  # [B, V]
 
     @torch.inference_mode()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 
@@ -106,7 +108,7 @@ class Detokenizer:
     back until it is resolved.
     """
 
-    def __init__(self, tokenizer, stop: list[str]):
+    def __init__(self, tokenizer, stop: Sequence[str]):
         self.tokenizer, self.stop = tokenizer, stop
         self.ids: list[int] = []
         self.emitted = 0

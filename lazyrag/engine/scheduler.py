@@ -39,7 +39,7 @@ from typing import Callable
 import torch
 
 from lazyrag.engine.config import SchedulerConfig
-from lazyrag.engine.request import Request, TokenLogprob
+from lazyrag.engine.request import Plan, Request, TokenLogprob
 from lazyrag.engine.reuse import Planner
 from lazyrag.engine.runner import ModelRunner, SeqState
 from lazyrag.engine.sampling import Detokenizer, sample, token_logprobs
@@ -58,6 +58,18 @@ class Launched:
     tokens: torch.Tensor  # [B] int64: each row's greedy token, on the device
     host_tokens: torch.Tensor  # [B] the same, in host memory once ``ready`` has completed
     ready: torch.cuda.Event | None  # None: computed synchronously (CPU)
+
+
+def _planned(req: Request) -> tuple[Plan, SeqState]:
+    """The plan and sequence state of a request that ``Scheduler._plan`` planned (it sets both)."""
+    assert req.plan is not None and req.seq is not None, "the request is not planned"
+    return req.plan, req.seq
+
+
+def _seq(req: Request) -> SeqState:
+    """The sequence state of a planned request."""
+    assert req.seq is not None, "the request is not planned"
+    return req.seq
 
 
 def launch_tokens(batch: list[Request], logits: torch.Tensor, greedy_tokens) -> Launched:
@@ -195,7 +207,7 @@ class Scheduler:
         ok = continued
         for req in admitted:
             try:
-                batch.check(req.plan)
+                batch.check(_planned(req)[0])
                 ok.append(req)
             except RuntimeError as e:
                 self._fail(req, e)
@@ -230,8 +242,9 @@ class Scheduler:
 
     def _next_piece(self, req: Request) -> list[int]:
         """The prompt tokens ``req`` prefills in this step: all that are left, or the next ``long_prefill_tokens``."""
-        done = req.seq.num_written
-        return req.plan.new_ids[done : done + (self.config.long_prefill_tokens or self.config.max_prefill_tokens)]
+        plan, seq = _planned(req)
+        done = seq.num_written
+        return plan.new_ids[done : done + (self.config.long_prefill_tokens or self.config.max_prefill_tokens)]
 
     def pool_cannot_fit(self, req: Request) -> bool:
         """Whether the pool surely lacks room for the request's worst case: every chunk encoded
@@ -284,19 +297,25 @@ class Scheduler:
         """One forward over each request's next piece of prompt; the requests whose prompt it completes get their
         first token launched, the others wait in ``_partial`` for their next piece."""
         pieces = {id(r): self._next_piece(r) for r in batch}
-        done, logits = self._forward_isolated(
-            batch, lambda rs: self.runner.prefill([r.seq for r in rs], [pieces[id(r)] for r in rs])
-        )
+
+        def forward(rs: list[Request]) -> torch.Tensor:
+            logits = self.runner.prefill([_seq(r) for r in rs], [pieces[id(r)] for r in rs])
+            assert logits is not None  # prefill's logits=True
+            return logits
+
+        done, logits = self._forward_isolated(batch, forward)
         self.steps["prefill"] += 1
         if not done:
             return None
+        assert logits is not None  # a row for each request in ``done``
         kept = []  # indices into ``done`` of the requests whose plans finished
         for i, r in enumerate(done):
-            if r.seq.num_written < len(r.plan.new_ids):
+            plan, seq = _planned(r)
+            if seq.num_written < len(plan.new_ids):
                 self._partial.append(r)
                 continue
             try:
-                self.planner[r.params.strategy].finish(r.plan, r.seq)
+                self.planner[r.params.strategy].finish(plan, seq)
             except Exception as e:
                 self._fail(r, e)
                 continue
@@ -312,10 +331,13 @@ class Scheduler:
     def _decode(self) -> Launched | None:
         batch = list(self.running)
         done, logits = self._forward_isolated(
-            batch, lambda rs: self.runner.decode([r.seq for r in rs], [r.last_token for r in rs])
+            batch, lambda rs: self.runner.decode([_seq(r) for r in rs], [r.last_token for r in rs])
         )
         self.steps["decode"] += 1
-        return launch_tokens(done, logits, self.runner.ops.greedy_tokens) if done else None
+        if not done:
+            return None
+        assert logits is not None  # a row for each request in ``done``
+        return launch_tokens(done, logits, self.runner.ops.greedy_tokens)
 
     def _can_chain(self, previous: Launched) -> bool:
         """Whether the next step is a decode of exactly ``previous``'s rows, each sure to want another token
@@ -327,7 +349,7 @@ class Scheduler:
             and len(previous.batch) == len(self.running)
             and all(r is q for r, q in zip(previous.batch, self.running))
             and all(
-                r.params.plain_greedy and not r.aborted and len(r.seq.generated) + 1 < r.params.max_new_tokens
+                r.params.plain_greedy and not r.aborted and len(_seq(r).generated) + 1 < r.params.max_new_tokens
                 for r in previous.batch
             )
         )
@@ -337,7 +359,7 @@ class Scheduler:
         caller then accepts ``previous`` and decodes as usual, which isolates a request at fault)."""
         batch = previous.batch
         try:
-            logits = self.runner.decode([r.seq for r in batch], previous.tokens)
+            logits = self.runner.decode([_seq(r) for r in batch], previous.tokens)
         except Exception as e:
             log.warning(
                 "lazyrag: an async decode launch of %d requests failed (%r); decoding after the host has the tokens",
@@ -350,9 +372,9 @@ class Scheduler:
 
     def _forward_isolated(
         self, batch: list[Request], forward: Callable[[list[Request]], torch.Tensor]
-    ) -> tuple[list[Request], torch.Tensor]:
-        """The requests whose forward pass ran and their logits ``[B', V]``. A failing batch runs again one
-        request at a time, so only the request(s) at fault fail (sequence state moves only on success)."""
+    ) -> tuple[list[Request], torch.Tensor | None]:
+        """The requests whose forward pass ran and their logits ``[B', V]`` (None when none ran). A failing batch runs
+        again one request at a time, so only the request(s) at fault fail (sequence state moves only on success)."""
         try:
             return batch, forward(batch)  # [B, V]
         except Exception as e:
@@ -392,7 +414,7 @@ class Scheduler:
                 self._fail(r, e)
 
     def _accept_one(self, r: Request, row: torch.Tensor, best: int, now: float) -> None:
-        params = r.params
+        params, seq = r.params, _seq(r)
         if params.plain_greedy:  # the default path: the device's argmax, nothing else to do
             token = best
         else:  # penalties, top-k, top-p, temperature or logprobs: only these requests pay for them
@@ -401,7 +423,7 @@ class Scheduler:
             token = (
                 best
                 if params.temperature == 0 and not params.has_penalties
-                else sample(row, params, r.generator, r.penalty_ids, r.seq.generated)
+                else sample(row, params, r.generator, r.penalty_ids, seq.generated)
             )
         if r.first_token_at is None:
             r.first_token_at = now
@@ -409,14 +431,15 @@ class Scheduler:
             self._finish(r, "stop")
             return
         if r.logprobs is not None:
+            assert params.logprobs is not None  # r.logprobs is a list only with params.logprobs
             logprob, top = token_logprobs(row, token, params.logprobs)
             r.logprobs.append(TokenLogprob(token, logprob, top))
-        r.seq.generated.append(token)
+        seq.generated.append(token)
         r.last_token = token
         r.outputs.append((r.detok.push(token) if r.detok else "", token))
         if r.detok and r.detok.stopped:
             self._finish(r, "stop")
-        elif len(r.seq.generated) >= r.params.max_new_tokens:
+        elif len(seq.generated) >= r.params.max_new_tokens:
             self._finish(r, "length")
         else:
             self._notify(r)

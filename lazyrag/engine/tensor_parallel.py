@@ -51,7 +51,7 @@ import tempfile
 import threading
 import time
 from datetime import timedelta
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -159,7 +159,7 @@ def _join(
     device_type: str,
     timeout_s: float,
     store,
-    workers: list[subprocess.Popen] = (),
+    workers: Sequence[subprocess.Popen] = (),
 ) -> TensorParallel:
     """``store``: rank 0's ``loopback_store`` when it spawned the workers; None: the launcher's (``env://``)."""
     import torch.distributed as dist
@@ -189,13 +189,13 @@ def _join(
     return TensorParallel(size, dist.get_rank(), mesh.get_group("tp"), cpu_group, local_rank)
 
 
-def _rendezvous(workers: list[subprocess.Popen], **init) -> None:
+def _rendezvous(workers: Sequence[subprocess.Popen], **init) -> None:
     import torch.distributed as dist
 
     _watching(workers, "joined", lambda: dist.init_process_group(**init))
 
 
-def _watching(workers: list[subprocess.Popen], what: str, wait: Callable[[], None]) -> None:
+def _watching(workers: Sequence[subprocess.Popen], what: str, wait: Callable[[], None]) -> None:
     """Run ``wait`` (a start-up collective bounded by START_TIMEOUT_S); a worker this process spawned that
     exits meanwhile (a failed load) fails it at once instead of at the timeout."""
     if not workers:
@@ -368,7 +368,7 @@ class Driver:
 
     def describe_failure(self, cause: BaseException) -> str:
         deadline = time.monotonic() + 2.0  # a killed worker is reaped a moment after its sockets close
-        dead = []
+        dead: list[tuple[int, subprocess.Popen]] = []
         while not dead and time.monotonic() < deadline:
             dead = [(i + 1, w) for i, w in enumerate(self.workers) if w.poll() is not None]
             if not dead:
@@ -448,9 +448,10 @@ def serve(engine, tp: TensorParallel) -> int:
         threading.Thread(target=_watch_parent, args=(int(os.environ[PARENT_ENV]),), daemon=True).start()
         # a terminal's Ctrl-C reaches the whole process group: rank 0 stops this worker (or its exit does)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-    s, requests = engine.scheduler, {}
+    s = engine.scheduler
+    requests: dict[int, Request] = {}
     while True:
-        box = [None]
+        box: list[Any] = [None]
         try:
             torch.distributed.broadcast_object_list(box, src=0, group=tp.cpu_group)
         except Exception as e:

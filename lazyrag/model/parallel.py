@@ -15,9 +15,12 @@ A rank's attention runs over its own heads only: its KV pool holds its KV heads 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 
 class TensorParallelError(RuntimeError):
@@ -30,8 +33,8 @@ class TensorParallel:
 
     size: int
     rank: int
-    group: object  # the device mesh's process group (gloo on CPU, NCCL on CUDA) for the model's all-reduces
-    cpu_group: object = None  # gloo group for the driver's commands (python objects); None: ``group``
+    group: ProcessGroup | None  # the device mesh's group (gloo on CPU, NCCL on CUDA) for the model's all-reduces
+    cpu_group: ProcessGroup | None = None  # gloo group for the driver's commands (python objects); None: ``group``
     local_rank: int = 0
     # set by the engine's driver: a sentence naming which rank died (the message of the error requests get)
     describe_failure: Callable[[BaseException], str] | None = field(default=None, repr=False)

@@ -310,10 +310,13 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
         _check_model(body.model)
         tokenizer = engine.tokenizer
         chat = body.messages is not None
-        messages = _messages(body.messages) if chat else None
+        messages = _messages(body.messages) if body.messages is not None else None
 
         def run() -> list[int]:
-            text = engine.prompts.render(messages, body.add_generation_prompt) if chat else body.prompt
+            text = body.prompt
+            if messages is not None:
+                assert engine.prompts is not None  # a served engine has a tokenizer
+                text = engine.prompts.render(messages, body.add_generation_prompt)
             special = (not chat) if body.add_special_tokens is None else body.add_special_tokens
             return list(tokenizer(text, add_special_tokens=special).input_ids)
 
@@ -409,7 +412,7 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
                 max_new_tokens=min(asked, room),
                 temperature=config.temperature if body.temperature is None else body.temperature,
                 top_p=1.0 if body.top_p is None else body.top_p,
-                stop=body.stop or [],
+                stop=(body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ()),
                 seed=seed,
                 strategy=body.strategy or config.strategy,
                 top_k=-1 if body.top_k is None else body.top_k,
@@ -438,6 +441,7 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
         """The user's content with the documents before it, laid out as ``engine.build_prompt`` lays them
         out, so a request through the server reuses the same chunk KV as one from Python."""
         engine.register_chunks(documents)
+        assert engine.prompts is not None  # a served engine has a tokenizer
         return engine.prompts.user_content(content, documents)
 
     async def _chat_layout(body: ChatCompletionRequest):

@@ -33,10 +33,12 @@ import logging
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the handlers' annotations here
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from lazyrag.kv.identity import chunk_key
 from lazyrag.prompt import DEFAULT_ENCODING_PASSAGE
 
 log = logging.getLogger("lazyrag.replicas")
@@ -117,37 +119,37 @@ class LazyragReplica:
         from lazyrag.engine import LazyEngine, SchedulerConfig
         from lazyrag.server.app import ServerConfig, create_app, model_aliases, seed_sampling
 
-        spec = ReplicaSpec(**spec)
-        kw = {"kv_budget": spec.kv_budget} if spec.kv_budget else {}
-        if spec.scheduler:
-            kw["scheduler"] = SchedulerConfig(**spec.scheduler)
-        if spec.host_bytes:
+        settings = ReplicaSpec(**spec)
+        kw: dict[str, Any] = {"kv_budget": settings.kv_budget} if settings.kv_budget else {}
+        if settings.scheduler:
+            kw["scheduler"] = SchedulerConfig(**settings.scheduler)
+        if settings.host_bytes:
             from lazyrag.kv.cache import CacheConfig
 
-            kw["cache"] = CacheConfig(host_bytes=spec.host_bytes)
+            kw["cache"] = CacheConfig(host_bytes=settings.host_bytes)
         self.engine = LazyEngine.from_pretrained(
-            spec.model,
-            device=spec.device,
-            dtype=spec.dtype,
-            adapter=spec.adapter,
-            encoding_passage=spec.encoding_passage,
+            settings.model,
+            device=settings.device,
+            dtype=settings.dtype,
+            adapter=settings.adapter,
+            encoding_passage=settings.encoding_passage,
             **kw,
         )
-        if spec.seed is not None:
-            seed_sampling(spec.seed)
+        if settings.seed is not None:
+            seed_sampling(settings.seed)
         retriever = None
-        if spec.store is not None:
+        if settings.store is not None:
             from lazyrag.store.retriever import Retriever
 
-            retriever = Retriever(self.engine.attach_store(spec.store), spec.embedder)
+            retriever = Retriever(self.engine.attach_store(settings.store), settings.embedder)
         named = (
-            "model_name" in spec.server
+            "model_name" in settings.server
         )  # --served-model-name or MODEL: the names serve gives (aliases too), as vLLM does
         config = ServerConfig(
             **{
                 "model_name": self.engine.model_name,
                 "aliases": () if named else model_aliases(self.engine.model_name),
-                **spec.server,
+                **settings.server,
             }
         )
         self.app = create_app(self.engine, config, retriever)
@@ -188,7 +190,6 @@ class ChunkKeys:
     def __init__(self, model: str | None, identity: dict, system_prompt: str | None = None):
         from transformers import AutoTokenizer
 
-        from lazyrag.engine.reuse import Strategy
         from lazyrag.model.loader import resolve_model_source
         from lazyrag.prompt import DEFAULT_SYSTEM_PROMPT, PromptBuilder
 
@@ -196,11 +197,14 @@ class ChunkKeys:
         tokenizer = AutoTokenizer.from_pretrained(source.folder, **source.kwargs())
         self.prompts = PromptBuilder(tokenizer, system_prompt or DEFAULT_SYSTEM_PROMPT)
         self.prefix_ids = list(identity["prefix_ids"])
-        # the planner's own key rule, no cache needed
-        self._keys = Strategy(None, None, identity["fingerprint"], passage_ids=identity["passage_ids"])
+        # the planner's own key rule (``Strategy.chunk_key``), no cache needed
+        self.fingerprint, self.passage_ids = identity["fingerprint"], list(identity["passage_ids"])
 
     def __call__(self, documents: list[str]) -> list[str]:
-        return [self._keys.chunk_key(self.prefix_ids, self.prompts.encode_chunk(d)) for d in documents]
+        return [
+            chunk_key(self.fingerprint, self.prefix_ids, self.prompts.encode_chunk(d), self.passage_ids)
+            for d in documents
+        ]
 
 
 def documents_of(body: bytes) -> tuple[list[str], bool]:
@@ -333,6 +337,7 @@ def build_app(
             await self._ready()
             body = await request.body()
             documents, _ = documents_of(body)
+            assert self.keys is not None  # _ready made it
             keys = self.keys(documents) if documents else []
             headers = [(k.encode(), v.encode()) for k, v in request.headers.items()]
             tried = set()
@@ -387,8 +392,9 @@ def build_app(
 
             return StreamingResponse(body_parts(), status_code=status, headers=out_headers)
 
-    replicas_bound = [Replica.options(name=n).bind(asdict(spec)) for n in names]
-    return Front.bind(*replicas_bound)
+    # ray's stubs: serve.deployment's overloads give a Callable, and the decorated class keeps its own type
+    replicas_bound = [Replica.options(name=n).bind(asdict(spec)) for n in names]  # type: ignore[attr-defined]
+    return Front.bind(*replicas_bound)  # type: ignore[attr-defined]
 
 
 def ray_init_options(ray_address: str | None) -> dict:
