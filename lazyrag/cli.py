@@ -81,7 +81,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 MODEL_HELP = (
-    "local Llama folder (config.json + safetensors), .gguf file, or Hugging Face model id found in the local "
+    "local model folder of Llama, Mistral, Qwen2/2.5 or Qwen3 (config.json + safetensors), .gguf file, or Hugging "
+    "Face model id found in the local "
     "Hugging Face cache (HF_HUB_CACHE; never downloaded); default: the embedded SmolLM2-135M-Instruct"
 )
 
@@ -386,9 +387,9 @@ Serve the model over HTTP with the OpenAI API, the way vLLM and SGLang are run: 
 (the openai package, LangChain's ChatOpenAI, LlamaIndex's OpenAILike) points its base URL at
 http://HOST:PORT/v1 and works unchanged; every chunk's KV is cached once and reused at any position.
 
-MODEL, as for `vllm serve`: a local Llama folder, a .gguf file, or a Hugging Face model id found in the
-local Hugging Face cache (never downloaded: `hf download ID` first); clients then send it as "model"
-(the model's folder or file name is accepted too). --config FILE.yaml takes any option below as a
+MODEL, as for `vllm serve`: a local Llama, Mistral, Qwen2/2.5 or Qwen3 folder, a .gguf file, or a Hugging
+Face model id found in the local Hugging Face cache (never downloaded: `hf download ID` first); clients then
+send it as "model" (the model's folder or file name is accepted too). --config FILE.yaml takes any option below as a
 key (port: 8001, max-num-seqs: 32, ...); options on the command line win over the file's.
 
 Endpoints: POST /v1/chat/completions and /v1/completions (stream=true for server-sent events),

@@ -1,5 +1,6 @@
-"""Find and load Llama-architecture checkpoints: the embedded default, a local folder, a GGUF file, or a model id of
-the Hugging Face hub already in the local Hugging Face cache (never downloaded)."""
+"""Find and load Llama-family checkpoints (Llama, Mistral, Qwen2/2.5, Qwen3): the embedded default, a local
+folder, a GGUF file, or a model id of the Hugging Face hub already in the local Hugging Face cache (never
+downloaded)."""
 
 from __future__ import annotations
 
