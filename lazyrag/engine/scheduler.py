@@ -72,6 +72,10 @@ def _seq(req: Request) -> SeqState:
     return req.seq
 
 
+def _length(piece: slice) -> int:
+    return piece.stop - piece.start
+
+
 def launch_tokens(batch: list[Request], logits: torch.Tensor, greedy_tokens) -> Launched:
     """Queue each row's greedy token and its copy to the host (pinned memory, one event), without waiting."""
     tokens = greedy_tokens(logits)  # [B] on the device
@@ -193,7 +197,7 @@ class Scheduler:
         encode batch (engine/reuse.py ``EncodeBatch``), before their prefill. A request whose chunk could not be
         encoded fails alone."""
         continued, self._partial = self._partial, []
-        tokens = sum(len(self._next_piece(r)) for r in continued)
+        tokens = sum(_length(self._next_piece(r)) for r in continued)
         batch = self.planner.batch
         if not self.config.batch_encodes:
             return continued + self._admit_planned(len(continued), tokens)
@@ -237,14 +241,15 @@ class Scheduler:
                 continue
             self.waiting.popleft()
             batch.append(req)
-            tokens += len(self._next_piece(req))
+            tokens += _length(self._next_piece(req))
         return batch
 
-    def _next_piece(self, req: Request) -> list[int]:
-        """The prompt tokens ``req`` prefills in this step: all that are left, or the next ``long_prefill_tokens``."""
+    def _next_piece(self, req: Request) -> slice:
+        """Which of ``req``'s new prompt tokens it prefills in this step: all that are left, or the next
+        ``long_prefill_tokens``."""
         plan, seq = _planned(req)
-        done = seq.num_written
-        return plan.new_ids[done : done + (self.config.long_prefill_tokens or self.config.max_prefill_tokens)]
+        limit = self.config.long_prefill_tokens or self.config.max_prefill_tokens
+        return slice(seq.num_written, min(len(plan.new_ids), seq.num_written + limit))
 
     def pool_cannot_fit(self, req: Request) -> bool:
         """Whether the pool surely lacks room for the request's worst case: every chunk encoded
@@ -296,7 +301,7 @@ class Scheduler:
     def _prefill(self, batch: list[Request]) -> Launched | None:
         """One forward over each request's next piece of prompt; the requests whose prompt it completes get their
         first token launched, the others wait in ``_partial`` for their next piece."""
-        pieces = {id(r): self._next_piece(r) for r in batch}
+        pieces = {id(r): _planned(r)[0].new_ids[self._next_piece(r)] for r in batch}
 
         def forward(rs: list[Request]) -> torch.Tensor:
             logits = self.runner.prefill([_seq(r) for r in rs], [pieces[id(r)] for r in rs])

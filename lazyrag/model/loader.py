@@ -186,10 +186,11 @@ def check_llama_config(config, name: str = "model") -> None:
             f"{name} is a {family or 'unknown'!r} model; lazyrag runs the Llama family with full attention, "
             f"model_type {supported}. Mixture-of-experts, multimodal and other architectures are not supported."
         )
-    if sliding_window_layers(config):
+    windowed = sliding_window_layers(config)
+    if windowed:
         raise ModelLoadError(
             f"{name} uses sliding-window attention (window {getattr(config, 'sliding_window', None)} tokens, "
-            f"{sliding_window_layers(config)} layers); lazyrag's chunks are read at any position with full attention, "
+            f"{windowed} layers); lazyrag's chunks are read at any position with full attention, "
             "so it runs only checkpoints whose every layer attends to the whole context (Mistral 7B v0.2 and later, "
             "Qwen with use_sliding_window false)."
         )

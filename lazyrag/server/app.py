@@ -137,6 +137,11 @@ def json_error(status: int, message: str, type_: str, param: str | None = None) 
     return JSONResponse(error_body(message, type_, status, param), status_code=status)
 
 
+def http_error(e: StarletteHTTPException) -> JSONResponse:
+    """An HTTPException (a 413 or 408 raised mid-body, a 404, a 405) in OpenAI's error shape."""
+    return json_error(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error")
+
+
 class BodyLimits:
     """Pure ASGI middleware: a body over ``max_request_bytes`` gets 413 before it is read into memory (from its
     declared length, or as a chunked body arrives), and one whose next part takes longer than ``body_timeout_s``
@@ -247,7 +252,7 @@ def create_app(engine: "LazyEngine", config: ServerConfig, retriever: "Retriever
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
-        return _error(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error")
+        return http_error(e)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, e: Exception):

@@ -244,7 +244,7 @@ def add_front_gates(front_api: FastAPI, server: dict, api_key: str | None, cover
     ``lazyrag serve --max-request-mb / --body-timeout``), answered in OpenAI's error shape."""
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    from lazyrag.server.app import BodyLimits, ServerConfig, json_error
+    from lazyrag.server.app import BodyLimits, ServerConfig, http_error
 
     defaults = {f.name: f.default for f in fields(ServerConfig)}
     limits = {k: server.get(k, defaults[k]) for k in ("max_request_bytes", "body_timeout_s")}
@@ -253,9 +253,7 @@ def add_front_gates(front_api: FastAPI, server: dict, api_key: str | None, cover
 
     @front_api.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
-        return json_error(
-            e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else "server_error"
-        )
+        return http_error(e)
 
 
 def build_app(
