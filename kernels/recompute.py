@@ -90,15 +90,16 @@ def prefix_attention(
     v: torch.Tensor,
     limit: torch.Tensor,
     sm_scale: float,
-    block_n: int = 64,
+    block_n: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = 2,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Softmax attention of each query over the first ``limit`` keys.
 
     q: [S, Hq, D]; k, v: [N, Hkv, D], in q's dtype, positions already applied; limit: [S] int, each >= 1 and <= N.
     Returns [S, Hq, D] in q's dtype (accumulated in fp32). ``HEAD_DIM`` a power of two (the reference otherwise).
-    ``block_n``, ``num_warps``, ``num_stages``: the launch (benchmarks/recover_gpu.py --sweep compares them)."""
+    ``block_n``, ``num_warps``, ``num_stages``: the launch (benchmarks/recover_gpu.py --sweep compares them); None
+    takes the first of :func:`_launches` that fits this GPU."""
     S, Hq, D = q.shape
     N, Hkv, _ = k.shape
     assert k.dtype == q.dtype == v.dtype and Hq % Hkv == 0 and limit.shape == (S,), (q.shape, k.shape, limit.shape)
@@ -112,6 +113,43 @@ def prefix_attention(
     limit = limit.to(device=q.device, dtype=torch.int32)
     grid = (triton.cdiv(S, block_m // G), Hkv)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    explicit = block_n is not None or num_warps is not None or num_stages is not None
+    key = (q.device, q.dtype, D, G)
+    if explicit:
+        small = _launches(q.dtype, D)[-1]
+        candidates = [(block_n or small[0], num_warps or small[1], num_stages or small[2])]
+    else:
+        candidates = [_LAUNCH[key]] if key in _LAUNCH else _launches(q.dtype, D)
+    for i, launch in enumerate(candidates):
+        try:
+            _launch(q, k, v, limit, out, sm_scale, grid, G, block_m, *launch)
+        except triton.runtime.errors.OutOfResources:
+            if i == len(candidates) - 1:
+                raise
+            continue
+        if not explicit:
+            _LAUNCH[key] = launch
+        return out
+    raise AssertionError("unreachable")
+
+
+# (device, dtype, head dim, group) -> the launch that fitted there
+_LAUNCH: dict[tuple, tuple[int, int, int]] = {}
+
+
+def _launches(dtype: torch.dtype, D: int) -> list[tuple[int, int, int]]:
+    """(BLOCK_N, num_warps, num_stages) to try, best first. 16-bit at D = 128 on an H100: (128, 8, 3) takes 1.46 ms
+    where (64, 8, 2) takes 1.76 at 20k tokens (benchmarks/NOTES.md, "One H100 session"); its K/V tiles need ~160 KB
+    of shared memory (4 stages no longer fit an H100), so smaller GPUs fall back to the last, which fits everywhere."""
+    warps = 8 if D > 64 else 4
+    small = (64, warps, 2)
+    if dtype == torch.float32 or D <= 64:
+        return [small]
+    return [(128, 8, 3), small]
+
+
+def _launch(q, k, v, limit, out, sm_scale, grid, G, block_m, block_n, num_warps, num_stages) -> None:
+    S, D = q.shape[0], q.shape[2]
     _prefix_attention_kernel[grid](
         q,
         k,
@@ -133,10 +171,9 @@ def prefix_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         IEEE=q.dtype == torch.float32,
-        num_warps=num_warps or (8 if D > 64 else 4),
+        num_warps=num_warps,
         num_stages=num_stages,
     )
-    return out
 
 
 @triton.jit
