@@ -116,6 +116,33 @@ def _norm(x, residual, weight, eps):
     return h, y
 
 
+@triton.jit
+def _head_rms_norm_kernel(QKV, QW, KW, stride_t, HQ, D, eps, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < D
+    row = QKV + t * stride_t + head * D
+    h = tl.load(row + cols, mask=ok, other=0.0).to(tl.float32)
+    w = tl.where(head < HQ, tl.load(QW + cols, mask=ok, other=0.0), tl.load(KW + cols, mask=ok, other=0.0))
+    dt = QKV.dtype.element_ty
+    tl.store(row + cols, rms_normed(h, w, inv_rms(h, D, eps), dt).to(dt), mask=ok)
+
+
+def head_rms_norm(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float, hq: int, hkv: int):
+    """Qwen3's per-head norms of the fused projection ``qkv [T, (hq + 2 hkv) D]``: each q head by ``q_weight [D]``,
+    each k head by ``k_weight [D]``, v untouched; in place (one launch where the torch path takes five), returns
+    ``qkv``."""
+    T, D = qkv.shape[0], q_weight.shape[0]
+    assert qkv.stride(1) == 1 and qkv.shape[1] == (hq + 2 * hkv) * D, (qkv.shape, hq, hkv, D)
+    if T:
+        block = triton.next_power_of_2(D)
+        _head_rms_norm_kernel[(T, hq + hkv)](
+            qkv, q_weight, k_weight, qkv.stride(0), hq, D, float(eps), BLOCK=block, num_warps=max(1, block // 256)
+        )
+    return qkv
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x [T, H]`` -> ``weight * rms_norm(x)``."""
     return _norm(x, None, weight, eps)[1]

@@ -152,6 +152,9 @@ class ElementwiseOps:
     # rotate_qk and the pool write of the new K/V in one kernel (kernels/qkv.py), where Triton runs;
     # None: rotate_qk, then ``pool.write``
     rotate_qk_store: Callable[..., Any] | None = None
+    # Qwen3's q/k head norms of the fused projection in place, one kernel (kernels/elementwise.py), where Triton
+    # runs; None: two ``rms_norm`` calls and a concatenation
+    head_rms_norm: Callable[..., Any] | None = None
     # each row's greedy token, ``[B, V]`` logits -> ``[B]`` int64 on the same device (no host sync)
     greedy_tokens: Callable[..., Any] = greedy_tokens
     # projections (of GEMV_LAYERS) that a one-token forward runs as a Triton GEMV (kernels/gemv.py), the
@@ -173,7 +176,12 @@ class ElementwiseOps:
         from lazyrag.kernels import elementwise as E
 
         return replace(
-            self, rms_norm=E.rms_norm, add_rms_norm=E.add_rms_norm, silu_mul=E.silu_mul, greedy_tokens=E.greedy_tokens
+            self,
+            rms_norm=E.rms_norm,
+            add_rms_norm=E.add_rms_norm,
+            silu_mul=E.silu_mul,
+            greedy_tokens=E.greedy_tokens,
+            head_rms_norm=E.head_rms_norm,
         )
 
     def with_fused_kv_store(self) -> "ElementwiseOps":
@@ -260,6 +268,8 @@ class Attention(nn.Module):
         """The fused projection ``[T, (Hq + 2 Hkv) D]`` with each head of q and k RMS-normed (Qwen3), else as it is."""
         if not self.qk_norm:
             return qkv
+        if ops.head_rms_norm is not None:
+            return ops.head_rms_norm(qkv, self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, self.hq, self.hkv)
         T, d, nq, nk = qkv.shape[0], self.d, self.hq * self.d, self.hkv * self.d
         q = ops.rms_norm(qkv[:, :nq].reshape(T * self.hq, d), self.q_norm.weight, self.q_norm.eps)
         k = ops.rms_norm(qkv[:, nq : nq + nk].reshape(T * self.hkv, d), self.k_norm.weight, self.k_norm.eps)

@@ -1,5 +1,6 @@
 """The elementwise kernels (kernels/elementwise.py) against the model's torch functions: norms, silu*up, greedy
 argmax."""
+
 from __future__ import annotations
 
 import pytest
@@ -28,7 +29,9 @@ def _check_elementwise(device, dtype, T, H, inter):
     assert rel_err(E.silu_mul(wide, inter), llama.silu_mul(wide.float(), inter)) < tol
 
 
-@pytest.mark.parametrize("T,H,inter", [(1, 48, 40), (5, 64, 72)], ids=["T1-H48-I40", "T5-H64-I72"])  # not powers of two: masked tails
+@pytest.mark.parametrize(
+    "T,H,inter", [(1, 48, 40), (5, 64, 72)], ids=["T1-H48-I40", "T5-H64-I72"]
+)  # not powers of two: masked tails
 def test_elementwise_kernels_match_torch(T, H, inter):
     _check_elementwise("cpu", torch.float32, T, H, inter)
 
@@ -39,6 +42,36 @@ def test_elementwise_kernels_match_torch(T, H, inter):
 @pytest.mark.parametrize("T", [1, 64, 300])
 def test_elementwise_kernels_gpu(dtype, T):
     _check_elementwise("cuda", dtype, T, 4096, 14336)
+
+
+def _check_head_rms_norm(device, dtype, T, hq, hkv, D):
+    from lazyrag.kernels import elementwise as E
+    from lazyrag.model import llama
+
+    torch.manual_seed(T + D)
+    qkv = (3 * torch.randn(T, (hq + 2 * hkv) * D, device=device)).to(dtype)
+    qw, kw = ((1 + 0.3 * torch.randn(D, device=device)).to(dtype) for _ in range(2))
+    q = llama.rms_norm(qkv[:, : hq * D].reshape(T * hq, D), qw, 1e-6).view(T, hq * D)
+    k = llama.rms_norm(qkv[:, hq * D : (hq + hkv) * D].reshape(T * hkv, D), kw, 1e-6).view(T, hkv * D)
+    v = qkv[:, (hq + hkv) * D :].clone()
+    out = E.head_rms_norm(qkv, qw, kw, 1e-6, hq, hkv)
+    assert out.data_ptr() == qkv.data_ptr()  # in place
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    assert rel_err(out[:, : hq * D], q) < tol and rel_err(out[:, hq * D : (hq + hkv) * D], k) < tol
+    assert torch.equal(out[:, (hq + hkv) * D :], v)
+
+
+@pytest.mark.parametrize("T,hq,hkv,D", [(1, 4, 2, 16), (3, 6, 2, 24)], ids=["T1-D16", "T3-D24-masked"])
+def test_head_rms_norm_matches_torch(T, hq, hkv, D):
+    _check_head_rms_norm("cpu", torch.float32, T, hq, hkv, D)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("T", [1, 300])
+def test_head_rms_norm_gpu(dtype, T):
+    _check_head_rms_norm("cuda", dtype, T, 32, 8, 128)  # Qwen3-8B's heads
 
 
 def _check_greedy_tokens(device, B, V):
@@ -54,7 +87,9 @@ def _check_greedy_tokens(device, B, V):
     got = greedy_tokens(logits)
     assert got.dtype == torch.int64 and got.device == logits.device
     assert got.tolist() == logits.argmax(-1).tolist()
-    assert greedy_tokens(logits[:, : V - 3]).tolist() == logits[:, : V - 3].argmax(-1).tolist()  # a strided view, masked tail
+    assert (
+        greedy_tokens(logits[:, : V - 3]).tolist() == logits[:, : V - 3].argmax(-1).tolist()
+    )  # a strided view, masked tail
 
 
 @pytest.mark.parametrize("B,V", [(1, 50), (3, 9000)], ids=["B1-V50", "B3-V9000"])
