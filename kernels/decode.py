@@ -337,6 +337,7 @@ def run_decode(
 
 def _launch(plan: DecodePlan, q, k_cache, v_cache, rope_cos, rope_sin, qk_scale, out) -> None:
     B, Hq, D = q.shape
+    assert plan.config is not None and plan.tiles is not None, "a launch follows _layout"
     bn, warps, stages, maxnreg = plan.config
     splits = plan.splits
     part_acc, part_ml = workspace.split_partials("decode", B, Hq, splits, D, q.device, out)

@@ -803,7 +803,7 @@ def record_launch(kind: str, name: str, compiled, num_warps: int, grid, splits: 
     ``variant`` the programs per SM that :func:`programs_per_sm` answers for this kernel from now on."""
     last_launch[kind] = (name, grid, splits)
     entry = kernel_resources.get(name)
-    if entry is None and getattr(compiled, "n_regs", 0):
+    if entry is None and getattr(compiled, "n_regs", None):
         regs = compiled.n_regs
         shared = int(getattr(compiled.metadata, "shared", 0) or 0)
         entry = kernel_resources[name] = dict(

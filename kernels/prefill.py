@@ -449,6 +449,7 @@ def run_prefill(
     qk_scale = float(sm_scale) * 1.4426950408889634  # log2(e): the kernel uses exp2
     args = (q, k_new, v_new, k_cache, v_cache, rope_cos, rope_sin, qk_scale, out)
     if plan.kernel == "wgmma":
+        assert plan.config is not None, "the wgmma kernel is never autotuned here"
         bm, bn, warps, stages = plan.config
         wg = plan.tuned["prefill_wgmma"]
         try:
@@ -501,6 +502,7 @@ def run_prefill(
 
 def _launch_triton(plan: PrefillPlan, q, k_new, v_new, k_cache, v_cache, rope_cos, rope_sin, qk_scale, out) -> None:
     Tq, Hq, D = q.shape
+    assert plan.config is not None and plan.tiles is not None, "a launch follows _layout_triton"
     bm, bn, warps, stages = plan.config
     splits = plan.splits
     part_acc, part_ml = workspace.split_partials("prefill", Tq, Hq, splits, D, q.device, out)
