@@ -28,6 +28,14 @@ if TYPE_CHECKING:
 
 _LIMITS = _common.SAMPLING_LIMITS
 
+
+def limited_field(limits: str, **kwargs: Any) -> Any:
+    """``Field(**kwargs)`` with the constraints ``_common.SAMPLING_LIMITS[limits]`` (ge, le, allow_inf_nan, ...):
+    the limits stay in one table, which SamplingParams' checks match. Returns ``Any`` as ``Field`` does (a field's
+    default to mypy): mypy reads a pydantic field from ``Field(...)`` written out and cannot check a ``**`` spread."""
+    return Field(**kwargs, **_LIMITS[limits])
+
+
 # the adapters' fields that go into SamplingParams as they are, a call's keyword winning over the field
 _KNOBS = (
     "temperature",
@@ -55,29 +63,27 @@ class AdapterFields(BaseModel):
     dtype: Optional[str] = Field(
         default=None, description="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on CUDA)."
     )
-    temperature: float = Field(default=0.0, description="0 = greedy, else at least 1e-5.", **_LIMITS["temperature"])
-    top_p: float = Field(default=1.0, **_LIMITS["top_p"])
-    seed: Optional[int] = Field(
-        default=None, description="Sampling seed (temperature > 0), in [0, 2**63).", **_LIMITS["seed"]
+    temperature: float = limited_field("temperature", default=0.0, description="0 = greedy, else at least 1e-5.")
+    top_p: float = limited_field("top_p", default=1.0)
+    seed: Optional[int] = limited_field(
+        "seed", default=None, description="Sampling seed (temperature > 0), in [0, 2**63)."
     )
-    top_k: int = Field(
-        default=-1, description="Sample from the k most likely tokens; -1 or 0 = all.", **_LIMITS["sampling_top_k"]
+    top_k: int = limited_field(
+        "sampling_top_k", default=-1, description="Sample from the k most likely tokens; -1 or 0 = all."
     )
-    repetition_penalty: float = Field(
+    repetition_penalty: float = limited_field(
+        "repetition_penalty",
         default=1.0,
         description="HF / vLLM repetition penalty over prompt and answer tokens; 1 = off.",
-        **_LIMITS["repetition_penalty"],
     )
-    presence_penalty: float = Field(
-        default=0.0, description="OpenAI's presence penalty, in [-2, 2].", **_LIMITS["penalty"]
+    presence_penalty: float = limited_field(
+        "penalty", default=0.0, description="OpenAI's presence penalty, in [-2, 2]."
     )
-    frequency_penalty: float = Field(
-        default=0.0, description="OpenAI's frequency penalty, in [-2, 2].", **_LIMITS["penalty"]
+    frequency_penalty: float = limited_field(
+        "penalty", default=0.0, description="OpenAI's frequency penalty, in [-2, 2]."
     )
-    top_logprobs: Optional[int] = Field(
-        default=None,
-        description="With logprobs: also the n most likely tokens per position (0-20).",
-        **_LIMITS["top_logprobs"],
+    top_logprobs: Optional[int] = limited_field(
+        "top_logprobs", default=None, description="With logprobs: also the n most likely tokens per position (0-20)."
     )
     strategy: str = Field(
         default="lazy",
@@ -87,8 +93,8 @@ class AdapterFields(BaseModel):
     store: Optional[str] = Field(
         default=None, description="A corpus store folder (lazyrag precache) to serve chunk KV from."
     )
-    kv_budget: Optional[int] = Field(
-        default=None, description="Bytes of KV pool, when this model loads the shared engine.", **_LIMITS["positive"]
+    kv_budget: Optional[int] = limited_field(
+        "positive", default=None, description="Bytes of KV pool, when this model loads the shared engine."
     )
 
     _engine: Any = PrivateAttr(default=None)
@@ -151,7 +157,7 @@ class AdapterFields(BaseModel):
         logprobs = kwargs.get("logprobs", self.logprobs)
         return SamplingParams(
             max_new_tokens=max_new_tokens,
-            stop=stop,
+            stop=tuple(stop),
             logprobs=int(kwargs.get("top_logprobs", self.top_logprobs) or 0) if logprobs else None,
             **{k: kwargs.get(k, getattr(self, k)) for k in _KNOBS},
         )

@@ -56,7 +56,7 @@ def shared_engine(model: str | None = None, device=None, dtype=None, kv_budget: 
         if engine is None:
             from lazyrag.engine import LazyEngine
 
-            kw = {"kv_budget": kv_budget} if kv_budget else {}
+            kw: dict[str, Any] = {"kv_budget": kv_budget} if kv_budget else {}  # EngineConfig's fields
             engine = _engines[key] = LazyEngine.from_pretrained(model, device=device, dtype=dtype, **kw)
         elif kv_budget and kv_budget != engine.config.kv_budget:
             raise ValueError(

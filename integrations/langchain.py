@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, AsyncIterator, ClassVar, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, ClassVar, Iterator, Optional, Sequence, Union, cast
 from uuid import UUID
 
 from lazyrag.extras import require
@@ -47,7 +47,7 @@ from langchain_core.embeddings import Embeddings
 from langchain_core.language_models import BaseChatModel, LangSmithParams
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage
 from langchain_core.messages.ai import UsageMetadata
-from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult, LLMResult
+from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult, Generation, LLMResult
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable, RunnableConfig, RunnablePassthrough, RunnableSerializable
 from langchain_core.runnables.config import get_async_callback_manager_for_config, get_callback_manager_for_config
@@ -56,7 +56,7 @@ from langchain_core.vectorstores import VectorStore, VectorStoreRetriever
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from lazyrag.integrations import _common
-from lazyrag.integrations._adapter import AdapterFields
+from lazyrag.integrations._adapter import AdapterFields, limited_field
 
 if TYPE_CHECKING:
     from lazyrag.store.build import PrecacheReport
@@ -117,8 +117,14 @@ def _whole_message(chunks: list[AIMessageChunk]) -> AIMessage:
     return AIMessage(content=full.content, usage_metadata=full.usage_metadata, response_metadata=full.response_metadata)
 
 
+def _ai_chunk(chunk: ChatGenerationChunk) -> AIMessageChunk:
+    """The message of a chunk ``ChatLazyLlama.generation_chunks`` made: always an AIMessageChunk (LangChain types
+    ``ChatGenerationChunk.message`` as any BaseMessageChunk)."""
+    return cast(AIMessageChunk, chunk.message)
+
+
 def _chat_result(chunks: list[ChatGenerationChunk]) -> ChatResult:
-    message = _whole_message([c.message for c in chunks])
+    message = _whole_message([_ai_chunk(c) for c in chunks])
     return ChatResult(
         generations=[
             ChatGeneration(
@@ -245,8 +251,9 @@ class ChatLazyLlama(AdapterFields, BaseChatModel):
             ls_temperature=kwargs.get("temperature", self.temperature),
             ls_max_tokens=kwargs.get("max_tokens", self.max_tokens),
         )
-        if stop or self.stop:
-            params["ls_stop"] = list(stop or self.stop)
+        stops = stop or self.stop
+        if stops:
+            params["ls_stop"] = list(stops)
         return params
 
     def sampling_params(self, stop: Optional[list[str]] = None, **kwargs: Any):
@@ -303,8 +310,10 @@ class ChatLazyLlama(AdapterFields, BaseChatModel):
         """The stream's last chunk: empty text, the token usage and the reuse stats of ``result``."""
         s = result.stats
         # cache_read: prompt tokens whose KV came from the cache, the shared prefix's included
-        # (response_metadata["lazyrag"] splits it: prefix_tokens_reused + chunk_tokens_reused)
-        usage = UsageMetadata(
+        # (response_metadata["lazyrag"] splits it: prefix_tokens_reused + chunk_tokens_reused).
+        # The ignore: langchain-core 1.x (Python 3.11+) imports NotRequired from typing, which mypy at our
+        # python_version 3.10 cannot resolve, so it reads the optional output_token_details as required.
+        usage = UsageMetadata(  # type: ignore[typeddict-item]  # optional key misread as required (see above)
             input_tokens=s.prompt_tokens,
             output_tokens=s.new_tokens,
             total_tokens=s.prompt_tokens + s.new_tokens,
@@ -380,7 +389,7 @@ class LazyRAGRetriever(BaseRetriever):
     ``retriever | LazyRAG(...)`` chain knows the question."""
 
     store: str
-    k: int = Field(default=4, **_common.SAMPLING_LIMITS["top_k"])
+    k: int = limited_field("top_k", default=4)
     embedder: Optional[str] = None
 
     _retriever: Any = PrivateAttr(default=None)
@@ -460,12 +469,13 @@ class LazyRAG(RunnableSerializable[RAGInput, AIMessage]):
         if isinstance(input, str):
             question = input
         elif isinstance(input, dict):
-            question = input.get("question") or input.get("input") or input.get("query")
+            asked = input.get("question") or input.get("input") or input.get("query")
             docs = input.get("documents", input.get("context"))
-            if not isinstance(question, str):
+            if not isinstance(asked, str):
                 raise ValueError(
                     "LazyRAG needs {'question': str, 'documents': [...]}; got keys " + ", ".join(map(str, input))
                 )
+            question = asked
             key = "documents" if "documents" in input else "context"
             if isinstance(docs, (str, bytes, Document)):  # iterating it would make one chunk per character
                 raise ValueError(
@@ -484,7 +494,7 @@ class LazyRAG(RunnableSerializable[RAGInput, AIMessage]):
                     "(iterating it gives its keys); pass the texts as a list: list(d.values())."
                 )
         elif isinstance(input, list):
-            queries = {d.metadata.get("query") for d in input if isinstance(d, Document)}
+            queries: set[Any] = {d.metadata.get("query") for d in input if isinstance(d, Document)}
             if len(queries) != 1 or None in queries:
                 raise ValueError(
                     "LazyRAG got a list of documents without the question (Documents a retriever returns carry "
@@ -505,7 +515,7 @@ class LazyRAG(RunnableSerializable[RAGInput, AIMessage]):
 
     @staticmethod
     def _with_sources(chunk: ChatGenerationChunk, docs: list) -> AIMessageChunk:
-        msg = chunk.message
+        msg = _ai_chunk(chunk)
         if msg.chunk_position == "last":
             msg.response_metadata["sources"] = [d.id if isinstance(d, Document) else None for d in docs]
         return msg
@@ -527,11 +537,15 @@ class LazyRAG(RunnableSerializable[RAGInput, AIMessage]):
 
     @staticmethod
     def _llm_result(chunks: list[ChatGenerationChunk]) -> LLMResult:
-        return LLMResult(generations=[_chat_result(chunks).generations])
+        generations: list[Generation] = list(_chat_result(chunks).generations)
+        return LLMResult(generations=[generations])
 
     def _chunks_stream(self, input: RAGInput, config: Optional[RunnableConfig]) -> Iterator[AIMessageChunk]:
         question, docs = self._parse(input)
-        docs = list(self.retriever.invoke(question, config) if docs is None else docs)
+        if docs is None:
+            assert self.retriever is not None  # _parse raises without documents and without a retriever
+            docs = self.retriever.invoke(question, config)
+        docs = list(docs)
         llm, texts = self.llm, self._texts(docs)
         args, kw = self._llm_start(question, texts)
         (run,) = get_callback_manager_for_config(config or {}).on_chat_model_start(*args, **kw)
@@ -548,7 +562,10 @@ class LazyRAG(RunnableSerializable[RAGInput, AIMessage]):
 
     async def _achunks_stream(self, input: RAGInput, config: Optional[RunnableConfig]) -> AsyncIterator[AIMessageChunk]:
         question, docs = self._parse(input)
-        docs = list(await self.retriever.ainvoke(question, config) if docs is None else docs)
+        if docs is None:
+            assert self.retriever is not None  # _parse raises without documents and without a retriever
+            docs = await self.retriever.ainvoke(question, config)
+        docs = list(docs)
         llm, texts = self.llm, self._texts(docs)
         args, kw = self._llm_start(question, texts)
         (run,) = await get_async_callback_manager_for_config(config or {}).on_chat_model_start(*args, **kw)
@@ -575,7 +592,7 @@ class LazyRAG(RunnableSerializable[RAGInput, AIMessage]):
     def _transform(
         self, inputs: Iterator, run_manager=None, config: Optional[RunnableConfig] = None
     ) -> Iterator[AIMessageChunk]:
-        final = None
+        final: Any = None  # checked by _parse
         for x in inputs:
             final = self._add_up(final, x)
         yield from self._chunks_stream(final, config)
@@ -583,7 +600,7 @@ class LazyRAG(RunnableSerializable[RAGInput, AIMessage]):
     async def _atransform(
         self, inputs: AsyncIterator, run_manager=None, config: Optional[RunnableConfig] = None
     ) -> AsyncIterator[AIMessageChunk]:
-        final = None
+        final: Any = None  # checked by _parse
         async for x in inputs:
             final = self._add_up(final, x)
         async for chunk in self._achunks_stream(final, config):
@@ -600,7 +617,9 @@ class LazyRAG(RunnableSerializable[RAGInput, AIMessage]):
     def transform(
         self, input: Iterator, config: Optional[RunnableConfig] = None, **kwargs: Any
     ) -> Iterator[AIMessageChunk]:
-        yield from self._transform_stream_with_config(input, self._transform, config, run_type="chain")
+        # LangChain types the items as the class's output (AIMessage); they are _transform's AIMessageChunks
+        chunks = self._transform_stream_with_config(input, self._transform, config, run_type="chain")
+        yield from cast(Iterator[AIMessageChunk], chunks)
 
     # asyncio: the engine's scheduler batches concurrent calls (abatch, gather), no thread per request
 
@@ -619,7 +638,9 @@ class LazyRAG(RunnableSerializable[RAGInput, AIMessage]):
     async def atransform(
         self, input: AsyncIterator, config: Optional[RunnableConfig] = None, **kwargs: Any
     ) -> AsyncIterator[AIMessageChunk]:
-        async for chunk in self._atransform_stream_with_config(input, self._atransform, config, run_type="chain"):
+        # LangChain types the items as the class's output (AIMessage); they are _atransform's AIMessageChunks
+        chunks = self._atransform_stream_with_config(input, self._atransform, config, run_type="chain")
+        async for chunk in cast(AsyncIterator[AIMessageChunk], chunks):
             yield chunk
 
 
@@ -684,11 +705,11 @@ def _documents_of(source) -> tuple[list[Document], str]:
 
 def _vector_store_documents(store: VectorStore) -> list[Document]:
     """Every Document of a vector store that can list them, in the order they were added."""
-    if isinstance(
-        getattr(store, "store", None), dict
-    ):  # InMemoryVectorStore: id -> {"id", "vector", "text", "metadata"}
-        return store.get_by_ids(list(store.store))
-    docstore, order = getattr(store, "docstore", None), getattr(store, "index_to_docstore_id", None)
+    table = getattr(store, "store", None)
+    if isinstance(table, dict):  # InMemoryVectorStore: id -> {"id", "vector", "text", "metadata"}
+        return store.get_by_ids(list(table))
+    docstore: Any = getattr(store, "docstore", None)  # duck-typed: any docstore with search()
+    order = getattr(store, "index_to_docstore_id", None)
     if hasattr(docstore, "search") and isinstance(order, dict):  # FAISS: index position -> docstore id
         found = [docstore.search(order[i]) for i in sorted(order)]
         missing = next((order[i] for i, d in zip(sorted(order), found) if not isinstance(d, Document)), None)

@@ -62,7 +62,7 @@ from llama_index.core.schema import BaseNode, MetadataMode, NodeWithScore, Query
 from llama_index.core.storage.docstore.types import BaseDocumentStore
 
 from lazyrag.integrations import _common
-from lazyrag.integrations._adapter import AdapterFields
+from lazyrag.integrations._adapter import AdapterFields, limited_field
 
 if TYPE_CHECKING:
     from lazyrag.store.build import PrecacheReport
@@ -156,8 +156,8 @@ class LazyLlamaLLM(AdapterFields, CustomLLM):
     logprobs: Optional[bool] = Field(
         default=None, description="Report each generated token's logprob (CompletionResponse.logprobs)."
     )
-    context_window: Optional[int] = Field(
-        default=None, description="Override the model's context length (tokens).", **_common.SAMPLING_LIMITS["positive"]
+    context_window: Optional[int] = limited_field(
+        "positive", default=None, description="Override the model's context length (tokens)."
     )
     learn_retrieved_chunks: bool = Field(
         default=True, description="Register nodes retrieved by any LlamaIndex retriever as reusable chunks."
@@ -223,6 +223,19 @@ class LazyLlamaLLM(AdapterFields, CustomLLM):
     def _render_completion(self, prompt: str) -> str:
         return self._render_messages([ChatMessage(role="user", content=prompt)])
 
+    # the formatters in use: ours above unless the user passed others; never None (LLM's validators put
+    # LlamaIndex's defaults in place of a None), though LLM types the fields Optional
+
+    def _messages_prompt(self, messages: Sequence[ChatMessage]) -> str:
+        render = self.messages_to_prompt
+        assert render is not None  # see above
+        return render(messages)
+
+    def _completion_prompt(self, prompt: str) -> str:
+        render = self.completion_to_prompt
+        assert render is not None  # see above
+        return render(prompt)
+
     def _params(self, kwargs: dict):
         """The SamplingParams of a call: its keywords (``max_new_tokens``, ``temperature``, ...) win over the fields."""
         return self._sampling_params(
@@ -253,13 +266,11 @@ class LazyLlamaLLM(AdapterFields, CustomLLM):
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return _chat_response(self._complete(self.messages_to_prompt(messages), True, kwargs))
+        return _chat_response(self._complete(self._messages_prompt(messages), True, kwargs))
 
     @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        return stream_completion_response_to_chat_response(
-            self._stream(self.messages_to_prompt(messages), True, kwargs)
-        )
+        return stream_completion_response_to_chat_response(self._stream(self._messages_prompt(messages), True, kwargs))
 
     def _complete(self, prompt: str, formatted: bool, kwargs: dict) -> CompletionResponse:
         *_, last = self._stream(prompt, formatted, kwargs)
@@ -269,7 +280,7 @@ class LazyLlamaLLM(AdapterFields, CustomLLM):
 
     def _stream(self, prompt: str, formatted: bool, kwargs: dict) -> CompletionResponseGen:
         """Deltas as they come, then one last response (empty delta) carrying the request's stats."""
-        text = prompt if formatted else self.completion_to_prompt(prompt)
+        text = prompt if formatted else self._completion_prompt(prompt)
         stream = _common.stream_prompt(self.engine, text, self._params(kwargs))
         out = ""
         for delta in stream:
@@ -321,9 +332,10 @@ class LazyLlamaLLM(AdapterFields, CustomLLM):
         return await self._acomplete(prompt, formatted, kwargs)
 
     async def _acomplete(self, prompt: str, formatted: bool, kwargs: dict) -> CompletionResponse:
-        last = None
+        last: Optional[CompletionResponse] = None
         async for response in self._astream(prompt, formatted, kwargs):
             last = response
+        assert last is not None  # _astream always ends with the response _last_response makes
         return CompletionResponse(
             text=last.text, raw=last.raw, additional_kwargs=last.additional_kwargs, logprobs=last.logprobs
         )
@@ -340,7 +352,7 @@ class LazyLlamaLLM(AdapterFields, CustomLLM):
     async def _astream(self, prompt: str, formatted: bool, kwargs: dict) -> CompletionResponseAsyncGen:
         """``_stream`` for asyncio."""
         engine = await _common.aload_engine(self)
-        text = prompt if formatted else self.completion_to_prompt(prompt)
+        text = prompt if formatted else self._completion_prompt(prompt)
         stream = _common.stream_prompt(engine, text, self._params(kwargs))
         out = ""
         async for delta in stream:
@@ -351,13 +363,13 @@ class LazyLlamaLLM(AdapterFields, CustomLLM):
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         await _common.aload_engine(self)  # messages_to_prompt renders with the model's chat template
-        return _chat_response(await self._acomplete(self.messages_to_prompt(messages), True, kwargs))
+        return _chat_response(await self._acomplete(self._messages_prompt(messages), True, kwargs))
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
         await _common.aload_engine(self)
         return astream_completion_response_to_chat_response(
-            self._astream(self.messages_to_prompt(messages), True, kwargs)
+            self._astream(self._messages_prompt(messages), True, kwargs)
         )
 
     # -- the fast path, used by LazyRAGQueryEngine --
