@@ -4,7 +4,7 @@
 # for this tree and OLD_TREE, then benchmarks/tune_step_gpu.py on a random-weight SmolLM2 (carry .snap/smol and .data).
 #   bash benchmarks/recover_gpu.sh OLD_TREE        (OLD_TREE: `git archive <commit> lazyrag kernels setup.py pyproject.toml
 #                                                   benchmarks | tar -x -C .snap/old`, carried; SKIP_TUNE=1: no tune step)
-# Writes recover_h100_{new,old}.json, tune_step_gpu.json and logs to $OUT (or benchmarks/results).
+# Writes recover_<card>_{new,old}.json, tune_step_gpu.json and logs to $OUT (or benchmarks/results).
 set -u
 old=${1:?old tree}
 OUT=$(cd "${OUT:-benchmarks/results}" && pwd)
@@ -12,6 +12,7 @@ new=$(pwd)
 export PYTHONUNBUFFERED=1 LAZYRAG_KERNEL_AUTOTUNE=0
 install() { (cd "$1" && python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1) || { echo "install of $1 failed"; exit 3; }; }
 python3 -c "import torch, triton; print(torch.cuda.get_device_name(), 'triton', triton.__version__, 'torch', torch.__version__)"
+card=$(python3 -c "import torch; print('h200' if 'H200' in torch.cuda.get_device_name() else 'h100')")  # names the result files
 install "$new"
 timeout 120 python3 -m pytest -q -m gpu tests/kernels/test_recompute.py 2>&1 | tail -3
 cp benchmarks/recover_gpu.py "$old/benchmarks/"
@@ -20,8 +21,8 @@ for side in new old; do
   install "$tree"
   sweep=; [ "$side" = new ] && sweep=--sweep  # the kernels alone under each launch (this tree's options)
   (cd "$tree" && timeout ${RECOVER_S:-200} python3 benchmarks/recover_gpu.py --label $side ${PROFILE:---profile} $sweep \
-      --out "$OUT/recover_h100_$side.json") > "$OUT/recover_h100_${side}_log.txt" 2>&1 || echo "recover $side exited $?"
-  grep -v "Warning\|warn" "$OUT/recover_h100_${side}_log.txt" | grep "tokens:\|profile\|gpu \|host \|  attention\|  gather" | head -80
+      --out "$OUT/recover_${card}_$side.json") > "$OUT/recover_${card}_${side}_log.txt" 2>&1 || echo "recover $side exited $?"
+  grep -v "Warning\|warn" "$OUT/recover_${card}_${side}_log.txt" | grep "tokens:\|profile\|gpu \|host \|  attention\|  gather" | head -80
 done
 install "$new"
 [ -n "${SKIP_TUNE:-}" ] || { [ -f .data/hotpotqa_dev_500.jsonl ] || gunzip -k .data/hotpotqa_dev_500.jsonl.gz
