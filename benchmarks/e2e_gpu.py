@@ -7,6 +7,7 @@ same weights. Speed does not depend on the weight values.
 
     python benchmarks/e2e_gpu.py --out results/e2e_h200.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,11 +29,24 @@ def llama31_8b_config(layers: int = 32):
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
-        rms_norm_eps=1e-5, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
     )
 
 
@@ -40,9 +54,16 @@ def qwen25_7b_config(layers: int = 28):
     from transformers import Qwen2Config
 
     return Qwen2Config(
-        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=layers,
-        num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768, rms_norm_eps=1e-6,
-        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=layers,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     )
 
 
@@ -50,9 +71,17 @@ def qwen3_8b_config(layers: int = 36):
     from transformers import Qwen3Config
 
     return Qwen3Config(
-        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=layers,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-        rms_norm_eps=1e-6, tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
     )
 
 
@@ -101,12 +130,16 @@ def profile_request(engine, layout, SamplingParams, top: int = 30) -> dict:
             r = engine.submit(layout, SamplingParams(max_new_tokens=n)).result()
             torch.cuda.synchronize()
         rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
-        out[what] = {"gpu_us_total": sum(e.device_time_total for e in rows if e.device_time_total > 0),
-                     "kernels": sum(e.count for e in rows if e.device_time_total > 0),
-                     "wall_ms_under_profiler": 1e3 * (r.ttft_s if n == 1 else r.total_s - r.ttft_s),
-                     "top": [(e.key[:90], e.count, round(e.device_time_total, 1)) for e in rows[:top]]}
-        print(f"profile {what}: {out[what]['gpu_us_total'] / 1e3:.2f} ms of GPU kernels in {out[what]['kernels']} "
-              f"launches (wall {out[what]['wall_ms_under_profiler']:.2f} ms under the profiler); top:")
+        out[what] = {
+            "gpu_us_total": sum(e.device_time_total for e in rows if e.device_time_total > 0),
+            "kernels": sum(e.count for e in rows if e.device_time_total > 0),
+            "wall_ms_under_profiler": 1e3 * (r.ttft_s if n == 1 else r.total_s - r.ttft_s),
+            "top": [(e.key[:90], e.count, round(e.device_time_total, 1)) for e in rows[:top]],
+        }
+        print(
+            f"profile {what}: {out[what]['gpu_us_total'] / 1e3:.2f} ms of GPU kernels in {out[what]['kernels']} "
+            f"launches (wall {out[what]['wall_ms_under_profiler']:.2f} ms under the profiler); top:"
+        )
         for k, c, t in out[what]["top"]:
             print(f"  {t / 1e3:8.3f} ms  x{c:<5} {k}")
     return out
@@ -159,8 +192,13 @@ def timeline(engine, layout, SamplingParams, reps: int = 10, decode_tokens: int 
             _, start, end = calls[-1]
             if i >= 2:
                 row = {k: 1e3 * (v - t0) for k, v in marks.items()}
-                row.update(plan_start=1e3 * r.stats.queue_s, plan_end=1e3 * (r.stats.queue_s + r.stats.plan_s), ttft=1e3 * r.ttft_s,
-                           graph_device=start.elapsed_time(end), tokens_device=end.elapsed_time(token_events[-1]))
+                row.update(
+                    plan_start=1e3 * r.stats.queue_s,
+                    plan_end=1e3 * (r.stats.queue_s + r.stats.plan_s),
+                    ttft=1e3 * r.ttft_s,
+                    graph_device=start.elapsed_time(end),
+                    tokens_device=end.elapsed_time(token_events[-1]),
+                )
                 ttft.append(row)
         # the last prefill's graph replayed back to back (its inputs unchanged: it rewrites the same K/V into blocks
         # its request gave back): device time without the host in between, so graph_device minus this is launch latency
@@ -177,8 +215,12 @@ def timeline(engine, layout, SamplingParams, reps: int = 10, decode_tokens: int 
             calls.clear()
             r = engine.submit(layout, SamplingParams(max_new_tokens=decode_tokens)).result()
             steps = [s.elapsed_time(e) for is_decode, s, e in calls if is_decode]
-            decode.append({"wall_per_token": 1e3 * (r.total_s - r.ttft_s) / max(1, len(r.token_ids) - 1),
-                           "graph_device_per_step": statistics.median(steps)})
+            decode.append(
+                {
+                    "wall_per_token": 1e3 * (r.total_s - r.ttft_s) / max(1, len(r.token_ids) - 1),
+                    "graph_device_per_step": statistics.median(steps),
+                }
+            )
     finally:
         graphs.run, runner._batch, sched_mod.launch_tokens = run, batch_fn, launch_tokens
     for row in ttft:
@@ -197,31 +239,43 @@ def main() -> int:
     ap.add_argument("--question-tokens", type=int, default=64)
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3.1-8b",
-                    help="the model's shapes (random bf16 weights): Llama-3.1-8B, Qwen2.5-7B (q/k/v bias) or Qwen3-8B "
-                         "(q/k norms)")
+    ap.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="llama3.1-8b",
+        help="the model's shapes (random bf16 weights): Llama-3.1-8B, Qwen2.5-7B (q/k/v bias) or Qwen3-8B (q/k norms)",
+    )
     ap.add_argument("--layers", type=int, default=None, help="layers (default: the shape's own depth)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/e2e_h200.json"))
-    ap.add_argument("--kernel-defaults", type=Path,
-                    help="JSON from benchmarks/kernels.py --adopt: attention kernel defaults to use (the backend's "
-                         "KernelOptions.tuned)")
-    ap.add_argument("--gemv-configs", type=Path,
-                    help="JSON from benchmarks/e2e_sweep.py (archived at 32eec34): its gemv_adopt and skinny_adopt tables (config per shape) "
-                         "are used (as a tuned-config file, LAZYRAG_TUNED_CONFIGS)")
+    ap.add_argument(
+        "--kernel-defaults",
+        type=Path,
+        help="JSON from benchmarks/kernels.py --adopt: attention kernel defaults to use (the backend's "
+        "KernelOptions.tuned)",
+    )
+    ap.add_argument(
+        "--gemv-configs",
+        type=Path,
+        help="JSON from benchmarks/e2e_sweep.py (archived at 32eec34): its gemv_adopt and skinny_adopt tables "
+        "(config per shape) are used (as a tuned-config file, LAZYRAG_TUNED_CONFIGS)",
+    )
     ap.add_argument("--no-gemv", action="store_true", help="the engine without the fused one-token GEMVs")
     ap.add_argument("--profile", action="store_true", help="also record the top GPU kernels of one lazy request")
-    ap.add_argument("--ab", default="",
-                    help="comma list of variants to also time (lazy TTFT, decode) on the same engine: "
-                         "'unfused' (rotation then index_copy_ K/V; compiles rotate_qk), 'cublaslt' (torch's BLAS choice), "
-                         "'prefill_splits=N', 'decode_splits=N' (the attention kernels' split count forced), "
-                         "'gemv=none' or 'gemv=wqkv+wo' (which one-token projections run as fused GEMVs), "
-                         "'skinny=wqkv+wo+gate_up+down' or 'skinny=none' (which 2-64 token projections run as skinny Triton GEMMs), "
-                         "'prefill_config=BM:BN:W:S' / "
-                         "'decode_config=BN:W:S:MAXNREG' and 'prefill_rot=R' / 'decode_rot=R' (the kernels' config and rotation "
-                         "schedule forced), 'prefill_blas=cublas|cublaslt', 'wo_blas=cublas' (a prefill's wo GEMM alone through "
-                         "that library), 'elementwise=compiled' (torch.compile's norms and silu*up, not kernels/elementwise.py), "
-                         "'merge=ROWS:WARPS' (the split merge's rows per program and warps), "
-                         "'sync' (no async scheduling), 'base' (no change); parts joined by '&' combine")
+    ap.add_argument(
+        "--ab",
+        default="",
+        help="comma list of variants to also time (lazy TTFT, decode) on the same engine: "
+        "'unfused' (rotation then index_copy_ K/V; compiles rotate_qk), 'cublaslt' (torch's BLAS choice), "
+        "'prefill_splits=N', 'decode_splits=N' (the attention kernels' split count forced), "
+        "'gemv=none' or 'gemv=wqkv+wo' (which one-token projections run as fused GEMVs), "
+        "'skinny=wqkv+wo+gate_up+down' or 'skinny=none' (which 2-64 token projections run as skinny Triton GEMMs), "
+        "'prefill_config=BM:BN:W:S' / "
+        "'decode_config=BN:W:S:MAXNREG' and 'prefill_rot=R' / 'decode_rot=R' (the kernels' config and rotation "
+        "schedule forced), 'prefill_blas=cublas|cublaslt', 'wo_blas=cublas' (a prefill's wo GEMM alone through "
+        "that library), 'elementwise=compiled' (torch.compile's norms and silu*up, not kernels/elementwise.py), "
+        "'merge=ROWS:WARPS' (the split merge's rows per program and warps), "
+        "'sync' (no async scheduling), 'base' (no change); parts joined by '&' combine",
+    )
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
 
@@ -233,13 +287,18 @@ def main() -> int:
             shapes[key] = cfg
             if pro == 2:  # ADD_NORM: the first layer's NORM (1, not swept) takes its config
                 shapes[f"{n},{k},1"] = cfg
-        adopted = {torch.cuda.get_device_name(): {"gemv": {"shapes": shapes},
-                                                  "gemm": {"shapes": dict(sweep.get("skinny_adopt", {}))}}}
+        adopted = {
+            torch.cuda.get_device_name(): {
+                "gemv": {"shapes": shapes},
+                "gemm": {"shapes": dict(sweep.get("skinny_adopt", {}))},
+            }
+        }
         path = args.out.parent / "adopted_tuned_configs.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(adopted, indent=1))
         os.environ["LAZYRAG_TUNED_CONFIGS"] = os.pathsep.join(
-            p for p in (os.environ.get("LAZYRAG_TUNED_CONFIGS"), str(path)) if p)
+            p for p in (os.environ.get("LAZYRAG_TUNED_CONFIGS"), str(path)) if p
+        )
 
     from transformers import AutoModelForCausalLM
 
@@ -250,8 +309,8 @@ def main() -> int:
     kernel_options = KernelOptions()
     if args.kernel_defaults:  # the sweep's adopted defaults, as the attention backend's options
         kernel_options = KernelOptions(tuned=json.loads(args.kernel_defaults.read_text()))
-    from lazyrag.prompt import PromptLayout
     from lazyrag.engine import SamplingParams
+    from lazyrag.prompt import PromptLayout
 
     build, depth, billions, shape_name = SHAPES[args.shape]
     args.layers = args.layers or depth
@@ -270,17 +329,25 @@ def main() -> int:
     prefix, docs, question = ids(32), [ids(args.doc_tokens) for _ in range(args.docs)], ids(args.question_tokens)
     layout = PromptLayout(prefix, docs, question)
     n_prompt = layout.num_tokens
-    res: dict = {"prompt_tokens": n_prompt, "docs": args.docs, "doc_tokens": args.doc_tokens,
-                 "question_tokens": args.question_tokens, "device": torch.cuda.get_device_name(),
-                 "torch": torch.__version__, "command": "python " + " ".join(sys.argv),
-                 "kernel_defaults": {"prefill": [used["prefill"]["config"], used["prefill"]["rotation_mode"]],
-                                     "decode": [used["decode"]["config"], used["decode"]["rotation_mode"]]},
-                 "gemv_layers": sorted(engine.runner.ops.gemv),
-                 "gemv_configs": used["gemv"]["shapes"]}
+    res: dict = {
+        "prompt_tokens": n_prompt,
+        "docs": args.docs,
+        "doc_tokens": args.doc_tokens,
+        "question_tokens": args.question_tokens,
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "command": "python " + " ".join(sys.argv),
+        "kernel_defaults": {
+            "prefill": [used["prefill"]["config"], used["prefill"]["rotation_mode"]],
+            "decode": [used["decode"]["config"], used["decode"]["rotation_mode"]],
+        },
+        "gemv_layers": sorted(engine.runner.ops.gemv),
+        "gemv_configs": used["gemv"]["shapes"],
+    }
 
     # -- transformers: full prefill, and question-only prefill over a ready cache
     full_ids = torch.tensor([layout.full_ids()], device="cuda")
-    ctx_ids, q_ids = full_ids[:, : n_prompt - len(question)], full_ids[:, n_prompt - len(question):]
+    ctx_ids, q_ids = full_ids[:, : n_prompt - len(question)], full_ids[:, n_prompt - len(question) :]
     with torch.inference_mode():
         hf_full = cuda_time(lambda: hf(full_ids, use_cache=False).logits[:, -1].argmax(-1).item(), 3, args.reps)
         past = hf(ctx_ids, use_cache=True).past_key_values
@@ -301,11 +368,13 @@ def main() -> int:
             crop_to(past, n_prompt)
 
         hf_decode = cuda_time(hf_step, 3, args.reps)
-    del past
+    past = None  # drops the cache (not `del`: the closures above read the name, ruff's F821 then misfires)
     torch.cuda.empty_cache()
 
     # -- lazyrag: documents cached once; each timed request places them in a new order
-    def measure(engine, strategies=("lazy", "lazy+recover", "position_aware", "full"), decode_runs: int = 5) -> tuple[dict, list[float]]:
+    def measure(
+        engine, strategies=("lazy", "lazy+recover", "position_aware", "full"), decode_runs: int = 5
+    ) -> tuple[dict, list[float]]:
         one = SamplingParams(max_new_tokens=1)
         engine.submit(layout, one).result()  # encodes and caches the documents
         ttft = {s: [] for s in strategies}
@@ -336,14 +405,17 @@ def main() -> int:
         import traceback
 
         traceback.print_exc()
-        engine = LazyEngine.from_hf(hf, None, device="cuda", dtype=torch.bfloat16, kv_budget=8 << 30, cuda_graphs=False,
-                                    gemv=not args.no_gemv)
+        engine = LazyEngine.from_hf(
+            hf, None, device="cuda", dtype=torch.bfloat16, kv_budget=8 << 30, cuda_graphs=False, gemv=not args.no_gemv
+        )
         engine.runner.attention.options = kernel_options
         ttft, decode = measure(engine)
         res["cuda_graphs"] = False
     # written now too, so a run cut short after this point still leaves the headline numbers
-    early = {"lazyrag_ttft_ms": {k: 1e3 * statistics.median(v) for k, v in ttft.items()},
-             "lazyrag_decode_ms_per_token": 1e3 * statistics.median(decode)}
+    early = {
+        "lazyrag_ttft_ms": {k: 1e3 * statistics.median(v) for k, v in ttft.items()},
+        "lazyrag_decode_ms_per_token": 1e3 * statistics.median(decode),
+    }
     print(f"lazyrag: {early}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -360,6 +432,24 @@ def main() -> int:
 
         def options(**kw):  # the attention kernels' options, through the backend (kvloop.KernelOptions)
             backend.options = dc_replace(backend.options, **kw)
+
+        def wo_blas_ops(ops, lib: str):
+            """``ops`` with its prefills' wo GEMM run through BLAS library ``lib`` (``base_gemm`` and ``lib`` bound
+            here, not in setup's loop over the parts, where a later part could rebind them)."""
+            import dataclasses
+
+            from lazyrag.engine.runner import blas_library
+
+            base_gemm = type(ops)._gemm
+
+            class WoBlasOps(type(ops)):
+                def _gemm(self, name, x, linear):
+                    if name == "wo" and x.shape[0] > 1:
+                        with blas_library(lib):
+                            return base_gemm(self, name, x, linear)
+                    return base_gemm(self, name, x, linear)
+
+            return WoBlasOps(**{f.name: getattr(ops, f.name) for f in dataclasses.fields(ops)})
 
         def reset():
             backend.options = kernel_options
@@ -386,33 +476,25 @@ def main() -> int:
                 elif key in ("prefill_rot", "decode_rot"):
                     options(**{key.replace("_rot", "_rotation_mode"): int(value)})
                 elif key == "wo_blas":  # a prefill's wo GEMM through this BLAS library, the other GEMMs as before
-                    import dataclasses
-
-                    from lazyrag.engine.runner import blas_library
-
-                    base_gemm, lib = type(runner.ops)._gemm, value
-
-                    class WoBlasOps(type(runner.ops)):
-                        def _gemm(self, name, x, linear):
-                            if name == "wo" and x.shape[0] > 1:
-                                with blas_library(lib):
-                                    return base_gemm(self, name, x, linear)
-                            return base_gemm(self, name, x, linear)
-
-                    runner.ops = WoBlasOps(**{f.name: getattr(runner.ops, f.name) for f in dataclasses.fields(runner.ops)})
+                    runner.ops = wo_blas_ops(runner.ops, value)
                 elif key == "merge":  # the split merge's rows per program and warps, e.g. merge=4:4
                     options(merge=tuple(int(x) for x in value.split(":")))
                 elif part == "sync":  # each step's tokens read before the next step is launched (no async scheduling)
                     engine.scheduler.async_scheduling = False
                 elif part == "base":  # the engine as built, measured again among the variants
                     pass
-                elif part == "elementwise=compiled":  # torch.compile's norms and silu*up instead of kernels/elementwise.py
+                elif part == "elementwise=compiled":
+                    # torch.compile's norms and silu*up instead of kernels/elementwise.py
                     from lazyrag.model.llama import ElementwiseOps
 
                     c = ElementwiseOps.compiled()
-                    runner.ops = dc_replace(runner.ops, rms_norm=c.rms_norm, add_rms_norm=c.add_rms_norm, silu_mul=c.silu_mul)
+                    runner.ops = dc_replace(
+                        runner.ops, rms_norm=c.rms_norm, add_rms_norm=c.add_rms_norm, silu_mul=c.silu_mul
+                    )
                 elif key in ("gemv", "skinny"):  # which projections run as one-token GEMVs / skinny GEMMs
-                    runner.ops = dc_replace(runner.ops, **{key: frozenset() if value == "none" else frozenset(value.split("+"))})
+                    runner.ops = dc_replace(
+                        runner.ops, **{key: frozenset() if value == "none" else frozenset(value.split("+"))}
+                    )
                 else:
                     raise ValueError(part)
 
@@ -422,7 +504,10 @@ def main() -> int:
                 setup(name)
                 runner.graphs.clear()
                 t, d = measure(engine, ("lazy",), 3)
-                ab[key] = {"lazy_ttft_ms": 1e3 * statistics.median(t["lazy"]), "decode_ms_per_token": 1e3 * statistics.median(d)}
+                ab[key] = {
+                    "lazy_ttft_ms": 1e3 * statistics.median(t["lazy"]),
+                    "decode_ms_per_token": 1e3 * statistics.median(d),
+                }
             except Exception as e:
                 ab[key] = {"error": repr(e)}
             print(f"A/B {key}: {ab[key]}", flush=True)
@@ -435,32 +520,41 @@ def main() -> int:
     # last, on the engine as built: once torch.profiler has run, launches stay slower in this process (round 7: a
     # prefill graph's launch read 0.4-0.9 ms of host time after it, 0.06 ms without it), so nothing is timed after it
     if args.profile:
-        line = timeline(engine, PromptLayout(prefix, docs[::-1], question), SamplingParams) if res["cuda_graphs"] else None
+        line = (
+            timeline(engine, PromptLayout(prefix, docs[::-1], question), SamplingParams) if res["cuda_graphs"] else None
+        )
         res["profile"] = profile_request(engine, PromptLayout(prefix, docs[::-1], question), SamplingParams)
         res["profile"]["timeline"] = line
 
     med = lambda xs: 1e3 * statistics.median(xs)  # noqa: E731
-    res.update({
-        "hf_full_prefill_ms": med(hf_full),
-        "hf_question_only_prefill_ms": med(hf_q),
-        "hf_decode_ms_per_token": med(hf_decode),
-        "lazyrag_ttft_ms": {k: med(v) for k, v in ttft.items()},
-        "lazyrag_decode_ms_per_token": med(decode),
-        "goals": {"ttft_ms": 6.0, "decode_ms_per_token": 4.5},
-    })
+    res.update(
+        {
+            "hf_full_prefill_ms": med(hf_full),
+            "hf_question_only_prefill_ms": med(hf_q),
+            "hf_decode_ms_per_token": med(hf_decode),
+            "lazyrag_ttft_ms": {k: med(v) for k, v in ttft.items()},
+            "lazyrag_decode_ms_per_token": med(decode),
+            "goals": {"ttft_ms": 6.0, "decode_ms_per_token": 4.5},
+        }
+    )
     res.update({"shape": args.shape, "layers": args.layers, "billions_of_parameters": billions})
     print(f"\n{shape_name} shapes ({args.layers} layers), random bf16 weights, {torch.cuda.get_device_name()}")
     print(f"prompt: {args.docs} docs x {args.doc_tokens} + {args.question_tokens}-token question = {n_prompt} tokens")
     print(f"{'what':<48}{'median ms':>10}")
-    rows = [("transformers full prefill (TTFT)", res["hf_full_prefill_ms"]),
-            ("transformers question-only prefill, ready cache", res["hf_question_only_prefill_ms"]),
-            ("lazyrag TTFT lazy (cached docs, new order)", res["lazyrag_ttft_ms"]["lazy"]),
-            ("  of which host planning (lookups, metadata)", res["lazyrag_lazy_plan_ms"]),
-            ("lazyrag TTFT lazy+recover (15% recomputed)", res["lazyrag_ttft_ms"]["lazy+recover"]),
-            ("lazyrag TTFT position_aware (copy per position)", res["lazyrag_ttft_ms"]["position_aware"]),
-            ("lazyrag TTFT full prefill", res["lazyrag_ttft_ms"]["full"]),
-            ("transformers decode, ms/token", res["hf_decode_ms_per_token"]),
-            ("lazyrag decode, ms/token" + (" (CUDA graphs)" if res["cuda_graphs"] else " (eager)"), res["lazyrag_decode_ms_per_token"])]
+    rows = [
+        ("transformers full prefill (TTFT)", res["hf_full_prefill_ms"]),
+        ("transformers question-only prefill, ready cache", res["hf_question_only_prefill_ms"]),
+        ("lazyrag TTFT lazy (cached docs, new order)", res["lazyrag_ttft_ms"]["lazy"]),
+        ("  of which host planning (lookups, metadata)", res["lazyrag_lazy_plan_ms"]),
+        ("lazyrag TTFT lazy+recover (15% recomputed)", res["lazyrag_ttft_ms"]["lazy+recover"]),
+        ("lazyrag TTFT position_aware (copy per position)", res["lazyrag_ttft_ms"]["position_aware"]),
+        ("lazyrag TTFT full prefill", res["lazyrag_ttft_ms"]["full"]),
+        ("transformers decode, ms/token", res["hf_decode_ms_per_token"]),
+        (
+            "lazyrag decode, ms/token" + (" (CUDA graphs)" if res["cuda_graphs"] else " (eager)"),
+            res["lazyrag_decode_ms_per_token"],
+        ),
+    ]
     for name, v in rows:
         print(f"{name:<48}{v:>10.2f}")
     for name, v in res.get("ab", {}).items():

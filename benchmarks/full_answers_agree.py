@@ -8,6 +8,7 @@ left out. Prints, per set, the questions both answered and how many answers are 
         --b 'benchmarks/results/quality30/quality_{set}_report_gpu_call*.json' \\
         --b 'benchmarks/results/quality30/quality_{set}_report_gpu_rest.json'
 """
+
 import argparse
 import glob
 import json
@@ -19,7 +20,8 @@ def full_answers(patterns: list[str], name: str) -> dict[str, str]:
     """question -> full prefill's answer over the reports matching ``patterns`` ({set} = ``name``), first one wins."""
     out = {}
     for path in sorted(p for pattern in patterns for p in glob.glob(pattern.format(set=name))):
-        run = json.load(open(path))
+        with open(path) as f:
+            run = json.load(f)
         failed = failed_requests(run, "full")
         for i, (q, a) in enumerate(zip(run["questions"], run["answers"]["full"])):
             if i not in failed:

@@ -23,6 +23,7 @@ Hit rate:
     python benchmarks/hit_rate.py                       # full sweep -> benchmarks/results/hit_rate.{json,png}
     python benchmarks/hit_rate.py --budgets 1 --requests 50   # a quick look
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,10 +39,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lazyrag.kv.block_pool import BlockPool, KVShape  # noqa: E402
-from lazyrag.kv.cache import CacheConfig, CacheManager  # noqa: E402
 from lazyrag.engine.reuse import LazyStitching, PositionAware, PrefixCaching, RerotatingPositionAware  # noqa: E402
 from lazyrag.engine.runner import SeqState  # noqa: E402
+from lazyrag.kv.block_pool import BlockPool, KVShape  # noqa: E402
+from lazyrag.kv.cache import CacheConfig, CacheManager  # noqa: E402
 from lazyrag.prompt import PromptLayout  # noqa: E402
 
 LLAMA_8B_KV = KVShape(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16)
@@ -95,8 +96,11 @@ class Workload:
                 d = rng.choices(range(self.num_docs), weights)[0]
                 if d not in picked:
                     picked.append(d)
-            question = ([50_000 + r * self.question_tokens + i for i in range(self.question_tokens)] if self.vocab_size is None
-                        else [text.randrange(self.vocab_size) for _ in range(self.question_tokens)])
+            question = (
+                [50_000 + r * self.question_tokens + i for i in range(self.question_tokens)]
+                if self.vocab_size is None
+                else [text.randrange(self.vocab_size) for _ in range(self.question_tokens)]
+            )
             out.append(PromptLayout(prefix, [docs[d] for d in picked], question))
         return out
 
@@ -104,7 +108,9 @@ class Workload:
         return self.prefix_tokens + self.docs_per_prompt * self.doc_tokens + self.question_tokens + self.output_tokens
 
 
-def run_one(strategy: str, prompts: list[PromptLayout], budget_bytes: int, policy: str, admission: bool, wl: Workload) -> dict:
+def run_one(
+    strategy: str, prompts: list[PromptLayout], budget_bytes: int, policy: str, admission: bool, wl: Workload
+) -> dict:
     shape = LLAMA_8B_KV
     # Working room: a prefix-caching request holds its whole prompt; a position-aware one the
     # base chunks and their copies: twice a prompt covers both, on top of the cache budget.
@@ -116,8 +122,11 @@ def run_one(strategy: str, prompts: list[PromptLayout], budget_bytes: int, polic
     for layout in prompts:
         plan = strat.plan(layout)
         # The scheduler's request lifecycle (Scheduler._plan, _prefill, _release), minus the model.
-        seq = SeqState(context=plan.context, blocks=cache.allocate(shape.blocks_for(len(plan.new_ids) + wl.output_tokens)),
-                       next_pos=plan.new_start)
+        seq = SeqState(
+            context=plan.context,
+            blocks=cache.allocate(shape.blocks_for(len(plan.new_ids) + wl.output_tokens)),
+            next_pos=plan.new_start,
+        )
         strat.runner.prefill([seq], [plan.new_ids])
         strat.finish(plan, seq)
         pool.decref(seq.blocks)
@@ -132,9 +141,15 @@ def run_one(strategy: str, prompts: list[PromptLayout], budget_bytes: int, polic
         else:
             hit_tokens += plan.chunks_hit * wl.doc_tokens
     assert pool.num_free + cache._cached_blocks == pool.num_blocks, "leaked blocks"
-    return {"strategy": strategy, "policy": policy + ("+admit" if admission else ""), "budget_gb": budget_bytes / GiB,
-            "chunk_hit_rate": hit / total, "token_hit_rate": hit_tokens / total_tokens,
-            "evictions": cache.stats.evictions, "rejected": cache.stats.rejected}
+    return {
+        "strategy": strategy,
+        "policy": policy + ("+admit" if admission else ""),
+        "budget_gb": budget_bytes / GiB,
+        "chunk_hit_rate": hit / total,
+        "token_hit_rate": hit_tokens / total_tokens,
+        "evictions": cache.stats.evictions,
+        "rejected": cache.stats.rejected,
+    }
 
 
 def main(argv=None) -> int:
@@ -154,7 +169,10 @@ def main(argv=None) -> int:
         for budget in args.budgets:
             for strategy in STRATEGIES:
                 for policy, admission in POLICIES:
-                    runs = [run_one(strategy, p, int(budget * GiB), policy, admission, wl) for wl, p in zip(workloads, prompts)]
+                    runs = [
+                        run_one(strategy, p, int(budget * GiB), policy, admission, wl)
+                        for wl, p in zip(workloads, prompts)
+                    ]
                     row = dict(runs[0], distribution=dist)
                     for k in ("chunk_hit_rate", "token_hit_rate", "evictions", "rejected"):
                         row[k] = sum(r[k] for r in runs) / len(runs)
@@ -162,10 +180,15 @@ def main(argv=None) -> int:
     elapsed = time.perf_counter() - t0
     print_table(rows, args.budgets)
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"workload": asdict(Workload(requests=args.requests)), "alpha": args.alpha, "seeds": args.seeds,
-            "kv_bytes_per_token": LLAMA_8B_KV.bytes_per_block // LLAMA_8B_KV.block_size, "block_size": LLAMA_8B_KV.block_size,
-            "command": "python benchmarks/hit_rate.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "seconds": round(elapsed, 1)}
+    meta = {
+        "workload": asdict(Workload(requests=args.requests)),
+        "alpha": args.alpha,
+        "seeds": args.seeds,
+        "kv_bytes_per_token": LLAMA_8B_KV.bytes_per_block // LLAMA_8B_KV.block_size,
+        "block_size": LLAMA_8B_KV.block_size,
+        "command": "python benchmarks/hit_rate.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "seconds": round(elapsed, 1),
+    }
     (args.out / "hit_rate.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     plot(rows, args.out / "hit_rate.png", args.alpha)
     print(f"\nwrote {args.out / 'hit_rate.json'} and hit_rate.png ({elapsed:.0f} s)")
@@ -180,7 +203,11 @@ def print_table(rows: list[dict], budgets: list[float]) -> None:
         for s, p in keys:
             cells = []
             for b in budgets:
-                r = next(r for r in rows if r["distribution"] == dist and r["strategy"] == s and r["policy"] == p and r["budget_gb"] == b)
+                r = next(
+                    r
+                    for r in rows
+                    if r["distribution"] == dist and r["strategy"] == s and r["policy"] == p and r["budget_gb"] == b
+                )
                 c, t = 100 * r["chunk_hit_rate"], 100 * r["token_hit_rate"]
                 cells.append(f"{c:6.1f}%" + (f" [{t:4.1f}]" if abs(c - t) > 0.05 else " " * 7))
             print(f"{s:<25}{p:<11}" + "".join(f"{x:>17}" for x in cells))
@@ -198,8 +225,11 @@ def plot(rows: list[dict], path: Path, alpha: float) -> None:
         for j, strategy in enumerate(STRATEGIES):
             ax = axes[i, j]
             for p in policies:
-                pts = sorted((r["budget_gb"], 100 * r["chunk_hit_rate"]) for r in rows
-                             if r["distribution"] == dist and r["strategy"] == strategy and r["policy"] == p)
+                pts = sorted(
+                    (r["budget_gb"], 100 * r["chunk_hit_rate"])
+                    for r in rows
+                    if r["distribution"] == dist and r["strategy"] == strategy and r["policy"] == p
+                )
                 ax.plot(*zip(*pts), marker="o", label=p)
             ax.set_xscale("log", base=2)
             ax.set_title(f"{strategy}, {'Zipf a=%g' % alpha if dist == 'zipf' else 'uniform'}")

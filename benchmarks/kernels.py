@@ -21,6 +21,7 @@ What a forward pass pays, not what one lonely call pays: CUDA-graph timings shar
 (built once per forward for all layers; 1/32 of its build is added), a decode graph holds at least
 4 calls on 4 KV copies, and compared variants are timed in alternating rounds (median ratio).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,12 +36,12 @@ import torch
 import triton
 
 from lazyrag.kernels import prefill_wgmma
+from lazyrag.kernels.common import pack_block_meta, unpack_block_meta
 from lazyrag.kernels.decode import lazy_decode
 from lazyrag.kernels.kvloop import ROTATION_MODES, kernel_resources, last_launch, tile_table
-from lazyrag.kernels.tuned import tuned as tuned_table
 from lazyrag.kernels.prefill import lazy_prefill
-from lazyrag.kernels.common import pack_block_meta, unpack_block_meta
 from lazyrag.kernels.reference import apply_rotary, lazy_decode_reference, lazy_prefill_reference, rope_tables
+from lazyrag.kernels.tuned import tuned as tuned_table
 
 HQ, HKV, D, BS = 32, 8, 128, 16
 DT = torch.bfloat16
@@ -73,7 +74,7 @@ def make_case(gen, batch, ctx, n_docs, dev):
         ids, dl, vl = [], [], []
         for n in s:
             nb = (n + BS - 1) // BS
-            ids += perm[pos: pos + nb].tolist()
+            ids += perm[pos : pos + nb].tolist()
             pos += nb
             dl += [int(torch.randint(0, MAX_POS // 2, (1,), generator=gen))] * nb
             vl += [BS] * (nb - 1) + [n - (nb - 1) * BS]
@@ -91,7 +92,7 @@ def rotated_in_place(k, meta, nblk, cos, sin):
     ids, dl = ids[used], dl[used]
     kk = k.clone()
     for i in range(0, ids.numel(), 4096):  # bounded fp32 temporaries
-        bi, di = ids[i:i + 4096], dl[i:i + 4096]
+        bi, di = ids[i : i + 4096], dl[i : i + 4096]
         kk[bi] = apply_rotary(k[bi].float(), cos[di][:, None, None, :], sin[di][:, None, None, :]).to(k.dtype)
     return kk
 
@@ -169,8 +170,10 @@ def launch_info(kind):
 
 
 def fmt_info(i):
-    return (f"{i['kernel']} splits={i['splits']} regs={i.get('regs')} spills={i.get('spills')} "
-            f"smem={i.get('shared')} blk/SM={i.get('blocks_per_sm')} waves={i['waves'] and round(i['waves'], 2)}")
+    return (
+        f"{i['kernel']} splits={i['splits']} regs={i.get('regs')} spills={i.get('spills')} "
+        f"smem={i.get('shared')} blk/SM={i.get('blocks_per_sm')} waves={i['waves'] and round(i['waves'], 2)}"
+    )
 
 
 class PrefillCase:
@@ -183,19 +186,47 @@ class PrefillCase:
         self.kn = torch.randn(T, HKV, D, device=dev, dtype=DT)
         self.vn = torch.randn(T, HKV, D, device=dev, dtype=DT)
         self.cu = torch.arange(0, T + 1, n_new, device=dev, dtype=torch.int32)
-        self.cos, self.sin, self.scale = cos, sin, D ** -0.5
+        self.cos, self.sin, self.scale = cos, sin, D**-0.5
         self.cache = {}  # tile tables, built once (the engine builds them once per forward, for all layers)
         self.tuned = tuned  # adopted defaults (kernel options' ``tuned``)
 
     def lazy(self, **kw):
         kw.setdefault("tuned", self.tuned)
-        return lambda: lazy_prefill(self.q, self.kn, self.vn, self.cu, self.k, self.v, self.meta, self.nblk, self.cos,
-                                    self.sin, self.scale, max_seqlen_q=self.new, tile_cache=self.cache, **kw)
+        return lambda: lazy_prefill(
+            self.q,
+            self.kn,
+            self.vn,
+            self.cu,
+            self.k,
+            self.v,
+            self.meta,
+            self.nblk,
+            self.cos,
+            self.sin,
+            self.scale,
+            max_seqlen_q=self.new,
+            tile_cache=self.cache,
+            **kw,
+        )
 
     def off(self, **kw):
         kw.setdefault("tuned", self.tuned)
-        return lambda: lazy_prefill(self.q, self.kn, self.vn, self.cu, self.kk, self.v, self.meta, self.nblk,
-                                    self.cos, self.sin, self.scale, max_seqlen_q=self.new, apply_rotation=False, **kw)
+        return lambda: lazy_prefill(
+            self.q,
+            self.kn,
+            self.vn,
+            self.cu,
+            self.kk,
+            self.v,
+            self.meta,
+            self.nblk,
+            self.cos,
+            self.sin,
+            self.scale,
+            max_seqlen_q=self.new,
+            apply_rotation=False,
+            **kw,
+        )
 
     def flops(self):
         return 4 * self.batch * HQ * D * self.new * (self.ctx + (self.new + 1) / 2)
@@ -216,6 +247,7 @@ def run_prefill(gen, dev, cos, sin, batch, ctx, n_docs, n_new, tuned=None):
     qs = c.q.view(batch, n_new, HQ, D).transpose(1, 2)
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
+
     mask = causal_lower_right(n_new, ks.shape[2])
     sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=c.scale)  # noqa
     lazy_e = (bench(c.lazy()), bench(c.lazy()))
@@ -232,16 +264,38 @@ def run_prefill(gen, dev, cos, sin, batch, ctx, n_docs, n_new, tuned=None):
     lz_fwd = lz_g + table_ms / LAYERS  # the kernel plus its share of the forward's one tile table
     fl = c.flops()
     lz, of, sd = min(lazy_e), min(off_e), min(sdpa_e)
-    return dict(kind="prefill", batch=batch, ctx=ctx, docs=n_docs, new=n_new, err=err, err_off=err_off,
-                err_sdpa=sdpa_err, ms_lazy=lz, ms_off=of, ms_sdpa=sd, ms_lazy_runs=lazy_e, ms_off_runs=off_e,
-                ms_sdpa_runs=sdpa_e, ms_lazy_graph=lz_g, ms_off_graph=of_g, ms_sdpa_graph=sd_g,
-                ms_lazy_graph_with_table_share=lz_fwd, graph_spread=spread,
-                ms_lazy_nosplit_graph=ns_g, ms_tile_table_graph=table_ms,
-                tflops_lazy=fl / lz / 1e9, tflops_sdpa=fl / sd / 1e9,
-                tflops_lazy_graph=fl / lz_fwd / 1e9, tflops_sdpa_graph=fl / sd_g / 1e9,
-                overhead_pct=100 * (lz / of - 1), overhead_graph_pct=100 * (ratio + table_ms / LAYERS / of_g - 1),
-                overhead_graph_table_per_call_pct=100 * (ratio + table_ms / of_g - 1),
-                lazy_kernel=info, off_kernel=info_off)
+    return dict(
+        kind="prefill",
+        batch=batch,
+        ctx=ctx,
+        docs=n_docs,
+        new=n_new,
+        err=err,
+        err_off=err_off,
+        err_sdpa=sdpa_err,
+        ms_lazy=lz,
+        ms_off=of,
+        ms_sdpa=sd,
+        ms_lazy_runs=lazy_e,
+        ms_off_runs=off_e,
+        ms_sdpa_runs=sdpa_e,
+        ms_lazy_graph=lz_g,
+        ms_off_graph=of_g,
+        ms_sdpa_graph=sd_g,
+        ms_lazy_graph_with_table_share=lz_fwd,
+        graph_spread=spread,
+        ms_lazy_nosplit_graph=ns_g,
+        ms_tile_table_graph=table_ms,
+        tflops_lazy=fl / lz / 1e9,
+        tflops_sdpa=fl / sd / 1e9,
+        tflops_lazy_graph=fl / lz_fwd / 1e9,
+        tflops_sdpa_graph=fl / sd_g / 1e9,
+        overhead_pct=100 * (lz / of - 1),
+        overhead_graph_pct=100 * (ratio + table_ms / LAYERS / of_g - 1),
+        overhead_graph_table_per_call_pct=100 * (ratio + table_ms / of_g - 1),
+        lazy_kernel=info,
+        off_kernel=info_off,
+    )
 
 
 def info_pages(info):
@@ -255,14 +309,15 @@ class DecodeCase:
         self.k, self.v, self.meta, self.nblk = make_case(gen, batch, ctx, n_docs, dev)
         self.kk = rotated_in_place(self.k, self.meta, self.nblk, cos, sin)
         self.q = torch.randn(batch, HQ, D, device=dev, dtype=DT)
-        self.cos, self.sin, self.scale = cos, sin, D ** -0.5
+        self.cos, self.sin, self.scale = cos, sin, D**-0.5
         self.kv_bytes = 2 * int(self.nblk.sum()) * BS * HKV * D * 2
         # small problems fit in L2: rotate among copies so timings read HBM, not cache; and at least MIN_SETS calls
         # per CUDA graph, so that the graph's own launch (several µs after do_bench's L2 flush) is not charged whole
         # to one ~80 µs call: in a forward pass the kernel runs back to back with the others
         self.n_sets = max(MIN_SETS, min(8, math.ceil(4 * L2_BYTES / self.kv_bytes)))
-        self.sets = [(self.k, self.v, self.kk)] + [(self.k.clone(), self.v.clone(), self.kk.clone())
-                                                   for _ in range(self.n_sets - 1)]
+        self.sets = [(self.k, self.v, self.kk)] + [
+            (self.k.clone(), self.v.clone(), self.kk.clone()) for _ in range(self.n_sets - 1)
+        ]
         self.cache = {}
         self.tuned = tuned
         self.i = 0
@@ -276,8 +331,10 @@ class DecodeCase:
 
         def f():
             k, v, _ = self._next()
-            return lazy_decode(self.q, k, v, self.meta, self.nblk, self.cos, self.sin, self.scale,
-                               tile_cache=self.cache, **kw)
+            return lazy_decode(
+                self.q, k, v, self.meta, self.nblk, self.cos, self.sin, self.scale, tile_cache=self.cache, **kw
+            )
+
         return f
 
     def off(self, **kw):
@@ -285,8 +342,10 @@ class DecodeCase:
 
         def f():
             _, v, kk = self._next()
-            return lazy_decode(self.q, kk, v, self.meta, self.nblk, self.cos, self.sin, self.scale,
-                               apply_rotation=False, **kw)
+            return lazy_decode(
+                self.q, kk, v, self.meta, self.nblk, self.cos, self.sin, self.scale, apply_rotation=False, **kw
+            )
+
         return f
 
     def bytes_moved(self):
@@ -297,8 +356,9 @@ def run_decode(gen, dev, cos, sin, batch, ctx, n_docs, copy_tbs, tuned=None):
     c = DecodeCase(gen, dev, cos, sin, batch, ctx, n_docs, tuned)
     out = lazy_decode(c.q, c.k, c.v, c.meta, c.nblk, cos, sin, c.scale, tuned=tuned)
     err = rel(out, lazy_decode_reference(c.q, c.k, c.v, c.meta, c.nblk, cos, sin, c.scale))
-    err_off = rel(lazy_decode(c.q, c.kk, c.v, c.meta, c.nblk, cos, sin, c.scale, apply_rotation=False, tuned=tuned),
-                  out)
+    err_off = rel(
+        lazy_decode(c.q, c.kk, c.v, c.meta, c.nblk, cos, sin, c.scale, apply_rotation=False, tuned=tuned), out
+    )
     lazy_e = (bench(c.lazy()), bench(c.lazy()))
     info = launch_info("decode")
     off_e = (bench(c.off()), bench(c.off()))
@@ -309,15 +369,35 @@ def run_decode(gen, dev, cos, sin, batch, ctx, n_docs, copy_tbs, tuned=None):
     lz, of = min(lazy_e), min(off_e)
     bm = c.bytes_moved()
     tbs = lambda ms: bm / (ms * 1e-3) / 1e12  # noqa: E731
-    return dict(kind="decode", batch=batch, ctx=ctx, docs=n_docs, err=err, err_off=err_off, ms_lazy=lz, ms_off=of,
-                ms_lazy_runs=lazy_e, ms_off_runs=off_e, ms_lazy_graph=lz_g, ms_off_graph=of_g,
-                ms_lazy_graph_with_table_share=lz_fwd, graph_spread=spread, ms_tile_table_graph=table_ms,
-                tbs_lazy=tbs(lz), tbs_lazy_graph=tbs(lz_fwd),
-                bw_frac=tbs(lz) / copy_tbs, bw_frac_graph=tbs(lz_fwd) / copy_tbs,
-                bw_frac_off=tbs(of) / copy_tbs, bw_frac_off_graph=tbs(of_g) / copy_tbs,
-                overhead_pct=100 * (lz / of - 1), overhead_graph_pct=100 * (ratio + table_ms / LAYERS / of_g - 1),
-                overhead_graph_table_per_call_pct=100 * (ratio + table_ms / of_g - 1),
-                l2_sets=c.n_sets, lazy_kernel=info, off_kernel=info_off)
+    return dict(
+        kind="decode",
+        batch=batch,
+        ctx=ctx,
+        docs=n_docs,
+        err=err,
+        err_off=err_off,
+        ms_lazy=lz,
+        ms_off=of,
+        ms_lazy_runs=lazy_e,
+        ms_off_runs=off_e,
+        ms_lazy_graph=lz_g,
+        ms_off_graph=of_g,
+        ms_lazy_graph_with_table_share=lz_fwd,
+        graph_spread=spread,
+        ms_tile_table_graph=table_ms,
+        tbs_lazy=tbs(lz),
+        tbs_lazy_graph=tbs(lz_fwd),
+        bw_frac=tbs(lz) / copy_tbs,
+        bw_frac_graph=tbs(lz_fwd) / copy_tbs,
+        bw_frac_off=tbs(of) / copy_tbs,
+        bw_frac_off_graph=tbs(of_g) / copy_tbs,
+        overhead_pct=100 * (lz / of - 1),
+        overhead_graph_pct=100 * (ratio + table_ms / LAYERS / of_g - 1),
+        overhead_graph_table_per_call_pct=100 * (ratio + table_ms / of_g - 1),
+        l2_sets=c.n_sets,
+        lazy_kernel=info,
+        off_kernel=info_off,
+    )
 
 
 SWEEP_DECODE = [(64, 8192, 10), (32, 8192, 10), (8, 32768, 10), (8, 8192, 10), (8, 8192, 1)]  # (batch, ctx, docs)
@@ -345,32 +425,59 @@ def sweep(gen, dev, cos, sin, copy_tbs, log, kinds=("decode", "prefill")):
             ok.append(v)
         (meds, ratios, spreads) = paired_graph_ms([v["fn"] for v in ok], calls, cache=cache, rounds=3)
         for v, ms, r, sp in zip(ok, meds, ratios, spreads):
-            row = dict(kind=v["kind"], desc=v["desc"], config=list(v["cfg"]), mode=v["mode"], splits_forced=v.get("splits"),
-                       ms_graph=ms, ratio_to_first=r, spread=sp, err_vs_ref=v["err"], **extra, **v["info"])
+            row = dict(
+                kind=v["kind"],
+                desc=v["desc"],
+                config=list(v["cfg"]),
+                mode=v["mode"],
+                splits_forced=v.get("splits"),
+                ms_graph=ms,
+                ratio_to_first=r,
+                spread=sp,
+                err_vs_ref=v["err"],
+                **extra,
+                **v["info"],
+            )
             rows.append(row)
-            log(f"  {label} {v['desc']:<38}: {1e3 * ms:7.1f} us  x{r:5.3f}  spread {100 * sp:4.1f}%  err {v['err']:.1e}  "
-                f"{fmt_info(v['info'])}")
+            log(
+                f"  {label} {v['desc']:<38}: {1e3 * ms:7.1f} us  x{r:5.3f}  spread {100 * sp:4.1f}%  err "
+                f"{v['err']:.1e}  {fmt_info(v['info'])}"
+            )
 
     for batch, ctx, docs in SWEEP_DECODE if "decode" in kinds else ():
         c = DecodeCase(gen, dev, cos, sin, batch, ctx, docs)
         dt = tuned_table(dev)["decode"]
-        ref = lazy_decode(c.q, c.kk, c.v, c.meta, c.nblk, cos, sin, c.scale, apply_rotation=False,
-                          config=tuple(dt["config"]))
+        ref = lazy_decode(
+            c.q, c.kk, c.v, c.meta, c.nblk, cos, sin, c.scale, apply_rotation=False, config=tuple(dt["config"])
+        )
         variants = []
         cands = [tuple(x) for x in dt["candidates"]]
         for cfg in (cands[0], cands[2]):
             for mode in ROTATION_MODES if cfg == cands[0] else (2,):
                 for lazy in (True, False):
-                    for splits in ((None, 4, 16) if batch <= 8 and mode == 2 and cfg == cands[0] else (None,)):
+                    for splits in (None, 4, 16) if batch <= 8 and mode == 2 and cfg == cands[0] else (None,):
                         kw = dict(config=cfg, rotation_mode=mode, num_splits=splits)
                         fn = c.lazy(**kw) if lazy else c.off(**kw)
                         label = mode if lazy else f"{mode} off"
-                        variants.append(dict(kind="decode", cfg=cfg, mode=label, splits=splits, fn=fn,
-                                             desc=f"cfg={cfg} mode={label} splits={splits}"))
+                        variants.append(
+                            dict(
+                                kind="decode",
+                                cfg=cfg,
+                                mode=label,
+                                splits=splits,
+                                fn=fn,
+                                desc=f"cfg={cfg} mode={label} splits={splits}",
+                            )
+                        )
         # an eager call of the timed function checks it (its KV copies hold the same values)
-        run_shape(f"decode B={batch:2} {ctx // 1024:2}k d={docs:2}", variants, c.n_sets, c.cache,
-                  lambda v: rel(v["fn"](), ref), dict(batch=batch, ctx=ctx, docs=docs,
-                                                      bytes=c.bytes_moved(), copy_tbs=copy_tbs))
+        run_shape(
+            f"decode B={batch:2} {ctx // 1024:2}k d={docs:2}",
+            variants,
+            c.n_sets,
+            c.cache,
+            lambda v, ref=ref: rel(v["fn"](), ref),
+            dict(batch=batch, ctx=ctx, docs=docs, bytes=c.bytes_moved(), copy_tbs=copy_tbs),
+        )
         del c
         torch.cuda.empty_cache()
     for batch, ctx, docs, new in SWEEP_PREFILL if "prefill" in kinds else ():
@@ -384,12 +491,20 @@ def sweep(gen, dev, cos, sin, copy_tbs, log, kinds=("decode", "prefill")):
         for cfg in cands if short else cands[:2]:
             for mode in ROTATION_MODES if cfg == default or not short else (5, 7):
                 for lazy in (True, False):
-                    for splits in ((None, 8, 16) if short else (None,)):
+                    for splits in (None, 8, 16) if short else (None,):
                         kw = dict(config=cfg, num_splits=splits, rotation_mode=mode)
                         fn = c.lazy(**kw) if lazy else c.off(**kw)
                         label = mode if lazy else f"{mode} off"
-                        variants.append(dict(kind="prefill", cfg=cfg, mode=label, splits=splits, fn=fn,
-                                             desc=f"cfg={cfg} mode={label} splits={splits}"))
+                        variants.append(
+                            dict(
+                                kind="prefill",
+                                cfg=cfg,
+                                mode=label,
+                                splits=splits,
+                                fn=fn,
+                                desc=f"cfg={cfg} mode={label} splits={splits}",
+                            )
+                        )
         wgmma_default = tuple(tuned_table(dev)["prefill_wgmma"]["config"])
         if not short and prefill_wgmma.supported(c.q.dtype, D, dev, BS, wgmma_default[1]):  # the Gluon kernel
             for cfg in (wgmma_default, (128, 128, 12, 3)):
@@ -397,8 +512,14 @@ def sweep(gen, dev, cos, sin, copy_tbs, log, kinds=("decode", "prefill")):
                     fn = (c.lazy if lazy else c.off)(kernel="wgmma", config=cfg)
                     mode = "wgmma" if lazy else "wgmma off"
                     variants.append(dict(kind="prefill", cfg=cfg, mode=mode, fn=fn, desc=f"cfg={cfg} mode={mode}"))
-        run_shape(f"prefill B={batch} {ctx // 1024}k d={docs:2} new={new:3}", variants, 1, c.cache,
-                  lambda v: rel(v["fn"](), ref), dict(batch=batch, ctx=ctx, docs=docs, new=new, flops=c.flops()))
+        run_shape(
+            f"prefill B={batch} {ctx // 1024}k d={docs:2} new={new:3}",
+            variants,
+            1,
+            c.cache,
+            lambda v, ref=ref: rel(v["fn"](), ref),
+            dict(batch=batch, ctx=ctx, docs=docs, new=new, flops=c.flops()),
+        )
         del c
         torch.cuda.empty_cache()
     return rows
@@ -424,8 +545,10 @@ def adopt_sweep(rows, log):
 
 def plot(results, path):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(1, 3, figsize=(17, 4.8))
     pre = [r for r in results if r["kind"] == "prefill"]
     dec = [r for r in results if r["kind"] == "decode"]
@@ -466,8 +589,12 @@ def main():
     ap.add_argument("--sweep", action="store_true", help="time every config and rotation schedule first")
     ap.add_argument("--no-grid", action="store_true", help="only the sweep")
     ap.add_argument("--sweep-only", choices=("decode", "prefill"), help="sweep one kernel's shapes only")
-    ap.add_argument("--adopt", action="store_true", help="after --sweep, run the grid with the sweep's fastest "
-                    "lazy config and rotation mode as defaults (written to kernel_defaults.json beside --out)")
+    ap.add_argument(
+        "--adopt",
+        action="store_true",
+        help="after --sweep, run the grid with the sweep's fastest "
+        "lazy config and rotation mode as defaults (written to kernel_defaults.json beside --out)",
+    )
     ap.add_argument("--budget", type=float, default=1e9, help="seconds: start no new row after this")
     a = ap.parse_args()
     dev = torch.device("cuda")
@@ -476,10 +603,16 @@ def main():
     cos, sin = (t.to(dev) for t in rope_tables(inv_freq, MAX_POS))
     copy_tbs = copy_bandwidth(dev)
     t0 = time.time()
-    summary = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                   copy_tbs=copy_tbs, command="python " + " ".join(sys.argv),
-                   autotune=os.environ.get("LAZYRAG_KERNEL_AUTOTUNE", "0"),
-                   results=[], sweep=[])
+    summary = dict(
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        triton=triton.__version__,
+        copy_tbs=copy_tbs,
+        command="python " + " ".join(sys.argv),
+        autotune=os.environ.get("LAZYRAG_KERNEL_AUTOTUNE", "0"),
+        results=[],
+        sweep=[],
+    )
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
 
     def save():
@@ -493,57 +626,76 @@ def main():
     log(f"device {torch.cuda.get_device_name()}  copy bandwidth {copy_tbs:.2f} TB/s")
     adopted = None  # the sweep's choices, passed to every call of the grid as the kernel options' ``tuned``
     if a.sweep:
-        summary["sweep"] = sweep(gen, dev, cos, sin, copy_tbs, log,
-                                 (a.sweep_only,) if a.sweep_only else ("decode", "prefill"))
+        summary["sweep"] = sweep(
+            gen, dev, cos, sin, copy_tbs, log, (a.sweep_only,) if a.sweep_only else ("decode", "prefill")
+        )
         if a.adopt:
             summary["adopted"] = adopted = adopt_sweep(summary["sweep"], log)
             with open(os.path.join(os.path.dirname(os.path.abspath(a.out)), "kernel_defaults.json"), "w") as f:
                 json.dump(summary["adopted"], f)
         save()
     used = tuned_table(dev, adopted)
-    summary["defaults_used"] = dict(prefill=[used["prefill"]["config"], used["prefill"]["rotation_mode"]],
-                                    prefill_kernel=[used["prefill"]["kernel"], used["prefill_wgmma"]["config"]],
-                                    decode=[used["decode"]["config"], used["decode"]["rotation_mode"]])
+    summary["defaults_used"] = dict(
+        prefill=[used["prefill"]["config"], used["prefill"]["rotation_mode"]],
+        prefill_kernel=[used["prefill"]["kernel"], used["prefill_wgmma"]["config"]],
+        decode=[used["decode"]["config"], used["decode"]["rotation_mode"]],
+    )
     if a.no_grid:
         return 0
     results = summary["results"]
-    pre_grid = [(b, c, d, n) for n in (64, 512) for c in (2048, 8192, 32768) for d in (1, 10)
-                for b in (1, 8) if b * c <= 8 * 8192 and (c < 32768 or n == 512)]
+    pre_grid = [
+        (b, c, d, n)
+        for n in (64, 512)
+        for c in (2048, 8192, 32768)
+        for d in (1, 10)
+        for b in (1, 8)
+        if b * c <= 8 * 8192 and (c < 32768 or n == 512)
+    ]
     dec_grid = [(b, c, d) for b in (1, 8, 32, 64) for c in (8192, 32768) for d in (1, 10) if b * c <= 64 * 8192]
     if a.quick:
         pre_grid, dec_grid = pre_grid[:3], dec_grid[:3]
-    log("prefill: eager ms (graph ms in brackets: the kernel plus 1/32 of the forward's tile table, whose device us is "
-        "the 'table' column); overhead = lazy / off - 1 on the same layout, graph ratios paired over rounds")
-    log(f"{'B':>3} {'ctx':>6} {'docs':>4} {'new':>4} {'lazy':>15} {'off':>15} {'ovh%':>11} {'sdpa':>15} "
-        f"{'lazy/sdpa':>11} {'err':>7} {'table':>5} kernel")
+    log(
+        "prefill: eager ms (graph ms in brackets: the kernel plus 1/32 of the forward's tile table, whose device us is "
+        "the 'table' column); overhead = lazy / off - 1 on the same layout, graph ratios paired over rounds"
+    )
+    log(
+        f"{'B':>3} {'ctx':>6} {'docs':>4} {'new':>4} {'lazy':>15} {'off':>15} {'ovh%':>11} {'sdpa':>15} "
+        f"{'lazy/sdpa':>11} {'err':>7} {'table':>5} kernel"
+    )
     for b, c, d, n in pre_grid:
         if time.time() - t0 > a.budget:
             log(f"budget spent: skipping prefill {(b, c, d, n)}")
             continue
         r = run_prefill(gen, dev, cos, sin, b, c, d, n, tuned=adopted)
         results.append(r)
-        log(f"{b:3} {c:6} {d:4} {n:4} {r['ms_lazy']:7.3f} [{r['ms_lazy_graph_with_table_share']:5.3f}] {r['ms_off']:7.3f} "
-            f"[{r['ms_off_graph']:5.3f}] {r['overhead_pct']:5.1f} [{r['overhead_graph_pct']:4.1f}] {r['ms_sdpa']:7.3f} "
-            f"[{r['ms_sdpa_graph']:5.3f}] {r['tflops_lazy'] / r['tflops_sdpa']:5.2f} "
+        log(
+            f"{b:3} {c:6} {d:4} {n:4} {r['ms_lazy']:7.3f} [{r['ms_lazy_graph_with_table_share']:5.3f}] "
+            f"{r['ms_off']:7.3f} [{r['ms_off_graph']:5.3f}] {r['overhead_pct']:5.1f} [{r['overhead_graph_pct']:4.1f}] "
+            f"{r['ms_sdpa']:7.3f} [{r['ms_sdpa_graph']:5.3f}] {r['tflops_lazy'] / r['tflops_sdpa']:5.2f} "
             f"[{r['tflops_lazy_graph'] / r['tflops_sdpa_graph']:4.2f}] {r['err']:7.1e} "
-            f"{1e3 * r['ms_tile_table_graph']:5.1f} {fmt_info(r['lazy_kernel'])}")
+            f"{1e3 * r['ms_tile_table_graph']:5.1f} {fmt_info(r['lazy_kernel'])}"
+        )
         save()
         torch.cuda.empty_cache()
     log("decode: eager us (graph us in brackets, with 1/32 of the tile table); bandwidth as % of the copy")
-    log(f"{'B':>3} {'ctx':>6} {'docs':>4} {'lazy':>15} {'off':>15} {'ovh%':>11} {'%copy':>11} {'%copy off':>11} "
-        f"{'err':>7} {'table':>5} kernel")
+    log(
+        f"{'B':>3} {'ctx':>6} {'docs':>4} {'lazy':>15} {'off':>15} {'ovh%':>11} {'%copy':>11} {'%copy off':>11} "
+        f"{'err':>7} {'table':>5} kernel"
+    )
     for b, c, d in dec_grid:
         if time.time() - t0 > a.budget:
             log(f"budget spent: skipping decode {(b, c, d)}")
             continue
         r = run_decode(gen, dev, cos, sin, b, c, d, copy_tbs, tuned=adopted)
         results.append(r)
-        log(f"{b:3} {c:6} {d:4} {1e3 * r['ms_lazy']:7.1f} [{1e3 * r['ms_lazy_graph_with_table_share']:5.1f}] "
+        log(
+            f"{b:3} {c:6} {d:4} {1e3 * r['ms_lazy']:7.1f} [{1e3 * r['ms_lazy_graph_with_table_share']:5.1f}] "
             f"{1e3 * r['ms_off']:7.1f} "
             f"[{1e3 * r['ms_off_graph']:5.1f}] {r['overhead_pct']:5.1f} [{r['overhead_graph_pct']:4.1f}] "
             f"{100 * r['bw_frac']:5.1f} [{100 * r['bw_frac_graph']:4.1f}] {100 * r['bw_frac_off']:5.1f} "
             f"[{100 * r['bw_frac_off_graph']:4.1f}] {r['err']:7.1e} {1e3 * r['ms_tile_table_graph']:5.1f} "
-            f"{fmt_info(r['lazy_kernel'])}")
+            f"{fmt_info(r['lazy_kernel'])}"
+        )
         save()
         torch.cuda.empty_cache()
     bad = [r for r in results if not (r["err"] < 2e-2 and r["err_off"] < 2e-2)]

@@ -13,6 +13,7 @@ on a 2-core machine slows these several-fold, and the numbers are only worth rea
 
     .venv/bin/python benchmarks/load_time.py --reps 3     # CPU; writes benchmarks/results/load_time_cpu.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,10 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-QUESTION, CHUNK = "Who discovered penicillin?", "Alexander Fleming discovered penicillin in 1928 at St Mary's Hospital in London."
+QUESTION, CHUNK = (
+    "Who discovered penicillin?",
+    "Alexander Fleming discovered penicillin in 1928 at St Mary's Hospital in London.",
+)
 OTHER = ("When did tea reach Britain?", "Tea reached Britain in 1662, brought by Catherine of Braganza.")
 
 # run in the child: the load, then two requests over chunks never seen (first and second after the load)
@@ -49,15 +53,27 @@ print(json.dumps({{"load_s": load_s, "requests": requests}}))
 
 def run_load(env: dict, warmup: bool) -> dict:
     t = time.perf_counter()
-    p = subprocess.run([sys.executable, "-c", LOAD, "1" if warmup else "0"], env=env, capture_output=True, text=True,
-                       timeout=900, check=True)
+    p = subprocess.run(
+        [sys.executable, "-c", LOAD, "1" if warmup else "0"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=True,
+    )
     return {**json.loads(p.stdout.strip().splitlines()[-1]), "process_s": time.perf_counter() - t}
 
 
 def run_ask(env: dict) -> dict:
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "lazyrag", "ask", QUESTION, "--chunk", CHUNK, "--max-new-tokens", "8"],
-                   env=env, capture_output=True, text=True, timeout=900, check=True)
+    subprocess.run(
+        [sys.executable, "-m", "lazyrag", "ask", QUESTION, "--chunk", CHUNK, "--max-new-tokens", "8"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=True,
+    )
     return {"wall_s": time.perf_counter() - t}
 
 
@@ -70,8 +86,13 @@ def free_port() -> int:
 def run_serve(env: dict) -> dict:
     port = free_port()
     t = time.perf_counter()
-    p = subprocess.Popen([sys.executable, "-m", "lazyrag", "serve", "--port", str(port), "--log-level", "warning"],
-                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "lazyrag", "serve", "--port", str(port), "--log-level", "warning"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         while True:
             if p.poll() is not None:
@@ -108,10 +129,16 @@ def run_all(reps: int, configs: list[str]) -> dict:
     results = {}
     for label, cache in (CONFIGS[c] for c in configs):
         with tempfile.TemporaryDirectory() as cache_dir:
-            env = dict(os.environ, LAZYRAG_MODEL_CACHE=cache, LAZYRAG_CACHE_DIR=cache_dir, TQDM_DISABLE="1",
-                       PYTHONPATH=str(ROOT))
+            env = dict(
+                os.environ,
+                LAZYRAG_MODEL_CACHE=cache,
+                LAZYRAG_CACHE_DIR=cache_dir,
+                TQDM_DISABLE="1",
+                PYTHONPATH=str(ROOT),
+            )
             r = results[label] = {}
-            if cache == "1":  # the first load converts the GGUF: the cold-cache load (with the cache off, every load is)
+            if cache == "1":
+                # the first load converts the GGUF: the cold-cache load (with the cache off, every load is)
                 r["from_pretrained_cold"] = [measured(run_load, env, True)]
             r["from_pretrained"] = [measured(run_load, env, True) for _ in range(reps)]
             r["from_pretrained_no_warmup"] = [measured(run_load, env, False) for _ in range(reps)]
@@ -132,11 +159,16 @@ def print_table(label: str, r: dict) -> None:
         if key not in r:
             continue
         runs = r[key]
-        print(f"  {key:<32} load {median(runs, 'load_s'):6.2f}  process {median(runs, 'process_s'):6.2f}  {first_second(runs)}")
+        print(
+            f"  {key:<32} load {median(runs, 'load_s'):6.2f}  process {median(runs, 'process_s'):6.2f}  "
+            f"{first_second(runs)}"
+        )
     print(f"  {'ask (wall)':<32} {median(r['ask'], 'wall_s'):6.2f}")
     print(f"  {'serve ready (/health)':<32} {median(r['serve'], 'ready_s'):6.2f}")
-    print(f"  load average: {min(x['loadavg_before'] for v in r.values() for x in v):.2f}-"
-          f"{max(x['loadavg_after'] for v in r.values() for x in v):.2f}")
+    print(
+        f"  load average: {min(x['loadavg_before'] for v in r.values() for x in v):.2f}-"
+        f"{max(x['loadavg_after'] for v in r.values() for x in v):.2f}"
+    )
 
 
 def main() -> None:
@@ -146,8 +178,12 @@ def main() -> None:
     ap.add_argument("--configs", default="before,after", help="which of before (cache off), after (cache on) to run")
     args = ap.parse_args()
     results = run_all(args.reps, args.configs.split(","))
-    args.out.write_text(json.dumps({"command": " ".join(["python", *sys.argv]),
-                                    "device": f"cpu ({os.cpu_count()} cores)", "results": results}, indent=1))
+    args.out.write_text(
+        json.dumps(
+            {"command": " ".join(["python", *sys.argv]), "device": f"cpu ({os.cpu_count()} cores)", "results": results},
+            indent=1,
+        )
+    )
     print(f"\nwrote {args.out}")
 
 

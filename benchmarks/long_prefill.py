@@ -4,6 +4,7 @@ how long an abort (or a newly arrived request) waits at most. Variants alternate
 
     python benchmarks/long_prefill.py                        # embedded model, CPU, ~7.5k tokens, 2048 vs whole
 Prints a table and writes JSON (``--out``)."""
+
 from __future__ import annotations
 
 import argparse
@@ -54,16 +55,34 @@ def main() -> int:
     rows = []
     for p, reps in runs.items():
         totals, longest = [sum(r) for r in reps], [max(r) for r in reps]
-        rows.append({"piece_tokens": p if p < 1 << 30 else None, "steps": len(reps[0]),
-                     "total_s_median": statistics.median(totals), "longest_step_s_median": statistics.median(longest),
-                     "step_s": reps})
+        rows.append(
+            {
+                "piece_tokens": p if p < 1 << 30 else None,
+                "steps": len(reps[0]),
+                "total_s_median": statistics.median(totals),
+                "longest_step_s_median": statistics.median(longest),
+                "step_s": reps,
+            }
+        )
     print(f"{layout.num_tokens}-token prompt, {engine.device}, {args.reps} reps (alternated)")
     print(f"{'piece':>8} {'steps':>6} {'total s':>9} {'longest step s':>15}")
     for r in rows:
-        print(f"{r['piece_tokens'] or 'whole':>8} {r['steps']:>6} {r['total_s_median']:>9.1f} {r['longest_step_s_median']:>15.1f}")
+        print(
+            f"{r['piece_tokens'] or 'whole':>8} {r['steps']:>6} {r['total_s_median']:>9.1f} "
+            f"{r['longest_step_s_median']:>15.1f}"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"prompt_tokens": layout.num_tokens, "device": str(engine.device),
-                                    "command": "python " + " ".join(sys.argv), "rows": rows}, indent=1))
+    args.out.write_text(
+        json.dumps(
+            {
+                "prompt_tokens": layout.num_tokens,
+                "device": str(engine.device),
+                "command": "python " + " ".join(sys.argv),
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {args.out}")
     return 0
 

@@ -20,6 +20,7 @@ alternating rounds. ``--ncu`` instead runs each variant once (for ``ncu --kernel
     python benchmarks/prefill_ceiling.py [--batch 8] [--ctx 8192] [--docs 1] [--new 512] [--out PATH] [--ncu]
                                          [--only REGEX]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,18 +33,37 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kernels import HKV, HQ, D, BS, DT, MAX_POS, PrefillCase, paired_graph_ms, launch_info, fmt_info  # noqa: E402
-
+from kernels import BS, DT, HKV, HQ, MAX_POS, D, PrefillCase, fmt_info, launch_info, paired_graph_ms  # noqa: E402
 from lazyrag.kernels.common import pack_block_meta, unpack_block_meta  # noqa: E402
 from lazyrag.kernels.kvloop import load_index  # noqa: E402
 from lazyrag.kernels.reference import rope_tables  # noqa: E402
 
 
 @triton.jit
-def _dense_attn_kernel(Q, K, V, OUT, PAGES, qk_scale, S, stride_qb, stride_qt, stride_kb, stride_ks, stride_ob,
-                       stride_ot, NQ, G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, CARRY_Q: tl.constexpr, MASK: tl.constexpr,
-                       GATHER: tl.constexpr):
+def _dense_attn_kernel(
+    Q,
+    K,
+    V,
+    OUT,
+    PAGES,
+    qk_scale,
+    S,
+    stride_qb,
+    stride_qt,
+    stride_kb,
+    stride_ks,
+    stride_ob,
+    stride_ot,
+    NQ,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    CARRY_Q: tl.constexpr,
+    MASK: tl.constexpr,
+    GATHER: tl.constexpr,
+):
     """Rows are (query token, q head) pairs of one KV head's group, as in the lazy kernel; K/V contiguous
     [B, S, Hkv, D]; every row attends to all S keys. The tutorial's loop (q loop-invariant, pointers advanced),
     plus what the lazy kernel adds, each on its own switch: CARRY_Q (q loop-carried, as a re-rotated q must
@@ -69,18 +89,19 @@ def _dense_attn_kernel(Q, K, V, OUT, PAGES, qk_scale, S, stride_qb, stride_qt, s
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     n_tiles = S // BLOCK_N
     for t in range(0, n_tiles):
-        if CARRY_Q:
+        if CARRY_Q:  # noqa: SIM102  a constexpr `if` (compile time) around a runtime one, as in kernels/*.py
             if t == 0:
                 q = (tl.load(q_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32) * qk_scale).to(q.dtype)
         keep = offs_n < S - t * BLOCK_N
         if GATHER:
-            blk = load_index(PAGES + b.to(tl.int64) * (S // BLOCK_SIZE) + t * (BLOCK_N // BLOCK_SIZE)
-                             + offs_n // BLOCK_SIZE, keep & (t < n_tiles), True)  # t < n_tiles: as kvloop's `live`
+            blk = load_index(
+                PAGES + b.to(tl.int64) * (S // BLOCK_SIZE) + t * (BLOCK_N // BLOCK_SIZE) + offs_n // BLOCK_SIZE,
+                keep & (t < n_tiles),
+                True,
+            )  # t < n_tiles: as kvloop's `live`
             rows = blk * BLOCK_SIZE + offs_n % BLOCK_SIZE  # rows of the [B * S] key array
-            k = tl.load(K + kvh * HEAD_DIM + rows[:, None] * stride_ks + offs_d[None, :], mask=keep[:, None],
-                        other=0.0)
-            v = tl.load(V + kvh * HEAD_DIM + rows[:, None] * stride_ks + offs_d[None, :], mask=keep[:, None],
-                        other=0.0)
+            k = tl.load(K + kvh * HEAD_DIM + rows[:, None] * stride_ks + offs_d[None, :], mask=keep[:, None], other=0.0)
+            v = tl.load(V + kvh * HEAD_DIM + rows[:, None] * stride_ks + offs_d[None, :], mask=keep[:, None], other=0.0)
         else:
             k = tl.load(k_ptrs)
             v = tl.load(v_ptrs)
@@ -96,22 +117,46 @@ def _dense_attn_kernel(Q, K, V, OUT, PAGES, qk_scale, S, stride_qb, stride_qt, s
         k_ptrs += BLOCK_N * stride_ks
         v_ptrs += BLOCK_N * stride_ks
     o_off = b.to(tl.int64) * stride_ob + tok * stride_ot + head * HEAD_DIM
-    tl.store(OUT + o_off[:, None] + offs_d[None, :], (acc / l_i[:, None]).to(OUT.dtype.element_ty),
-             mask=row_ok[:, None])
+    tl.store(
+        OUT + o_off[:, None] + offs_d[None, :], (acc / l_i[:, None]).to(OUT.dtype.element_ty), mask=row_ok[:, None]
+    )
 
 
-def dense_attn(q, k, v, out, scale, stages, pages, carry_q=False, mask=False, gather=False, block_m=128,
-               block_n=128, warps=8):
+def dense_attn(
+    q, k, v, out, scale, stages, pages, carry_q=False, mask=False, gather=False, block_m=128, block_n=128, warps=8
+):
     """q [B, NQ, HQ, D], k/v [B, S, HKV, D] contiguous (S a multiple of block_n); ``pages``: the block table
     GATHER reads (int64 [B * S / BS], blocks in order)."""
     B, NQ, Hq, Dd = q.shape
     S, Hkv = k.shape[1], k.shape[2]
     G = Hq // Hkv
     grid = (triton.cdiv(NQ, block_m // G), Hkv, B)
-    _dense_attn_kernel[grid](q, k, v, out, pages, scale * 1.4426950408889634, S, q.stride(0), q.stride(1),
-                             k.stride(0), k.stride(1), out.stride(0), out.stride(1), NQ, G=G, HEAD_DIM=Dd,
-                             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_SIZE=BS, CARRY_Q=carry_q, MASK=mask,
-                             GATHER=gather, num_warps=warps, num_stages=stages)
+    _dense_attn_kernel[grid](
+        q,
+        k,
+        v,
+        out,
+        pages,
+        scale * 1.4426950408889634,
+        S,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        out.stride(0),
+        out.stride(1),
+        NQ,
+        G=G,
+        HEAD_DIM=Dd,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_SIZE=BS,
+        CARRY_Q=carry_q,
+        MASK=mask,
+        GATHER=gather,
+        num_warps=warps,
+        num_stages=stages,
+    )
     return out
 
 
@@ -159,8 +204,10 @@ def main():
 
     def lazy_contig():
         from lazyrag.kernels.prefill import lazy_prefill
-        return lazy_prefill(c.q, c.kn, c.vn, c.cu, kc, vc, meta_c, c.nblk, cos, sin, c.scale, max_seqlen_q=N,
-                            tile_cache=cache_c)
+
+        return lazy_prefill(
+            c.q, c.kn, c.vn, c.cu, kc, vc, meta_c, c.nblk, cos, sin, c.scale, max_seqlen_q=N, tile_cache=cache_c
+        )
 
     ref = c.lazy()().float()
     variants = {"lazy": c.lazy(), "off": c.off(), "lazy_contig": lazy_contig}
@@ -168,29 +215,33 @@ def main():
         variants[f"lazy r{mode} {cfg}"] = c.lazy(rotation_mode=mode, config=cfg)
         variants[f"off r{mode} {cfg}"] = c.off(rotation_mode=mode, config=cfg)
     from lazyrag.kernels import prefill_wgmma
+
     if prefill_wgmma.supported(c.q.dtype, D, dev, BS, 64):
         for cfg in ((128, 128, 12, 3), (128, 64, 12, 4), (128, 64, 12, 5), (128, 64, 12, 6)):
             variants[f"lazy wgmma {cfg}"] = c.lazy(kernel="wgmma", config=cfg)
             variants[f"off wgmma {cfg}"] = c.off(kernel="wgmma", config=cfg)
     pages = torch.arange(B * S // BS, device=dev, dtype=torch.int64)  # the dense kernel's block table, in order
     for st in (2, 3):
-        variants[f"dense s{st}"] = (lambda st=st: dense_attn(qd, kd, vd, od, c.scale, st, pages))
+        variants[f"dense s{st}"] = lambda st=st: dense_attn(qd, kd, vd, od, c.scale, st, pages)
     for flags in ("carry_q", "mask", "gather", "carry_q,mask,gather"):
         kw = {f: True for f in flags.split(",")}
-        variants[f"dense s3 +{flags}"] = (lambda kw=kw: dense_attn(qd, kd, vd, od, c.scale, 3, pages, **kw))
+        variants[f"dense s3 +{flags}"] = lambda kw=kw: dense_attn(qd, kd, vd, od, c.scale, 3, pages, **kw)
     qs = qd.transpose(1, 2)
     ks = kd.transpose(1, 2).repeat_interleave(HQ // HKV, 1)
     vs = vd.transpose(1, 2).repeat_interleave(HQ // HKV, 1)
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
+
     mask = causal_lower_right(N, S)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     variants["sdpa"] = lambda: sdpa(qs, ks, vs, attn_mask=mask, scale=c.scale)
     variants["sdpa_full"] = lambda: sdpa(qs, ks, vs, scale=c.scale)
     if a.only:
         import re
-        variants = {n: f for n, f in variants.items()
-                    if n in ("lazy", "off", "sdpa", "sdpa_full") or re.search(a.only, n)}
+
+        variants = {
+            n: f for n, f in variants.items() if n in ("lazy", "off", "sdpa", "sdpa_full") or re.search(a.only, n)
+        }
     flops_causal = c.flops()
     flops_full = 4 * B * HQ * D * N * S
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -214,9 +265,22 @@ def main():
         rows.append(dict(variant=n, ms=ms, ratio_to_lazy=r, spread=sp, tflops=fl / ms / 1e9))
         print(f"  {n:32} {ms * 1e3:8.1f} us  x{r:5.3f} of lazy  {fl / ms / 1e9:6.1f} TF/s  spread {100 * sp:.1f}%")
     os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
-    json.dump(dict(device=torch.cuda.get_device_name(), triton=triton.__version__, torch=torch.__version__,
-                   command=" ".join(sys.argv), batch=B, ctx=a.ctx, docs=a.docs, new=N, rows=rows),
-              open(a.out, "w"), indent=1)
+    with open(a.out, "w") as f:
+        json.dump(
+            dict(
+                device=torch.cuda.get_device_name(),
+                triton=triton.__version__,
+                torch=torch.__version__,
+                command=" ".join(sys.argv),
+                batch=B,
+                ctx=a.ctx,
+                docs=a.docs,
+                new=N,
+                rows=rows,
+            ),
+            f,
+            indent=1,
+        )
 
 
 if __name__ == "__main__":

@@ -6,9 +6,10 @@ at n = 500 mostly cancels in the difference).
     python benchmarks/quality_paired.py --dataset nq --n 500 RUN.json [RUN.json ...] --out OUT.json
 
 A run made with ``--adapter`` (JSON field ``adapter``) shows as "tuned STRATEGY", so base and tuned runs of
-the same questions pair up. Runs are matched by question (JSON written since the runs list their questions) or, for older
-JSON, by position in the item list that --dataset/--n/--seed rebuild. Writes OUT.json and OUT.png.
+the same questions pair up. Runs are matched by question (JSON written since the runs list their questions) or, for
+older JSON, by position in the item list that --dataset/--n/--seed rebuild. Writes OUT.json and OUT.png.
 """
+
 import argparse
 import json
 from pathlib import Path
@@ -29,8 +30,9 @@ def main() -> None:
     ap.add_argument("--reference", default="full")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
-    items = load_dataset(args.dataset, default_data(args.dataset), args.n, split=args.split, seed=args.seed,
-                         shuffle=args.shuffle)
+    items = load_dataset(
+        args.dataset, default_data(args.dataset), args.n, split=args.split, seed=args.seed, shuffle=args.shuffle
+    )
     golds = {it["question"]: it["answers"] for it in items}
     answers: dict[str, dict[str, str]] = {}  # strategy -> question -> answer
     recomputed: dict[str, float] = {}
@@ -42,14 +44,28 @@ def main() -> None:
             answers[label] = dict(zip(questions, texts))
             recomputed[label] = run["summary"][s]["recomputed_pct_of_chunk_tokens"]
     common = [q for q in answers[args.reference] if q in golds and all(q in by_q for by_q in answers.values())]
-    scores = {s: {"acc": [accuracy(by_q[q], golds[q]) for q in common], "f1": [f1(by_q[q], golds[q]) for q in common]}
-              for s, by_q in answers.items()}
+    scores = {
+        s: {"acc": [accuracy(by_q[q], golds[q]) for q in common], "f1": [f1(by_q[q], golds[q]) for q in common]}
+        for s, by_q in answers.items()
+    }
     rows = paired(scores, args.reference)
     for s, row in rows.items():
         row["recomputed_pct_of_chunk_tokens"] = recomputed[s]
     print_paired(rows, args.reference)
-    args.out.write_text(json.dumps({"dataset": args.dataset, "split": args.split, "n": args.n, "seed": args.seed, "reference": args.reference,
-                                    "runs": [str(p) for p in args.runs], "paired": rows}, indent=2))
+    args.out.write_text(
+        json.dumps(
+            {
+                "dataset": args.dataset,
+                "split": args.split,
+                "n": args.n,
+                "seed": args.seed,
+                "reference": args.reference,
+                "runs": [str(p) for p in args.runs],
+                "paired": rows,
+            },
+            indent=2,
+        )
+    )
     import matplotlib
 
     matplotlib.use("Agg")
@@ -58,11 +74,21 @@ def main() -> None:
     names = [s for s in rows if s != args.reference]
     fig, ax = plt.subplots(figsize=(1.8 * len(names) + 2, 3.6))
     for off, key in ((-0.2, "accuracy"), (0.2, "f1")):
-        ax.bar([i + off for i in range(len(names))], [rows[s][f"{key}_minus_{args.reference}"] for s in names], width=0.4,
-               yerr=[rows[s][f"{key}_minus_{args.reference}_se"] for s in names], capsize=3, label=f"{key} - {args.reference}")
+        ax.bar(
+            [i + off for i in range(len(names))],
+            [rows[s][f"{key}_minus_{args.reference}"] for s in names],
+            width=0.4,
+            yerr=[rows[s][f"{key}_minus_{args.reference}_se"] for s in names],
+            capsize=3,
+            label=f"{key} - {args.reference}",
+        )
     ax.axhline(-1, color="grey", linestyle="--", linewidth=0.8, label="-1 point")
     ax.axhline(0, color="black", linewidth=0.8)
-    ax.set_xticks(range(len(names)), [f"{s}\n{rows[s]['recomputed_pct_of_chunk_tokens']:.0f}% recomputed" for s in names], fontsize=7)
+    ax.set_xticks(
+        range(len(names)),
+        [f"{s}\n{rows[s]['recomputed_pct_of_chunk_tokens']:.0f}% recomputed" for s in names],
+        fontsize=7,
+    )
     ax.set_ylabel("points (paired, +- 1 se)")
     ax.set_title(f"{args.dataset}, paired with {args.reference}", fontsize=9)
     ax.legend(fontsize=7)

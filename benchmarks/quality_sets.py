@@ -23,6 +23,7 @@ every set, the one with the highest mean over the sets of its paired accuracy di
 (within 0.1 point) goes to the higher mean F1 difference. Its name is written to FILE. Use it on the
 tune splits only: the report splits are what the README quotes.
 """
+
 import argparse
 import json
 import statistics
@@ -53,12 +54,17 @@ def paired(scores: dict[str, dict[str, list[float]]], reference: str = "full") -
 def print_paired(rows: dict[str, dict], reference: str = "full", width: int | None = None) -> None:
     """One table: each strategy's n, accuracy, F1, paired differences to ``reference`` (+- se) and recompute share."""
     width = width or max(len(s) for s in rows) + 2
-    print(f"{'strategy':<{width}}{'n':>5}{'acc':>7}{'F1':>7}{'acc - ' + reference:>18}{'F1 - ' + reference:>18}{'recomp%':>9}")
+    print(
+        f"{'strategy':<{width}}{'n':>5}{'acc':>7}{'F1':>7}{'acc - ' + reference:>18}{'F1 - ' + reference:>18}"
+        f"{'recomp%':>9}"
+    )
     for s, r in rows.items():
-        print(f"{s:<{width}}{r['n']:>5}{r['accuracy']:>7.1f}{r['f1']:>7.2f}"
-              f"{r[f'accuracy_minus_{reference}']:>+11.2f} ± {r[f'accuracy_minus_{reference}_se']:.2f}"
-              f"{r[f'f1_minus_{reference}']:>+11.2f} ± {r[f'f1_minus_{reference}_se']:.2f}"
-              f"{r['recomputed_pct_of_chunk_tokens']:>9.1f}")
+        print(
+            f"{s:<{width}}{r['n']:>5}{r['accuracy']:>7.1f}{r['f1']:>7.2f}"
+            f"{r[f'accuracy_minus_{reference}']:>+11.2f} ± {r[f'accuracy_minus_{reference}_se']:.2f}"
+            f"{r[f'f1_minus_{reference}']:>+11.2f} ± {r[f'f1_minus_{reference}_se']:.2f}"
+            f"{r['recomputed_pct_of_chunk_tokens']:>9.1f}"
+        )
 
 
 def choose(table: dict[str, dict[str, dict]], max_recompute: float, reference: str = "full") -> tuple[str | None, dict]:
@@ -70,9 +76,11 @@ def choose(table: dict[str, dict[str, dict]], max_recompute: float, reference: s
     means = {}
     for s in sorted(common):
         if all(table[d][s]["recomputed_pct_of_chunk_tokens"] <= max_recompute for d in sets):
-            means[s] = {"accuracy": statistics.fmean(table[d][s][f"accuracy_minus_{reference}"] for d in sets),
-                        "f1": statistics.fmean(table[d][s][f"f1_minus_{reference}"] for d in sets),
-                        "worst_accuracy": min(table[d][s][f"accuracy_minus_{reference}"] for d in sets)}
+            means[s] = {
+                "accuracy": statistics.fmean(table[d][s][f"accuracy_minus_{reference}"] for d in sets),
+                "f1": statistics.fmean(table[d][s][f"f1_minus_{reference}"] for d in sets),
+                "worst_accuracy": min(table[d][s][f"accuracy_minus_{reference}"] for d in sets),
+            }
     if not means:
         return None, means
     best = max(m["accuracy"] for m in means.values())
@@ -85,8 +93,12 @@ def main() -> None:
     ap.add_argument("runs", nargs="+", type=Path, help="lazyrag eval reports (JSON with per-question scores)")
     ap.add_argument("--reference", default="full")
     ap.add_argument("--strategies", help="comma-separated: only these (and the reference) are tabled")
-    ap.add_argument("--common", action="store_true", help="pair every strategy on the same questions: those that "
-                    "all of them and the reference answered (e.g. to compare two encodings where one run lost some)")
+    ap.add_argument(
+        "--common",
+        action="store_true",
+        help="pair every strategy on the same questions: those that "
+        "all of them and the reference answered (e.g. to compare two encodings where one run lost some)",
+    )
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--select", type=Path, default=None, help="write the chosen recovery's name here")
     ap.add_argument("--max-recompute", type=float, default=15.0, help="percent of chunk tokens, on every set")
@@ -105,7 +117,8 @@ def main() -> None:
         encoding = run.get("encoding_passage", "none")
         for s0, m in run["scores"].items():
             errors = failed_requests(run, s0)
-            s = f"{s0}@{encoding}" if encoding != "default" and s0 != "full" else s0  # full prefill reads no cached chunk
+            # full prefill reads no cached chunk
+            s = f"{s0}@{encoding}" if encoding != "default" and s0 != "full" else s0
             mine = by_s.setdefault(s, {})
             for i, q in enumerate(run["questions"]):
                 if i in errors:
@@ -133,18 +146,26 @@ def main() -> None:
         rows = {}
         for s, mine in by_s.items():
             common = [q for q in mine if q in ref]
-            rows[s] = paired({s: {"acc": [mine[q][0] for q in common], "f1": [mine[q][1] for q in common]},
-                              args.reference: {"acc": [ref[q][0] for q in common], "f1": [ref[q][1] for q in common]}},
-                             args.reference)[s]
+            rows[s] = paired(
+                {
+                    s: {"acc": [mine[q][0] for q in common], "f1": [mine[q][1] for q in common]},
+                    args.reference: {"acc": [ref[q][0] for q in common], "f1": [ref[q][1] for q in common]},
+                },
+                args.reference,
+            )[s]
             rows[s]["recomputed_pct_of_chunk_tokens"] = recomputed[name][s]
         table[name] = rows
         unanswered = {q for s, qs in failed[name].items() for q in qs if q not in every[s]}  # failed in every run
         asked = set().union(*every.values()) | unanswered
-        meta[name].update(n=len(set.intersection(*(set(m) for m in by_s.values()))), asked=len(asked),
-                          failed_left_out=len(unanswered))
+        meta[name].update(
+            n=len(set.intersection(*(set(m) for m in by_s.values()))), asked=len(asked), failed_left_out=len(unanswered)
+        )
         if unanswered:
-            print(f"warning: {name}: {len(unanswered)} of {len(asked)} questions had a failed request; each strategy "
-                  "is paired with full on the questions both answered", file=sys.stderr)
+            print(
+                f"warning: {name}: {len(unanswered)} of {len(asked)} questions had a failed request; each strategy "
+                "is paired with full on the questions both answered",
+                file=sys.stderr,
+            )
 
     strategies = list(dict.fromkeys(s for rows in table.values() for s in rows))
     width = max(len(s) for s in strategies) + 2  # one width for every set's table
@@ -161,8 +182,19 @@ def main() -> None:
         print(f"  {s:<{width}} acc {m['accuracy']:+.2f}  F1 {m['f1']:+.2f}  worst set acc {m['worst_accuracy']:+.2f}")
     print(f"chosen: {winner}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"reference": args.reference, "sets": meta, "paired": table, "means": means,
-                                    "max_recompute_pct": args.max_recompute, "chosen": winner}, indent=2))
+    args.out.write_text(
+        json.dumps(
+            {
+                "reference": args.reference,
+                "sets": meta,
+                "paired": table,
+                "means": means,
+                "max_recompute_pct": args.max_recompute,
+                "chosen": winner,
+            },
+            indent=2,
+        )
+    )
     if args.select is not None and winner is not None:
         args.select.write_text(winner + "\n")
 
@@ -179,8 +211,14 @@ def main() -> None:
         for j, d in enumerate(sets):
             xs = [i + (j - (len(sets) - 1) / 2) * w for i in range(len(names))]
             rows = table[d]
-            ax.bar(xs, [rows[s][f"{key}_minus_{args.reference}"] if s in rows else 0 for s in names], width=w,
-                   yerr=[rows[s][f"{key}_minus_{args.reference}_se"] if s in rows else 0 for s in names], capsize=2, label=d)
+            ax.bar(
+                xs,
+                [rows[s][f"{key}_minus_{args.reference}"] if s in rows else 0 for s in names],
+                width=w,
+                yerr=[rows[s][f"{key}_minus_{args.reference}_se"] if s in rows else 0 for s in names],
+                capsize=2,
+                label=d,
+            )
         ax.axhline(-1 if key == "accuracy" else -0.5, color="grey", linestyle="--", linewidth=0.8, label="target")
         ax.axhline(0, color="black", linewidth=0.8)
         ax.set_xticks(range(len(names)), [s.replace(":", ":\n", 2) for s in names], fontsize=6)

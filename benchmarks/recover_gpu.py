@@ -8,6 +8,7 @@ Prints a table (median ms, ratio to full) and writes JSON; ``--profile`` adds ea
 ops of one ``lazy+recover`` request. Run the same command with an older tree installed to compare (see
 benchmarks/serving_gpu.sh PART=r).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,13 +40,17 @@ def profile_recover(engine, layout, one, top: int = 25) -> dict:
     rows = prof.key_averages()
     gpu = sorted((e for e in rows if e.device_time_total > 0), key=lambda e: -e.device_time_total)
     cpu = sorted(rows, key=lambda e: -e.self_cpu_time_total)
-    out = {"ttft_ms_under_profiler": 1e3 * r.ttft_s,
-           "gpu_ms_total": sum(e.device_time_total for e in gpu) / 1e3,
-           "launches": sum(e.count for e in gpu),
-           "gpu_top": [(e.key[:90], e.count, round(e.device_time_total / 1e3, 3)) for e in gpu[:top]],
-           "host_top": [(e.key[:90], e.count, round(e.self_cpu_time_total / 1e3, 3)) for e in cpu[:top]]}
-    print(f"  profile: TTFT {out['ttft_ms_under_profiler']:.1f} ms under the profiler, {out['gpu_ms_total']:.1f} ms "
-          f"of GPU kernels in {out['launches']} launches")
+    out = {
+        "ttft_ms_under_profiler": 1e3 * r.ttft_s,
+        "gpu_ms_total": sum(e.device_time_total for e in gpu) / 1e3,
+        "launches": sum(e.count for e in gpu),
+        "gpu_top": [(e.key[:90], e.count, round(e.device_time_total / 1e3, 3)) for e in gpu[:top]],
+        "host_top": [(e.key[:90], e.count, round(e.self_cpu_time_total / 1e3, 3)) for e in cpu[:top]],
+    }
+    print(
+        f"  profile: TTFT {out['ttft_ms_under_profiler']:.1f} ms under the profiler, {out['gpu_ms_total']:.1f} ms "
+        f"of GPU kernels in {out['launches']} launches"
+    )
     for k, c, t in out["gpu_top"][:15]:
         print(f"    gpu  {t:9.3f} ms  x{c:<6} {k}")
     for k, c, t in out["host_top"][:12]:
@@ -71,15 +76,23 @@ def sweep_kernels(n_ctx: int = 20576, running: int = 3072, reps: int = 20) -> di
         for warps in (4, 8):
             for stages in (2, 3, 4):
                 try:
-                    ms = triton.testing.do_bench(lambda: prefix_attention(q, k, v, limit, 128 ** -0.5, block_n, warps, stages),
-                                                 rep=reps * 10)
+                    ms = triton.testing.do_bench(
+                        lambda block_n=block_n, warps=warps, stages=stages: prefix_attention(
+                            q, k, v, limit, 128**-0.5, block_n, warps, stages
+                        ),
+                        rep=reps * 10,
+                    )
                 except Exception as e:  # e.g. out of shared memory
                     print(f"  attention block_n={block_n} warps={warps} stages={stages}: {type(e).__name__}")
                     continue
-                out["attention"].append({"block_n": block_n, "num_warps": warps, "num_stages": stages, "ms": ms,
-                                         "tflops": flops / ms / 1e9})
-                print(f"  attention block_n={block_n:3d} warps={warps} stages={stages}: {ms:.3f} ms "
-                      f"({flops / ms / 1e9:.0f} TFLOP/s)", flush=True)
+                out["attention"].append(
+                    {"block_n": block_n, "num_warps": warps, "num_stages": stages, "ms": ms, "tflops": flops / ms / 1e9}
+                )
+                print(
+                    f"  attention block_n={block_n:3d} warps={warps} stages={stages}: {ms:.3f} ms "
+                    f"({flops / ms / 1e9:.0f} TFLOP/s)",
+                    flush=True,
+                )
     pool_k, pool_v = (torch.randn(2 * n_ctx, 8, 128, generator=g).cuda().bfloat16() for _ in range(2))
     cos, sin = (t.cuda() for t in rope_tables(1.0 / 500000 ** (torch.arange(0, 128, 2) / 128), 1 << 17))
     slots = torch.randperm(2 * n_ctx, generator=g)[:n_ctx].cuda()
@@ -117,8 +130,13 @@ def main() -> int:
     rng = random.Random(0)
     ids = lambda n: [rng.randrange(1000, 120000) for _ in range(n)]  # noqa: E731
     one = SamplingParams(max_new_tokens=1)
-    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "label": args.label,
-           "command": "python " + " ".join(sys.argv), "sizes": {}}
+    res = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "label": args.label,
+        "command": "python " + " ".join(sys.argv),
+        "sizes": {},
+    }
     if args.sweep:
         res["kernels"] = sweep_kernels()
     for n_docs in (int(d) for d in args.docs.split(",")):
@@ -137,12 +155,19 @@ def main() -> int:
                     if strategy == "lazy+recover":
                         recomputed.append(r.stats.tokens_recomputed)
         med = {s: statistics.median(v) for s, v in ttft.items()}
-        size = {"prompt_tokens": layout.num_tokens, "ttft_ms": med, "ttft_ms_all": ttft,
-                "recover_over_full": med["lazy+recover"] / med["full"],
-                "tokens_recomputed": statistics.median(recomputed)}
-        print(f"{args.label or 'tree'} {layout.num_tokens:>6} tokens: " + "  ".join(f"{s} {m:8.1f} ms" for s, m in med.items())
-              + f"  recover/full {size['recover_over_full']:.2f}x  ({size['tokens_recomputed']:.0f} tokens recomputed)",
-              flush=True)
+        size = {
+            "prompt_tokens": layout.num_tokens,
+            "ttft_ms": med,
+            "ttft_ms_all": ttft,
+            "recover_over_full": med["lazy+recover"] / med["full"],
+            "tokens_recomputed": statistics.median(recomputed),
+        }
+        print(
+            f"{args.label or 'tree'} {layout.num_tokens:>6} tokens: "
+            + "  ".join(f"{s} {m:8.1f} ms" for s, m in med.items())
+            + f"  recover/full {size['recover_over_full']:.2f}x  ({size['tokens_recomputed']:.0f} tokens recomputed)",
+            flush=True,
+        )
         if args.profile:
             size["profile"] = profile_recover(engine, layout, one)
         res["sizes"][str(layout.num_tokens)] = size

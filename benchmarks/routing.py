@@ -15,6 +15,7 @@ of those 2,656 tokens: 67.5 ms, 25.4 us a token). TTFT = queueing + that time.
     python benchmarks/routing.py                       # -> benchmarks/results/routing_sim.{json,png}
     python benchmarks/routing.py --replicas 2 4 --requests-per-replica 100   # a quick look
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,7 +77,7 @@ def simulate(router_name: str, n: int, wl: Workload, args) -> dict:
     prompts = Workload(**{**asdict(wl), "requests": args.requests_per_replica * n}).prompts(args.alpha)
     rng = random.Random(wl.seed)
     t, events, seq = 0.0, [], 0
-    for i, layout in enumerate(prompts):
+    for i, _layout in enumerate(prompts):
         t += rng.expovariate(args.rate * n)
         heapq.heappush(events, (t, seq, "arrive", i, None))
         seq += 1
@@ -118,10 +119,18 @@ def simulate(router_name: str, n: int, wl: Workload, args) -> dict:
                 start(rep, now)
     ttft.sort()
     per_replica = [sum(1 for r in placed.values() if r == name) for name in names]
-    return {"router": router_name, "replicas": n, "requests": len(prompts), "rate_per_replica": args.rate,
-            "chunk_hit_rate": hits / lookups, "encoded_tokens_per_request": encoded_tokens / len(prompts),
-            "ttft_p50_ms": 1e3 * statistics.median(ttft), "ttft_p99_ms": 1e3 * ttft[int(0.99 * (len(ttft) - 1))],
-            "throughput_rps": len(prompts) / end, "busiest_replica_share": max(per_replica) / len(prompts)}
+    return {
+        "router": router_name,
+        "replicas": n,
+        "requests": len(prompts),
+        "rate_per_replica": args.rate,
+        "chunk_hit_rate": hits / lookups,
+        "encoded_tokens_per_request": encoded_tokens / len(prompts),
+        "ttft_p50_ms": 1e3 * statistics.median(ttft),
+        "ttft_p99_ms": 1e3 * ttft[int(0.99 * (len(ttft) - 1))],
+        "throughput_rps": len(prompts) / end,
+        "busiest_replica_share": max(per_replica) / len(prompts),
+    }
 
 
 def main(argv=None) -> int:
@@ -140,24 +149,35 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     wl = Workload()
     rows = []
-    print(f"{'replicas':>8} {'router':<15}{'hit rate':>9}{'enc tok/req':>12}{'TTFT p50':>10}{'p99 ms':>9}"
-          f"{'req/s':>8}{'busiest':>9}")
+    print(
+        f"{'replicas':>8} {'router':<15}{'hit rate':>9}{'enc tok/req':>12}{'TTFT p50':>10}{'p99 ms':>9}"
+        f"{'req/s':>8}{'busiest':>9}"
+    )
     for n in args.replicas:
         for name in args.routers:
             r = simulate(name, n, wl, args)
             rows.append(r)
-            print(f"{n:>8} {name:<15}{r['chunk_hit_rate']:>9.1%}{r['encoded_tokens_per_request']:>12.0f}"
-                  f"{r['ttft_p50_ms']:>10.1f}{r['ttft_p99_ms']:>9.1f}{r['throughput_rps']:>8.1f}"
-                  f"{r['busiest_replica_share']:>9.1%}", flush=True)
+            print(
+                f"{n:>8} {name:<15}{r['chunk_hit_rate']:>9.1%}{r['encoded_tokens_per_request']:>12.0f}"
+                f"{r['ttft_p50_ms']:>10.1f}{r['ttft_p99_ms']:>9.1f}{r['throughput_rps']:>8.1f}"
+                f"{r['busiest_replica_share']:>9.1%}",
+                flush=True,
+            )
     for n in args.replicas:
         by = {r["router"]: r for r in rows if r["replicas"] == n}
         if "chunk_affinity" in by and "round_robin" in by:
             a, b = by["chunk_affinity"], by["round_robin"]
-            print(f"{n:>3} replicas: affinity / round robin  TTFT p50 {a['ttft_p50_ms'] / b['ttft_p50_ms']:.2f}x, "
-                  f"p99 {a['ttft_p99_ms'] / b['ttft_p99_ms']:.2f}x, hit rate {a['chunk_hit_rate']:.1%} vs {b['chunk_hit_rate']:.1%}")
-    meta = {"workload": asdict(wl), "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "command": "python benchmarks/routing.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "seconds": round(time.perf_counter() - t0, 1)}
+            print(
+                f"{n:>3} replicas: affinity / round robin  TTFT p50 {a['ttft_p50_ms'] / b['ttft_p50_ms']:.2f}x, "
+                f"p99 {a['ttft_p99_ms'] / b['ttft_p99_ms']:.2f}x, "
+                f"hit rate {a['chunk_hit_rate']:.1%} vs {b['chunk_hit_rate']:.1%}"
+            )
+    meta = {
+        "workload": asdict(wl),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "command": "python benchmarks/routing.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     plot(rows, args.out.with_suffix(".png"), args)
@@ -186,8 +206,11 @@ def plot(rows: list[dict], path: Path, args) -> None:
     axes[1].set_yscale("log")
     axes[0].legend(fontsize=7)
     axes[1].legend(fontsize=6)
-    fig.suptitle(f"routing, simulated: Zipf {args.alpha} over 100 docs x 2048 tokens, {args.budget_gib:g} GiB KV a "
-                 f"replica, {args.rate:g} req/s a replica (real cache manager, modelled H200 time)", fontsize=9)
+    fig.suptitle(
+        f"routing, simulated: Zipf {args.alpha} over 100 docs x 2048 tokens, {args.budget_gib:g} GiB KV a "
+        f"replica, {args.rate:g} req/s a replica (real cache manager, modelled H200 time)",
+        fontsize=9,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

@@ -33,6 +33,7 @@ busy time). ``full`` keeps no cache, so it is run once per arrival pattern, not 
     python benchmarks/serving.py --experiments rates --requests 40 --out /tmp/rates.json
     python benchmarks/serving.py --plot benchmarks/results/serving_h200.json           # tables and PNG from saved runs
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,8 +68,10 @@ def reorder_by_popularity(prompts):
 
     counts = Counter(tuple(c) for layout in prompts for c in layout.chunk_ids)
     rank = {c: i for i, (c, _) in enumerate(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))}
-    return [PromptLayout(layout.prefix_ids, sorted(layout.chunk_ids, key=lambda c: rank[tuple(c)]), layout.question_ids)
-            for layout in prompts]
+    return [
+        PromptLayout(layout.prefix_ids, sorted(layout.chunk_ids, key=lambda c: rank[tuple(c)]), layout.question_ids)
+        for layout in prompts
+    ]
 
 
 class SkipIdleClock:
@@ -89,8 +92,19 @@ def percentile(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, max(0, round(p / 100 * (len(xs) - 1))))]
 
 
-def run(engine, strategy: str, prompts, params, *, rate: float | None = None, concurrency: int | None = None,
-        budget_gb: float, policy: str = "lru", seed: int = 0, host_gb: float = 0.0) -> dict:
+def run(
+    engine,
+    strategy: str,
+    prompts,
+    params,
+    *,
+    rate: float | None = None,
+    concurrency: int | None = None,
+    budget_gb: float,
+    policy: str = "lru",
+    seed: int = 0,
+    host_gb: float = 0.0,
+) -> dict:
     """Serve ``prompts`` with Poisson arrivals at ``rate`` req/s, or closed-loop with ``concurrency`` clients.
 
     ``policy``: the cache's eviction policy (lru, lfu, gdsf), ``+admit`` for TinyLFU admission. ``host_gb``: a host-RAM
@@ -106,16 +120,30 @@ def run(engine, strategy: str, prompts, params, *, rate: float | None = None, co
     strategy = "lazy" if strategy == UNBATCHED else strategy
     name, _, admit = policy.partition("+")
     kinds = tuple(SegmentKind) if host_gb else CacheConfig.demote_kinds
-    engine.cache.reconfigure(CacheConfig(policy=name, admission=bool(admit), budget_bytes=int(budget_gb * GiB),
-                                         host_bytes=int(host_gb * GiB), demote_kinds=kinds))
+    engine.cache.reconfigure(
+        CacheConfig(
+            policy=name,
+            admission=bool(admit),
+            budget_bytes=int(budget_gb * GiB),
+            host_bytes=int(host_gb * GiB),
+            demote_kinds=kinds,
+        )
+    )
     was_batching, engine.scheduler.config.batch_encodes = engine.scheduler.config.batch_encodes, batch_encodes
     try:
         row = _serve(engine, strategy, prompts, params, rate, concurrency, seed)
     finally:
         engine.scheduler.config.batch_encodes = was_batching
         engine.cache.reconfigure(CacheConfig(budget_bytes=int(budget_gb * GiB)))  # the host tier's RAM goes back
-    return {"strategy": label, "policy": policy, "rate": rate, "concurrency": concurrency, "budget_gb": budget_gb,
-            "host_gb": host_gb, **row}
+    return {
+        "strategy": label,
+        "policy": policy,
+        "rate": rate,
+        "concurrency": concurrency,
+        "budget_gb": budget_gb,
+        "host_gb": host_gb,
+        **row,
+    }
 
 
 def _serve(engine, strategy: str, prompts, params, rate, concurrency, seed) -> dict:
@@ -124,7 +152,8 @@ def _serve(engine, strategy: str, prompts, params, rate, concurrency, seed) -> d
     clock = SkipIdleClock()
     engine.scheduler.clock = clock
     tier_hits0 = engine.cache.stats.tier_hits
-    held_outside = engine.cache.pool.num_blocks - engine.cache.pool.num_free - engine.cache.cached_blocks  # e.g. the CUDA-graph scratch block
+    # e.g. the CUDA-graph scratch block
+    held_outside = engine.cache.pool.num_blocks - engine.cache.pool.num_free - engine.cache.cached_blocks
     rng = random.Random(seed)
     todo = deque(prompts)
     reqs = []
@@ -156,7 +185,9 @@ def _serve(engine, strategy: str, prompts, params, rate, concurrency, seed) -> d
     results = [r.result() for r in reqs]
     assert all(len(r.token_ids) == params.max_new_tokens for r in results)
     assert engine.cache.num_pinned == 0, "a finished request left a pin"
-    assert engine.cache.pool.num_free + engine.cache.cached_blocks + held_outside == engine.cache.pool.num_blocks, "leaked blocks"
+    assert engine.cache.pool.num_free + engine.cache.cached_blocks + held_outside == engine.cache.pool.num_blocks, (
+        "leaked blocks"
+    )
     ttft = [r.ttft_s for r in results]
     first = min(r.arrival for r in reqs)
     makespan = max(r.finished_at for r in reqs) - first
@@ -164,14 +195,17 @@ def _serve(engine, strategy: str, prompts, params, rate, concurrency, seed) -> d
     lookups = hits + sum(r.stats.chunks_missed for r in results)
     return {
         "requests": len(results),
-        "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p99_ms": 1e3 * percentile(ttft, 99),
+        "ttft_p50_ms": 1e3 * percentile(ttft, 50),
+        "ttft_p99_ms": 1e3 * percentile(ttft, 99),
         "ttft_mean_ms": 1e3 * statistics.fmean(ttft),
         "latency_p50_ms": 1e3 * percentile([r.total_s for r in results], 50),
-        "throughput_rps": len(results) / makespan, "output_tokens_per_s": sum(len(r.token_ids) for r in results) / makespan,
+        "throughput_rps": len(results) / makespan,
+        "output_tokens_per_s": sum(len(r.token_ids) for r in results) / makespan,
         "chunk_hit_rate": hits / lookups if lookups else 0.0,
         "tier_hits": engine.cache.stats.tier_hits - tier_hits0,  # chunk and prefix lookups promoted from the host tier
         "tokens_prefilled_per_request": statistics.fmean(r.stats.tokens_prefilled for r in results),
-        "makespan_s": makespan, "skipped_idle_s": clock.skipped,
+        "makespan_s": makespan,
+        "skipped_idle_s": clock.skipped,
     }
 
 
@@ -182,9 +216,19 @@ def tiny_engine(pool_bytes: int, max_running: int = 64):
     from lazyrag.engine import LazyEngine, SchedulerConfig
 
     config = llama31_8b_config(2)
-    config.update(dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                       vocab_size=512))
-    return LazyEngine.from_config(config, device="cpu", kv_budget=pool_bytes, scheduler=SchedulerConfig(max_running=max_running))
+    config.update(
+        dict(
+            hidden_size=64,
+            intermediate_size=128,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            vocab_size=512,
+        )
+    )
+    return LazyEngine.from_config(
+        config, device="cpu", kv_budget=pool_bytes, scheduler=SchedulerConfig(max_running=max_running)
+    )
 
 
 def budget_in_documents(engine, wl: Workload, docs: float) -> float:
@@ -198,14 +242,18 @@ def build_engine(args):
     import torch
 
     from benchmarks.e2e_gpu import llama31_8b_config
-    from lazyrag.engine import LazyEngine
-    from lazyrag.engine import SchedulerConfig
+    from lazyrag.engine import LazyEngine, SchedulerConfig
 
     if args.smoke:
         return tiny_engine(64 << 20, args.max_running)
     pool_bytes = int((max(args.budgets + [args.budget]) + args.work_gb) * GiB)
-    return LazyEngine.from_config(llama31_8b_config(args.layers), device="cuda", dtype=torch.bfloat16, kv_budget=pool_bytes,
-                                  scheduler=SchedulerConfig(max_running=args.max_running))
+    return LazyEngine.from_config(
+        llama31_8b_config(args.layers),
+        device="cuda",
+        dtype=torch.bfloat16,
+        kv_budget=pool_bytes,
+        scheduler=SchedulerConfig(max_running=args.max_running),
+    )
 
 
 def warm_up(engine, wl: Workload, params) -> float:
@@ -237,14 +285,23 @@ def experiments(args, engine, wl: Workload, params, save) -> list[dict]:
         t = time.perf_counter()
         scale = getattr(args, "gb_scale", 1.0)  # --smoke: a GB of the flags is 4 of the tiny model's documents
         row = run(engine, strategy, prompts, params, budget_gb=budget_gb * scale, host_gb=host_gb * scale, **kw)
-        row = dict(row, budget_gb=budget_gb, host_gb=host_gb, experiment=tag,
-                   distribution="uniform" if tag == "uniform" else "zipf", wall_s=round(time.perf_counter() - t, 1))
+        row = dict(
+            row,
+            budget_gb=budget_gb,
+            host_gb=host_gb,
+            experiment=tag,
+            distribution="uniform" if tag == "uniform" else "zipf",
+            wall_s=round(time.perf_counter() - t, 1),
+        )
         rows.append(row)
-        print(f"{tag:<11}{strategy:<24}{row['policy']:<10}rate={row['rate']} conc={row['concurrency']} {row['budget_gb']:g} GB"
-              f"{host_note(row)}: "
-              f"TTFT p50 {row['ttft_p50_ms']:8.1f} ms p99 {row['ttft_p99_ms']:8.1f} ms, {row['throughput_rps']:.2f} req/s, "
-              f"hit {100 * row['chunk_hit_rate']:5.1f}%, {row['tokens_prefilled_per_request']:.0f} tokens prefilled/request "
-              f"({row['wall_s']} s)", flush=True)
+        print(
+            f"{tag:<11}{strategy:<24}{row['policy']:<10}rate={row['rate']} conc={row['concurrency']} "
+            f"{row['budget_gb']:g} GB{host_note(row)}: "
+            f"TTFT p50 {row['ttft_p50_ms']:8.1f} ms p99 {row['ttft_p99_ms']:8.1f} ms, "
+            f"{row['throughput_rps']:.2f} req/s, hit {100 * row['chunk_hit_rate']:5.1f}%, "
+            f"{row['tokens_prefilled_per_request']:.0f} tokens prefilled/request ({row['wall_s']} s)",
+            flush=True,
+        )
         save(rows)  # a run cut short by a time limit keeps what it measured
 
     strategies = args.strategies
@@ -279,6 +336,7 @@ def experiments(args, engine, wl: Workload, params, save) -> list[dict]:
 
 def summarize(rows: list[dict], budget: float, rate: float) -> dict:
     """Lazy's factors over each baseline where both ran: TTFT (baseline / lazy) and throughput (lazy / baseline)."""
+
     def pick(**kw):
         return {r["strategy"]: r for r in rows if all(r.get(k) == v for k, v in kw.items())}
 
@@ -301,18 +359,28 @@ def summarize(rows: list[dict], budget: float, rate: float) -> dict:
 
 
 def print_tables(rows: list[dict]) -> None:
-    cols = [("ttft_p50_ms", "TTFT p50 ms", "{:.1f}"), ("ttft_p99_ms", "TTFT p99 ms", "{:.1f}"),
-            ("throughput_rps", "req/s", "{:.2f}"), ("chunk_hit_rate", "hit rate", "{:.1%}"),
-            ("tokens_prefilled_per_request", "prefilled/req", "{:.0f}")]
+    cols = [
+        ("ttft_p50_ms", "TTFT p50 ms", "{:.1f}"),
+        ("ttft_p99_ms", "TTFT p99 ms", "{:.1f}"),
+        ("throughput_rps", "req/s", "{:.2f}"),
+        ("chunk_hit_rate", "hit rate", "{:.1%}"),
+        ("tokens_prefilled_per_request", "prefilled/req", "{:.0f}"),
+    ]
     for exp in ("rates", "budgets", "uniform", "throughput", "host"):
         sel = [r for r in rows if r["experiment"] == exp]
         if not sel:
             continue
         print(f"\n{exp}")
-        print(f"{'strategy':<24}{'policy':<10}{'rate':>6}{'conc':>6}{'GB':>7}{'host GB':>8}" + "".join(f"{h:>14}" for _, h, _ in cols))
+        print(
+            f"{'strategy':<24}{'policy':<10}{'rate':>6}{'conc':>6}{'GB':>7}{'host GB':>8}"
+            + "".join(f"{h:>14}" for _, h, _ in cols)
+        )
         for r in sel:
-            print(f"{r['strategy']:<24}{r.get('policy', 'lru'):<10}{str(r['rate'] or '-'):>6}{str(r['concurrency'] or '-'):>6}"
-                  f"{r['budget_gb']:>7g}{r.get('host_gb', 0):>8g}" + "".join(f"{f.format(r[k]):>14}" for k, _, f in cols if k in r))
+            print(
+                f"{r['strategy']:<24}{r.get('policy', 'lru'):<10}{str(r['rate'] or '-'):>6}"
+                f"{str(r['concurrency'] or '-'):>6}{r['budget_gb']:>7g}{r.get('host_gb', 0):>8g}"
+                + "".join(f"{f.format(r[k]):>14}" for k, _, f in cols if k in r)
+            )
 
 
 def color(strategy: str) -> str:
@@ -322,21 +390,44 @@ def color(strategy: str) -> str:
 
 def _throughput_panel(ax, rows: list[dict]) -> None:
     """Closed-loop requests/s per strategy, the GPU budget alone beside the same budget with a host-RAM tier."""
-    closed = [r for r in rows if r["experiment"] in ("throughput", "host") and r["rate"] is None and r.get("policy", "lru") == "lru"]
-    groups = [(0.0, "GPU budget only"), *sorted({(r["host_gb"], f"+ {r['host_gb']:g} GB host tier") for r in closed if r.get("host_gb")})]
+    closed = [
+        r
+        for r in rows
+        if r["experiment"] in ("throughput", "host") and r["rate"] is None and r.get("policy", "lru") == "lru"
+    ]
+    groups = [
+        (0.0, "GPU budget only"),
+        *sorted({(r["host_gb"], f"+ {r['host_gb']:g} GB host tier") for r in closed if r.get("host_gb")}),
+    ]
     names = [s for s in STRATEGIES + [UNBATCHED] if any(r["strategy"] == s for r in closed)]
-    names = [s for s in dict.fromkeys(r["strategy"] for r in closed) if s not in names] + names  # e.g. an older tree's run
+    names = [
+        s for s in dict.fromkeys(r["strategy"] for r in closed) if s not in names
+    ] + names  # e.g. an older tree's run
     width = 0.8 / max(1, len(groups))
     for g, (host, label) in enumerate(groups):
         labelled = False
         for i, s in enumerate(names):
             r = next((r for r in closed if r["strategy"] == s and r.get("host_gb", 0.0) == host), None)
             if r is not None:
-                ax.bar(i + g * width, r["throughput_rps"], width, color=color(s), alpha=1.0 if g == 0 else 0.55,
-                       hatch=None if g == 0 else "//", edgecolor="black" if g else None, label=None if labelled else label)
+                ax.bar(
+                    i + g * width,
+                    r["throughput_rps"],
+                    width,
+                    color=color(s),
+                    alpha=1.0 if g == 0 else 0.55,
+                    hatch=None if g == 0 else "//",
+                    edgecolor="black" if g else None,
+                    label=None if labelled else label,
+                )
                 labelled = True
-                ax.text(i + g * width, r["throughput_rps"], f"{r['throughput_rps']:.1f}\n{100 * r['chunk_hit_rate']:.0f}%",
-                        ha="center", va="bottom", fontsize=6)
+                ax.text(
+                    i + g * width,
+                    r["throughput_rps"],
+                    f"{r['throughput_rps']:.1f}\n{100 * r['chunk_hit_rate']:.0f}%",
+                    ha="center",
+                    va="bottom",
+                    fontsize=6,
+                )
     if names:
         ax.set_xticks([i + (len(groups) - 1) * width / 2 for i in range(len(names))], names, fontsize=7, rotation=20)
         ax.set(ylabel="requests/s (label: req/s, chunk hit rate)", title="throughput, closed loop")
@@ -370,12 +461,20 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
     budget_rows = [r for r in rows if r["experiment"] in ("budgets", "rates")]
     brate = next((r["rate"] for r in rows if r["experiment"] == "budgets"), None)
     for s in STRATEGIES[1:]:
-        pts = sorted({(r["budget_gb"], r["ttft_p50_ms"], r["chunk_hit_rate"]) for r in budget_rows if r["strategy"] == s and r["rate"] == brate})
+        pts = sorted(
+            {
+                (r["budget_gb"], r["ttft_p50_ms"], r["chunk_hit_rate"])
+                for r in budget_rows
+                if r["strategy"] == s and r["rate"] == brate
+            }
+        )
         if pts:
             x, p50, hit = zip(*pts)
             axes[1].plot(x, p50, marker="o", color=color(s), label=s)
             axes[2].plot(x, [100 * h for h in hit], marker="o", color=color(s), label=s)
-    axes[1].set(xlabel="KV cache budget (GB)", ylabel="TTFT p50 (ms)", xscale="log", title=f"TTFT vs budget ({brate} req/s)")
+    axes[1].set(
+        xlabel="KV cache budget (GB)", ylabel="TTFT p50 (ms)", xscale="log", title=f"TTFT vs budget ({brate} req/s)"
+    )
     axes[2].set(xlabel="KV cache budget (GB)", ylabel="chunk hit rate (%)", xscale="log", title="hit rate vs budget")
     for ax in axes[1:3]:
         ax.legend(fontsize=8)
@@ -391,30 +490,51 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--experiments", default="rates,budgets,uniform,throughput", type=lambda s: s.split(","),
-                    help="rates, budgets, uniform, throughput (closed loop), host (the budget plus a host-RAM tier)")
-    ap.add_argument("--strategies", default=",".join(STRATEGIES), type=lambda s: s.split(","),
-                    help="strategies of every experiment (reorder+prefix: prefix caching over prompts whose chunks are sorted "
-                         "in one popularity order)")
-    ap.add_argument("--unbatched", action="store_true",
-                    help=f"closed loop: also lazy with each request encoding its own misses ('{UNBATCHED}')")
+    ap.add_argument(
+        "--experiments",
+        default="rates,budgets,uniform,throughput",
+        type=lambda s: s.split(","),
+        help="rates, budgets, uniform, throughput (closed loop), host (the budget plus a host-RAM tier)",
+    )
+    ap.add_argument(
+        "--strategies",
+        default=",".join(STRATEGIES),
+        type=lambda s: s.split(","),
+        help="strategies of every experiment (reorder+prefix: prefix caching over prompts whose chunks are sorted "
+        "in one popularity order)",
+    )
+    ap.add_argument(
+        "--unbatched",
+        action="store_true",
+        help=f"closed loop: also lazy with each request encoding its own misses ('{UNBATCHED}')",
+    )
     ap.add_argument("--host-gb", type=float, default=64.0, help="the host-RAM tier of the host experiment (GB)")
     ap.add_argument("--rates", type=float, nargs="+", default=[0.5, 1, 2, 4], help="Poisson arrival rates (req/s)")
     ap.add_argument("--rate", type=float, default=2.0, help="arrival rate of the budget and uniform runs")
-    ap.add_argument("--budget", type=float, default=1.0, help="KV cache budget (GB) of the rate, uniform and throughput runs")
+    ap.add_argument(
+        "--budget", type=float, default=1.0, help="KV cache budget (GB) of the rate, uniform and throughput runs"
+    )
     ap.add_argument("--budgets", type=float, nargs="+", default=[1, 2, 4, 8], help="budgets of the budget runs (GB)")
     ap.add_argument("--requests", type=int, default=60, help="requests per Poisson run")
     ap.add_argument("--throughput-requests", type=int, default=100)
     ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--policies", default="lru", type=lambda s: s.split(","),
-                    help="cache policies of the throughput runs: lru, lfu, gdsf, each with +admit for TinyLFU admission")
+    ap.add_argument(
+        "--policies",
+        default="lru",
+        type=lambda s: s.split(","),
+        help="cache policies of the throughput runs: lru, lfu, gdsf, each with +admit for TinyLFU admission",
+    )
     ap.add_argument("--alpha", type=float, default=2.1)
     ap.add_argument("--work-gb", type=float, default=24.0, help="pool beyond the cache budget, for requests in flight")
     ap.add_argument("--max-running", type=int, default=64)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "serving_h200.json")
-    ap.add_argument("--smoke", action="store_true", help="a tiny model and workload on the CPU (checks the loop, not the speed)")
-    ap.add_argument("--plot", type=Path, nargs="+", default=None, help="only print and plot these saved result files (merged)")
+    ap.add_argument(
+        "--smoke", action="store_true", help="a tiny model and workload on the CPU (checks the loop, not the speed)"
+    )
+    ap.add_argument(
+        "--plot", type=Path, nargs="+", default=None, help="only print and plot these saved result files (merged)"
+    )
     args = ap.parse_args(argv)
     command = "python benchmarks/serving.py " + " ".join(argv if argv is not None else sys.argv[1:])
 
@@ -427,7 +547,11 @@ def main(argv=None) -> int:
         for k, v in summary.items():
             print(f"{k:<48}{v:.2f}x")
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        merged = {"meta": {**meta, "merged_from": [str(p) for p in args.plot], "command": command}, "rows": rows, "summary": summary}
+        merged = {
+            "meta": {**meta, "merged_from": [str(p) for p in args.plot], "command": command},
+            "rows": rows,
+            "summary": summary,
+        }
         args.out.write_text(json.dumps(merged, indent=1))
         plot(rows, args.out.with_suffix(".png"), meta["title"])
         print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
@@ -449,15 +573,32 @@ def main(argv=None) -> int:
     warm_s = warm_up(engine, wl, params)
     print(f"model {load_s:.0f} s, warm-up {warm_s:.0f} s", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    partial = lambda rows: args.out.write_text(json.dumps({"meta": {"partial": True, "command": command}, "rows": rows}, indent=1))  # noqa: E731
+
+    def partial(rows):
+        return args.out.write_text(json.dumps({"meta": {"partial": True, "command": command}, "rows": rows}, indent=1))
+
     rows = experiments(args, engine, wl, params, partial)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (smoke test)"
-    title = (f"Llama-3.1-8B shapes, random bf16, {device}: {wl.num_docs} docs x {wl.doc_tokens} tokens, "
-             f"{wl.docs_per_prompt} per prompt, {wl.question_tokens}-token question, {wl.output_tokens} output tokens")
-    meta = {"title": title, "command": command, "device": device, "torch": torch.__version__,
-            "workload": asdict(wl), "alpha": args.alpha, "budget_gb": args.budget, "rate": args.rate,
-            "work_gb": args.work_gb, "max_running": args.max_running, "cache_policy": engine.cache.config.policy,
-            "model_load_s": load_s, "warm_up_s": warm_s, "seconds": time.perf_counter() - t0}
+    title = (
+        f"Llama-3.1-8B shapes, random bf16, {device}: {wl.num_docs} docs x {wl.doc_tokens} tokens, "
+        f"{wl.docs_per_prompt} per prompt, {wl.question_tokens}-token question, {wl.output_tokens} output tokens"
+    )
+    meta = {
+        "title": title,
+        "command": command,
+        "device": device,
+        "torch": torch.__version__,
+        "workload": asdict(wl),
+        "alpha": args.alpha,
+        "budget_gb": args.budget,
+        "rate": args.rate,
+        "work_gb": args.work_gb,
+        "max_running": args.max_running,
+        "cache_policy": engine.cache.config.policy,
+        "model_load_s": load_s,
+        "warm_up_s": warm_s,
+        "seconds": time.perf_counter() - t0,
+    }
     print_tables(rows)
     summary = summarize(rows, args.budget, args.rate)
     for k, v in summary.items():

@@ -26,6 +26,7 @@ stats; for HTTP runs also the server's ``/metrics`` counters), and each HTTP run
     python benchmarks/serving_http.py --random-8b .snap/smol --budget 1 --concurrency 16 --requests 160 \\
         --out benchmarks/results/serving_http_h100.json                 # Llama-3.1-8B shapes, random bf16, on a GPU
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,6 +54,7 @@ _FIRST_DOC_ID = 100_000  # Workload(vocab_size=None) gives document d the ids 10
 
 
 # -- the workload as text ----------------------------------------------------------------------------
+
 
 def word_pool(tokenizer) -> list[str]:
     """Lower-case words that are one token after a space in this tokenizer (byte-level BPE's 'Ġword', SentencePiece's
@@ -95,20 +97,27 @@ def text_workload(engine, wl: Workload, alpha: float) -> tuple[list[TextRequest]
     for r, layout in enumerate(layouts):
         picked = [(ids[0] - _FIRST_DOC_ID) // wl.doc_tokens for ids in layout.chunk_ids]
         rng = random.Random(7_000_003 * (wl.seed + 1) + r)
-        question = "What do the documents say about " + " ".join(rng.choice(pool) for _ in range(max(1, wl.question_tokens - 8))) + "?"
+        question = (
+            "What do the documents say about "
+            + " ".join(rng.choice(pool) for _ in range(max(1, wl.question_tokens - 8)))
+            + "?"
+        )
         out.append(TextRequest(question, [docs[d] for d in picked]))
     sizes = {
         "doc_tokens_mean": statistics.fmean(len(prompts.encode_chunk(t)) for t in docs),
         "question_tokens_mean": statistics.fmean(len(prompts.question_ids(r.question)) for r in out),
         "prefix_tokens": len(prompts.prefix_ids()),
         "encoding_passage_tokens": len(prompts.passage_ids()),
-        "prompt_tokens_mean": statistics.fmean(engine.build_prompt(r.question, r.documents).num_tokens for r in out[:20]),
+        "prompt_tokens_mean": statistics.fmean(
+            engine.build_prompt(r.question, r.documents).num_tokens for r in out[:20]
+        ),
         "word_pool": len(pool),
     }
     return out, sizes
 
 
 # -- the runs ----------------------------------------------------------------------------------------
+
 
 @dataclasses.dataclass
 class Sample:
@@ -152,13 +161,19 @@ def offline_sender(engine, params):
         r = engine.generate(req.question, req.documents, params)
         end = time.perf_counter()
         return Sample(start, end, r.ttft_s, r.ttft_s, len(r.token_ids), r.stats.as_dict())
+
     return send
 
 
 def http_sender(clients, model: str, max_tokens: int, stream: bool):
     def send(k: int, req: TextRequest) -> Sample:
-        body = dict(model=model, messages=[{"role": "user", "content": req.question}], max_tokens=max_tokens,
-                    temperature=0.0, extra_body={"documents": req.documents, "ignore_eos": True, "strategy": "lazy"})
+        body = dict(
+            model=model,
+            messages=[{"role": "user", "content": req.question}],
+            max_tokens=max_tokens,
+            temperature=0.0,
+            extra_body={"documents": req.documents, "ignore_eos": True, "strategy": "lazy"},
+        )
         start = time.perf_counter()
         if not stream:
             r = clients[k].chat.completions.create(**body)
@@ -166,7 +181,9 @@ def http_sender(clients, model: str, max_tokens: int, stream: bool):
             first, usage, info = None, r.usage, (r.model_extra or {}).get("lazyrag")
         else:
             first = usage = info = None
-            for chunk in clients[k].chat.completions.create(**body, stream=True, stream_options={"include_usage": True}):
+            for chunk in clients[k].chat.completions.create(
+                **body, stream=True, stream_options={"include_usage": True}
+            ):
                 if first is None and chunk.choices and chunk.choices[0].delta.content:
                     first = time.perf_counter()
                 if chunk.usage is not None:
@@ -176,7 +193,10 @@ def http_sender(clients, model: str, max_tokens: int, stream: bool):
             raise RuntimeError("the server's answer carried no usage or lazyrag stats")
         choice = info["choices"][0]
         stats = {k: v for k, v in choice.items() if k not in ("ttft_s", "total_s")}
-        return Sample(start, end, None if first is None else first - start, choice["ttft_s"], usage.completion_tokens, stats)
+        return Sample(
+            start, end, None if first is None else first - start, choice["ttft_s"], usage.completion_tokens, stats
+        )
+
     return send
 
 
@@ -187,7 +207,8 @@ def summarize(samples: list[Sample], output_tokens: int) -> dict:
     hits = sum(s.stats["chunks_hit"] for s in samples)
     lookups = hits + sum(s.stats["chunks_missed"] for s in samples)
     return {
-        "requests": len(samples), "makespan_s": makespan,
+        "requests": len(samples),
+        "makespan_s": makespan,
         "throughput_rps": len(samples) / makespan,
         "output_tokens_per_s": sum(s.new_tokens for s in samples) / makespan,
         "ttft_samples": len(ttft),  # http-stream: requests whose stream carried text (a random model's may not)
@@ -196,7 +217,9 @@ def summarize(samples: list[Sample], output_tokens: int) -> dict:
         "engine_ttft_p50_ms": 1e3 * percentile([s.engine_ttft_s for s in samples], 50),
         "latency_p50_ms": 1e3 * percentile([s.end - s.start for s in samples], 50),
         "latency_p99_ms": 1e3 * percentile([s.end - s.start for s in samples], 99),
-        "chunk_hits": hits, "chunk_lookups": lookups, "chunk_hit_rate": hits / lookups if lookups else 0.0,
+        "chunk_hits": hits,
+        "chunk_lookups": lookups,
+        "chunk_hit_rate": hits / lookups if lookups else 0.0,
         "tokens_prefilled": sum(s.stats["tokens_prefilled"] for s in samples),
         "tokens_reused": sum(s.stats["tokens_reused"] for s in samples),
         "prompt_tokens": sum(s.stats["prompt_tokens"] for s in samples),
@@ -223,12 +246,22 @@ class Server:
 
         from lazyrag.server import ServerConfig, create_app, wait_until_ready
 
-        self.config = ServerConfig(model_name=engine.model_name, max_tokens=max_tokens,
-                                   **{"strategy": "lazy", "max_pending": max(256, 2 * concurrency), **config})
+        self.config = ServerConfig(
+            model_name=engine.model_name,
+            max_tokens=max_tokens,
+            **{"strategy": "lazy", "max_pending": max(256, 2 * concurrency), **config},
+        )
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(create_app(engine, self.config), host="127.0.0.1", port=port,
-                                                    log_level=log_level, timeout_graceful_shutdown=5))
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                create_app(engine, self.config),
+                host="127.0.0.1",
+                port=port,
+                log_level=log_level,
+                timeout_graceful_shutdown=5,
+            )
+        )
         self.thread = threading.Thread(target=self.server.run, name="uvicorn", daemon=True)
         self.thread.start()
         wait_until_ready(self.url, timeout_s=120)  # polls GET /health
@@ -261,15 +294,26 @@ def benchmark(engine, args, command: str = "") -> dict:
 
     from lazyrag.engine import SamplingParams
 
-    wl = Workload(num_docs=args.docs, doc_tokens=args.doc_tokens, requests=args.requests, question_tokens=args.question_tokens,
-                  output_tokens=args.output_tokens, seed=args.seed)
+    wl = Workload(
+        num_docs=args.docs,
+        doc_tokens=args.doc_tokens,
+        requests=args.requests,
+        question_tokens=args.question_tokens,
+        output_tokens=args.output_tokens,
+        seed=args.seed,
+    )
     if wl.doc_tokens * wl.docs_per_prompt + 512 > engine.max_context:
-        raise SystemExit(f"{wl.docs_per_prompt} documents of {wl.doc_tokens} tokens do not fit the model's "
-                         f"{engine.max_context}-token context: lower --doc-tokens.")
+        raise SystemExit(
+            f"{wl.docs_per_prompt} documents of {wl.doc_tokens} tokens do not fit the model's "
+            f"{engine.max_context}-token context: lower --doc-tokens."
+        )
     t0 = time.perf_counter()
     requests, sizes = text_workload(engine, wl, args.alpha)
-    warm, _ = text_workload(engine, dataclasses.replace(wl, requests=max(args.warmup_requests, args.concurrency), seed=wl.seed + 999),
-                            args.alpha)
+    warm, _ = text_workload(
+        engine,
+        dataclasses.replace(wl, requests=max(args.warmup_requests, args.concurrency), seed=wl.seed + 999),
+        args.alpha,
+    )
     text_s = time.perf_counter() - t0
     params = SamplingParams(max_new_tokens=wl.output_tokens, ignore_eos=True, strategy="lazy")
     budget_bytes = int(args.budget * GiB)
@@ -291,17 +335,29 @@ def benchmark(engine, args, command: str = "") -> dict:
         samples = closed_loop(requests, args.concurrency, send)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        row = {"run": name, "concurrency": args.concurrency, "budget_gb": args.budget, **summarize(samples, wl.output_tokens),
-               "engine_cache": {k: v - before[k] for k, v in cache_counters(engine).items()},
-               "wall_s": round(time.perf_counter() - t, 2)}
+        row = {
+            "run": name,
+            "concurrency": args.concurrency,
+            "budget_gb": args.budget,
+            **summarize(samples, wl.output_tokens),
+            "engine_cache": {k: v - before[k] for k, v in cache_counters(engine).items()},
+            "wall_s": round(time.perf_counter() - t, 2),
+        }
         if scraped is not None:
             after = server.chunk_counters()
-            row["metrics_chunk_hits"], row["metrics_chunk_misses"] = after["hits"] - scraped["hits"], after["misses"] - scraped["misses"]
+            row["metrics_chunk_hits"], row["metrics_chunk_misses"] = (
+                after["hits"] - scraped["hits"],
+                after["misses"] - scraped["misses"],
+            )
         assert engine.cache.num_pinned == 0, "a finished request left a pin"
         rows[name] = row
         ttft = "-" if row["ttft_p50_ms"] is None else f"{row['ttft_p50_ms']:.1f}"
-        print(f"{name:<12} {row['throughput_rps']:7.2f} req/s, TTFT p50 {ttft} ms (engine {row['engine_ttft_p50_ms']:.1f}), "
-              f"latency p50 {row['latency_p50_ms']:.1f} ms, hit {100 * row['chunk_hit_rate']:.1f}% ({row['wall_s']} s)", flush=True)
+        print(
+            f"{name:<12} {row['throughput_rps']:7.2f} req/s, TTFT p50 {ttft} ms (engine "
+            f"{row['engine_ttft_p50_ms']:.1f}), "
+            f"latency p50 {row['latency_p50_ms']:.1f} ms, hit {100 * row['chunk_hit_rate']:.1f}% ({row['wall_s']} s)",
+            flush=True,
+        )
 
     try:
         t = time.perf_counter()
@@ -310,7 +366,7 @@ def benchmark(engine, args, command: str = "") -> dict:
         while c <= args.concurrency:
             closed_loop(warm[:c], c, offline_sender(engine, params))
             c *= 2
-        closed_loop(warm[:args.warmup_requests], args.concurrency, offline_sender(engine, params))
+        closed_loop(warm[: args.warmup_requests], args.concurrency, offline_sender(engine, params))
         warm_s = time.perf_counter() - t
         if "offline" in args.runs:
             measure("offline", offline_sender(engine, params))
@@ -321,7 +377,11 @@ def benchmark(engine, args, command: str = "") -> dict:
             start_s = time.perf_counter() - t
             clients = server.clients(args.concurrency)
             fresh()  # warm-up, HTTP: each client once (the app's first requests, the connections)
-            closed_loop(warm[:args.concurrency], args.concurrency, http_sender(clients, server.config.model_name, wl.output_tokens, True))
+            closed_loop(
+                warm[: args.concurrency],
+                args.concurrency,
+                http_sender(clients, server.config.model_name, wl.output_tokens, True),
+            )
             for name in http_runs:
                 measure(name, http_sender(clients, server.config.model_name, wl.output_tokens, name == "http-stream"))
             for cl in clients:
@@ -335,34 +395,61 @@ def benchmark(engine, args, command: str = "") -> dict:
         for name in rows:
             if name != "offline":
                 rows[name]["rps_vs_offline"] = rows[name]["throughput_rps"] / rows["offline"]["throughput_rps"]
-    device = torch.cuda.get_device_name() if engine.device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
-    meta = {"command": command, "device": device, "torch": torch.__version__, "model": getattr(args, "model_label", engine.model_name),
-            "dtype": str(engine.dtype).replace("torch.", ""), "workload": asdict(wl), **sizes, "alpha": args.alpha,
-            "budget_gb": args.budget, "budget_bytes": budget_bytes, "concurrency": args.concurrency, "strategy": "lazy",
-            "kv_pool_bytes": engine.cache.pool.num_blocks * engine.cache.pool.shape.bytes_per_block,
-            "max_running": engine.scheduler.config.max_running, "uvicorn_log_level": args.log_level,
-            "ttft": {"offline": "engine TTFT from each GenerationResult (arrival at the scheduler to the first token)",
-                     "http-stream": "client side: request sent to the first streamed chunk carrying text",
-                     "http": "none (a plain response comes whole): see latency_p50_ms; engine_ttft_p50_ms is the server's"},
-            "text_workload_s": text_s, "warm_up_s": warm_s, "server_start_s": start_s if server is not None else None,
-            "smoke": bool(args.smoke)}
+    device = (
+        torch.cuda.get_device_name() if engine.device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+    )
+    meta = {
+        "command": command,
+        "device": device,
+        "torch": torch.__version__,
+        "model": getattr(args, "model_label", engine.model_name),
+        "dtype": str(engine.dtype).replace("torch.", ""),
+        "workload": asdict(wl),
+        **sizes,
+        "alpha": args.alpha,
+        "budget_gb": args.budget,
+        "budget_bytes": budget_bytes,
+        "concurrency": args.concurrency,
+        "strategy": "lazy",
+        "kv_pool_bytes": engine.cache.pool.num_blocks * engine.cache.pool.shape.bytes_per_block,
+        "max_running": engine.scheduler.config.max_running,
+        "uvicorn_log_level": args.log_level,
+        "ttft": {
+            "offline": "engine TTFT from each GenerationResult (arrival at the scheduler to the first token)",
+            "http-stream": "client side: request sent to the first streamed chunk carrying text",
+            "http": "none (a plain response comes whole): see latency_p50_ms; engine_ttft_p50_ms is the server's",
+        },
+        "text_workload_s": text_s,
+        "warm_up_s": warm_s,
+        "server_start_s": start_s if server is not None else None,
+        "smoke": bool(args.smoke),
+    }
     return {"meta": meta, "rows": list(rows.values())}
 
 
 def print_table(result: dict) -> None:
-    cols = [("throughput_rps", "req/s", "{:.2f}"), ("rps_vs_offline", "vs offline", "{:.3f}"),
-            ("ttft_p50_ms", "TTFT p50 ms", "{:.1f}"), ("engine_ttft_p50_ms", "eng TTFT p50", "{:.1f}"),
-            ("latency_p50_ms", "lat p50 ms", "{:.1f}"), ("chunk_hit_rate", "hit rate", "{:.1%}"),
-            ("tokens_prefilled", "prefilled", "{:d}")]
+    cols = [
+        ("throughput_rps", "req/s", "{:.2f}"),
+        ("rps_vs_offline", "vs offline", "{:.3f}"),
+        ("ttft_p50_ms", "TTFT p50 ms", "{:.1f}"),
+        ("engine_ttft_p50_ms", "eng TTFT p50", "{:.1f}"),
+        ("latency_p50_ms", "lat p50 ms", "{:.1f}"),
+        ("chunk_hit_rate", "hit rate", "{:.1%}"),
+        ("tokens_prefilled", "prefilled", "{:d}"),
+    ]
     m = result["meta"]
-    print(f"\n{m['model']} on {m['device']}, torch {m['torch']}: {m['workload']['requests']} requests, concurrency "
-          f"{m['concurrency']}, {m['budget_gb']:g} GB, {m['workload']['num_docs']} docs x ~{m['doc_tokens_mean']:.0f} tokens")
+    print(
+        f"\n{m['model']} on {m['device']}, torch {m['torch']}: {m['workload']['requests']} requests, concurrency "
+        f"{m['concurrency']}, {m['budget_gb']:g} GB, {m['workload']['num_docs']} docs "
+        f"x ~{m['doc_tokens_mean']:.0f} tokens"
+    )
     print(f"{'run':<12}" + "".join(f"{h:>14}" for _, h, _ in cols))
     for r in result["rows"]:
         print(f"{r['run']:<12}" + "".join(f"{'-' if r.get(k) is None else f.format(r[k]):>14}" for k, _, f in cols))
 
 
 # -- the engine ---------------------------------------------------------------------------------------
+
 
 def load_tokenizer(folder: Path):
     from transformers import AutoTokenizer
@@ -373,8 +460,10 @@ def load_tokenizer(folder: Path):
         from transformers import PreTrainedTokenizerFast
 
         saved = json.loads((folder / "tokenizer_config.json").read_text())
-        tok = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"),
-                                      **{k: saved[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token") if k in saved})
+        tok = PreTrainedTokenizerFast(
+            tokenizer_file=str(folder / "tokenizer.json"),
+            **{k: saved[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token") if k in saved},
+        )
     template = folder / "chat_template.jinja"
     if not getattr(tok, "chat_template", None) and template.is_file():
         tok.chat_template = template.read_text()
@@ -391,7 +480,7 @@ def answers_in_tokenizer(engine, tokenizer):
     weight = engine.model.lm_head.weight
     special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}))
     with torch.no_grad():
-        weight[len(tokenizer):] = 0
+        weight[len(tokenizer) :] = 0
         weight[sorted(i for i in special if i < weight.shape[0])] = 0
     return engine
 
@@ -408,8 +497,14 @@ def build_engine(args):
         assert torch.cuda.is_available(), "--random-8b needs a CUDA GPU"
         args.model_label = f"Llama-3.1-8B shapes, random bf16 weights, {args.random_8b.name} tokenizer"
         pool, tokenizer = int((args.budget + args.work_gb) * GiB), load_tokenizer(args.random_8b)
-        engine = LazyEngine.from_config(llama31_8b_config(args.layers), tokenizer=tokenizer, device="cuda",
-                                        dtype=torch.bfloat16, kv_budget=pool, scheduler=scheduler)
+        engine = LazyEngine.from_config(
+            llama31_8b_config(args.layers),
+            tokenizer=tokenizer,
+            device="cuda",
+            dtype=torch.bfloat16,
+            kv_budget=pool,
+            scheduler=scheduler,
+        )
         return answers_in_tokenizer(engine, tokenizer)
     from lazyrag.model.loader import resolve_model_source
 
@@ -420,29 +515,53 @@ def build_engine(args):
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="a model folder or .gguf (default: the embedded SmolLM2-135M-Instruct)")
-    ap.add_argument("--random-8b", type=Path, default=None, metavar="TOKENIZER_FOLDER",
-                    help="a Llama-3.1-8B-shaped model with random bf16 weights on the GPU, with this folder's tokenizer")
+    ap.add_argument(
+        "--model", default=None, help="a model folder or .gguf (default: the embedded SmolLM2-135M-Instruct)"
+    )
+    ap.add_argument(
+        "--random-8b",
+        type=Path,
+        default=None,
+        metavar="TOKENIZER_FOLDER",
+        help="a Llama-3.1-8B-shaped model with random bf16 weights on the GPU, with this folder's tokenizer",
+    )
     ap.add_argument("--layers", type=int, default=32, help="--random-8b's layers")
-    ap.add_argument("--runs", default=",".join(RUNS), type=lambda s: s.split(","),
-                    help="offline (engine.generate from threads), http-stream (streamed), http (plain responses)")
+    ap.add_argument(
+        "--runs",
+        default=",".join(RUNS),
+        type=lambda s: s.split(","),
+        help="offline (engine.generate from threads), http-stream (streamed), http (plain responses)",
+    )
     ap.add_argument("--requests", type=int, default=160)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--budget", type=float, default=1.0, help="KV cache budget (GB; --smoke: a GB is 4 documents)")
-    ap.add_argument("--work-gb", type=float, default=None,
-                    help="pool beyond the budget, for requests in flight (default: 24 with --random-8b, else the engine's default pool)")
+    ap.add_argument(
+        "--work-gb",
+        type=float,
+        default=None,
+        help="pool beyond the budget, for requests in flight "
+        "(default: 24 with --random-8b, else the engine's default pool)",
+    )
     ap.add_argument("--docs", type=int, default=100, help="documents in the corpus")
     ap.add_argument("--doc-tokens", type=int, default=2048)
     ap.add_argument("--question-tokens", type=int, default=32)
     ap.add_argument("--output-tokens", type=int, default=16)
     ap.add_argument("--alpha", type=float, default=2.1, help="Zipf exponent of document popularity")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--warmup-requests", type=int, default=None, help="the warm-up closed loop's requests (default 2 x concurrency)")
+    ap.add_argument(
+        "--warmup-requests", type=int, default=None, help="the warm-up closed loop's requests (default 2 x concurrency)"
+    )
     ap.add_argument("--max-running", type=int, default=64)
-    ap.add_argument("--log-level", default="warning", help="uvicorn's (info logs every request, as `lazyrag serve` does by default)")
+    ap.add_argument(
+        "--log-level", default="warning", help="uvicorn's (info logs every request, as `lazyrag serve` does by default)"
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "serving_http.json")
-    ap.add_argument("--smoke", action="store_true",
-                    help="tiny sizes on the CPU (20 documents of 64 tokens, 8 requests, concurrency 2): checks the loop, not the speed")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny sizes on the CPU (20 documents of 64 tokens, 8 requests, concurrency 2): "
+        "checks the loop, not the speed",
+    )
     args = ap.parse_args(argv)
     if args.smoke:
         defaults = {"requests": 8, "concurrency": 2, "docs": 20, "doc_tokens": 64, "question_tokens": 16}

@@ -5,6 +5,7 @@ only position-free reuse can hit), plus the question. Prints a table, writes JSO
 
     python benchmarks/ttft.py --items 5 --repeats 5             # CPU, embedded default model
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,9 @@ def load_items(path: Path, n: int) -> list[dict]:
         for line in f:
             row = json.loads(line)
             if len(row["contexts"]) == 10:
-                items.append({"question": row["question_text"], "chunks": [c["paragraph_text"] for c in row["contexts"]]})
+                items.append(
+                    {"question": row["question_text"], "chunks": [c["paragraph_text"] for c in row["contexts"]]}
+                )
             if len(items) == n:
                 break
     return items
@@ -70,16 +73,28 @@ def main() -> int:
                 per[s].append({"ttft_s": r.ttft_s, **r.stats.as_dict()})
         for s in strategies:
             runs[s] += per[s]
-        rows.append({"question": item["question"], "prompt_tokens": per[strategies[0]][0]["prompt_tokens"],
-                     **{f"{s}_ms": 1e3 * statistics.median(x["ttft_s"] for x in per[s]) for s in strategies}})
+        rows.append(
+            {
+                "question": item["question"],
+                "prompt_tokens": per[strategies[0]][0]["prompt_tokens"],
+                **{f"{s}_ms": 1e3 * statistics.median(x["ttft_s"] for x in per[s]) for s in strategies},
+            }
+        )
 
-    summary = {s: {"median_ttft_ms": 1e3 * statistics.median(x["ttft_s"] for x in runs[s]),
-                   "median_tokens_prefilled": statistics.median(x["tokens_prefilled"] for x in runs[s])} for s in strategies}
+    summary = {
+        s: {
+            "median_ttft_ms": 1e3 * statistics.median(x["ttft_s"] for x in runs[s]),
+            "median_tokens_prefilled": statistics.median(x["tokens_prefilled"] for x in runs[s]),
+        }
+        for s in strategies
+    }
     if "full" in summary:
         for s in strategies:
             summary[s]["speedup_vs_full"] = summary["full"]["median_ttft_ms"] / summary[s]["median_ttft_ms"]
 
-    print(f"\nTTFT (ms), median of {args.repeats} shuffled orders per item; model {engine.model_name} on {engine.device}")
+    print(
+        f"\nTTFT (ms), median of {args.repeats} shuffled orders per item; model {engine.model_name} on {engine.device}"
+    )
     print(f"{'item':>4} {'tokens':>6} " + " ".join(f"{s:>15}" for s in strategies))
     for i, r in enumerate(rows):
         print(f"{i:>4} {r['prompt_tokens']:>6} " + " ".join(f"{r[s + '_ms']:>15.1f}" for s in strategies))
@@ -91,8 +106,13 @@ def main() -> int:
         "command": "python " + " ".join(sys.argv),
         "date": time.strftime("%Y-%m-%d"),
         "device": f"{engine.device} / {platform.processor() or platform.machine()} / {torch.get_num_threads()} threads",
-        "model": engine.model_name, "dtype": str(engine.dtype), "attention": engine.attention_backend,
-        "items": len(items), "repeats": args.repeats, "summary": summary, "rows": rows,
+        "model": engine.model_name,
+        "dtype": str(engine.dtype),
+        "attention": engine.attention_backend,
+        "items": len(items),
+        "repeats": args.repeats,
+        "summary": summary,
+        "rows": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

@@ -4,6 +4,7 @@ every projection, for a few prompt counts per step. Speed does not depend on the
 
     python benchmarks/tune_8b.py --out benchmarks/results/tune_8b_h100.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,8 +55,13 @@ def main(argv=None) -> int:
     prefix, passage_ids = ids(32), ids(205)
     rows = []
     for n in args.prompts:
-        examples = [Example(PromptLayout(prefix, [ids(args.passage_tokens) for _ in range(args.passages)], ids(32)),
-                            ids(args.answer_tokens)) for _ in range(n)]
+        examples = [
+            Example(
+                PromptLayout(prefix, [ids(args.passage_tokens) for _ in range(args.passages)], ids(32)),
+                ids(args.answer_tokens),
+            )
+            for _ in range(n)
+        ]
         torch.cuda.reset_peak_memory_stats()
         times = []
         try:
@@ -65,14 +71,20 @@ def main(argv=None) -> int:
                 with torch.autocast("cuda", dtype=torch.bfloat16):
                     with torch.no_grad(), model.disable_adapter():
                         teacher = full_logits(model, examples)
-                    loss = kl_to(teacher, lazy_logits(model, examples, passage_ids)) + 0.25 * kl_to(teacher, full_logits(model, examples))
+                    loss = kl_to(teacher, lazy_logits(model, examples, passage_ids)) + 0.25 * kl_to(
+                        teacher, full_logits(model, examples)
+                    )
                 opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
                 torch.cuda.synchronize()
                 if step:
                     times.append(time.perf_counter() - t)
-            row = {"prompts_per_step": n, "step_s": statistics.median(times), "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+            row = {
+                "prompts_per_step": n,
+                "step_s": statistics.median(times),
+                "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+            }
         except torch.OutOfMemoryError:
             row = {"prompts_per_step": n, "step_s": None, "peak_gib": None, "oom": True}
             opt.zero_grad(set_to_none=True)
@@ -81,9 +93,16 @@ def main(argv=None) -> int:
         row.update(prompt_tokens_per_step=tokens)
         rows.append(row)
         print(row, flush=True)
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "layers": args.layers,
-            "lora": "rank 8 on q,k,v,o,gate,up,down", "lora_mb_bf16": lora_bytes / 1e6, "passages": args.passages,
-            "passage_tokens": args.passage_tokens, "command": "python benchmarks/tune_8b.py " + " ".join(argv or sys.argv[1:])}
+    meta = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "layers": args.layers,
+        "lora": "rank 8 on q,k,v,o,gate,up,down",
+        "lora_mb_bf16": lora_bytes / 1e6,
+        "passages": args.passages,
+        "passage_tokens": args.passage_tokens,
+        "command": "python benchmarks/tune_8b.py " + " ".join(argv or sys.argv[1:]),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(meta)

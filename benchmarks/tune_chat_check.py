@@ -7,6 +7,7 @@ Per prompt: the KL of the tuned model's first-token distribution to the base mod
 (``--max-new-tokens``): identical or not, and how many tokens they share before they part. Prints both answers of
 each prompt; writes JSON.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,21 +68,48 @@ def main() -> int:
     for i, prompt in enumerate(PROMPTS):
         base, tuned = runs["base"][i], runs["tuned"][i]
         kl = float((base["logprobs"].exp() * (base["logprobs"] - tuned["logprobs"])).sum())
-        shared = next((j for j, (a, b) in enumerate(zip(base["ids"], tuned["ids"])) if a != b),
-                      min(len(base["ids"]), len(tuned["ids"])))
-        out.append({"prompt": prompt, "first_token_kl": kl, "identical": base["ids"] == tuned["ids"],
-                    "shared_prefix_tokens": shared, "base": base["text"], "tuned": tuned["text"]})
-        print(f"[{i + 1}] {prompt}\n  base : {base['text']!r}\n  tuned: {tuned['text']!r}\n  KL {kl:.4f}, "
-              f"{'identical' if out[-1]['identical'] else f'part after {shared} tokens'}")
-    summary = {"prompts": len(out), "identical": sum(r["identical"] for r in out),
-               "first_token_kl_mean": statistics.mean(r["first_token_kl"] for r in out),
-               "shared_prefix_tokens_median": statistics.median(r["shared_prefix_tokens"] for r in out)}
-    print(f"\n{summary['identical']} of {summary['prompts']} greedy answers identical; first-token KL mean "
-          f"{summary['first_token_kl_mean']:.4f}; answers share {summary['shared_prefix_tokens_median']} tokens "
-          f"(median) before they part")
+        shared = next(
+            (j for j, (a, b) in enumerate(zip(base["ids"], tuned["ids"])) if a != b),
+            min(len(base["ids"]), len(tuned["ids"])),
+        )
+        out.append(
+            {
+                "prompt": prompt,
+                "first_token_kl": kl,
+                "identical": base["ids"] == tuned["ids"],
+                "shared_prefix_tokens": shared,
+                "base": base["text"],
+                "tuned": tuned["text"],
+            }
+        )
+        print(
+            f"[{i + 1}] {prompt}\n  base : {base['text']!r}\n  tuned: {tuned['text']!r}\n  KL {kl:.4f}, "
+            f"{'identical' if out[-1]['identical'] else f'part after {shared} tokens'}"
+        )
+    summary = {
+        "prompts": len(out),
+        "identical": sum(r["identical"] for r in out),
+        "first_token_kl_mean": statistics.mean(r["first_token_kl"] for r in out),
+        "shared_prefix_tokens_median": statistics.median(r["shared_prefix_tokens"] for r in out),
+    }
+    print(
+        f"\n{summary['identical']} of {summary['prompts']} greedy answers identical; first-token KL mean "
+        f"{summary['first_token_kl_mean']:.4f}; answers share {summary['shared_prefix_tokens_median']} tokens "
+        f"(median) before they part"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"command": "python " + " ".join(sys.argv), "adapter": args.adapter,
-                                    "max_new_tokens": args.max_new_tokens, "summary": summary, "prompts": out}, indent=1))
+    args.out.write_text(
+        json.dumps(
+            {
+                "command": "python " + " ".join(sys.argv),
+                "adapter": args.adapter,
+                "max_new_tokens": args.max_new_tokens,
+                "summary": summary,
+                "prompts": out,
+            },
+            indent=1,
+        )
+    )
     return 0
 
 

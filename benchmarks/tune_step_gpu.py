@@ -8,6 +8,7 @@ Speed does not depend on the weights: a random-weight folder of the model's shap
 its config.json and tokenizer, weights drawn here) needs no checkpoint to travel. Answers of a random model run to
 ``--answer-tokens``; real ones are shorter, so the teacher's share is an upper bound.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,16 @@ def main() -> int:
     model = str(random_model(args.random_from, work / "model")) if args.random_from else args.model
     data = dict(d.split("=", 1) for d in args.data)
     total = 2 + args.steps + args.profile_steps
-    tuner = Tuner(TuneConfig(model=model, out=str(work / "adapter"), data=data, max_steps=total,
-                             prompts_per_step=args.prompts_per_step, answer_tokens=args.answer_tokens))
+    tuner = Tuner(
+        TuneConfig(
+            model=model,
+            out=str(work / "adapter"),
+            data=data,
+            max_steps=total,
+            prompts_per_step=args.prompts_per_step,
+            answer_tokens=args.answer_tokens,
+        )
+    )
     tuner.out.mkdir(parents=True)
     sync = torch.cuda.synchronize if tuner.device.type == "cuda" else (lambda: None)
     t = time.perf_counter()
@@ -75,29 +84,46 @@ def main() -> int:
         sync()
         if i >= 2:
             seconds.append(time.perf_counter() - t)
-    res = {"device": torch.cuda.get_device_name() if tuner.device.type == "cuda" else "cpu", "model": model,
-           "command": "python " + " ".join(sys.argv), "prompts_per_step": args.prompts_per_step,
-           "teacher_s_per_step": teacher_s / total, "step_s_median": statistics.median(seconds), "step_s": seconds,
-           "tokens_per_step_median": statistics.median(tokens[2: 2 + args.steps]),
-           "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if tuner.device.type == "cuda" else None}
-    print(f"teacher answers {res['teacher_s_per_step']:.2f} s/step; step {res['step_s_median']:.2f} s median "
-          f"({res['tokens_per_step_median']:.0f} prompt+answer tokens); peak {res['peak_gib']} GiB", flush=True)
+    res = {
+        "device": torch.cuda.get_device_name() if tuner.device.type == "cuda" else "cpu",
+        "model": model,
+        "command": "python " + " ".join(sys.argv),
+        "prompts_per_step": args.prompts_per_step,
+        "teacher_s_per_step": teacher_s / total,
+        "step_s_median": statistics.median(seconds),
+        "step_s": seconds,
+        "tokens_per_step_median": statistics.median(tokens[2 : 2 + args.steps]),
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if tuner.device.type == "cuda" else None,
+    }
+    print(
+        f"teacher answers {res['teacher_s_per_step']:.2f} s/step; step {res['step_s_median']:.2f} s median "
+        f"({res['tokens_per_step_median']:.0f} prompt+answer tokens); peak {res['peak_gib']} GiB",
+        flush=True,
+    )
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if tuner.device.type == "cuda" else [])
     with profile(activities=acts) as prof:
-        for b in batches[2 + args.steps:]:
+        for b in batches[2 + args.steps :]:
             tuner.train_step(student, optimizer, scheduler, b)
         sync()
     rows = prof.key_averages()
-    ranges = {e.key: {"cpu_ms": e.cpu_time_total / 1e3, "gpu_ms": e.device_time_total / 1e3}
-              for e in rows if e.key.startswith("tune.")}
-    gpu = sorted((e for e in rows if e.device_time_total > 0 and not e.key.startswith("tune.")),
-                 key=lambda e: -e.device_time_total)
+    ranges = {
+        e.key: {"cpu_ms": e.cpu_time_total / 1e3, "gpu_ms": e.device_time_total / 1e3}
+        for e in rows
+        if e.key.startswith("tune.")
+    }
+    gpu = sorted(
+        (e for e in rows if e.device_time_total > 0 and not e.key.startswith("tune.")),
+        key=lambda e: -e.device_time_total,
+    )
     host = sorted(rows, key=lambda e: -e.self_cpu_time_total)
-    res["profile"] = {"steps": args.profile_steps, "ranges": ranges,
-                      "gpu_top": [(e.key[:90], e.count, round(e.device_time_total / 1e3, 2)) for e in gpu[:25]],
-                      "host_top": [(e.key[:90], e.count, round(e.self_cpu_time_total / 1e3, 2)) for e in host[:25]]}
+    res["profile"] = {
+        "steps": args.profile_steps,
+        "ranges": ranges,
+        "gpu_top": [(e.key[:90], e.count, round(e.device_time_total / 1e3, 2)) for e in gpu[:25]],
+        "host_top": [(e.key[:90], e.count, round(e.self_cpu_time_total / 1e3, 2)) for e in host[:25]],
+    }
     print(f"profile of {args.profile_steps} steps: named ranges (wall on the host / GPU kernels inside)")
     for k, v in ranges.items():
         print(f"  {k:18s} host {v['cpu_ms']:9.1f} ms  gpu {v['gpu_ms']:9.1f} ms")

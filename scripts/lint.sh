@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The style gate (CI runs it before the tests): ruff lint and ruff format on the product code.
+# The style gate (CI runs it before the tests): ruff lint and ruff format on the product code, the tests and the
+# benchmarks; mypy on the product code only.
 # Settings: [tool.ruff] in pyproject.toml. ruff comes with the test extra (bash scripts/setup.sh test).
-# tests/ and benchmarks/ are not gated yet.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUFF="${RUFF:-.venv/bin/ruff}"
-FOLDERS=(lazyrag integrations kernels)
+FOLDERS=(lazyrag integrations kernels tests benchmarks)
 "$RUFF" check "${FOLDERS[@]}"
 "$RUFF" format --check "${FOLDERS[@]}"
 # mypy ([tool.mypy]) at zero errors on the whole lazyrag package (engine, server, kv, store, model, tune and every

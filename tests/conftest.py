@@ -2,6 +2,7 @@
 
 TRITON_INTERPRET must be set before any module decorated with @triton.jit is imported.
 """
+
 import os
 
 import torch
@@ -51,11 +52,24 @@ def tiny_llama_config(**overrides):
     from transformers import LlamaConfig
 
     kw = dict(
-        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
-        rms_norm_eps=1e-5, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 256},
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 256,
+        },
     )
     kw.update(overrides)
     return LlamaConfig(**kw)
@@ -70,8 +84,16 @@ def tiny_family_model(family: str, seed: int = 1234, **overrides):
     hidden / heads; Mistral with full attention. Biases and norm weights are random too, so each one counts."""
     from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config, Qwen3Config
 
-    kw = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-6)
+    kw = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-6,
+    )
     rope = {"rope_type": "default", "rope_theta": 1e6}
     own = {
         "qwen2": dict(tie_word_embeddings=True, rope_parameters=rope),
@@ -150,6 +172,7 @@ def plain_engine(request):
 
 # -- corpus store fixtures (issue 4) ---------------------------------------------------------
 
+
 @pytest.fixture(scope="session")
 def tiny_corpus(tmp_path_factory):
     """A folder of five one-paragraph documents."""
@@ -167,6 +190,7 @@ def embedder():
 
 
 # -- stores and engines shared by the adapter, CLI, server and precache tests ----------------
+
 
 @pytest.fixture(scope="session")
 def tiny_store(default_engine, tiny_corpus, embedder, tmp_path_factory):
@@ -209,7 +233,10 @@ def pytest_collection_modifyitems(config, items):
     """On a GPU machine, the kernel tests written for Triton's CPU interpreter need TRITON_INTERPRET=1."""
     if not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
         return
-    skip = pytest.mark.skip(reason="CPU-tensor kernel test: runs in Triton's interpreter (TRITON_INTERPRET=1); the gpu-marked tests cover CUDA")
+    skip = pytest.mark.skip(
+        reason="CPU-tensor kernel test: runs in Triton's interpreter (TRITON_INTERPRET=1); "
+        "the gpu-marked tests cover CUDA"
+    )
     for item in items:
         if item.path.parent.name == "kernels" and "gpu" not in item.keywords:  # tests/kernels/
             item.add_marker(skip)

@@ -1,4 +1,5 @@
 """Plain helpers shared by test modules (fixtures live in the conftest.py files); no test module imports another."""
+
 import os
 import random
 import socket
@@ -32,7 +33,9 @@ QUESTIONS = [QUESTION, "How deep is the Mariana Trench?", "Where was Paganini bo
 
 def random_layouts(engine, n: int, seed: int = 0):
     rng = random.Random(seed)
-    return [engine.build_prompt(QUESTIONS[i % len(QUESTIONS)], rng.sample(CHUNKS, k=rng.randint(2, 4))) for i in range(n)]
+    return [
+        engine.build_prompt(QUESTIONS[i % len(QUESTIONS)], rng.sample(CHUNKS, k=rng.randint(2, 4))) for i in range(n)
+    ]
 
 
 @contextmanager
@@ -76,8 +79,13 @@ def run_in_threads(n: int, work) -> list:
 
 TINY_DOCS = {
     "curie.md": "Marie Curie won the Nobel Prize in Physics in 1903 and the Nobel Prize in Chemistry in 1911.",
-    "canal.md": "The Grand Canal of China links Beijing with Hangzhou over 1,776 kilometres and was begun in the 5th century BC.",
-    "trench.txt": "The Mariana Trench in the western Pacific reaches a depth of about 10,935 metres at Challenger Deep.",
+    "canal.md": (
+        "The Grand Canal of China links Beijing with Hangzhou over 1,776 kilometres and was begun in the 5th "
+        "century BC."
+    ),
+    "trench.txt": (
+        "The Mariana Trench in the western Pacific reaches a depth of about 10,935 metres at Challenger Deep."
+    ),
     "basalt.md": "Basalt forms when lava rich in magnesium and iron cools quickly at the surface of the Earth.",
     "paganini.txt": "The violinist Niccolo Paganini was born in Genoa in 1782 and toured Europe for decades.",
 }
@@ -107,8 +115,10 @@ def slow_body_answer(url: str) -> bytes:
     the server closes the connection (its own --body-timeout decides when, not a clock of the test's)."""
     host, port = url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 100\r\n\r\n{\"model\": ")
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"model": '
+        )
         answer = b""
         while chunk := sock.recv(4096):
             answer += chunk

@@ -1,5 +1,6 @@
 """The module import graph points one way: each layer imports only from layers below it (or its own),
 and no modules import each other in a cycle. The code map in docs/design.md draws the same layers."""
+
 import ast
 from pathlib import Path
 
@@ -7,15 +8,38 @@ from tests.helpers import HANG_S
 
 ROOT = Path(__file__).resolve().parents[1]
 # import name -> folder (pyproject's package-dir): kernels/ and integrations/ install as lazyrag.*
-PACKAGE_DIRS = {"lazyrag": ROOT / "lazyrag", "lazyrag.kernels": ROOT / "kernels", "lazyrag.integrations": ROOT / "integrations"}
+PACKAGE_DIRS = {
+    "lazyrag": ROOT / "lazyrag",
+    "lazyrag.kernels": ROOT / "kernels",
+    "lazyrag.integrations": ROOT / "integrations",
+}
 
 # lowest first; a module may import its own layer's modules and anything below
 LAYERS = [
-    ("lazyrag.kernels", "lazyrag.kv", "lazyrag.prompt", "lazyrag.strategy_names", "lazyrag.defaults",
-     "lazyrag.sizes", "lazyrag.extras", "lazyrag.version"),  # kernels, KV bookkeeping, prompts, names
-    ("lazyrag.model", "lazyrag.store.corpus", "lazyrag.tune.adapter"),  # the Llama model, a LoRA merged into it; a store as a KV tier
+    (
+        "lazyrag.kernels",
+        "lazyrag.kv",
+        "lazyrag.prompt",
+        "lazyrag.strategy_names",
+        "lazyrag.defaults",
+        "lazyrag.sizes",
+        "lazyrag.extras",
+        "lazyrag.version",
+    ),  # kernels, KV bookkeeping, prompts, names
+    (
+        "lazyrag.model",
+        "lazyrag.store.corpus",
+        "lazyrag.tune.adapter",
+    ),  # the Llama model, a LoRA merged into it; a store as a KV tier
     ("lazyrag.engine",),  # the request path
-    ("lazyrag.store", "lazyrag.integrations", "lazyrag.eval", "lazyrag.demo", "lazyrag.server", "lazyrag.tune"),  # built on the engine
+    (
+        "lazyrag.store",
+        "lazyrag.integrations",
+        "lazyrag.eval",
+        "lazyrag.demo",
+        "lazyrag.server",
+        "lazyrag.tune",
+    ),  # built on the engine
     ("lazyrag.cli", "lazyrag.__init__", "lazyrag.__main__"),  # the package's front door re-exports the public API
 ]
 
@@ -43,7 +67,9 @@ def imports(path: Path, name: str, known: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             targets = [f"{base}.{a.name}" for a in node.names] + [base]
         else:
             continue
@@ -72,8 +98,12 @@ def graph() -> dict[str, set[str]]:
 
 
 def test_no_module_imports_a_layer_above_its_own():
-    upward = [f"{a} (layer {layer(a)}) imports {b} (layer {layer(b)})"
-              for a, deps in graph().items() for b in deps if layer(b) > layer(a)]
+    upward = [
+        f"{a} (layer {layer(a)}) imports {b} (layer {layer(b)})"
+        for a, deps in graph().items()
+        for b in deps
+        if layer(b) > layer(a)
+    ]
     assert not upward, "\n".join(upward)
 
 
@@ -96,7 +126,10 @@ def foreign_imports(source: str) -> list[str]:
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and not node.level:
             names = [node.module or ""]
-        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "spec_from_file_location":
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) == "spec_from_file_location"
+        ):
             names = ["<spec_from_file_location>"]
         else:
             continue
@@ -107,19 +140,24 @@ def foreign_imports(source: str) -> list[str]:
 def test_product_code_imports_no_benchmark_test_or_lab_code():
     """lazyrag/, kernels/ and integrations/ (what the wheel ships) import nothing from benchmarks/, tests/,
     scripts/ or examples/, nor load a module from a file path."""
-    found = [f"{name}: {', '.join(bad)}" for name, path in modules().items() if (bad := foreign_imports(path.read_text()))]
+    found = [
+        f"{name}: {', '.join(bad)}" for name, path in modules().items() if (bad := foreign_imports(path.read_text()))
+    ]
     assert not found, "\n".join(found)
 
 
 def test_the_foreign_import_check_can_fail():
     assert foreign_imports("import benchmarks.routing") == ["benchmarks.routing"]
     assert foreign_imports("def f():\n    from tests.helpers import CHUNKS") == ["tests.helpers"]
-    assert foreign_imports("import importlib.util as u\nu.spec_from_file_location('x', 'benchmarks/x.py')") == ["<spec_from_file_location>"]
+    assert foreign_imports("import importlib.util as u\nu.spec_from_file_location('x', 'benchmarks/x.py')") == [
+        "<spec_from_file_location>"
+    ]
     assert foreign_imports("from . import common\nimport torch\nfrom lazyrag.kv import cache") == []
 
 
 def test_kernels_import_only_kernels_torch_and_triton():
-    """kernels/ is the bottom layer: it imports no other lazyrag module (the engine selects kernels, not the reverse)."""
+    """kernels/ is the bottom layer: it imports no other lazyrag module (the engine selects kernels, not the
+    reverse)."""
     for name, deps in graph().items():
         if name.startswith("lazyrag.kernels"):
             assert all(d.startswith("lazyrag.kernels") for d in deps), (name, deps)
@@ -135,7 +173,7 @@ def test_no_import_cycles():
         path.append(n)
         for m in g.get(n, ()):
             if state.get(m) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(path[path.index(m):] + [m]))
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(m) :] + [m]))
             if m not in state:
                 visit(m)
         path.pop()
@@ -156,11 +194,13 @@ def test_the_source_trees_kernels_folder_never_shadows_a_top_level_kernels():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    probe = ("import sys, lazyrag.kernels as ours\n"
-             "import transformers.activations\n"  # probes 'kernels' (5.24 by importing what it finds)
-             "try:\n    import kernels\nexcept ImportError:\n    print('absent')\n"
-             "else:\n    f = getattr(kernels, '__file__', None)\n"
-             "    print('absent' if f is None else 'shadowed' if kernels is ours or f == ours.__file__ else 'theirs')\n")
+    probe = (
+        "import sys, lazyrag.kernels as ours\n"
+        "import transformers.activations\n"  # probes 'kernels' (5.24 by importing what it finds)
+        "try:\n    import kernels\nexcept ImportError:\n    print('absent')\n"
+        "else:\n    f = getattr(kernels, '__file__', None)\n"
+        "    print('absent' if f is None else 'shadowed' if kernels is ours or f == ours.__file__ else 'theirs')\n"
+    )
     out = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True, text=True, timeout=HANG_S)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() in ("absent", "theirs")

@@ -1,4 +1,5 @@
 """The command line, as a user runs it."""
+
 import json
 import shutil
 import subprocess
@@ -8,11 +9,12 @@ import pytest
 
 from tests.helpers import HANG_S
 
-
 # runs the CLI, then says whether the engine module (torch, the model) was ever imported
-_PROBE = ("import sys; from lazyrag.cli import main; rc = main(sys.argv[1:]); "
-          "print('engine imported' if 'lazyrag.engine' in sys.modules else 'no engine', "
-          "'torch imported' if 'torch' in sys.modules else 'no torch'); sys.exit(rc)")
+_PROBE = (
+    "import sys; from lazyrag.cli import main; rc = main(sys.argv[1:]); "
+    "print('engine imported' if 'lazyrag.engine' in sys.modules else 'no engine', "
+    "'torch imported' if 'torch' in sys.modules else 'no torch'); sys.exit(rc)"
+)
 
 
 def run(*args, timeout=HANG_S):
@@ -31,7 +33,11 @@ def test_help_teaches():
 
 def test_help_imports_no_torch():
     for args in (["--help"], ["precache", "--help"], ["ask", "--help"]):
-        code = "import sys; from lazyrag.cli import main\ntry: main(sys.argv[1:])\nexcept SystemExit: pass\nprint('torch' in sys.modules)"
+        code = (
+            "import sys; from lazyrag.cli import main\n"
+            "try: main(sys.argv[1:])\nexcept SystemExit: pass\n"
+            "print('torch' in sys.modules)"
+        )
         r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=HANG_S)
         assert r.stdout.strip().endswith("False"), (args, r.stdout[-300:], r.stderr[-300:])
 
@@ -41,7 +47,9 @@ def test_demo_marks_each_strategys_answer_and_compares_ttft():
     assert r.returncode == 0, r.stderr[-2000:]
     out = r.stdout
     assert "Right answers and time to first token" in out and "TTFT" in out
-    answers = [line for line in out.splitlines() if line.rstrip().endswith(" ms") and ("right" in line or "wrong" in line)]
+    answers = [
+        line for line in out.splitlines() if line.rstrip().endswith(" ms") and ("right" in line or "wrong" in line)
+    ]
     assert len(answers) == 8 * 3  # 8 questions x (full, lazy, the recovery)
     for strategy in ("full", "lazy", "lazy+recover"):
         assert sum(line.split()[0] == strategy for line in answers) == 8
@@ -51,7 +59,12 @@ def test_demo_marks_each_strategys_answer_and_compares_ttft():
 def test_python_dash_m_lazyrag_is_the_command():
     r = subprocess.run([sys.executable, "-m", "lazyrag", "--help"], capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 0 and "lazyrag demo" in r.stdout and "serve" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "lazyrag", "demo", "--strategies", "lazy"], capture_output=True, text=True, timeout=HANG_S)
+    r = subprocess.run(
+        [sys.executable, "-m", "lazyrag", "demo", "--strategies", "lazy"],
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+    )
     assert r.returncode == 2 and "must include full" in r.stderr
 
 
@@ -71,8 +84,14 @@ def test_ask_reports_reuse_and_errors_clearly(tmp_path):
     assert r.returncode == 2 and "does not exist" in r.stderr
     r = run("ask", "Who?", "--model", str(tmp_path / "no-model"))
     assert r.returncode == 2 and "does not exist" in r.stderr
-    r = run("ask", "Who found penicillin?", "--chunk", "Alexander Fleming found penicillin in 1928 in London.",
-            "--max-new-tokens", "3")
+    r = run(
+        "ask",
+        "Who found penicillin?",
+        "--chunk",
+        "Alexander Fleming found penicillin in 1928 in London.",
+        "--max-new-tokens",
+        "3",
+    )
     assert r.returncode == 0 and "chunks hit 0, missed 1" in r.stderr
     assert "Loading weights" not in r.stderr and "GGUF" not in r.stderr  # no loading bars unless -v
 
@@ -84,17 +103,29 @@ def _broken_store(tmp_path):
     return store
 
 
-@pytest.mark.parametrize("args, message", [
-    (["ask", "Who?", "--chunk", "x", "--strategy", "lazzy"], "Unknown strategy 'lazzy'"),
-    (["ask", "Who?", "--strategy", "lazy:first=x"], "lazy:first=K"),
-    (["ask", "Who?", "--store", "{tmp}/missing"], "not a lazyrag store"),
-    (["ask", "Who?", "--store", "{broken}"], ""),
-    (["precache", "{tmp}/no-corpus", "--out", "{tmp}/out"], "not found"),
-    (["precache", "{tmp}", "--out", "{tmp}/out", "--chunk-tokens", "100"], "multiple of the KV block size"),
-    (["eval", "--strategies", "full,lazy:blend=2"], "Bad strategy"),
-    (["serve", "--replicas", "2", "--tensor-parallel-size", "2"], "not supported yet"),
-], ids=["unknown-strategy", "bad-lazy-option", "missing-store", "broken-store", "missing-corpus",
-        "chunk-tokens-off-block", "bad-eval-strategy", "replicas-with-tensor-parallel"])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["ask", "Who?", "--chunk", "x", "--strategy", "lazzy"], "Unknown strategy 'lazzy'"),
+        (["ask", "Who?", "--strategy", "lazy:first=x"], "lazy:first=K"),
+        (["ask", "Who?", "--store", "{tmp}/missing"], "not a lazyrag store"),
+        (["ask", "Who?", "--store", "{broken}"], ""),
+        (["precache", "{tmp}/no-corpus", "--out", "{tmp}/out"], "not found"),
+        (["precache", "{tmp}", "--out", "{tmp}/out", "--chunk-tokens", "100"], "multiple of the KV block size"),
+        (["eval", "--strategies", "full,lazy:blend=2"], "Bad strategy"),
+        (["serve", "--replicas", "2", "--tensor-parallel-size", "2"], "not supported yet"),
+    ],
+    ids=[
+        "unknown-strategy",
+        "bad-lazy-option",
+        "missing-store",
+        "broken-store",
+        "missing-corpus",
+        "chunk-tokens-off-block",
+        "bad-eval-strategy",
+        "replicas-with-tensor-parallel",
+    ],
+)
 def test_bad_arguments_are_reported_before_any_model_loads(tmp_path, args, message):
     broken = _broken_store(tmp_path)
     args = [a.format(tmp=tmp_path, broken=broken) for a in args]
@@ -153,15 +184,22 @@ def test_encoding_passage_follows_the_store_unless_given(tmp_path):
     old, mine, untold = store([], ""), store([1, 2, 3], "A made-up town."), store([1, 2, 3], "")
     assert _passage(Namespace(encoding_passage=None, store=old)) == {"encoding_passage": None}  # built before passages
     assert _passage(Namespace(encoding_passage=None, store=mine)) == {"encoding_passage": "A made-up town."}
-    assert _passage(Namespace(encoding_passage=None, store=untold)) == {}  # the default; the store refuses it if it differs
-    assert _passage(Namespace(encoding_passage="default", store=old)) == {}  # asked for: the store then refuses, saying why
+    # the default; the store refuses it if it differs
+    assert _passage(Namespace(encoding_passage=None, store=untold)) == {}
+    # asked for: the store then refuses, saying why
+    assert _passage(Namespace(encoding_passage="default", store=old)) == {}
     assert _passage(Namespace(encoding_passage="none")) == {"encoding_passage": None}
     assert _passage(Namespace(encoding_passage=None, store=None)) == {}
     text = tmp_path / "passage.txt"
     text.write_text("  First made-up document.\n\nSecond one.\n")
-    assert _passage(Namespace(encoding_passage=str(text))) == {"encoding_passage": "First made-up document.\n\nSecond one."}
+    assert _passage(Namespace(encoding_passage=str(text))) == {
+        "encoding_passage": "First made-up document.\n\nSecond one."
+    }
     (tmp_path / "empty.txt").write_text("\n")
-    for bad, says in ((tmp_path / "missing.txt", "not default, none or a text file"), (tmp_path / "empty.txt", "empty")):
+    for bad, says in (
+        (tmp_path / "missing.txt", "not default, none or a text file"),
+        (tmp_path / "empty.txt", "empty"),
+    ):
         with pytest.raises(SystemExit, match=says):
             _passage(Namespace(encoding_passage=str(bad)))
 
@@ -169,10 +207,15 @@ def test_encoding_passage_follows_the_store_unless_given(tmp_path):
 def test_k_is_capped_before_anything_loads():
     for args in (["ask", "q", "--k", "2147483648"], ["ask", "q", "--k", "0"], ["eval", "--k", "100000"]):
         r = probe(*args)
-        assert r.returncode == 2 and "--k" in r.stderr and "no torch" in r.stdout, (args, r.stdout[-300:], r.stderr[-500:])
+        assert r.returncode == 2 and "--k" in r.stderr and "no torch" in r.stdout, (
+            args,
+            r.stdout[-300:],
+            r.stderr[-500:],
+        )
 
 
 # -- issue 34: lazyrag cache, defaults in --help, eval --out, quiet GGUF loading -------------------
+
 
 def test_cache_shows_a_store_without_loading_a_model(tiny_store, tmp_path):
     r = probe("cache", "--store", str(tiny_store), "--json")
@@ -182,7 +225,12 @@ def test_cache_shows_a_store_without_loading_a_model(tiny_store, tmp_path):
     assert report["status"] == "complete" and report["entries"] > 0 and report["tokens"] > 0
     assert report["dtype"] == "float32" and report["model"] and 0 < report["kv_bytes"] <= report["bytes_on_disk"]
     table = run("cache", "--store", str(tiny_store))
-    assert table.returncode == 0 and "entries" in table.stdout and "bytes on disk" in table.stdout and "float32" in table.stdout
+    assert (
+        table.returncode == 0
+        and "entries" in table.stdout
+        and "bytes on disk" in table.stdout
+        and "float32" in table.stdout
+    )
     missing = probe("cache", "--store", str(tmp_path / "nothing"))
     assert missing.returncode == 2 and "not a corpus store" in missing.stderr and "lazyrag precache" in missing.stderr
 
@@ -195,7 +243,10 @@ def test_every_subcommand_s_help_shows_its_defaults():
         text = "".join(sub.format_help().split())  # without the line wrapping
         for action in sub._actions:
             if action.option_strings and action.default not in (None, False, [], "==SUPPRESS==") and action.help:
-                assert "default" in action.help or f"(default:{action.default})".replace(" ", "") in text, (name, action.option_strings)
+                assert "default" in action.help or f"(default:{action.default})".replace(" ", "") in text, (
+                    name,
+                    action.option_strings,
+                )
     assert "(default:lazyrag-eval/quality.json)" in "".join(run("eval", "--help").stdout.split())
 
 
@@ -249,6 +300,7 @@ def test_serve_says_what_it_loads_and_when_it_is_ready(monkeypatch, capsys, defa
 
 # -- issue 43: serve shaped like `vllm serve` -----------------------------------------------------
 
+
 def test_serve_takes_the_model_positionally_or_by_flag_not_both(tmp_path, monkeypatch):
     from lazyrag.cli import build_parser
 
@@ -256,7 +308,8 @@ def test_serve_takes_the_model_positionally_or_by_flag_not_both(tmp_path, monkey
     assert args.model_tag == "HuggingFaceTB/SmolLM2-135M-Instruct" and args.model is None and args.port == 8001
     r = probe("serve", "org/one", "--model", "org/two")
     assert r.returncode == 2 and "Two models given" in r.stderr and "no torch" in r.stdout
-    # a hub id is looked up in the local Hugging Face cache only, before anything loads, and the error says how to get it
+    # a hub id is looked up in the local Hugging Face cache only, before anything loads, and the error says how to get
+    # it
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-hub"))
     for argv in (["serve", "org/not-here"], ["ask", "q", "--model", "org/not-here"]):
         r = probe(*argv)
@@ -268,9 +321,11 @@ def test_serve_config_file_gives_defaults_the_command_line_overrides(tmp_path):
     from lazyrag.cli import _with_config, build_parser
 
     config = tmp_path / "serve.yaml"
-    config.write_text("model: org/from-file\nport: 8123\nmax_num_seqs: 7\nmax-model-len: 2048\n"
-                      "allowed_origins: ['http://a.example', 'http://b.example']\nno-pasted-context: true\n"
-                      "served_model_name: [first, second]\nuvicorn_log_level: warning\n")
+    config.write_text(
+        "model: org/from-file\nport: 8123\nmax_num_seqs: 7\nmax-model-len: 2048\n"
+        "allowed_origins: ['http://a.example', 'http://b.example']\nno-pasted-context: true\n"
+        "served_model_name: [first, second]\nuvicorn_log_level: warning\n"
+    )
     parser = build_parser()
 
     def parsed(*argv):
@@ -280,12 +335,16 @@ def test_serve_config_file_gives_defaults_the_command_line_overrides(tmp_path):
     args = parsed("serve", "--config", str(config), "--port", "9000")
     assert args.port == 9000 and args.max_num_seqs == 7 and args.max_model_len == 2048  # the command line wins
     assert args.allowed_origins == ["http://a.example", "http://b.example"] and args.pasted_context is False
-    assert args.served_model_name == ["first", "second"] and args.log_level == "warning" and args.model == "org/from-file"
+    assert (
+        args.served_model_name == ["first", "second"] and args.log_level == "warning" and args.model == "org/from-file"
+    )
     args = parsed("serve", "org/typed", "--config", str(config))
     assert args.model_tag == "org/typed" and args.model is None  # MODEL on the command line wins over the file's
     # --allowed-origins: vLLM's JSON list, or commas
-    assert parser.parse_args(["serve", "--allowed-origins", "http://a.example, http://b.example"]).allowed_origins == \
-        ["http://a.example", "http://b.example"]
+    assert parser.parse_args(["serve", "--allowed-origins", "http://a.example, http://b.example"]).allowed_origins == [
+        "http://a.example",
+        "http://b.example",
+    ]
     assert parser.parse_args(["serve", "--allowed-origins", "*"]).allowed_origins == ["*"]
 
     bad = tmp_path / "bad.yaml"
@@ -299,12 +358,16 @@ def test_serve_config_file_gives_defaults_the_command_line_overrides(tmp_path):
     assert r.returncode == 2 and "true or false" in r.stderr
 
 
-@pytest.mark.parametrize("args, message", [
-    (["serve", "--max-model-len", "0"], "--max-model-len must be at least 1"),
-    (["serve", "--max-num-seqs", "-1"], "--max-num-seqs must be at least 1"),
-    (["serve", "--ssl-keyfile", "{tmp}/key.pem"], "is not a file"),
-    (["serve", "--root-path", "api"], "must start with /"),
-], ids=["max-model-len", "max-num-seqs", "ssl-keyfile", "root-path"])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["serve", "--max-model-len", "0"], "--max-model-len must be at least 1"),
+        (["serve", "--max-num-seqs", "-1"], "--max-num-seqs must be at least 1"),
+        (["serve", "--ssl-keyfile", "{tmp}/key.pem"], "is not a file"),
+        (["serve", "--root-path", "api"], "must start with /"),
+    ],
+    ids=["max-model-len", "max-num-seqs", "ssl-keyfile", "root-path"],
+)
 def test_serve_checks_vllm_s_flags_before_loading(tmp_path, args, message):
     r = probe(*[a.format(tmp=tmp_path) for a in args])
     assert r.returncode == 2 and message in r.stderr and "no torch" in r.stdout, r.stderr[-500:]
@@ -322,10 +385,34 @@ def test_serve_passes_vllm_s_flags_to_the_engine_the_app_and_uvicorn(monkeypatch
     monkeypatch.setattr(server, "run_server", lambda *a, **k: served.append((a, k)))
     cert = tmp_path / "cert.pem"
     cert.write_text("-")
-    assert cli.main(["serve", str(model), "--max-num-seqs", "3", "--max-num-batched-tokens", "512", "--long-prefill-token-threshold", "256", "--max-model-len", "1024",
-                     "--allowed-origins", '["http://ui.example"]', "--ssl-certfile", str(cert), "--root-path", "/api/",
-                     "--uvicorn-log-level", "debug", "--seed", "11"]) == 0
-    (path, kw), = loaded
+    assert (
+        cli.main(
+            [
+                "serve",
+                str(model),
+                "--max-num-seqs",
+                "3",
+                "--max-num-batched-tokens",
+                "512",
+                "--long-prefill-token-threshold",
+                "256",
+                "--max-model-len",
+                "1024",
+                "--allowed-origins",
+                '["http://ui.example"]',
+                "--ssl-certfile",
+                str(cert),
+                "--root-path",
+                "/api/",
+                "--uvicorn-log-level",
+                "debug",
+                "--seed",
+                "11",
+            ]
+        )
+        == 0
+    )
+    ((path, kw),) = loaded
     assert path == str(model) and kw["scheduler"].max_running == 3 and kw["scheduler"].max_prefill_tokens == 512
     assert kw["scheduler"].long_prefill_tokens == 256
     (engine, config, host, port, retriever, log_level), options = served[0]
@@ -361,8 +448,11 @@ def test_serve_reads_its_api_key_from_a_file_or_the_environment(tmp_path, monkey
     args = parse("--api-key", "flag")
     _api_key(args)
     assert args.api_key == "flag"  # the flag wins over the variable
-    for bad, says in ((["--api-key", "a", "--api-key-file", str(tmp_path / "key")], "once"),
-                      (["--api-key-file", str(tmp_path / "none")], "No such file"), (["--api-key", " "], "empty")):
+    for bad, says in (
+        (["--api-key", "a", "--api-key-file", str(tmp_path / "key")], "once"),
+        (["--api-key-file", str(tmp_path / "none")], "No such file"),
+        (["--api-key", " "], "empty"),
+    ):
         with pytest.raises(UsageError, match=says):
             _api_key(parse(*bad))
 

@@ -7,8 +7,10 @@ background on a free port (in place of the documented 8000 throughout the page),
 stopped when the page's last block has run. A block that cannot run on a CPU machine is marked
 ``<!-- docs-test: skip (the reason) -->`` right before it; ``text`` blocks are output and are never run.
 """
+
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -69,7 +71,7 @@ def blocks(page: Path) -> list[Block]:
         assert end is not None, f"{page}:{i + 1}: a code fence that is never closed"
         prev = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
         d = DIRECTIVE.match(prev)
-        code = "\n".join(line[len(indent):] if line.startswith(indent) else line for line in lines[i + 1:end])
+        code = "\n".join(line[len(indent) :] if line.startswith(indent) else line for line in lines[i + 1 : end])
         out.append(Block(page, i + 1, lang, code + "\n", d.group(1) if d else None))
         i = end + 1
     return out
@@ -105,7 +107,7 @@ def _driver_env() -> dict:
 
 
 # Runs a page's blocks (a JSON list) in order in the current folder; prints "=== WHERE" before each.
-DRIVER = r'''
+DRIVER = r"""
 import json, os, signal, subprocess, sys, time
 
 blocks, url = json.load(open(sys.argv[1])), sys.argv[2]
@@ -144,7 +146,7 @@ finally:
             server.wait(30)
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
-'''
+"""
 
 
 def run_page(page: Path, folder: Path, timeout_s: float = PAGE_TIMEOUT_S) -> subprocess.CompletedProcess:
@@ -160,9 +162,15 @@ def run_page(page: Path, folder: Path, timeout_s: float = PAGE_TIMEOUT_S) -> sub
         todo.append({"where": b.where, "lang": b.lang, "code": code, "server": b.directive == "server"})
     (folder / "blocks.json").write_text(json.dumps(todo))
     (folder / "driver.py").write_text(DRIVER)
-    proc = subprocess.Popen([sys.executable, "driver.py", "blocks.json", f"http://127.0.0.1:{port}"], cwd=folder,
-                            env=_driver_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "driver.py", "blocks.json", f"http://127.0.0.1:{port}"],
+        cwd=folder,
+        env=_driver_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -173,16 +181,17 @@ def run_page(page: Path, folder: Path, timeout_s: float = PAGE_TIMEOUT_S) -> sub
     finally:
         pgid = folder / "server.pgid"  # a server left behind by a driver that was killed
         if pgid.exists():
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(int(pgid.read_text()), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
 
 
 def _failure(page: Path, r: subprocess.CompletedProcess) -> str:
     markers = re.findall(r"^=== (\S+)", r.stdout, re.M)
-    return f"{page.name}: block {markers[-1] if markers else '(before any block)'} failed (exit {r.returncode}):\n{r.stdout[-6000:]}"
+    return (
+        f"{page.name}: block {markers[-1] if markers else '(before any block)'} "
+        f"failed (exit {r.returncode}):\n{r.stdout[-6000:]}"
+    )
 
 
 RUNNABLE = [p for p in PAGES if any(b.runs for b in blocks(p))]
@@ -210,9 +219,13 @@ def test_a_broken_snippet_fails_and_a_skip_needs_a_reason(tmp_path):
     page.write_text("```bash\necho one\nfalse\necho never\n```\n")
     r = run_page(page, tmp_path)
     assert r.returncode != 0 and "one" in r.stdout and "never" not in r.stdout
-    page.write_text("<!-- docs-test: skip () -->\n```python\nx\n```\n\n```py\nx\n```\n\n<!-- docs-test: skip (why) -->\n\ntext\n")
+    page.write_text(
+        "<!-- docs-test: skip () -->\n```python\nx\n```\n\n```py\nx\n```\n\n<!-- docs-test: skip (why) -->\n\ntext\n"
+    )
     found = "\n".join(problems(page))
-    assert len(problems(page)) == 3 and "must say why" in found and "```py block" in found and "not right before" in found
+    assert (
+        len(problems(page)) == 3 and "must say why" in found and "```py block" in found and "not right before" in found
+    )
 
 
 def test_the_readme_is_short_with_absolute_images_and_working_links():
@@ -223,15 +236,26 @@ def test_the_readme_is_short_with_absolute_images_and_working_links():
     for link in re.findall(r"(?<!!)\[[^\]]*\]\(([^)#]+)(?:#[^)]*)?\)", text):
         assert link.startswith("https://") or (ROOT / link).is_file(), f"README link {link} leads nowhere"
     # CI's .ci/run calls scripts/test.sh: the two set-up commands stay as they were
-    assert "bash scripts/demo.sh     # installs into .venv" in text and "bash scripts/test.sh     # installs the test" in text
+    assert (
+        "bash scripts/demo.sh     # installs into .venv" in text
+        and "bash scripts/test.sh     # installs the test" in text
+    )
 
 
 @pytest.mark.slow
 def test_the_docs_site_builds_strictly_with_the_cli_and_api_reference(tmp_path):
-    pytest.importorskip("mkdocs", reason="mkdocs is not installed: pip install -e '.[docs]' (scripts/setup.sh test does)")
+    pytest.importorskip(
+        "mkdocs", reason="mkdocs is not installed: pip install -e '.[docs]' (scripts/setup.sh test does)"
+    )
     site = tmp_path / "site"
-    r = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"), "-d", str(site)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    r = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"), "-d", str(site)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-5000:]
     # the command-line page is generated from the parser as it is now: every subcommand and option is on it
     from lazyrag.cli import build_parser

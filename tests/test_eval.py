@@ -1,4 +1,5 @@
 """`lazyrag eval`: SQuAD-style scoring and the batched side-by-side evaluation."""
+
 import pytest
 
 from lazyrag.eval import DATA, accuracy, evaluate, exact_match, f1, normalize, score_parallel
@@ -23,7 +24,10 @@ def test_batched_evaluation_matches_one_request_at_a_time(default_engine):
     strategies = ["full", "position_aware", "lazy"]
     out = evaluate(default_engine, items, strategies, max_new_tokens=6, progress=False, batch_items=2)
     for s in strategies:
-        alone = [default_engine.generate(it["question"], it["chunks"], max_new_tokens=6, strategy=s).text.strip() for it in items]
+        alone = [
+            default_engine.generate(it["question"], it["chunks"], max_new_tokens=6, strategy=s).text.strip()
+            for it in items
+        ]
         assert out["answers"][s] == alone
     summary = out["summary"]
     assert summary["lazy"]["identical_to_position_aware_pct"] == 100.0
@@ -35,30 +39,58 @@ def test_batched_evaluation_matches_one_request_at_a_time(default_engine):
 def test_worker_processes_give_the_same_rows_in_item_order(default_engine):
     """``--workers``: items are scored in spawned processes, each with its own engine; the rows come back in item
     order and each is the answer a single engine gives."""
-    items = [{"question": q, "answers": ["x"], "chunks": CHUNKS[i : i + 2]}
-             for i, q in enumerate(["Who won Nobel Prizes in 1903 and 1911?", "How deep is the Mariana Trench?",
-                                    "Where was Paganini born?"])]
-    rows = score_parallel({"device": "cpu"}, items, ["lazy"], max_new_tokens=4, batch_items=1, workers=2, progress=False)["lazy"]
+    items = [
+        {"question": q, "answers": ["x"], "chunks": CHUNKS[i : i + 2]}
+        for i, q in enumerate(
+            ["Who won Nobel Prizes in 1903 and 1911?", "How deep is the Mariana Trench?", "Where was Paganini born?"]
+        )
+    ]
+    rows = score_parallel(
+        {"device": "cpu"}, items, ["lazy"], max_new_tokens=4, batch_items=1, workers=2, progress=False
+    )["lazy"]
     assert [r["question"] for r in rows] == [it["question"] for it in items]
-    alone = [default_engine.generate(it["question"], it["chunks"], max_new_tokens=4, strategy="lazy").text.strip() for it in items]
+    alone = [
+        default_engine.generate(it["question"], it["chunks"], max_new_tokens=4, strategy="lazy").text.strip()
+        for it in items
+    ]
     assert [r["answer"] for r in rows] == alone
 
 
-@pytest.mark.skipif(not (DATA / "nq_open_oracle_2655.jsonl.gz").is_file(), reason="the shared NQ data is not beside this checkout")
+@pytest.mark.skipif(
+    not (DATA / "nq_open_oracle_2655.jsonl.gz").is_file(), reason="the shared NQ data is not beside this checkout"
+)
 def test_eval_command_writes_json_and_plot(tmp_path):
     import json
 
     from lazyrag.cli import main
 
     out = tmp_path / "q.json"
-    assert main(["eval", "--dataset", "nq", "--n", "2", "--strategies", "lazy,position_aware", "--max-new-tokens", "4",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--dataset",
+                "nq",
+                "--n",
+                "2",
+                "--strategies",
+                "lazy,position_aware",
+                "--max-new-tokens",
+                "4",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     result = json.loads(out.read_text())
     assert result["n"] == 2 and set(result["summary"]) == {"lazy", "position_aware"}
     assert out.with_suffix(".png").stat().st_size > 0
 
 
-@pytest.mark.skipif(not (DATA / "nq_open_oracle_2655.jsonl.gz").is_file(), reason="the shared NQ data is not beside this checkout")
+@pytest.mark.skipif(
+    not (DATA / "nq_open_oracle_2655.jsonl.gz").is_file(), reason="the shared NQ data is not beside this checkout"
+)
 def test_an_interrupted_eval_resumes_where_it_stopped(tmp_path, monkeypatch, capsys):
     """Each batch is saved as it finishes; ``--resume`` scores only the items left and reports them all;
     a partial file of other options is refused with a message that says what to do."""
@@ -68,7 +100,14 @@ def test_an_interrupted_eval_resumes_where_it_stopped(tmp_path, monkeypatch, cap
     from lazyrag.cli import main
 
     out = tmp_path / "q.json"
-    options = {"--dataset": "nq", "--n": "2", "--batch": "1", "--strategies": "lazy", "--max-new-tokens": "2", "--out": str(out)}
+    options = {
+        "--dataset": "nq",
+        "--n": "2",
+        "--batch": "1",
+        "--strategies": "lazy",
+        "--max-new-tokens": "2",
+        "--out": str(out),
+    }
     args = ["eval", *(x for kv in options.items() for x in kv)]
     real, seen = quality._score_group, []
 
@@ -95,7 +134,11 @@ def test_an_interrupted_eval_resumes_where_it_stopped(tmp_path, monkeypatch, cap
     assert "differs in encoding_passage_sha256" in capsys.readouterr().err and len(seen) == 1
     partial.write_text("\n".join([header, *done]) + "\n")
 
-    monkeypatch.setattr(quality, "_score_group", lambda engine, group, *rest: (seen.append(group[0]["question"]), real(engine, group, *rest))[1])
+    monkeypatch.setattr(
+        quality,
+        "_score_group",
+        lambda engine, group, *rest: (seen.append(group[0]["question"]), real(engine, group, *rest))[1],
+    )
     assert main(args + ["--resume"]) == 0
     result = json.loads(out.read_text())
     assert result["n"] == 2 and result["resumed"] == 1 and len(seen) == 2  # only the second item ran
@@ -133,11 +176,15 @@ def test_the_recovery_is_chosen_by_its_mean_paired_gain_over_the_sets():
     import importlib.util
     from pathlib import Path
 
-    spec = importlib.util.spec_from_file_location("quality_sets", Path(__file__).parents[1] / "benchmarks" / "quality_sets.py")
+    spec = importlib.util.spec_from_file_location(
+        "quality_sets", Path(__file__).parents[1] / "benchmarks" / "quality_sets.py"
+    )
     qs = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(qs)
-    scores = {"full": {"acc": [1, 0, 1, 1], "f1": [0.5, 0.0, 0.4, 0.6]},
-              "a": {"acc": [1, 0, 0, 1], "f1": [0.5, 0.1, 0.2, 0.6]}}
+    scores = {
+        "full": {"acc": [1, 0, 1, 1], "f1": [0.5, 0.0, 0.4, 0.6]},
+        "a": {"acc": [1, 0, 0, 1], "f1": [0.5, 0.1, 0.2, 0.6]},
+    }
     rows = qs.paired(scores)
     assert rows["a"]["accuracy_minus_full"] == pytest.approx(-25.0)
     assert rows["a"]["accuracy_minus_full_se"] == pytest.approx(25.0)  # one question of four lost: sd 50, n 4
@@ -146,8 +193,22 @@ def test_the_recovery_is_chosen_by_its_mean_paired_gain_over_the_sets():
     def row(acc, f1, recomputed):
         return {"accuracy_minus_full": acc, "f1_minus_full": f1, "recomputed_pct_of_chunk_tokens": recomputed}
 
-    table = {"nq": {"full": row(0, 0, 0), "lazy": row(-7, -3, 0), "x": row(-1, -0.5, 14), "y": row(-3, -1, 14), "z": row(0, 0, 20)},
-             "squad": {"full": row(0, 0, 0), "lazy": row(-6, -2, 0), "x": row(-3, -0.2, 14), "y": row(0.2, 0.1, 15), "z": row(0, 0, 20)}}
+    table = {
+        "nq": {
+            "full": row(0, 0, 0),
+            "lazy": row(-7, -3, 0),
+            "x": row(-1, -0.5, 14),
+            "y": row(-3, -1, 14),
+            "z": row(0, 0, 20),
+        },
+        "squad": {
+            "full": row(0, 0, 0),
+            "lazy": row(-6, -2, 0),
+            "x": row(-3, -0.2, 14),
+            "y": row(0.2, 0.1, 15),
+            "z": row(0, 0, 20),
+        },
+    }
     winner, means = qs.choose(table, 15.0)
     assert set(means) == {"x", "y"}  # z recomputes too much, full and lazy are no candidates
     assert means["x"]["accuracy"] == pytest.approx(-2.0) and means["y"]["worst_accuracy"] == pytest.approx(-3.0)
@@ -163,9 +224,15 @@ def test_skip_answered_leaves_out_what_every_strategy_answered_somewhere(tmp_pat
 
     def report(name, questions, scores, errors=None):
         path = tmp_path / name
-        path.write_text(json.dumps({"questions": questions, "errors": errors or {},
-                                    "scores": {s: {"acc": [0.0] * len(questions), "f1": [0.0] * len(questions)}
-                                               for s in scores}}))
+        path.write_text(
+            json.dumps(
+                {
+                    "questions": questions,
+                    "errors": errors or {},
+                    "scores": {s: {"acc": [0.0] * len(questions), "f1": [0.0] * len(questions)} for s in scores},
+                }
+            )
+        )
         return path
 
     first = report("a.json", ["q1", "q2", "q3"], ["full", "lazy"], errors={"lazy": {"1": "out of memory"}})
@@ -211,8 +278,14 @@ def test_an_answer_does_not_depend_on_the_other_strategies_in_the_run(tiny_engin
         return prefill(self, batch)
 
     monkeypatch.setattr(Scheduler, "_prefill", recording)
-    items = [{"question": f"Which river is in note {i}?", "answers": ["Orinoco"],
-              "chunks": ["The Orinoco flows through Venezuela.", f"Note {i} is about rivers."]} for i in range(3)]
+    items = [
+        {
+            "question": f"Which river is in note {i}?",
+            "answers": ["Orinoco"],
+            "chunks": ["The Orinoco flows through Venezuela.", f"Note {i} is about rivers."],
+        }
+        for i in range(3)
+    ]
     alone = score(tiny_engine, items, ["lazy"], 6, batch_items=3)["lazy"]
     together = score(tiny_engine, items, ["full", "lazy", "position_aware"], 6, batch_items=3)["lazy"]
     assert all(len(b) == 1 for b in batches), batches

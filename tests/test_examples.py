@@ -1,4 +1,5 @@
 """Each example runs offline on CPU in a subprocess and prints what it promises (KV reuse stats)."""
+
 import os
 import re
 import subprocess
@@ -15,7 +16,9 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 def run(name: str, *args: str) -> str:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=HANG_S, env=env)
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), *args], capture_output=True, text=True, timeout=HANG_S, env=env
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 

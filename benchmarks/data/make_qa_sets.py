@@ -23,6 +23,7 @@ byte-identical files. Prints each set's statistics as JSON.
     python benchmarks/data/make_qa_sets.py --squad-explorer RAW/squad_explorer \\
         --twowiki RAW/2wiki/sampled_ds.json --musique RAW/musique.json --out benchmarks/data
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,6 +43,7 @@ SEED = 20261203
 
 # ---------------------------------------------------------------- readers
 
+
 def _dedupe(xs):
     out = []
     for x in xs:
@@ -53,16 +55,30 @@ def _dedupe(xs):
 def read_squad_json(path: Path) -> list[dict]:
     """Articles ``[{"title", "paragraphs": [{"context", "qas": [{"id", "question", "answers": [str]}]}]}]``."""
     data = json.loads(Path(path).read_text(encoding="utf-8"))["data"]
-    return [{"title": a["title"],
-             "paragraphs": [{"context": p["context"],
-                             "qas": [{"id": q["id"], "question": q["question"],
-                                      "answers": [x["text"] for x in q["answers"]]} for q in p["qas"]]}
-                            for p in a["paragraphs"]]} for a in data]
+    return [
+        {
+            "title": a["title"],
+            "paragraphs": [
+                {
+                    "context": p["context"],
+                    "qas": [
+                        {"id": q["id"], "question": q["question"], "answers": [x["text"] for x in q["answers"]]}
+                        for q in p["qas"]
+                    ],
+                }
+                for p in a["paragraphs"]
+            ],
+        }
+        for a in data
+    ]
 
 
 _PARA = re.compile(r'<div class="para-wrap">.*?<pre>(.*?)</pre>(.*?)(?=<div class="para-wrap">|\Z)', re.S)
-_QA = re.compile(r'<div class="qa-wrap" data-id="([^"]*)"><p> <strong class="question">(.*?)</strong>'
-                 r'(.*?)<li class="prediction-holder">', re.S)
+_QA = re.compile(
+    r'<div class="qa-wrap" data-id="([^"]*)"><p> <strong class="question">(.*?)</strong>'
+    r'(.*?)<li class="prediction-holder">',
+    re.S,
+)
 _ANSWER = re.compile(r'<span class="answer">(.*?)</span>', re.S)
 
 
@@ -77,9 +93,14 @@ def read_squad_explorer(folder: Path) -> list[dict]:
         title = html.unescape(re.search(r'<h1 id="title">(.*?)</h1>', page, re.S).group(1))
         paragraphs = []
         for context, rest in _PARA.findall(page):
-            qas = [{"id": html.unescape(qid), "question": html.unescape(q),
-                    "answers": [html.unescape(a) for a in _ANSWER.findall(block)]}
-                   for qid, q, block in _QA.findall(rest)]
+            qas = [
+                {
+                    "id": html.unescape(qid),
+                    "question": html.unescape(q),
+                    "answers": [html.unescape(a) for a in _ANSWER.findall(block)],
+                }
+                for qid, q, block in _QA.findall(rest)
+            ]
             paragraphs.append({"context": html.unescape(context), "qas": qas})
         assert paragraphs and page.count("<pre>") == len(paragraphs), name
         assert sum(len(p["qas"]) for p in paragraphs) == page.count('class="qa-wrap"'), name
@@ -105,6 +126,7 @@ def _read_records(path: Path) -> list[dict]:
 
 # ---------------------------------------------------------------- builders
 
+
 def build_squad(articles: list[dict], n: int, distractors: int = 4, per_paragraph: int = 2) -> list[dict]:
     rng = random.Random(SEED)
     paras = [(ai, a["title"], p) for ai, a in enumerate(articles) for p in a["paragraphs"]]
@@ -122,8 +144,7 @@ def build_squad(articles: list[dict], n: int, distractors: int = 4, per_paragrap
         for j in rng.sample(others[ai], distractors):
             chunks.append({"title": paras[j][1], "text": paras[j][2]["context"], "gold": False})
         rng.shuffle(chunks)
-        items.append({"id": qa["id"], "question": qa["question"], "answers": _dedupe(qa["answers"]),
-                      "chunks": chunks})
+        items.append({"id": qa["id"], "question": qa["question"], "answers": _dedupe(qa["answers"]), "chunks": chunks})
     return items
 
 
@@ -133,12 +154,13 @@ def build_twowiki(records: list[dict], n: int) -> list[dict]:
     items = []
     for r in records:
         gold_titles = {t for t, _ in r["supporting_facts"]}
-        chunks = [{"title": t, "text": " ".join(s.strip() for s in sents if s.strip()), "gold": t in gold_titles}
-                  for t, sents in r["context"]]
+        chunks = [
+            {"title": t, "text": " ".join(s.strip() for s in sents if s.strip()), "gold": t in gold_titles}
+            for t, sents in r["context"]
+        ]
         assert any(c["gold"] for c in chunks), r.get("_id")
         answers = _dedupe([r["answer"]] + list(r.get("answer_aliases") or []))
-        items.append({"id": r.get("_id", r.get("_1")), "question": r["question"], "answers": answers,
-                      "chunks": chunks})
+        items.append({"id": r.get("_id", r.get("_1")), "question": r["question"], "answers": answers, "chunks": chunks})
     return items
 
 
@@ -149,15 +171,24 @@ def build_musique(records: list[dict], n: int) -> tuple[list[dict], int]:
         kept = random.Random(SEED).sample(kept, n)
     items = []
     for r in kept:
-        chunks = [{"title": p["title"], "text": p["paragraph_text"], "gold": bool(p["is_supporting"])}
-                  for p in r["paragraphs"]]
+        chunks = [
+            {"title": p["title"], "text": p["paragraph_text"], "gold": bool(p["is_supporting"])}
+            for p in r["paragraphs"]
+        ]
         assert any(c["gold"] for c in chunks), r["id"]
-        items.append({"id": r["id"], "question": r["question"],
-                      "answers": _dedupe([r["answer"]] + list(r.get("answer_aliases") or [])), "chunks": chunks})
+        items.append(
+            {
+                "id": r["id"],
+                "question": r["question"],
+                "answers": _dedupe([r["answer"]] + list(r.get("answer_aliases") or [])),
+                "chunks": chunks,
+            }
+        )
     return items, skipped
 
 
 # ---------------------------------------------------------------- output
+
 
 def write_gz(items: list[dict], path: Path) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -176,14 +207,16 @@ def sha256_file(path: Path) -> str:
 def stats(items: list[dict]) -> dict:
     chunks = [c for it in items for c in it["chunks"]]
     yes_no = sum(any(a.strip().lower() in ("yes", "no") for a in it["answers"]) for it in items)
-    return {"items": len(items),
-            "chunks": len(chunks),
-            "median_chunks_per_item": statistics.median(len(it["chunks"]) for it in items),
-            "min_max_chunks_per_item": [min(len(it["chunks"]) for it in items), max(len(it["chunks"]) for it in items)],
-            "median_gold_per_item": statistics.median(sum(c["gold"] for c in it["chunks"]) for it in items),
-            "median_words_per_chunk": statistics.median(len(c["text"].split()) for c in chunks),
-            "median_answers_per_item": statistics.median(len(it["answers"]) for it in items),
-            "yes_no_items": yes_no}
+    return {
+        "items": len(items),
+        "chunks": len(chunks),
+        "median_chunks_per_item": statistics.median(len(it["chunks"]) for it in items),
+        "min_max_chunks_per_item": [min(len(it["chunks"]) for it in items), max(len(it["chunks"]) for it in items)],
+        "median_gold_per_item": statistics.median(sum(c["gold"] for c in it["chunks"]) for it in items),
+        "median_words_per_chunk": statistics.median(len(c["text"].split()) for c in chunks),
+        "median_answers_per_item": statistics.median(len(it["answers"]) for it in items),
+        "yes_no_items": yes_no,
+    }
 
 
 def main(argv=None) -> int:
@@ -202,12 +235,19 @@ def main(argv=None) -> int:
         if args.squad_json:
             articles, raw = read_squad_json(args.squad_json), {"sha256": sha256_file(args.squad_json)}
         else:
-            files = ["index.html"] + sorted(p.name for p in args.squad_explorer.glob("*.html") if p.name != "index.html")
+            files = ["index.html"] + sorted(
+                p.name for p in args.squad_explorer.glob("*.html") if p.name != "index.html"
+            )
             manifest = "".join(f"{sha256_file(args.squad_explorer / f)}  {f}\n" for f in files)
-            articles, raw = read_squad_explorer(args.squad_explorer), {
-                "files": len(files), "sha256_of_manifest": hashlib.sha256(manifest.encode()).hexdigest()}
-        raw.update(articles=len(articles), paragraphs=sum(len(a["paragraphs"]) for a in articles),
-                   questions=sum(len(p["qas"]) for a in articles for p in a["paragraphs"]))
+            articles, raw = (
+                read_squad_explorer(args.squad_explorer),
+                {"files": len(files), "sha256_of_manifest": hashlib.sha256(manifest.encode()).hexdigest()},
+            )
+        raw.update(
+            articles=len(articles),
+            paragraphs=sum(len(a["paragraphs"]) for a in articles),
+            questions=sum(len(p["qas"]) for a in articles for p in a["paragraphs"]),
+        )
         items = build_squad(articles, args.n)
         out = args.out / "squad" / f"squad_dev_{len(items)}.jsonl.gz"
         report["squad"] = {"raw": raw, "out": str(out), "sha256": write_gz(items, out), **stats(items)}
@@ -216,16 +256,23 @@ def main(argv=None) -> int:
         records = _read_records(args.twowiki)
         items = build_twowiki(records, args.n)
         out = args.out / "2wiki" / f"2wiki_dev_{len(items)}.jsonl.gz"
-        report["2wiki"] = {"raw": {"sha256": sha256_file(args.twowiki), "records": len(records)},
-                           "out": str(out), "sha256": write_gz(items, out), **stats(items)}
+        report["2wiki"] = {
+            "raw": {"sha256": sha256_file(args.twowiki), "records": len(records)},
+            "out": str(out),
+            "sha256": write_gz(items, out),
+            **stats(items),
+        }
 
     if args.musique:
         records = _read_records(args.musique)
         items, skipped = build_musique(records, args.n)
         out = args.out / "musique" / f"musique_dev_{len(items)}.jsonl.gz"
-        report["musique"] = {"raw": {"sha256": sha256_file(args.musique), "records": len(records),
-                                     "skipped_unanswerable": skipped},
-                             "out": str(out), "sha256": write_gz(items, out), **stats(items)}
+        report["musique"] = {
+            "raw": {"sha256": sha256_file(args.musique), "records": len(records), "skipped_unanswerable": skipped},
+            "out": str(out),
+            "sha256": write_gz(items, out),
+            **stats(items),
+        }
 
     if not report:
         ap.error("give at least one of --squad-json/--squad-explorer, --twowiki, --musique")

@@ -4,6 +4,7 @@ The multi-process runs happen in subprocesses (``tp_run.py``) under a hard timeo
 instead of stalling the suite, and no process group outlives its test. Logits are compared within a tolerance
 (the row-parallel all-reduce sums in another order than one matmul), greedy answers exactly.
 """
+
 import json
 import os
 import subprocess
@@ -46,8 +47,13 @@ def run(folder, out: Path, tp: int, mode: str) -> float:
     """Run tp_run.py; seconds it took. Fails (never hangs) past RUN_TIMEOUT_S."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, str(HERE / "tp_run.py"), str(folder), str(out), str(tp), mode],
-                       env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    p = subprocess.run(
+        [sys.executable, str(HERE / "tp_run.py"), str(folder), str(out), str(tp), mode],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     return time.monotonic() - t0
 
@@ -61,6 +67,7 @@ def _exited(pid: int) -> bool:
 
 
 # -- in one process: the split's checks ------------------------------------------------------------
+
 
 def test_split_must_divide_the_kv_heads():
     from lazyrag.model.llama import LlamaArgs
@@ -79,12 +86,14 @@ def test_shard_slices_heads_and_columns():
     cfg = tiny_llama_config(attention_bias=True)
     args = LlamaArgs.from_hf(cfg)
     d = args.head_dim
-    sd = {"model.layers.0.self_attn.q_proj.weight": torch.arange(args.num_heads * d)[:, None].expand(-1, 64).float(),
-          "model.layers.0.self_attn.k_proj.weight": torch.arange(args.num_kv_heads * d)[:, None].expand(-1, 64).float(),
-          "model.layers.0.self_attn.o_proj.weight": torch.arange(args.num_heads * d)[None, :].expand(64, -1).float(),
-          "model.layers.0.self_attn.o_proj.bias": torch.ones(64),
-          "model.layers.0.mlp.down_proj.weight": torch.zeros(64, args.intermediate_size),
-          "model.embed_tokens.weight": torch.zeros(10, 64)}
+    sd = {
+        "model.layers.0.self_attn.q_proj.weight": torch.arange(args.num_heads * d)[:, None].expand(-1, 64).float(),
+        "model.layers.0.self_attn.k_proj.weight": torch.arange(args.num_kv_heads * d)[:, None].expand(-1, 64).float(),
+        "model.layers.0.self_attn.o_proj.weight": torch.arange(args.num_heads * d)[None, :].expand(64, -1).float(),
+        "model.layers.0.self_attn.o_proj.bias": torch.ones(64),
+        "model.layers.0.mlp.down_proj.weight": torch.zeros(64, args.intermediate_size),
+        "model.embed_tokens.weight": torch.zeros(10, 64),
+    }
     r1 = shard_hf_state_dict(sd, args, TensorParallel(2, 1, None))
     assert r1["model.layers.0.self_attn.q_proj.weight"][:, 0].tolist() == list(range(2 * d, 4 * d))  # query heads 2, 3
     assert r1["model.layers.0.self_attn.k_proj.weight"][:, 0].tolist() == list(range(d, 2 * d))  # KV head 1
@@ -159,7 +168,7 @@ def test_a_rank_reads_only_its_shard_and_gets_the_whole_models_fingerprint(tiny_
     args = LlamaArgs.from_hf(hf.config)
     for rank in (0, 1):
         tp = TensorParallel(2, rank, None)
-        _, state, fp = load_sharded(source, hf.config, torch.float32, lambda n, t: shard_tensor(n, t, args, tp))
+        _, state, fp = load_sharded(source, hf.config, torch.float32, lambda n, t, tp=tp: shard_tensor(n, t, args, tp))
         assert fp == fingerprint(hf.config, whole, torch.float32)
         expected = shard_hf_state_dict(whole, args, tp)
         assert state.keys() == expected.keys()
@@ -208,7 +217,9 @@ def test_rank_0_listens_on_loopback_only_when_it_starts_the_workers():
     anything else the group opens) listens on loopback, never on every interface (torch's own ``tcp://`` store
     would)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, "-c", LISTENERS], env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    p = subprocess.run(
+        [sys.executable, "-c", LISTENERS], env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     opened = json.loads(p.stdout.strip().splitlines()[-1])
     assert opened, "the group listens nowhere: this test no longer sees the store"
@@ -231,6 +242,7 @@ def test_the_loopback_store_refuses_connections_to_any_other_address():
 
 
 # -- 2 gloo processes ----------------------------------------------------------------------------
+
 
 @pytest.mark.slow
 def test_two_ranks_give_one_process_logits_and_answers(tiny_folder, tmp_path):
@@ -308,13 +320,27 @@ def test_idle_engine_keeps_its_workers_and_a_dead_driver_lets_them_go(tiny_folde
 def test_torchrun_and_the_cli_flag_answer_as_one_process(tiny_folder):
     """``torchrun --nproc-per-node 2 -m lazyrag.cli ask`` (every rank started by torchrun) and
     ``lazyrag ask --tensor-parallel-size 2`` (rank 0 starts the other) print the one-process answer, once."""
-    ask = ["-m", "lazyrag.cli", "ask", "Who discovered penicillin?", "--chunk",
-           "Alexander Fleming discovered penicillin in 1928 at St Mary's Hospital in London.",
-           "--model", str(tiny_folder), "--device", "cpu", "--max-new-tokens", "6"]
+    ask = [
+        "-m",
+        "lazyrag.cli",
+        "ask",
+        "Who discovered penicillin?",
+        "--chunk",
+        "Alexander Fleming discovered penicillin in 1928 at St Mary's Hospital in London.",
+        "--model",
+        str(tiny_folder),
+        "--device",
+        "cpu",
+        "--max-new-tokens",
+        "6",
+    ]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     answers = {}
-    for name, cmd in (("one", [sys.executable, *ask]), ("flag", [sys.executable, *ask, "--tensor-parallel-size", "2"]),
-                      ("torchrun", [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *ask])):
+    for name, cmd in (
+        ("one", [sys.executable, *ask]),
+        ("flag", [sys.executable, *ask, "--tensor-parallel-size", "2"]),
+        ("torchrun", [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *ask]),
+    ):
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
         assert p.returncode == 0, (name, p.stderr[-3000:])
         assert p.stderr.count("chunks hit 0, missed 1") == 1, (name, p.stderr[-3000:])  # rank 0 alone reports
@@ -328,9 +354,30 @@ def test_the_tensor_parallel_benchmark_runs_small_on_cpu(tmp_path):
     rank by ``from_config``, a row per size with its timings and the weight-read floor of one rank's shard."""
     out = tmp_path / "tp.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tensor_parallel.py"), "--shape", "tiny", "--device",
-                        "cpu", "--sizes", "1,2", "--reps", "2", "--decode-tokens", "4", "--doc-tokens", "32",
-                        "--out", str(out)], env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    p = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "tensor_parallel.py"),
+            "--shape",
+            "tiny",
+            "--device",
+            "cpu",
+            "--sizes",
+            "1,2",
+            "--reps",
+            "2",
+            "--decode-tokens",
+            "4",
+            "--doc-tokens",
+            "32",
+            "--out",
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert [r["tensor_parallel_size"] for r in rows] == [1, 2]

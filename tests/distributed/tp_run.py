@@ -7,6 +7,7 @@ OUT gets the error, how long it took, and whether the worker is gone. MODE ``idl
 idle for longer than it, then answer (the driver's pings keep the workers waiting); then write the worker's pid and
 die without a word (the worker must exit by itself).
 """
+
 import json
 import os
 import signal
@@ -15,9 +16,11 @@ import time
 
 import torch
 
-CHUNKS = ["Alexander Fleming discovered penicillin in 1928 at St Mary's Hospital in London.",
-          "Tea reached Britain in 1662, when Catherine of Braganza married Charles the Second.",
-          "The Eiffel Tower was finished in 1889 for the world's fair held in Paris that year."]
+CHUNKS = [
+    "Alexander Fleming discovered penicillin in 1928 at St Mary's Hospital in London.",
+    "Tea reached Britain in 1662, when Catherine of Braganza married Charles the Second.",
+    "The Eiffel Tower was finished in 1889 for the world's fair held in Paris that year.",
+]
 QUESTION = "Who discovered penicillin, and when did tea reach Britain?"
 STRATEGIES = ["full", "lazy", "position_aware", "lazy+recover"]
 
@@ -26,8 +29,9 @@ def main(model: str, out: str, tp: int, mode: str) -> None:
     from lazyrag.engine import LazyEngine, SamplingParams
 
     timeout = 3.0 if mode == "idle" else 20.0
-    engine = LazyEngine.from_pretrained(model, device="cpu", kv_budget=8 << 20, tensor_parallel_size=tp,
-                                        tensor_parallel_timeout_s=timeout)
+    engine = LazyEngine.from_pretrained(
+        model, device="cpu", kv_budget=8 << 20, tensor_parallel_size=tp, tensor_parallel_timeout_s=timeout
+    )
     if mode == "strategies":
         res = {}
         for order in (CHUNKS, CHUNKS[::-1]):  # the second order reuses the chunks' KV at new positions
@@ -36,10 +40,25 @@ def main(model: str, out: str, tp: int, mode: str) -> None:
                 r = engine.generate(QUESTION, order, max_new_tokens=8, strategy=s, ignore_eos=True)
                 res[f"{s}/{order[0][:8]}/text"] = r.text
         # several requests batched in one step, one of them sampled (seeded by the driver under TP: same on every rank)
-        reqs = [engine.add_request(engine.build_prompt(q, CHUNKS[i:] + CHUNKS[:i]), SamplingParams(
-                    max_new_tokens=6, ignore_eos=True, strategy=s, temperature=0.0 if i < 2 else 0.8, seed=7 if i == 2 else None))
-                for i, (q, s) in enumerate([("When was the tower built?", "lazy"), ("Who married Charles?", "lazy+recover"),
-                                            ("Where is St Mary's?", "lazy")])]
+        reqs = [
+            engine.add_request(
+                engine.build_prompt(q, CHUNKS[i:] + CHUNKS[:i]),
+                SamplingParams(
+                    max_new_tokens=6,
+                    ignore_eos=True,
+                    strategy=s,
+                    temperature=0.0 if i < 2 else 0.8,
+                    seed=7 if i == 2 else None,
+                ),
+            )
+            for i, (q, s) in enumerate(
+                [
+                    ("When was the tower built?", "lazy"),
+                    ("Who married Charles?", "lazy+recover"),
+                    ("Where is St Mary's?", "lazy"),
+                ]
+            )
+        ]
         while engine.has_unfinished_requests():
             engine.step()
         res["batch"] = [r.result().text for r in reqs]
@@ -72,8 +91,18 @@ def main(model: str, out: str, tp: int, mode: str) -> None:
         except Exception as e:
             later = f"{type(e).__name__}: {e}"
         with open(out, "w") as f:
-            json.dump({"first": first, "error": error, "took_s": took, "later": later,
-                       "worker_exit": worker.poll(), "healthy": healthy, "unhealthy": unhealthy}, f)
+            json.dump(
+                {
+                    "first": first,
+                    "error": error,
+                    "took_s": took,
+                    "later": later,
+                    "worker_exit": worker.poll(),
+                    "healthy": healthy,
+                    "unhealthy": unhealthy,
+                },
+                f,
+            )
     engine.close()
 
 

@@ -11,10 +11,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from lazyrag.engine import LazyEngine
+from lazyrag.engine import LazyEngine, SamplingParams
 from lazyrag.model.llama import GEMV_LAYERS
 from lazyrag.prompt import PromptLayout
-from lazyrag.engine import SamplingParams
 from tests.conftest import tiny_family_model, tiny_llama_config
 
 CUDA = torch.cuda.is_available()
@@ -287,9 +286,8 @@ def test_gemv_projections_match_gemm(hf_model):
     engines[1].runner.use_gemv(GEMV_LAYERS)
     assert not engines[0].runner.ops.gemv and engines[1].runner.ops.gemv == GEMV_LAYERS
     layout = random_layout(11)
-    one = PromptLayout(
-        layout.prefix_ids, layout.chunk_ids, layout.question_ids[:1]
-    )  # the question is a 1-token forward
+    # the question is a 1-token forward
+    one = PromptLayout(layout.prefix_ids, layout.chunk_ids, layout.question_ids[:1])
     a, b = (e.layout_logits(one, "lazy") for e in engines)
     assert rel_err(b, a) < 1e-5
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)

@@ -1,5 +1,6 @@
 """CacheBlend-style selective recompute (``lazy:blend=R``): exact at R=1, plain lazy when nothing
 is selected, never writes the shared chunk KV, and recomputes the most-deviating tokens."""
+
 from contextlib import contextmanager
 
 import pytest
@@ -27,8 +28,8 @@ def test_the_recompute_kernel_blends_as_the_reference(default_hf, monkeypatch):
     for partial blends (scattered queries in layers 2-3) and a full one (every chunk token: full prefill)."""
     from transformers import LlamaForCausalLM
 
-    from tests.conftest import tiny_llama_config
     from lazyrag.engine import LazyEngine, blend
+    from tests.conftest import tiny_llama_config
 
     torch.manual_seed(7)
     hf = LlamaForCausalLM(tiny_llama_config(num_hidden_layers=4)).eval()
@@ -126,14 +127,37 @@ def test_blend_through_generate_on_the_default_model(default_engine):
 
 def test_strategy_names():
     assert lazy_options("lazy:blend=0.15") == {"blend": 0.15}
-    assert lazy_options("lazy:first=16:blend=0.1:select=chunk") == {"recompute_first": 16, "blend": 0.1, "blend_select": "chunk"}
-    assert lazy_options("lazy:first=4:blend=0.12:select=attn_dev") == {"recompute_first": 4, "blend": 0.12, "blend_select": "attn_dev"}
+    assert lazy_options("lazy:first=16:blend=0.1:select=chunk") == {
+        "recompute_first": 16,
+        "blend": 0.1,
+        "blend_select": "chunk",
+    }
+    assert lazy_options("lazy:first=4:blend=0.12:select=attn_dev") == {
+        "recompute_first": 4,
+        "blend": 0.12,
+        "blend_select": "attn_dev",
+    }
     assert lazy_options("lazy:blend=0.15:select=gradual") == {"blend": 0.15, "blend_select": "gradual"}
     assert lazy_options("lazy:blend=0.15:select=attn:budget=chunk:attn_from=0.5") == {
-        "blend": 0.15, "blend_select": "attn", "blend_budget": "chunk", "attn_from": 0.5}
-    for bad in ("lazy:blend=0.1:select=attention", "lazy:blend=1.5", "lazy:blend=x", "lazy:select=chunk", "lazy:first=0",
-                "lazy:blend=0.1:blend=0.2", "lazy:foo=1", "lazy:budget=chunk", "lazy:blend=0.1:budget=each",
-                "lazy:blend=0.1:attn_from=0.5", "lazy:blend=0.1:select=attn:attn_from=1", "lazy:blend=0.1:select=attn:attn_from=-0.1"):
+        "blend": 0.15,
+        "blend_select": "attn",
+        "blend_budget": "chunk",
+        "attn_from": 0.5,
+    }
+    for bad in (
+        "lazy:blend=0.1:select=attention",
+        "lazy:blend=1.5",
+        "lazy:blend=x",
+        "lazy:select=chunk",
+        "lazy:first=0",
+        "lazy:blend=0.1:blend=0.2",
+        "lazy:foo=1",
+        "lazy:budget=chunk",
+        "lazy:blend=0.1:budget=each",
+        "lazy:blend=0.1:attn_from=0.5",
+        "lazy:blend=0.1:select=attn:attn_from=1",
+        "lazy:blend=0.1:select=attn:attn_from=-0.1",
+    ):
         with pytest.raises(ValueError, match="lazy:blend=R"):
             lazy_options(bad)
 
@@ -161,8 +185,20 @@ def blended(engine, layout, ratio, **kw):
         return owned[-n:]
 
     try:
-        yield plan, selective_recompute(engine.runner, plan.context, [None, *layout.chunk_ids], ratio, allocate,
-                                        question=list(layout.question_ids), question_start=layout.question_start, **kw), owned
+        yield (
+            plan,
+            selective_recompute(
+                engine.runner,
+                plan.context,
+                [None, *layout.chunk_ids],
+                ratio,
+                allocate,
+                question=list(layout.question_ids),
+                question_start=layout.question_start,
+                **kw,
+            ),
+            owned,
+        )
     finally:
         engine.cache.pool.decref(owned)
         lazy.release(plan)
@@ -177,7 +213,11 @@ def test_attention_selection_takes_what_the_question_reads(default_engine):
     """select=attn recomputes the chunk tokens the question attends to most over the cached context:
     here the question quotes one chunk's rare phrase, and that chunk gets most of the picks."""
     engine = default_engine
-    chunks = [CHUNKS[0], "The zorblax quartermaster of Vellinghaven keeps seventeen copper lanterns in the tower.", CHUNKS[2]]
+    chunks = [
+        CHUNKS[0],
+        "The zorblax quartermaster of Vellinghaven keeps seventeen copper lanterns in the tower.",
+        CHUNKS[2],
+    ]
     question = "How many copper lanterns does the zorblax quartermaster of Vellinghaven keep?"
     layout = engine.build_prompt(question, chunks)
     plan, b = _blend(engine, layout, 0.1, selection="attn")
@@ -214,10 +254,12 @@ def test_attention_selection_takes_what_the_question_reads(default_engine):
     # budget=chunk: R of each chunk, each chunk's own top by the same scores
     _, b_each = _blend(engine, layout, 0.1, selection="attn", per_chunk=True)
     start = 0
-    for i, size in enumerate(sizes):
+    for _i, size in enumerate(sizes):
         mine = b_each.selected[(b_each.selected >= start) & (b_each.selected < start + size)]
         assert len(mine) == round(0.1 * size)
-        assert torch.equal(mine, start + score[n_prefix + start : n_prefix + start + size].topk(len(mine)).indices.sort().values)
+        assert torch.equal(
+            mine, start + score[n_prefix + start : n_prefix + start + size].topk(len(mine)).indices.sort().values
+        )
         start += size
 
 
@@ -268,7 +310,9 @@ def test_placed_context_reads_what_the_reference_gathers(tiny_engine, strategy):
     plan = planner.plan(layout)
     try:
         assert strategy == "lazy" or any(p.first_block for p in plan.context)
-        meta = torch.from_numpy(SeqState(context=plan.context, blocks=[], next_pos=0).block_meta(engine.cache.pool.shape.block_size, 0))
+        meta = torch.from_numpy(
+            SeqState(context=plan.context, blocks=[], next_pos=0).block_meta(engine.cache.pool.shape.block_size, 0)
+        )
         ctx = PlacedContext(engine.runner, plan.context)
         pool, r = engine.cache.pool, engine.runner
         for layer in range(pool.k.shape[0]):
@@ -276,8 +320,11 @@ def test_placed_context_reads_what_the_reference_gathers(tiny_engine, strategy):
             for keep in (True, False):  # the kept copy, then a fresh gather
                 k, v = ctx.layer(layer, keep=keep)
                 assert k.shape == k_ref.shape and torch.equal(k, k_ref) and torch.equal(v, v_ref)
-        assert ctx.position.tolist() == [p.segment.start + p.delta + t for p in plan.context
-                                         for t in range(p.first_block * pool.shape.block_size, p.segment.num_tokens)]
+        assert ctx.position.tolist() == [
+            p.segment.start + p.delta + t
+            for p in plan.context
+            for t in range(p.first_block * pool.shape.block_size, p.segment.num_tokens)
+        ]
     finally:
         planner.release(plan)
 

@@ -1,11 +1,11 @@
 """The chunks that the requests of one step miss are encoded together, in one batched forward before the
 step's prefill (engine/reuse.py ``EncodeBatch``), and the cache, the stats and the KV are those of the path
 where each request encodes its own misses as it is planned (``SchedulerConfig(batch_encodes=False)``)."""
+
 import pytest
 import torch
 
-from lazyrag.engine import LazyEngine, SamplingParams, SchedulerConfig
-from lazyrag.engine import reuse
+from lazyrag.engine import LazyEngine, SamplingParams, SchedulerConfig, reuse
 from lazyrag.engine.runner import ModelRunner
 
 CHUNKS = [
@@ -14,13 +14,22 @@ CHUNKS = [
     ["Mount Kilimanjaro is in Tanzania.", "The Atacama desert is in Chile."],
 ]
 QUESTIONS = ["Where does the Orinoco flow?", "How many countries does the Danube pass?", "Where is Kilimanjaro?"]
-STAT_FIELDS = ("chunks_hit", "chunks_missed", "tokens_prefilled", "tokens_context", "tokens_reused",
-               "chunk_tokens_reused", "prefix_tokens_reused", "tokens_recomputed")
+STAT_FIELDS = (
+    "chunks_hit",
+    "chunks_missed",
+    "tokens_prefilled",
+    "tokens_context",
+    "tokens_reused",
+    "chunk_tokens_reused",
+    "prefix_tokens_reused",
+    "tokens_recomputed",
+)
 
 
 def fresh_engine(tiny_hf, tokenizer, batch_encodes: bool = True) -> LazyEngine:
-    engine = LazyEngine.from_hf(tiny_hf, tokenizer, device="cpu", kv_budget=16 << 20,
-                                scheduler=SchedulerConfig(batch_encodes=batch_encodes))
+    engine = LazyEngine.from_hf(
+        tiny_hf, tokenizer, device="cpu", kv_budget=16 << 20, scheduler=SchedulerConfig(batch_encodes=batch_encodes)
+    )
     engine.generate("warm-up: the prompt prefix gets cached", ["A chunk no test asks about."], SamplingParams(2))
     return engine
 
@@ -37,8 +46,10 @@ def run_in_one_step(engine: LazyEngine, strategies: list[str], encodes: list | N
     reuse._compute = counting
     try:
         with engine._lock:
-            reqs = [engine.add_request(engine.build_prompt(q, c), SamplingParams(4, strategy=s))
-                    for q, c, s in zip(QUESTIONS, chunks, strategies)]
+            reqs = [
+                engine.add_request(engine.build_prompt(q, c), SamplingParams(4, strategy=s))
+                for q, c, s in zip(QUESTIONS, chunks, strategies)
+            ]
             while engine.scheduler.has_work():
                 engine.scheduler.step()
     finally:
@@ -54,8 +65,11 @@ def read_unpinned(engine: LazyEngine, key: str):
         engine.cache.unpin(seg)
 
 
-@pytest.mark.parametrize("strategies", [["lazy"] * 3, ["lazy", "lazy+recover", "lazy:first=2"], ["lazy", "position_aware", "lazy"]],
-                         ids=["lazy", "recovering", "position-aware-between"])
+@pytest.mark.parametrize(
+    "strategies",
+    [["lazy"] * 3, ["lazy", "lazy+recover", "lazy:first=2"], ["lazy", "position_aware", "lazy"]],
+    ids=["lazy", "recovering", "position-aware-between"],
+)
 def test_a_steps_misses_are_encoded_together_with_the_stats_and_kv_of_one_at_a_time(tiny_hf, default_hf, strategies):
     tokenizer = default_hf[1]
     batched, alone = fresh_engine(tiny_hf, tokenizer), fresh_engine(tiny_hf, tokenizer, batch_encodes=False)
@@ -119,7 +133,9 @@ def test_a_chunk_that_fails_to_encode_fails_its_request_alone_and_is_not_cached(
     assert [reqs[0].finish_reason, reqs[2].finish_reason] == ["length", "length"]
     key = engine.chunk_key(poison_ids, engine.build_prompt("", [POISON]).encoding_prefix)
     assert key not in engine.cache, "a chunk whose KV was never computed is not cached"
-    danube = engine.chunk_key(engine.build_prompt("", [CHUNKS[1][0]]).chunk_ids[0], engine.build_prompt("", []).encoding_prefix)
+    danube = engine.chunk_key(
+        engine.build_prompt("", [CHUNKS[1][0]]).chunk_ids[0], engine.build_prompt("", []).encoding_prefix
+    )
     assert danube in engine.cache, "the failed request's other chunk was encoded and stays"
     assert engine.cache.num_pinned == 0
     assert engine.cache.pool.num_free + engine.cache.cached_blocks == engine.cache.pool.num_blocks

@@ -1,7 +1,7 @@
 """The encoding passage (issue 30): chunks are encoded after the prompt's prefix and a neutral passage, then their
 K is rotated back over the passage, so a request reads each chunk right after its prefix as if the passage were
 not there. The key rule without a passage is the one stores on disk were made with."""
-import pytest
+
 import torch
 
 from lazyrag.kernels.reference import apply_rotary
@@ -13,8 +13,13 @@ from tests.helpers import CHUNKS, QUESTION, rel_err
 def test_the_default_engine_encodes_chunks_after_the_passage(default_engine, plain_default_engine):
     passage = default_engine.prompts.passage_ids()
     assert default_engine.config.encoding_passage == DEFAULT_ENCODING_PASSAGE and len(passage) > 16
-    assert default_engine.scheduler.planner.passage_ids == passage and default_engine.kv_identity().passage_ids == passage
-    assert plain_default_engine.scheduler.planner.passage_ids == [] and plain_default_engine.kv_identity().passage_ids == []
+    assert (
+        default_engine.scheduler.planner.passage_ids == passage and default_engine.kv_identity().passage_ids == passage
+    )
+    assert (
+        plain_default_engine.scheduler.planner.passage_ids == []
+        and plain_default_engine.kv_identity().passage_ids == []
+    )
 
 
 def test_chunk_kv_is_the_chunk_encoded_after_the_passage_rotated_back(default_engine, plain_default_engine):
@@ -29,8 +34,12 @@ def test_chunk_kv_is_the_chunk_encoded_after_the_passage_rotated_back(default_en
     # two compute paths (the passage's KV cached then read, against one prefix computed in a piece; K also rotated
     # back once): fp32 rounding apart, more with a longer passage and on other CPUs' BLAS kernels
     torch.testing.assert_close(v, v_ref, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(k, apply_rotary(k_late, plain_default_engine.runner.rope_cos[f], -plain_default_engine.runner.rope_sin[f]),
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        k,
+        apply_rotary(k_late, plain_default_engine.runner.rope_cos[f], -plain_default_engine.runner.rope_sin[f]),
+        rtol=1e-4,
+        atol=1e-4,
+    )
     assert rel_err(k, k_late) > 1e-2  # the rotation did something
 
 

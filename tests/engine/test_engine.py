@@ -3,6 +3,7 @@
 Every test runs on the embedded default model and on a tiny random Llama with GQA and
 Llama-3 RoPE scaling (the ``engine`` fixture).
 """
+
 import random
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 from lazyrag.engine.reuse import LazyStitching
 from tests.helpers import CHUNKS, QUESTION, rel_err
+
 
 def test_full_prefill_matches_transformers(engine_and_hf):
     engine, hf = engine_and_hf
@@ -224,10 +226,18 @@ def test_sampling_knobs_are_checked_when_made():
     ok = SamplingParams(top_k=0, repetition_penalty=1.3, presence_penalty=-2, frequency_penalty=2, logprobs=20)
     assert (ok.top_k, ok.presence_penalty, ok.logprobs) == (0, -2.0, 20) and not ok.plain_greedy
     assert SamplingParams().plain_greedy and SamplingParams(top_k=5).plain_greedy  # top_k alone leaves argmax alone
-    for bad in (dict(top_k=-2), dict(top_k=1.5), dict(repetition_penalty=0), dict(repetition_penalty=float("nan")),
-                dict(repetition_penalty=1e-30),
-                dict(presence_penalty=2.5), dict(frequency_penalty=-3), dict(logprobs=21), dict(logprobs=-1),
-                dict(logprobs=True)):
+    for bad in (
+        dict(top_k=-2),
+        dict(top_k=1.5),
+        dict(repetition_penalty=0),
+        dict(repetition_penalty=float("nan")),
+        dict(repetition_penalty=1e-30),
+        dict(presence_penalty=2.5),
+        dict(frequency_penalty=-3),
+        dict(logprobs=21),
+        dict(logprobs=-1),
+        dict(logprobs=True),
+    ):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
 
@@ -239,7 +249,9 @@ def test_penalties_follow_vllm_semantics():
     logits = torch.tensor([2.0, -1.0, 0.5, 3.0])
     rep = apply_penalties(logits, SamplingParams(repetition_penalty=2.0), torch.tensor([1]), [0])
     assert rep.tolist() == [1.0, -2.0, 0.5, 3.0]  # seen in prompt or answer: positive / p, negative * p
-    freq = apply_penalties(logits, SamplingParams(frequency_penalty=0.5, presence_penalty=1.0), torch.tensor([2]), [3, 3, 0])
+    freq = apply_penalties(
+        logits, SamplingParams(frequency_penalty=0.5, presence_penalty=1.0), torch.tensor([2]), [3, 3, 0]
+    )
     assert freq.tolist() == [2.0 - 0.5 - 1.0, -1.0, 0.5, 3.0 - 1.0 - 1.0]  # answer tokens only, counted
     assert sample(logits, SamplingParams(frequency_penalty=2.0), None, None, [3]) == 0  # greedy picks up the penalty
     g = torch.Generator().manual_seed(0)
@@ -251,7 +263,9 @@ def test_a_strong_repetition_penalty_stops_repeats(default_engine):
     assert len(set(greedy.token_ids)) < len(greedy.token_ids), "the greedy answer repeats a token (commas)"
     penalized = default_engine.generate(REPEATING, KNOB_CHUNKS, max_new_tokens=24, repetition_penalty=50.0)
     assert penalized.token_ids and len(set(penalized.token_ids)) == len(penalized.token_ids)
-    freq = default_engine.generate(REPEATING, KNOB_CHUNKS, max_new_tokens=24, frequency_penalty=2.0, presence_penalty=2.0)
+    freq = default_engine.generate(
+        REPEATING, KNOB_CHUNKS, max_new_tokens=24, frequency_penalty=2.0, presence_penalty=2.0
+    )
     repeats = lambda ids: len(ids) - len(set(ids))  # noqa: E731
     assert repeats(freq.token_ids) < repeats(greedy.token_ids)
 
@@ -259,8 +273,12 @@ def test_a_strong_repetition_penalty_stops_repeats(default_engine):
 def test_top_k_1_is_greedy_at_any_temperature(default_engine):
     greedy = default_engine.generate(QUESTION, CHUNKS[:2], max_new_tokens=12)
     for seed in (0, 1):
-        assert default_engine.generate(QUESTION, CHUNKS[:2], max_new_tokens=12, temperature=1.0, top_k=1,
-                                       seed=seed).token_ids == greedy.token_ids
+        assert (
+            default_engine.generate(
+                QUESTION, CHUNKS[:2], max_new_tokens=12, temperature=1.0, top_k=1, seed=seed
+            ).token_ids
+            == greedy.token_ids
+        )
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
@@ -271,13 +289,18 @@ def test_logprobs_of_each_generated_token(default_engine, temperature):
         values = [v for _, v in lp.top]
         assert len(lp.top) == 5 and values == sorted(values, reverse=True) and values[0] <= 0
         assert torch.logsumexp(torch.tensor(values), 0) <= 1e-5  # part of one distribution
-        assert lp.logprob <= values[0] + 1e-6 and (lp.token_id not in dict(lp.top) or dict(lp.top)[lp.token_id] == lp.logprob)
+        assert lp.logprob <= values[0] + 1e-6 and (
+            lp.token_id not in dict(lp.top) or dict(lp.top)[lp.token_id] == lp.logprob
+        )
         if temperature == 0:
             assert lp.top[0][0] == lp.token_id
     first = torch.log_softmax(default_engine.next_token_logits(QUESTION, CHUNKS[:2]), -1)
     assert abs(r.logprobs[0].logprob - float(first[r.token_ids[0]])) < 1e-4
     assert default_engine.generate(QUESTION, CHUNKS[:2], max_new_tokens=2).logprobs is None  # only when asked
-    assert [lp.top for lp in default_engine.generate(QUESTION, CHUNKS[:2], max_new_tokens=2, logprobs=0).logprobs] == [[], []]
+    assert [lp.top for lp in default_engine.generate(QUESTION, CHUNKS[:2], max_new_tokens=2, logprobs=0).logprobs] == [
+        [],
+        [],
+    ]
 
 
 def test_reuse_stats_split_prefix_and_chunk_tokens(tiny_hf, default_hf):
@@ -287,15 +310,26 @@ def test_reuse_stats_split_prefix_and_chunk_tokens(tiny_hf, default_hf):
     engine = LazyEngine.from_hf(tiny_hf, default_hf[1], device="cpu", kv_budget=16 << 20)
     prefix = len(engine.build_prompt(QUESTION, CHUNKS[:2]).prefix_ids)
     first = engine.generate(QUESTION, CHUNKS[:2], max_new_tokens=1).stats
-    cold = engine.generate(QUESTION, CHUNKS[2:4], max_new_tokens=1).stats  # the prefix is cached now, these chunks are not
+    cold = engine.generate(
+        QUESTION, CHUNKS[2:4], max_new_tokens=1
+    ).stats  # the prefix is cached now, these chunks are not
     warm = engine.generate(QUESTION, CHUNKS[2:4][::-1], max_new_tokens=1).stats
     assert first.tokens_reused == first.prefix_tokens_reused == first.chunk_tokens_reused == 0
-    assert cold.chunks_hit == 0 and cold.tokens_reused == cold.prefix_tokens_reused == prefix and cold.chunk_tokens_reused == 0
+    assert (
+        cold.chunks_hit == 0
+        and cold.tokens_reused == cold.prefix_tokens_reused == prefix
+        and cold.chunk_tokens_reused == 0
+    )
     assert warm.chunks_hit == 2 and warm.prefix_tokens_reused == prefix
     assert warm.chunk_tokens_reused == warm.tokens_reused - prefix == warm.tokens_context - prefix > 0
-    pre = engine.generate(QUESTION, CHUNKS[2:4][::-1], max_new_tokens=1, strategy="prefix").stats  # APC: blocks of the prompt
+    pre = engine.generate(
+        QUESTION, CHUNKS[2:4][::-1], max_new_tokens=1, strategy="prefix"
+    ).stats  # APC: blocks of the prompt
     again = engine.generate(QUESTION, CHUNKS[2:4][::-1], max_new_tokens=1, strategy="prefix").stats
-    assert pre.tokens_reused == 0 and again.tokens_reused == again.prefix_tokens_reused + again.chunk_tokens_reused > prefix
+    assert (
+        pre.tokens_reused == 0
+        and again.tokens_reused == again.prefix_tokens_reused + again.chunk_tokens_reused > prefix
+    )
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
@@ -305,15 +339,27 @@ def test_engine_config_resolves_every_default_in_one_place(device):
 
     cfg = EngineConfig(device=device)
     on_cuda = device == "cuda"
-    assert cfg.attention == ("triton" if on_cuda else "torch") and cfg.dtype == (torch.bfloat16 if on_cuda else torch.float32)
+    assert cfg.attention == ("triton" if on_cuda else "torch") and cfg.dtype == (
+        torch.bfloat16 if on_cuda else torch.float32
+    )
     assert (cfg.cuda_graphs, cfg.gemv, cfg.triton_elementwise, cfg.compile_elementwise) == (on_cuda,) * 4
     assert cfg.fused_kv_store == on_cuda and cfg.skinny_gemm is False and cfg.scheduler.async_scheduling == on_cuda
     assert cfg.short_prefill_blas == ("cublaslt" if on_cuda else None)
-    unresolved = [f for f in ("model", "adapter") if getattr(cfg, f) is None]  # the embedded model until loaded; no adapter
+    unresolved = [
+        f for f in ("model", "adapter") if getattr(cfg, f) is None
+    ]  # the embedded model until loaded; no adapter
+    # torch's own BLAS choice on CPU
     assert [f for f in cfg.__dataclass_fields__ if getattr(cfg, f) is None and f not in unresolved] == (
-        [] if on_cuda else ["short_prefill_blas"])  # torch's own BLAS choice on CPU
+        [] if on_cuda else ["short_prefill_blas"]
+    )
     mine = EngineConfig(device=device, attention="torch", cuda_graphs=False, gemv=True, skinny_gemm=True)
-    assert (mine.attention, mine.cuda_graphs, mine.gemv, mine.skinny_gemm, mine.triton_elementwise) == ("torch", False, True, True, False)
+    assert (mine.attention, mine.cuda_graphs, mine.gemv, mine.skinny_gemm, mine.triton_elementwise) == (
+        "torch",
+        False,
+        True,
+        True,
+        False,
+    )
 
 
 def test_engine_config_with_changes_resolves_its_defaults_again():
@@ -321,7 +367,12 @@ def test_engine_config_with_changes_resolves_its_defaults_again():
 
     cpu = EngineConfig(device="cpu", gemv=False)
     cuda = cpu.with_changes(device="cuda")
-    assert (cuda.attention, cuda.dtype, cuda.cuda_graphs, cuda.scheduler.async_scheduling) == ("triton", torch.bfloat16, True, True)
+    assert (cuda.attention, cuda.dtype, cuda.cuda_graphs, cuda.scheduler.async_scheduling) == (
+        "triton",
+        torch.bfloat16,
+        True,
+        True,
+    )
     assert cuda.gemv is False  # what was given stays
     assert cpu.attention == "torch" and cpu.scheduler.async_scheduling is False  # the original is untouched
     assert cuda.with_changes(device="cpu") == cpu

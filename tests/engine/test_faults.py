@@ -1,5 +1,6 @@
 """A bad request fails alone: its neighbours finish with the tokens they get alone, every block
 and pin comes back, and the engine keeps serving (sync, threads, asyncio, across event loops)."""
+
 import asyncio
 import math
 import threading
@@ -8,7 +9,16 @@ import pytest
 import torch
 
 from lazyrag.engine import SamplingParams
-from tests.helpers import CHUNKS, QUESTION, QUESTIONS, assert_nothing_held, kwargs_id, random_layouts, run_in_threads, stepped_by_hand
+from tests.helpers import (
+    CHUNKS,
+    QUESTION,
+    QUESTIONS,
+    assert_nothing_held,
+    kwargs_id,
+    random_layouts,
+    run_in_threads,
+    stepped_by_hand,
+)
 
 
 @pytest.fixture
@@ -19,27 +29,31 @@ def fresh_engine(tiny_hf, default_hf):
     return LazyEngine.from_hf(tiny_hf, default_hf[1], device="cpu", kv_budget=16 << 20)
 
 
-@pytest.mark.parametrize("kwargs, problem", [
-    (dict(temperature=float("nan")), "temperature"),
-    (dict(temperature=float("inf")), "temperature"),
-    (dict(temperature=-0.5), "temperature"),
-    (dict(top_p=0.0), "top_p"),
-    (dict(top_p=1.5), "top_p"),
-    (dict(top_p=float("nan")), "top_p"),
-    (dict(max_new_tokens=0), "max_new_tokens"),
-    (dict(max_new_tokens=2.5), "max_new_tokens"),
-    (dict(max_new_tokens=True), "max_new_tokens"),
-    (dict(stop=[None]), "stop"),
-    (dict(seed="7"), "seed"),
-    # issue 29: values that passed and then failed inside torch
-    (dict(temperature=1e-320), "temperature"),
-    (dict(temperature=1e-6), "temperature"),
-    (dict(top_p=1e-300), "top_p"),
-    (dict(top_p=1e-7), "top_p"),
-    (dict(seed=2**70), "seed"),
-    (dict(seed=2**63), "seed"),
-    (dict(seed=-1), "seed"),
-], ids=kwargs_id)
+@pytest.mark.parametrize(
+    "kwargs, problem",
+    [
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(temperature=-0.5), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_p=float("nan")), "top_p"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
+        (dict(max_new_tokens=2.5), "max_new_tokens"),
+        (dict(max_new_tokens=True), "max_new_tokens"),
+        (dict(stop=[None]), "stop"),
+        (dict(seed="7"), "seed"),
+        # issue 29: values that passed and then failed inside torch
+        (dict(temperature=1e-320), "temperature"),
+        (dict(temperature=1e-6), "temperature"),
+        (dict(top_p=1e-300), "top_p"),
+        (dict(top_p=1e-7), "top_p"),
+        (dict(seed=2**70), "seed"),
+        (dict(seed=2**63), "seed"),
+        (dict(seed=-1), "seed"),
+    ],
+    ids=kwargs_id,
+)
 def test_bad_sampling_params_are_refused_before_admission(kwargs, problem):
     with pytest.raises(ValueError, match=problem):
         SamplingParams(**kwargs)
@@ -51,7 +65,8 @@ def test_tiny_temperature_samples_the_top_token(fresh_engine):
     logits = torch.tensor([1.0, 3.0, 2.0])
     from lazyrag.engine.sampling import sample
 
-    assert sample(logits, SamplingParams(temperature=1e-5), torch.Generator().manual_seed(0)) == 1  # the smallest accepted
+    # the smallest accepted
+    assert sample(logits, SamplingParams(temperature=1e-5), torch.Generator().manual_seed(0)) == 1
 
 
 def _poisoned_params():
@@ -95,7 +110,9 @@ def test_a_failing_forward_pass_fails_only_the_request_at_fault(fresh_engine, mo
         if poisoned.seq is not None and any(s is poisoned.seq for s in seqs):
             raise RuntimeError("poisoned sequence")
 
-    monkeypatch.setattr(runner, "prefill", lambda seqs, ids, logits=True: (guard(seqs), real_prefill(seqs, ids, logits))[1])
+    monkeypatch.setattr(
+        runner, "prefill", lambda seqs, ids, logits=True: (guard(seqs), real_prefill(seqs, ids, logits))[1]
+    )
     monkeypatch.setattr(runner, "decode", lambda seqs, toks: (guard(seqs), real_decode(seqs, toks))[1])
     with stepped_by_hand(engine):
         reqs = [engine.add_request(lay, params) for lay in layouts]
@@ -136,8 +153,11 @@ def test_async_faults_fail_alone_across_event_loops(fresh_engine):
     free_before = engine.cache.pool.num_free
 
     async def with_a_poisoned_neighbour():
-        return await asyncio.gather(*(engine.submit(lay, params).aresult() for lay in layouts),
-                                    engine.submit(layouts[0], _poisoned_params()).aresult(), return_exceptions=True)
+        return await asyncio.gather(
+            *(engine.submit(lay, params).aresult() for lay in layouts),
+            engine.submit(layouts[0], _poisoned_params()).aresult(),
+            return_exceptions=True,
+        )
 
     *good, bad = asyncio.run(asyncio.wait_for(with_a_poisoned_neighbour(), 60))
     assert [r.token_ids for r in good] == expected
@@ -172,21 +192,35 @@ def test_threads_with_a_bad_request_among_them(fresh_engine):
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     expected = [engine.submit(lay, params).result().token_ids for lay in layouts]
     free_before = engine.cache.pool.num_free
-    got = run_in_threads(5, lambda i: engine.submit(layouts[i % 4], params if i < 4 else _poisoned_params()).result().token_ids)
+    got = run_in_threads(
+        5, lambda i: engine.submit(layouts[i % 4], params if i < 4 else _poisoned_params()).result().token_ids
+    )
     assert got[:4] == expected
     assert isinstance(got[4], RuntimeError)
     assert_nothing_held(engine, free_before)
 
 
-@pytest.mark.parametrize("question, chunks, problem", [
-    (QUESTION, "one long string", "not a single string"),
-    (QUESTION, None, "got None"),
-    (QUESTION, [CHUNKS[0], None], "chunk 1 must be a string"),
-    (None, CHUNKS[:1], "question must be a string"),
-    (QUESTION, [CHUNKS[0], "bad \ud800 text"], "chunk 1 is not valid Unicode"),
-    ("why \udfff?", CHUNKS[:1], "question is not valid Unicode"),
-    (QUESTION, set(CHUNKS[:2]), "not a set"),
-], ids=["chunks-a-string", "chunks-none", "chunk-none", "question-none", "chunk-surrogate", "question-surrogate", "chunks-a-set"])
+@pytest.mark.parametrize(
+    "question, chunks, problem",
+    [
+        (QUESTION, "one long string", "not a single string"),
+        (QUESTION, None, "got None"),
+        (QUESTION, [CHUNKS[0], None], "chunk 1 must be a string"),
+        (None, CHUNKS[:1], "question must be a string"),
+        (QUESTION, [CHUNKS[0], "bad \ud800 text"], "chunk 1 is not valid Unicode"),
+        ("why \udfff?", CHUNKS[:1], "question is not valid Unicode"),
+        (QUESTION, set(CHUNKS[:2]), "not a set"),
+    ],
+    ids=[
+        "chunks-a-string",
+        "chunks-none",
+        "chunk-none",
+        "question-none",
+        "chunk-surrogate",
+        "question-surrogate",
+        "chunks-a-set",
+    ],
+)
 def test_bad_prompt_input_is_a_value_error_that_names_it(fresh_engine, question, chunks, problem):
     with pytest.raises(ValueError, match=problem):
         fresh_engine.generate(question, chunks, max_new_tokens=2)
@@ -218,6 +252,7 @@ def test_whatever_the_pool_held_never_reaches_the_logits(tiny_hf, default_hf):
 
 # -- issue 29 ------------------------------------------------------------------------------------
 
+
 def test_sampling_params_are_frozen_and_replace_checks_again():
     import dataclasses
 
@@ -232,8 +267,11 @@ def test_sampling_params_are_frozen_and_replace_checks_again():
 
 def test_the_edge_values_accepted_actually_run(fresh_engine):
     greedy = fresh_engine.generate(QUESTION, CHUNKS[:2], max_new_tokens=4, ignore_eos=True)
-    for kw in (dict(temperature=1e-5, top_p=1.0, seed=0), dict(temperature=1.0, top_p=1e-6, seed=2**63 - 1),
-               dict(temperature=1e-5, top_p=1e-6, seed=2**63 - 1)):
+    for kw in (
+        dict(temperature=1e-5, top_p=1.0, seed=0),
+        dict(temperature=1.0, top_p=1e-6, seed=2**63 - 1),
+        dict(temperature=1e-5, top_p=1e-6, seed=2**63 - 1),
+    ):
         got = fresh_engine.generate(QUESTION, CHUNKS[:2], max_new_tokens=4, ignore_eos=True, **kw)
         assert got.token_ids == greedy.token_ids, kw  # the top token every time: the greedy answer
     got = fresh_engine.generate(QUESTION, CHUNKS[:2], max_new_tokens=4, ignore_eos=True, temperature=1e6, seed=3)

@@ -8,6 +8,7 @@ every request ended the way its fault says (only the poisoned ones fail, aborted
 the rest finish or fail alone for lack of blocks), nothing stays pinned and every block not in
 a cached segment is free; and ``lazy`` gives ``position_aware``'s next-token logits.
 """
+
 import asyncio
 import dataclasses
 import math
@@ -16,12 +17,32 @@ import random
 import pytest
 import torch
 
+from lazyrag.engine import SamplingParams
 from lazyrag.kv.block_pool import OutOfBlocks
 from lazyrag.kv.cache import CacheConfig
-from lazyrag.engine import SamplingParams
 
-WORDS = ["canal", "Curie", "trench", "basalt", "violin", "1903", "Beijing", "depth", "lava", "prize",
-         "naïve", "café", "東京", "Ελλάδα", "😀", "e\u0301", "שלום", "\t", "—", "..."]
+WORDS = [
+    "canal",
+    "Curie",
+    "trench",
+    "basalt",
+    "violin",
+    "1903",
+    "Beijing",
+    "depth",
+    "lava",
+    "prize",
+    "naïve",
+    "café",
+    "東京",
+    "Ελλάδα",
+    "😀",
+    "e\u0301",
+    "שלום",
+    "\t",
+    "—",
+    "...",
+]
 STRATEGIES = ["lazy", "position_aware", "position_aware:rerotate", "full", "prefix", "lazy:first=4", "lazy:blend=0.3"]
 ROUNDS = 12
 
@@ -31,14 +52,29 @@ def _text(rng: random.Random, lo: int, hi: int) -> str:
 
 
 def _params(rng: random.Random, strategy: str) -> SamplingParams:
-    return SamplingParams(max_new_tokens=rng.randint(1, 12), temperature=rng.choice([0.0, 0.0, 0.5, 1.3]),
-                          top_p=rng.choice([1.0, 0.9, 0.3]), seed=rng.randint(0, 9), ignore_eos=rng.random() < 0.5,
-                          stop=rng.choice([[], ["."], ["prize", "😀"]]), strategy=strategy)
+    return SamplingParams(
+        max_new_tokens=rng.randint(1, 12),
+        temperature=rng.choice([0.0, 0.0, 0.5, 1.3]),
+        top_p=rng.choice([1.0, 0.9, 0.3]),
+        seed=rng.randint(0, 9),
+        ignore_eos=rng.random() < 0.5,
+        stop=rng.choice([[], ["."], ["prize", "😀"]]),
+        strategy=strategy,
+    )
 
 
 def _invalid_params(rng: random.Random) -> dict:
-    return rng.choice([dict(temperature=math.nan), dict(temperature=-1.0), dict(temperature=math.inf),
-                       dict(top_p=0.0), dict(top_p=2.0), dict(max_new_tokens=0), dict(max_new_tokens=-3)])
+    return rng.choice(
+        [
+            dict(temperature=math.nan),
+            dict(temperature=-1.0),
+            dict(temperature=math.inf),
+            dict(top_p=0.0),
+            dict(top_p=2.0),
+            dict(max_new_tokens=0),
+            dict(max_new_tokens=-3),
+        ]
+    )
 
 
 def _check_quiet(engine) -> None:
@@ -54,8 +90,9 @@ def small_engine(tiny_hf, default_hf):
     from lazyrag.engine import LazyEngine
 
     # 96 blocks of 16 tokens; cached chunks may keep at most 40 of them
-    return LazyEngine.from_hf(tiny_hf, default_hf[1], device="cpu", kv_budget=96 * 8192,
-                              cache=CacheConfig(budget_bytes=40 * 8192))
+    return LazyEngine.from_hf(
+        tiny_hf, default_hf[1], device="cpu", kv_budget=96 * 8192, cache=CacheConfig(budget_bytes=40 * 8192)
+    )
 
 
 def test_fuzz_requests_faults_and_aborts(small_engine):
@@ -126,11 +163,11 @@ def test_fuzz_asyncio_cancellations(small_engine):
             params = SamplingParams(max_new_tokens=rng.randint(1, 40), ignore_eos=True)
             jobs.append((layout, params, rng.choice([0.01, 0.05, 30.0])))
 
-        async def main():
+        async def main(jobs=jobs):
             return await asyncio.gather(*(one(*job) for job in jobs))
 
         results = asyncio.run(main())
-        for (layout, params, timeout), res in zip(jobs, results):
+        for (_layout, params, timeout), res in zip(jobs, results):
             if timeout == 30.0:
                 assert res is not None and len(res.token_ids) == params.max_new_tokens
     for _ in range(500):  # the driver thread reaps the last cancelled ones at its next step
@@ -143,13 +180,38 @@ def test_fuzz_asyncio_cancellations(small_engine):
 
 # -- issue 29: the retriever's k, the adapters' prompts and constructor arguments ------------------------
 
+
 def _odd_value(rng: random.Random):
     """Anything a caller might pass where a number or a string is expected."""
-    return rng.choice([
-        rng.randint(-3, 12), rng.randint(13, 10**4), 2**31, 2**63, 2**70, 10**8, -(2**63),
-        rng.uniform(-2, 2), 1e-320, 1e-300, 1e-5, 1e-6, 1e-7, math.inf, -math.inf, math.nan, 0.0, 1.0,
-        True, False, None, "3", b"3", [3], {"k": 3},
-    ])
+    return rng.choice(
+        [
+            rng.randint(-3, 12),
+            rng.randint(13, 10**4),
+            2**31,
+            2**63,
+            2**70,
+            10**8,
+            -(2**63),
+            rng.uniform(-2, 2),
+            1e-320,
+            1e-300,
+            1e-5,
+            1e-6,
+            1e-7,
+            math.inf,
+            -math.inf,
+            math.nan,
+            0.0,
+            1.0,
+            True,
+            False,
+            None,
+            "3",
+            b"3",
+            [3],
+            {"k": 3},
+        ]
+    )
 
 
 def test_fuzz_retriever_k(tiny_engine, tiny_corpus, embedder, tmp_path):
@@ -180,8 +242,10 @@ def test_fuzz_adapter_arguments_and_prompts(small_engine):
     from lazyrag.integrations.llama_index import LazyLlamaLLM
 
     rng = random.Random(2929)
-    fields = {LazyLlamaLLM: ("temperature", "top_p", "seed", "max_new_tokens", "context_window", "kv_budget"),
-              ChatLazyLlama: ("temperature", "top_p", "seed", "max_tokens", "kv_budget", "max_retries")}
+    fields = {
+        LazyLlamaLLM: ("temperature", "top_p", "seed", "max_new_tokens", "context_window", "kv_budget"),
+        ChatLazyLlama: ("temperature", "top_p", "seed", "max_tokens", "kv_budget", "max_retries"),
+    }
     ran = 0
     for _ in range(80):
         cls = rng.choice([LazyLlamaLLM, ChatLazyLlama])

@@ -1,6 +1,7 @@
 """The host steps before a request's first forward pass, made cheaper, give what they gave before:
 a strategy's remembered content keys equal ``content_key``'s, packed block metas and a batch's slots equal the
 per-block definitions."""
+
 import itertools
 import random
 
@@ -27,8 +28,12 @@ def test_strategy_keys_are_the_definitions_stores_are_indexed_by():
 
 def per_block_meta(context: list[Placement], blocks: list[int], own_tokens: int, bs: int) -> np.ndarray:
     """The definition: (block, delta, valid) per context block from ``first_block`` on, then per own block."""
-    rows = [(seg.blocks[j], p.delta, min(bs, seg.num_tokens - j * bs))
-            for p in context for seg in [p.segment] for j in range(p.first_block, len(seg.blocks))]
+    rows = [
+        (seg.blocks[j], p.delta, min(bs, seg.num_tokens - j * bs))
+        for p in context
+        for seg in [p.segment]
+        for j in range(p.first_block, len(seg.blocks))
+    ]
     rows += [(blocks[j], 0, min(bs, own_tokens - j * bs)) for j in range(blocks_for(own_tokens, bs))]
     ids, deltas, valid = (torch.tensor(c, dtype=torch.int64) for c in zip(*rows)) if rows else [torch.zeros(0)] * 3
     return pack_block_meta(ids, deltas, valid).numpy()
@@ -66,7 +71,9 @@ def test_block_metas_out_of_range_still_fail():
 def test_batch_slots_positions_and_offsets_equal_the_per_token_definition():
     rng = random.Random(0)
     bs = 16
-    runner = ModelRunner(None, BlockPool(KVShape(1, 1, 8, bs, torch.float32), 4, torch.device("meta")), None, None, None, 1.0)
+    runner = ModelRunner(
+        None, BlockPool(KVShape(1, 1, 8, bs, torch.float32), 4, torch.device("meta")), None, None, None, 1.0
+    )
     for is_decode in (False, True, False):
         seqs, counts = [], []
         for _ in range(rng.randrange(1, 5)):

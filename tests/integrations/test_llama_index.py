@@ -1,6 +1,7 @@
 """LlamaIndex adapters on the real default model, real faiss and sentence-transformers: a stock
 VectorStoreIndex query engine with LazyLlamaLLM reuses chunk KV from the second question on in every
 response mode; the fast path; pre-caching an index; clear errors."""
+
 import asyncio
 
 import pytest
@@ -153,7 +154,9 @@ def test_fast_path_query_engine_streams_with_sources_and_stats(llm, tiny_store, 
     assert str(plain) == text and plain.metadata["stats"]["chunks_hit"] == 2
 
     async def run():
-        r = await LazyRAGQueryEngine.from_store(str(tiny_store), llm=llm, similarity_top_k=2, streaming=True).aquery(QUESTION)
+        r = await LazyRAGQueryEngine.from_store(str(tiny_store), llm=llm, similarity_top_k=2, streaming=True).aquery(
+            QUESTION
+        )
         return "".join([d async for d in r.async_response_gen()])
 
     assert asyncio.run(run()) == text
@@ -193,15 +196,32 @@ def test_token_counting_handler_counts_each_answer_once_with_the_model_s_tokens(
 
 
 def test_unknown_arguments_are_refused_and_hugging_face_names_accepted():
-    for bad, hint in [({"device_map": "auto"}, "device="), ({"tokenizer_name": "x"}, "tokenizer"),
-                      ({"max_new_tokns": 5}, "did you mean max_new_tokens"), ({"strategy": "lazzy"}, "Unknown strategy")]:
+    for bad, hint in [
+        ({"device_map": "auto"}, "device="),
+        ({"tokenizer_name": "x"}, "tokenizer"),
+        ({"max_new_tokns": 5}, "did you mean max_new_tokens"),
+        ({"strategy": "lazzy"}, "Unknown strategy"),
+    ]:
         with pytest.raises(ValueError, match=hint):
             LazyLlamaLLM(**bad)
-    llm = LazyLlamaLLM(model_name="/models/x", context_window=2048, max_new_tokens=9, system_prompt="Be brief.", device="cpu",
-                       generate_kwargs={"temperature": 0.7, "top_p": 0.8})
-    assert (llm.model, llm.context_window, llm.max_new_tokens, llm.system_prompt, llm.device) == ("/models/x", 2048, 9, "Be brief.", "cpu")
+    llm = LazyLlamaLLM(
+        model_name="/models/x",
+        context_window=2048,
+        max_new_tokens=9,
+        system_prompt="Be brief.",
+        device="cpu",
+        generate_kwargs={"temperature": 0.7, "top_p": 0.8},
+    )
+    assert (llm.model, llm.context_window, llm.max_new_tokens, llm.system_prompt, llm.device) == (
+        "/models/x",
+        2048,
+        9,
+        "Be brief.",
+        "cpu",
+    )
     assert (llm.temperature, llm.top_p) == (0.7, 0.8)
-    assert LazyLlamaLLM(generate_kwargs={"do_sample": False, "temperature": 0.9}).temperature == 0.0  # greedy, as transformers
+    # greedy, as transformers
+    assert LazyLlamaLLM(generate_kwargs={"do_sample": False, "temperature": 0.9}).temperature == 0.0
 
 
 def test_a_shared_engine_asked_for_another_kv_budget_raises(adapter_engine):
@@ -218,10 +238,24 @@ def test_a_shared_engine_asked_for_another_kv_budget_raises(adapter_engine):
 
 # -- issue 29: the doors checked before any work ---------------------------------------------------
 
-@pytest.mark.parametrize("kwargs", [dict(context_window=-5), dict(context_window=0), dict(temperature=float("inf")),
-                                    dict(temperature=float("nan")), dict(temperature=1e-320), dict(top_p=1e-300),
-                                    dict(top_p=1.5), dict(seed=2**70), dict(seed=-1), dict(kv_budget=0), dict(max_new_tokens=0)],
-                         ids=kwargs_id)
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(context_window=-5),
+        dict(context_window=0),
+        dict(temperature=float("inf")),
+        dict(temperature=float("nan")),
+        dict(temperature=1e-320),
+        dict(top_p=1e-300),
+        dict(top_p=1.5),
+        dict(seed=2**70),
+        dict(seed=-1),
+        dict(kv_budget=0),
+        dict(max_new_tokens=0),
+    ],
+    ids=kwargs_id,
+)
 def test_constructor_numbers_are_checked(kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         LazyLlamaLLM(**kwargs)
@@ -248,11 +282,25 @@ def test_retriever_top_k_is_checked_and_clamped(tiny_store):
 
 def test_sampling_knobs_and_logprobs(adapter_engine):
     """top_k, penalties and logprobs reach SamplingParams; logprobs come back per token, the chosen one first."""
-    llm = LazyLlamaLLM(device="cpu", max_new_tokens=5, logprobs=True, top_logprobs=2, top_k=40, repetition_penalty=1.1,
-                       presence_penalty=0.5, frequency_penalty=-0.5, generate_kwargs={"top_k": 7})
+    llm = LazyLlamaLLM(
+        device="cpu",
+        max_new_tokens=5,
+        logprobs=True,
+        top_logprobs=2,
+        top_k=40,
+        repetition_penalty=1.1,
+        presence_penalty=0.5,
+        frequency_penalty=-0.5,
+        generate_kwargs={"top_k": 7},
+    )
     params = llm._params({})
-    assert (params.top_k, params.repetition_penalty, params.presence_penalty, params.frequency_penalty, params.logprobs) == \
-        (40, 1.1, 0.5, -0.5, 2)  # the explicit argument wins over generate_kwargs
+    assert (
+        params.top_k,
+        params.repetition_penalty,
+        params.presence_penalty,
+        params.frequency_penalty,
+        params.logprobs,
+    ) == (40, 1.1, 0.5, -0.5, 2)  # the explicit argument wins over generate_kwargs
     assert llm._params({"logprobs": False}).logprobs is None and llm._params({"top_k": 3}).top_k == 3
     for bad in (dict(top_k=-5), dict(repetition_penalty=-1.0), dict(frequency_penalty=2.5), dict(top_logprobs=50)):
         with pytest.raises(ValueError):
@@ -272,6 +320,7 @@ def test_sampling_knobs_and_logprobs(adapter_engine):
 
 # -- issue 34: corpus stores from an index (a new process hitting them: test_precache.py) ---------------
 
+
 def _stored(out):
     return [(row.doc_id, row.text) for row in CorpusStore.open(out).rows()]
 
@@ -287,7 +336,8 @@ def test_precache_store_keeps_each_node_whole_as_the_synthesizers_format_it(inde
     for same in (index.docstore, index.storage_context, nodes):
         assert precache_store(same, out, store_engine, progress=False).chunks_encoded == 0
     rhine = TextNode(text="The Rhine rises in the Swiss Alps and reaches the North Sea in the Netherlands.")
-    assert precache_store([*nodes, rhine], out, store_engine, progress=False).chunks_encoded == 1  # appended: the store grows
+    # appended: the store grows
+    assert precache_store([*nodes, rhine], out, store_engine, progress=False).chunks_encoded == 1
     assert CorpusStore.open(out).manifest.sources == ["llama_index:docstore", "llama_index:nodes"]
     with pytest.raises(StoreError, match="built from other input"):
         precache_store(nodes[::-1], out, store_engine, progress=False)
@@ -297,7 +347,9 @@ def test_precache_store_keeps_each_node_whole_as_the_synthesizers_format_it(inde
         precache_store(index, out, store_engine, chunk_size=64)
 
 
-def test_a_node_longer_than_a_chunk_size_given_is_split_into_windows_a_prompt_still_finds(store_engine, tmp_path, caplog):
+def test_a_node_longer_than_a_chunk_size_given_is_split_into_windows_a_prompt_still_finds(
+    store_engine, tmp_path, caplog
+):
     node = TextNode(id_="long", text=" ".join(f"Sentence number {i} talks about topic {i % 7}." for i in range(28)))
     with caplog.at_level("WARNING", logger="lazyrag.store"):
         report = precache_store([node], tmp_path / "split", store_engine, chunk_tokens=64, overlap=0, progress=False)
@@ -311,6 +363,7 @@ def test_a_node_longer_than_a_chunk_size_given_is_split_into_windows_a_prompt_st
     # the default chunk size holds every node whole
     assert precache_store([node], tmp_path / "whole", store_engine, progress=False).chunks == 1
     whole = CorpusStore.open(tmp_path / "whole")
-    assert whole.manifest.chunk_tokens % 16 == 0 and whole.manifest.chunk_tokens >= len(store_engine.prompts.encode_chunk(node.text))
+    assert whole.manifest.chunk_tokens % 16 == 0 and whole.manifest.chunk_tokens >= len(
+        store_engine.prompts.encode_chunk(node.text)
+    )
     assert _stored(tmp_path / "whole") == [("long", node.text)]
-

@@ -1,6 +1,7 @@
 """Shared builders for the kernel tests: paged pools of shuffled blocks with documents at random offsets, their
 re-rotated variants, the RoPE tables, and calls of the kernels with a NaN-poisoned output (so that an unwritten
 element fails)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ MAX_POS = 1 << 15
 
 def _hopper() -> bool:
     from lazyrag.kernels import prefill_wgmma
+
     return CUDA and prefill_wgmma.HAVE_GLUON and torch.cuda.get_device_capability()[0] == 9
 
 
@@ -65,7 +67,7 @@ def make_paged(gen, docs_per_seq, hkv, d, bs, dtype, device, reuse_first_doc=Fal
     for s, seq in enumerate(docs_per_seq):
         ids, dl, vl, info = [], [], [], []
         for n, nb in zip(seq, doc_blocks[s]):
-            phys = perm[nxt: nxt + nb]
+            phys = perm[nxt : nxt + nb]
             nxt += nb
             delta = int(torch.randint(0, max_delta + 1, (1,), generator=gen))
             info.append((len(ids), nb, delta))
@@ -86,7 +88,7 @@ def make_paged(gen, docs_per_seq, hkv, d, bs, dtype, device, reuse_first_doc=Fal
     for s, (ids, dl, vl) in enumerate(rows):
         if ids:
             meta[s, : len(ids)] = pack_block_meta(torch.tensor(ids), torch.tensor(dl), torch.tensor(vl))
-        meta[s, len(ids):] = pack_block_meta(torch.tensor([total - 1]), torch.tensor([7]), torch.tensor([bs]))
+        meta[s, len(ids) :] = pack_block_meta(torch.tensor([total - 1]), torch.tensor([7]), torch.tensor([bs]))
     nblocks = torch.tensor([len(r[0]) for r in rows], dtype=torch.int32)
     return Paged(k_cache, v_cache, meta.to(device), nblocks.to(device), docs)
 
@@ -114,12 +116,14 @@ def rotated_in_place(p: Paged, cos, sin):
             k[phys] = apply_rotary(p.k_cache[phys].float(), cos[d], sin[d]).to(k.dtype)
     v = p.v_cache
     if extra:
-        k = torch.cat((k, torch.stack([apply_rotary(p.k_cache[ph].float(), cos[d], sin[d]).to(k.dtype)
-                                       for _, _, ph, d in extra])))
+        k = torch.cat(
+            (k, torch.stack([apply_rotary(p.k_cache[ph].float(), cos[d], sin[d]).to(k.dtype) for _, _, ph, d in extra]))
+        )
         v = torch.cat((v, torch.stack([p.v_cache[ph] for _, _, ph, _ in extra])))
         for i, (b, j, _, d) in enumerate(extra):
-            meta[b, j] = pack_block_meta(torch.tensor([p.k_cache.shape[0] + i]), torch.tensor([d]),
-                                         valid[b, j].view(1))[0]
+            meta[b, j] = pack_block_meta(
+                torch.tensor([p.k_cache.shape[0] + i]), torch.tensor([d]), valid[b, j].view(1)
+            )[0]
     return Paged(k, v, meta, p.nblocks, p.docs)
 
 
@@ -127,8 +131,11 @@ def prerotated(p: Paged, cos, sin):
     """Materialise every (sequence, block) re-rotated by its delta into its own block; deltas 0."""
     ids, deltas, valid = unpack_block_meta(p.meta)
     B, W = p.meta.shape
-    k = apply_rotary(p.k_cache[ids.reshape(-1)].float(), cos[deltas.reshape(-1)][:, None, None, :],
-                     sin[deltas.reshape(-1)][:, None, None, :]).to(p.k_cache.dtype)
+    k = apply_rotary(
+        p.k_cache[ids.reshape(-1)].float(),
+        cos[deltas.reshape(-1)][:, None, None, :],
+        sin[deltas.reshape(-1)][:, None, None, :],
+    ).to(p.k_cache.dtype)
     v = p.v_cache[ids.reshape(-1)]
     new_ids = torch.arange(B * W, device=p.meta.device).reshape(B, W)
     meta0 = pack_block_meta(new_ids, torch.zeros_like(deltas), valid)
@@ -148,13 +155,13 @@ def make_prefill(seed, new_lens, docs_per_seq, hq, hkv, d, bs, dtype, device, re
 
 def run_prefill(p, q, k_new, v_new, cu, cos, sin, scale, **kw):
     out = torch.full_like(q, float("nan"))
-    return lazy_prefill(q, k_new, v_new, cu, p.k_cache, p.v_cache, p.meta, p.nblocks, cos, sin, scale,
-                        out=out, **kw)
+    return lazy_prefill(q, k_new, v_new, cu, p.k_cache, p.v_cache, p.meta, p.nblocks, cos, sin, scale, out=out, **kw)
 
 
 def ref_prefill(p, q, k_new, v_new, cu, cos, sin, scale, meta=None):
-    return lazy_prefill_reference(q, k_new, v_new, cu, p.k_cache, p.v_cache, p.meta if meta is None else meta,
-                                  p.nblocks, cos, sin, scale)
+    return lazy_prefill_reference(
+        q, k_new, v_new, cu, p.k_cache, p.v_cache, p.meta if meta is None else meta, p.nblocks, cos, sin, scale
+    )
 
 
 def run_decode(p, q, cos, sin, scale, **kw):

@@ -3,6 +3,7 @@
 On CPU the kernel runs in Triton's interpreter (tiny fp32 shapes); the ``gpu`` tests use bf16/fp16 and real-ish
 shapes. Fresh random data, shuffled physical blocks, padded last blocks, NaN-poisoned outputs.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,7 +16,16 @@ from lazyrag.kernels.decode import choose_splits, plan_decode
 from lazyrag.kernels.kvloop import ROTATION_MODES, KernelOptions
 from lazyrag.kernels.reference import lazy_decode_reference
 from tests.kernels.helpers import (
-    MAX_POS, gpu, gpu_docs, make_paged, make_rope, needs_cuda, prerotated, rel_err, run_decode, tuned_here,
+    MAX_POS,
+    gpu,
+    gpu_docs,
+    make_paged,
+    make_rope,
+    needs_cuda,
+    prerotated,
+    rel_err,
+    run_decode,
+    tuned_here,
 )
 
 
@@ -43,13 +53,21 @@ DECODE_CASES = [
 @pytest.mark.parametrize("case", DECODE_CASES, ids=[c.name for c in DECODE_CASES])
 def test_decode_matches_reference(case):
     gen = torch.Generator().manual_seed(case.seed)
-    p = make_paged(gen, [list(s) for s in case.docs], case.hkv, case.d, case.bs, torch.float32, "cpu",
-                   reuse_first_doc=case.reuse_first_doc)
+    p = make_paged(
+        gen,
+        [list(s) for s in case.docs],
+        case.hkv,
+        case.d,
+        case.bs,
+        torch.float32,
+        "cpu",
+        reuse_first_doc=case.reuse_first_doc,
+    )
     q = torch.randn(len(case.docs), case.hq, case.d, generator=gen)
     cos, sin = make_rope(case.d, "cpu")
-    ref = lazy_decode_reference(q, p.k_cache, p.v_cache, p.meta, p.nblocks, cos, sin, case.d ** -0.5)
+    ref = lazy_decode_reference(q, p.k_cache, p.v_cache, p.meta, p.nblocks, cos, sin, case.d**-0.5)
     for mode in ROTATION_MODES:
-        out = run_decode(p, q, cos, sin, case.d ** -0.5, num_splits=case.splits, rotation_mode=mode)
+        out = run_decode(p, q, cos, sin, case.d**-0.5, num_splits=case.splits, rotation_mode=mode)
         assert rel_err(out, ref) < 1e-4, mode
 
 
@@ -95,9 +113,19 @@ def test_choose_splits_fills_whole_waves():
 def _plan(batch, hq, hkv, device, **options):
     gen = torch.Generator().manual_seed(batch)
     p = make_paged(gen, [[300, 200]] * batch, hkv, 128, 16, torch.bfloat16, device)
-    return plan_decode(p.meta, p.nblocks, batch=batch, num_heads=hq, num_kv_heads=hkv, head_dim=128, block_size=16,
-                       dtype=torch.bfloat16, device=torch.device(device), options=KernelOptions(**options),
-                       tile_cache={})
+    return plan_decode(
+        p.meta,
+        p.nblocks,
+        batch=batch,
+        num_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=128,
+        block_size=16,
+        dtype=torch.bfloat16,
+        device=torch.device(device),
+        options=KernelOptions(**options),
+        tile_cache={},
+    )
 
 
 def test_plan_in_the_interpreter():
@@ -134,12 +162,12 @@ def test_decode_gpu(dtype, hq, hkv, d, splits):
     p = make_paged(gen, docs, hkv, d, 16, dtype, "cuda", reuse_first_doc=True)
     q = torch.randn(len(docs), hq, d, generator=gen).to(dtype).cuda()
     cos, sin = make_rope(d, "cuda", base=500000.0)
-    ref = lazy_decode_reference(q, p.k_cache, p.v_cache, p.meta, p.nblocks, cos, sin, d ** -0.5)
-    out = run_decode(p, q, cos, sin, d ** -0.5, num_splits=splits)
+    ref = lazy_decode_reference(q, p.k_cache, p.v_cache, p.meta, p.nblocks, cos, sin, d**-0.5)
+    out = run_decode(p, q, cos, sin, d**-0.5, num_splits=splits)
     assert rel_err(out, ref) < 1e-2
     pre = prerotated(p, cos, sin)
-    off = run_decode(pre, q, cos, sin, d ** -0.5, num_splits=splits, apply_rotation=False)
-    ref0 = lazy_decode_reference(q, pre.k_cache, pre.v_cache, pre.meta, pre.nblocks, cos, sin, d ** -0.5)
+    off = run_decode(pre, q, cos, sin, d**-0.5, num_splits=splits, apply_rotation=False)
+    ref0 = lazy_decode_reference(q, pre.k_cache, pre.v_cache, pre.meta, pre.nblocks, cos, sin, d**-0.5)
     assert rel_err(off, ref0) < 1e-2
 
 
@@ -152,10 +180,10 @@ def test_decode_gpu_small_grid(batch):
     p = make_paged(gen, gpu_docs(gen, batch, 6, 600), 8, 128, 16, torch.bfloat16, "cuda", reuse_first_doc=True)
     q = torch.randn(batch, 32, 128, generator=gen).to(torch.bfloat16).cuda()
     cos, sin = make_rope(128, "cuda", base=500000.0)
-    ref = lazy_decode_reference(q, p.k_cache, p.v_cache, p.meta, p.nblocks, cos, sin, 128 ** -0.5)
-    assert rel_err(run_decode(p, q, cos, sin, 128 ** -0.5), ref) < 1e-2
+    ref = lazy_decode_reference(q, p.k_cache, p.v_cache, p.meta, p.nblocks, cos, sin, 128**-0.5)
+    assert rel_err(run_decode(p, q, cos, sin, 128**-0.5), ref) < 1e-2
     for mode in ROTATION_MODES:
-        assert rel_err(run_decode(p, q, cos, sin, 128 ** -0.5, rotation_mode=mode, num_splits=16), ref) < 1e-2
+        assert rel_err(run_decode(p, q, cos, sin, 128**-0.5, rotation_mode=mode, num_splits=16), ref) < 1e-2
 
 
 DECODE_CANDIDATES = [tuple(c) for c in tuned_here()["decode"]["candidates"]]
@@ -166,11 +194,12 @@ DECODE_CANDIDATES = [tuple(c) for c in tuned_here()["decode"]["candidates"]]
 @pytest.mark.parametrize("cfg", DECODE_CANDIDATES, ids=["bn{}-w{}-s{}-r{}".format(*c) for c in DECODE_CANDIDATES])
 def test_decode_gpu_every_config(cfg):
     gen = torch.Generator().manual_seed(400)
-    p = make_paged(gen, [[300, 45, 500], [1000], [17, 17, 17]], 8, 128, 32, torch.bfloat16, "cuda",
-                   reuse_first_doc=True)
+    p = make_paged(
+        gen, [[300, 45, 500], [1000], [17, 17, 17]], 8, 128, 32, torch.bfloat16, "cuda", reuse_first_doc=True
+    )
     q = torch.randn(3, 32, 128, generator=gen).to(torch.bfloat16).cuda()
     cos, sin = make_rope(128, "cuda")
-    ref = lazy_decode_reference(q, p.k_cache, p.v_cache, p.meta, p.nblocks, cos, sin, 128 ** -0.5)
+    ref = lazy_decode_reference(q, p.k_cache, p.v_cache, p.meta, p.nblocks, cos, sin, 128**-0.5)
     for splits in (1, 3):
-        out = run_decode(p, q, cos, sin, 128 ** -0.5, num_splits=splits, config=cfg)
+        out = run_decode(p, q, cos, sin, 128**-0.5, num_splits=splits, config=cfg)
         assert rel_err(out, ref) < 1e-2, splits

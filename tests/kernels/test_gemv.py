@@ -1,4 +1,5 @@
 """One-token projections (kernels/gemv.py) against the unfused path, on fresh random inputs."""
+
 from __future__ import annotations
 
 import pytest
@@ -20,7 +21,7 @@ def _check_gemv(device, dtype, n, k, prologue, bias, config=None):
     eps = 1e-5
     rnd = lambda *s, scale=1.0: (torch.randn(*s) * scale).to(device=device, dtype=dtype)  # noqa: E731
     x = rnd(1, 2 * k if prologue == G.SILU else k)
-    r, nw, w = rnd(1, k), (1 + 0.2 * torch.randn(k)).to(device=device, dtype=dtype), rnd(n, k, scale=k ** -0.5)
+    r, nw, w = rnd(1, k), (1 + 0.2 * torch.randn(k)).to(device=device, dtype=dtype), rnd(n, k, scale=k**-0.5)
     b = rnd(n) if bias else None
     h_ref = None
     if prologue == G.PLAIN:
@@ -61,9 +62,11 @@ def test_gemv_resolve():
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("n,k,prologue", [(6144, 4096, 1), (6144, 4096, 2), (4096, 4096, 0), (28672, 4096, 2),
-                                          (4096, 14336, 3)],
-                         ids=["wqkv-norm", "wqkv-add-norm", "wo", "gate-up-add-norm", "down-silu"])
+@pytest.mark.parametrize(
+    "n,k,prologue",
+    [(6144, 4096, 1), (6144, 4096, 2), (4096, 4096, 0), (28672, 4096, 2), (4096, 14336, 3)],
+    ids=["wqkv-norm", "wqkv-add-norm", "wo", "gate-up-add-norm", "down-silu"],
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_gemv_gpu(n, k, prologue, dtype):
     _check_gemv("cuda", dtype, n, k, prologue, False)

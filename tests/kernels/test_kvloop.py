@@ -1,4 +1,5 @@
 """What the prefill and decode kernels share (kernels/kvloop.py): the tile tables and the split merge."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,11 +16,12 @@ def _tile_table_layout(seed, bs):
     inside). The first document of row 0 is reused at another offset. Returns (paged, ids, deltas, valid,
     the last row's first-document block count)."""
     gen = torch.Generator().manual_seed(seed)
-    p = make_paged(gen, [[5, 16, 3, 300, 2, 9], [], [400], [17, 17, 17, 40]], 1, 64, bs, torch.float32, "cpu",
-                   reuse_first_doc=True)
+    p = make_paged(
+        gen, [[5, 16, 3, 300, 2, 9], [], [400], [17, 17, 17, 40]], 1, 64, bs, torch.float32, "cpu", reuse_first_doc=True
+    )
     ids, deltas, valid = unpack_block_meta(p.meta)
     nb0 = (17 + bs - 1) // bs
-    p.meta[3, nb0: 2 * nb0] = pack_block_meta(ids[3, nb0: 2 * nb0], deltas[3, :nb0], valid[3, nb0: 2 * nb0])
+    p.meta[3, nb0 : 2 * nb0] = pack_block_meta(ids[3, nb0 : 2 * nb0], deltas[3, :nb0], valid[3, nb0 : 2 * nb0])
     return (p, *unpack_block_meta(p.meta), nb0)
 
 
@@ -38,8 +40,7 @@ def test_tile_table(pages):
         nb, n = int(p.nblocks[b]), int(n_tiles[b])
         starts = tiles[b, : n + 1, 0].tolist()
         assert starts[-1] == nb and (n == 0) == (nb == 0)
-        seg_starts = {0} | {j for j in range(1, nb)
-                            if deltas[b, j] != deltas[b, j - 1] or valid[b, j - 1] < bs}
+        seg_starts = {0} | {j for j in range(1, nb) if deltas[b, j] != deltas[b, j - 1] or valid[b, j - 1] < bs}
         if b == 3:
             assert deltas[b, nb0] == deltas[b, 0] and nb0 in seg_starts  # a segment ended by a partial block
         want, j = [], 0
@@ -108,8 +109,10 @@ def test_tile_table_cache_serves_the_forward():
 def _split_partials(r0, hq, splits, device):
     """Random partials as a split kernel leaves them: acc [R0, Hq, S, D], (base-2 max m, sum l) [R0, Hq, S, 2]."""
     acc = torch.randn(r0, hq, splits, 128, device=device)
-    ml = torch.stack((4 * torch.randn(r0, hq, splits, device=device), torch.rand(r0, hq, splits, device=device) + 0.5), -1)
-    m, l = ml[..., 0].double(), ml[..., 1].double()
+    ml = torch.stack(
+        (4 * torch.randn(r0, hq, splits, device=device), torch.rand(r0, hq, splits, device=device) + 0.5), -1
+    )
+    m, l = ml[..., 0].double(), ml[..., 1].double()  # noqa: E741  l: the softmax sum, as the kernels name it
     w = torch.exp2(m - m.max(-1, keepdim=True).values)
     ref = (acc.double() * w[..., None]).sum(-2) / (l * w).sum(-1)[..., None]
     return acc, ml, ref
@@ -118,8 +121,11 @@ def _split_partials(r0, hq, splits, device):
 MERGE_SHAPES = [(3, 8, 5), (5, 12, 1), (2, 32, 8)]  # rows not a multiple of `rows`
 
 
-@pytest.mark.parametrize("rows,warps", [(1, 4), (4, 4), (8, 8), (None, None)],
-                         ids=["1-row-4-warps", "4-rows-4-warps", "8-rows-8-warps", "tuned"])
+@pytest.mark.parametrize(
+    "rows,warps",
+    [(1, 4), (4, 4), (8, 8), (None, None)],
+    ids=["1-row-4-warps", "4-rows-4-warps", "8-rows-8-warps", "tuned"],
+)
 @pytest.mark.parametrize("r0,hq,splits", MERGE_SHAPES, ids=[f"r{a}-hq{b}-s{c}" for a, b, c in MERGE_SHAPES])
 def test_merge_splits_rows_per_program(rows, warps, r0, hq, splits):
     acc, ml, ref = _split_partials(r0, hq, splits, "cpu")
@@ -133,8 +139,11 @@ GPU_MERGE_SHAPES = [(64, 32, 8), (1, 32, 48), (7, 24, 3)]
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("rows,warps", [(1, 4), (2, 4), (4, 4), (8, 8), (16, 8), (None, None)],
-                         ids=["1-4", "2-4", "4-4", "8-8", "16-8", "tuned"])
+@pytest.mark.parametrize(
+    "rows,warps",
+    [(1, 4), (2, 4), (4, 4), (8, 8), (16, 8), (None, None)],
+    ids=["1-4", "2-4", "4-4", "8-8", "16-8", "tuned"],
+)
 @pytest.mark.parametrize("r0,hq,splits", GPU_MERGE_SHAPES, ids=[f"r{a}-hq{b}-s{c}" for a, b, c in GPU_MERGE_SHAPES])
 def test_merge_splits_gpu(rows, warps, r0, hq, splits):
     acc, ml, ref = _split_partials(r0, hq, splits, "cuda")

@@ -5,6 +5,7 @@ On CPU the Triton kernel runs in Triton's interpreter (tests/conftest.py sets TR
 are tiny and fp32; the ``gpu`` tests use bf16/fp16 and real-ish shapes. Every case draws fresh random data,
 shuffles the physical block ids, pads the last block of each document, and poisons the output with NaN.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,8 +18,21 @@ from lazyrag.kernels.kvloop import ROTATION_MODES, KernelOptions
 from lazyrag.kernels.prefill import plan_prefill
 from lazyrag.kernels.reference import lazy_decode_reference
 from tests.kernels.helpers import (
-    MAX_POS, Paged, gpu, gpu_docs, make_prefill, make_rope, needs_cuda, needs_hopper, prerotated, ref_prefill, rel_err,
-    rotated_in_place, run_decode, run_prefill, tuned_here,
+    MAX_POS,
+    Paged,
+    gpu,
+    gpu_docs,
+    make_prefill,
+    make_rope,
+    needs_cuda,
+    needs_hopper,
+    prerotated,
+    ref_prefill,
+    rel_err,
+    rotated_in_place,
+    run_decode,
+    run_prefill,
+    tuned_here,
 )
 
 
@@ -36,8 +50,18 @@ class PrefillCase:
     reuse_first_doc: bool = False
 
     def build(self, dtype=torch.float32, device="cpu"):
-        return make_prefill(self.seed, list(self.new_lens), [list(s) for s in self.docs], self.hq, self.hkv, self.d,
-                            self.bs, dtype, device, reuse_first_doc=self.reuse_first_doc)
+        return make_prefill(
+            self.seed,
+            list(self.new_lens),
+            [list(s) for s in self.docs],
+            self.hq,
+            self.hkv,
+            self.d,
+            self.bs,
+            dtype,
+            device,
+            reuse_first_doc=self.reuse_first_doc,
+        )
 
 
 def ids(cases):
@@ -58,7 +82,7 @@ PREFILL_CASES = [
 def test_prefill_matches_reference(case):
     p, q, kn, vn, cu = case.build()
     cos, sin = make_rope(case.d, "cpu")
-    scale = case.d ** -0.5
+    scale = case.d**-0.5
     out = run_prefill(p, q, kn, vn, cu, cos, sin, scale)
     assert rel_err(out, ref_prefill(p, q, kn, vn, cu, cos, sin, scale)) < 1e-4
 
@@ -66,8 +90,9 @@ def test_prefill_matches_reference(case):
 def test_prefill_tile_spans_several_documents():
     # one-block documents and a 4-page KV tile: every tile straddles segment boundaries,
     # and the same document sits at two offsets
-    p, q, kn, vn, cu = make_prefill(11, [3], [[5, 16, 3, 30, 2]], 4, 2, 64, 16, torch.float32, "cpu",
-                                    reuse_first_doc=True)
+    p, q, kn, vn, cu = make_prefill(
+        11, [3], [[5, 16, 3, 30, 2]], 4, 2, 64, 16, torch.float32, "cpu", reuse_first_doc=True
+    )
     cos, sin = make_rope(64, "cpu")
     out = run_prefill(p, q, kn, vn, cu, cos, sin, 0.125, config=(16, 64, 1, 1))
     assert rel_err(out, ref_prefill(p, q, kn, vn, cu, cos, sin, 0.125)) < 1e-4
@@ -106,14 +131,15 @@ def test_prefill_split_context_matches_reference(case):
     # context split over programs + merge kernel (the path short prefills take on the GPU), every schedule
     p, q, kn, vn, cu = case.build()
     cos, sin = make_rope(case.d, "cpu")
-    scale = case.d ** -0.5
+    scale = case.d**-0.5
     ref = ref_prefill(p, q, kn, vn, cu, cos, sin, scale)
     pre = prerotated(p, cos, sin)
     for mode in ROTATION_MODES:
         out = run_prefill(p, q, kn, vn, cu, cos, sin, scale, num_splits=case.splits, rotation_mode=mode)
         assert rel_err(out, ref) < 1e-4, mode
-        off = run_prefill(pre, q, kn, vn, cu, cos, sin, scale, apply_rotation=False, num_splits=case.splits,
-                          rotation_mode=mode)
+        off = run_prefill(
+            pre, q, kn, vn, cu, cos, sin, scale, apply_rotation=False, num_splits=case.splits, rotation_mode=mode
+        )
         assert rel_err(off, ref) < 1e-4, mode
 
 
@@ -146,8 +172,9 @@ def test_documents_sharing_a_delta_after_a_partial_block():
     refd = lazy_decode_reference(qd, p.k_cache, p.v_cache, p.meta, p.nblocks, cos, sin, 0.125)
     for mode in ROTATION_MODES:
         for splits in (1, 2):
-            out = run_prefill(p, q, kn, vn, cu, cos, sin, 0.125, num_splits=splits, rotation_mode=mode,
-                              config=(16, 64, 1, 1))
+            out = run_prefill(
+                p, q, kn, vn, cu, cos, sin, 0.125, num_splits=splits, rotation_mode=mode, config=(16, 64, 1, 1)
+            )
             assert rel_err(out, ref) < 1e-4, (mode, splits)
             outd = run_decode(p, qd, cos, sin, 0.125, num_splits=splits, config=(64, 1, 1), rotation_mode=mode)
             assert rel_err(outd, refd) < 1e-4, (mode, splits)
@@ -155,9 +182,19 @@ def test_documents_sharing_a_delta_after_a_partial_block():
 
 def _plan(case: PrefillCase, device="cpu", **options):
     p, q, kn, vn, cu = case.build(torch.float32 if device == "cpu" else torch.bfloat16, device)
-    return plan_prefill(cu, p.meta, p.nblocks, num_heads=case.hq, num_kv_heads=case.hkv, head_dim=case.d,
-                        block_size=case.bs, dtype=q.dtype, device=q.device, options=KernelOptions(**options),
-                        tile_cache={})
+    return plan_prefill(
+        cu,
+        p.meta,
+        p.nblocks,
+        num_heads=case.hq,
+        num_kv_heads=case.hkv,
+        head_dim=case.d,
+        block_size=case.bs,
+        dtype=q.dtype,
+        device=q.device,
+        options=KernelOptions(**options),
+        tile_cache={},
+    )
 
 
 def test_plan_in_the_interpreter():
@@ -179,9 +216,14 @@ GPU_HEADS = [(32, 8, 128), (12, 4, 64), (8, 8, 128), (24, 3, 64)]
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("hq,hkv,d", GPU_HEADS, ids=[f"hq{a}-hkv{b}-d{c}" for a, b, c in GPU_HEADS])
-@pytest.mark.parametrize("kernel,cfg", [pytest.param(None, None, id="default"), pytest.param("triton", None, id="triton")] + [
-    pytest.param("wgmma", cfg, marks=needs_hopper, id="wgmma-{}x{}-w{}-s{}".format(*cfg))
-    for cfg in [(128, 128, 12, 3), (128, 64, 12, 4)]])
+@pytest.mark.parametrize(
+    "kernel,cfg",
+    [pytest.param(None, None, id="default"), pytest.param("triton", None, id="triton")]
+    + [
+        pytest.param("wgmma", cfg, marks=needs_hopper, id="wgmma-{}x{}-w{}-s{}".format(*cfg))
+        for cfg in [(128, 128, 12, 3), (128, 64, 12, 4)]
+    ],
+)
 def test_prefill_gpu(dtype, hq, hkv, d, kernel, cfg):
     # the default kernel (Hopper: the wgmma one), the Triton one, and the wgmma one in other configs, against the
     # reference: documents reused at other offsets, partial blocks, a sequence without context, G not dividing the
@@ -189,10 +231,9 @@ def test_prefill_gpu(dtype, hq, hkv, d, kernel, cfg):
     gen = torch.Generator().manual_seed(100 + hq + d)
     docs = gpu_docs(gen, 3, 4, 700) + [[]]
     new_lens = [130, 7, 64, 300]
-    p, q, kn, vn, cu = make_prefill(hq * 7 + d, new_lens, docs, hq, hkv, d, 16, dtype, "cuda",
-                                    reuse_first_doc=True)
+    p, q, kn, vn, cu = make_prefill(hq * 7 + d, new_lens, docs, hq, hkv, d, 16, dtype, "cuda", reuse_first_doc=True)
     cos, sin = make_rope(d, "cuda", base=500000.0)
-    scale = d ** -0.5
+    scale = d**-0.5
     ref = ref_prefill(p, q, kn, vn, cu, cos, sin, scale)
     out = run_prefill(p, q, kn, vn, cu, cos, sin, scale, kernel=kernel, config=cfg)
     assert rel_err(out, ref) < 1e-2
@@ -203,27 +244,28 @@ def test_prefill_gpu(dtype, hq, hkv, d, kernel, cfg):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (24, 3, 64), (8, 8, 128)],
-                         ids=["hq32-hkv8-d128", "hq24-hkv3-d64", "hq8-hkv8-d128"])
+@pytest.mark.parametrize(
+    "hq,hkv,d", [(32, 8, 128), (24, 3, 64), (8, 8, 128)], ids=["hq32-hkv8-d128", "hq24-hkv3-d64", "hq8-hkv8-d128"]
+)
 @pytest.mark.parametrize("splits", [None, 1, 7], ids=["auto", "unsplit", "7-splits"])
 def test_prefill_gpu_split_context(hq, hkv, d, splits):
     # short prefill (few query tiles): the automatic split over the context, forced splits too; every schedule
     gen = torch.Generator().manual_seed(600 + hq + d)
     docs = gpu_docs(gen, 2, 6, 900)
-    p, q, kn, vn, cu = make_prefill(hq + d, [64, 9], docs, hq, hkv, d, 16, torch.bfloat16, "cuda",
-                                    reuse_first_doc=True)
+    p, q, kn, vn, cu = make_prefill(hq + d, [64, 9], docs, hq, hkv, d, 16, torch.bfloat16, "cuda", reuse_first_doc=True)
     cos, sin = make_rope(d, "cuda", base=500000.0)
-    ref = ref_prefill(p, q, kn, vn, cu, cos, sin, d ** -0.5)
-    assert rel_err(run_prefill(p, q, kn, vn, cu, cos, sin, d ** -0.5, num_splits=splits), ref) < 1e-2
+    ref = ref_prefill(p, q, kn, vn, cu, cos, sin, d**-0.5)
+    assert rel_err(run_prefill(p, q, kn, vn, cu, cos, sin, d**-0.5, num_splits=splits), ref) < 1e-2
     pre = prerotated(p, cos, sin)
-    ref0 = ref_prefill(pre, q, kn, vn, cu, cos, sin, d ** -0.5)
-    off = run_prefill(pre, q, kn, vn, cu, cos, sin, d ** -0.5, apply_rotation=False, num_splits=splits)
+    ref0 = ref_prefill(pre, q, kn, vn, cu, cos, sin, d**-0.5)
+    off = run_prefill(pre, q, kn, vn, cu, cos, sin, d**-0.5, apply_rotation=False, num_splits=splits)
     assert rel_err(off, ref0) < 1e-2
     for mode in ROTATION_MODES:
-        out = run_prefill(p, q, kn, vn, cu, cos, sin, d ** -0.5, num_splits=splits, rotation_mode=mode)
+        out = run_prefill(p, q, kn, vn, cu, cos, sin, d**-0.5, num_splits=splits, rotation_mode=mode)
         assert rel_err(out, ref) < 1e-2, mode
-        off = run_prefill(pre, q, kn, vn, cu, cos, sin, d ** -0.5, apply_rotation=False, num_splits=splits,
-                          rotation_mode=mode)
+        off = run_prefill(
+            pre, q, kn, vn, cu, cos, sin, d**-0.5, apply_rotation=False, num_splits=splits, rotation_mode=mode
+        )
         assert rel_err(off, ref0) < 1e-2, mode
 
 
@@ -233,17 +275,27 @@ def test_prefill_gpu_plan_matches_the_tuned_choices():
     # the engine's selections: a short prefill (few programs) takes the short config, ROT 7 and a split; a full
     # one the wgmma kernel on Hopper, else the Triton kernel with ROT 5 and the default config
     from lazyrag.kernels import prefill_wgmma
+
     t = tuned_here()
     short = _plan(PrefillCase("short", 1, (64,), ((512,) * 5,), 32, 8, 128, 16), device="cuda")
-    assert (short.kernel, short.rot, short.config) == ("triton", t["prefill"]["short_rotation_mode"],
-                                                       tuple(t["prefill"]["short_config"]))
+    assert (short.kernel, short.rot, short.config) == (
+        "triton",
+        t["prefill"]["short_rotation_mode"],
+        tuple(t["prefill"]["short_config"]),
+    )
     assert short.splits > 1
     full = _plan(PrefillCase("full", 1, (512,) * 8, ((2048,),) * 8, 32, 8, 128, 16), device="cuda")
-    if prefill_wgmma.supported(torch.bfloat16, 128, torch.device("cuda"), 16, 64) and prefill_wgmma.disabled_because is None:
+    if (
+        prefill_wgmma.supported(torch.bfloat16, 128, torch.device("cuda"), 16, 64)
+        and prefill_wgmma.disabled_because is None
+    ):
         assert (full.kernel, full.config) == ("wgmma", tuple(t["prefill_wgmma"]["config"]))
     else:
-        assert (full.kernel, full.rot, full.config) == ("triton", t["prefill"]["rotation_mode"],
-                                                        tuple(t["prefill"]["config"]))
+        assert (full.kernel, full.rot, full.config) == (
+            "triton",
+            t["prefill"]["rotation_mode"],
+            tuple(t["prefill"]["config"]),
+        )
 
 
 @gpu
@@ -257,15 +309,16 @@ def test_prefill_wgmma_gpu_many_short_documents(bs):
     docs = [[int(x) for x in torch.randint(1, 200, (12,), generator=gen)] for _ in range(2)]
     p, q, kn, vn, cu = make_prefill(bs, [512, 333], docs, 32, 8, 128, bs, torch.bfloat16, "cuda")
     cos, sin = make_rope(128, "cuda", base=500000.0)
-    ref = ref_prefill(p, q, kn, vn, cu, cos, sin, 128 ** -0.5)
+    ref = ref_prefill(p, q, kn, vn, cu, cos, sin, 128**-0.5)
     ids_, deltas, valid = unpack_block_meta(p.meta)
-    one_offset = Paged(p.k_cache, p.v_cache, pack_block_meta(ids_, torch.full_like(deltas, 77), valid), p.nblocks,
-                       p.docs)
-    ref_one = ref_prefill(one_offset, q, kn, vn, cu, cos, sin, 128 ** -0.5)
+    one_offset = Paged(
+        p.k_cache, p.v_cache, pack_block_meta(ids_, torch.full_like(deltas, 77), valid), p.nblocks, p.docs
+    )
+    ref_one = ref_prefill(one_offset, q, kn, vn, cu, cos, sin, 128**-0.5)
     for cfg in ((128, 128, 12, 3), (128, 64, 12, 6)):
-        out = run_prefill(p, q, kn, vn, cu, cos, sin, 128 ** -0.5, kernel="wgmma", config=cfg)
+        out = run_prefill(p, q, kn, vn, cu, cos, sin, 128**-0.5, kernel="wgmma", config=cfg)
         assert rel_err(out, ref) < 1e-2, cfg
-        out = run_prefill(one_offset, q, kn, vn, cu, cos, sin, 128 ** -0.5, kernel="wgmma", config=cfg)
+        out = run_prefill(one_offset, q, kn, vn, cu, cos, sin, 128**-0.5, kernel="wgmma", config=cfg)
         assert rel_err(out, ref_one) < 1e-2, cfg
 
 
@@ -275,6 +328,7 @@ def test_prefill_wgmma_disable_warns_once(monkeypatch):
     import warnings
 
     from lazyrag.kernels import prefill_wgmma
+
     monkeypatch.setattr(prefill_wgmma, "disabled_because", None)
     with pytest.warns(RuntimeWarning, match="Triton kernel from now on.*kernel='wgmma'"):
         prefill_wgmma.disable("CompilationError: at 1:2")
@@ -290,9 +344,10 @@ def test_prefill_wgmma_build_failure_falls_back(monkeypatch):
     # a Triton whose Gluon API moved: the default prefill warns once and runs the Triton kernel from then on (the
     # plan's other layers too); asking for the wgmma kernel by name shows the error
     from lazyrag.kernels import prefill_wgmma
+
     p, q, kn, vn, cu = make_prefill(77, [512, 300], [[900, 300], [1200]], 32, 8, 128, 16, torch.bfloat16, "cuda")
     cos, sin = make_rope(128, "cuda", base=500000.0)
-    ref = ref_prefill(p, q, kn, vn, cu, cos, sin, 128 ** -0.5)
+    ref = ref_prefill(p, q, kn, vn, cu, cos, sin, 128**-0.5)
 
     def broken(*args, **kwargs):
         raise RuntimeError("simulated Gluon API change")
@@ -300,12 +355,12 @@ def test_prefill_wgmma_build_failure_falls_back(monkeypatch):
     monkeypatch.setattr(prefill_wgmma, "lazy_prefill_wgmma", broken)
     monkeypatch.setattr(prefill_wgmma, "disabled_because", None)
     with pytest.warns(RuntimeWarning, match="Triton kernel"):
-        out = run_prefill(p, q, kn, vn, cu, cos, sin, 128 ** -0.5)
+        out = run_prefill(p, q, kn, vn, cu, cos, sin, 128**-0.5)
     assert rel_err(out, ref) < 1e-2
     assert "simulated" in prefill_wgmma.disabled_because
-    assert rel_err(run_prefill(p, q, kn, vn, cu, cos, sin, 128 ** -0.5), ref) < 1e-2  # no second warning needed
+    assert rel_err(run_prefill(p, q, kn, vn, cu, cos, sin, 128**-0.5), ref) < 1e-2  # no second warning needed
     with pytest.raises(RuntimeError, match="simulated"):
-        run_prefill(p, q, kn, vn, cu, cos, sin, 128 ** -0.5, kernel="wgmma")
+        run_prefill(p, q, kn, vn, cu, cos, sin, 128**-0.5, kernel="wgmma")
 
 
 PREFILL_CANDIDATES = [tuple(c) for c in tuned_here()["prefill"]["candidates"]]
@@ -316,12 +371,13 @@ PREFILL_CANDIDATES = [tuple(c) for c in tuned_here()["prefill"]["candidates"]]
 @pytest.mark.parametrize("cfg", PREFILL_CANDIDATES, ids=["{}x{}-w{}-s{}".format(*c) for c in PREFILL_CANDIDATES])
 def test_prefill_gpu_every_config(cfg):
     # the autotuner may pick any of these: each must be right, block size 32 too
-    p, q, kn, vn, cu = make_prefill(300, [77, 200], [[300, 45, 500], [1000]], 32, 8, 128, 32, torch.bfloat16,
-                                    "cuda", reuse_first_doc=True)
+    p, q, kn, vn, cu = make_prefill(
+        300, [77, 200], [[300, 45, 500], [1000]], 32, 8, 128, 32, torch.bfloat16, "cuda", reuse_first_doc=True
+    )
     cos, sin = make_rope(128, "cuda")
-    ref = ref_prefill(p, q, kn, vn, cu, cos, sin, 128 ** -0.5)
+    ref = ref_prefill(p, q, kn, vn, cu, cos, sin, 128**-0.5)
     for splits in (1, 3):
-        out = run_prefill(p, q, kn, vn, cu, cos, sin, 128 ** -0.5, config=cfg, num_splits=splits)
+        out = run_prefill(p, q, kn, vn, cu, cos, sin, 128**-0.5, config=cfg, num_splits=splits)
         assert rel_err(out, ref) < 1e-2, splits
 
 
@@ -331,20 +387,32 @@ def test_prefill_gpu_split_replays_from_a_cuda_graph():
     # the TTFT shape (64 new tokens over 5 documents of 512: split context, then the merge launch), planned and
     # captured as the engine does: a plan made inside the capture, its tile table rebuilt on every replay
     from lazyrag.kernels.prefill import run_prefill as run_plan
+
     case = PrefillCase("ttft", 470, (64,), ((512,) * 5,), 32, 8, 128, 16)
     p, q, kn, vn, cu = case.build(torch.bfloat16, "cuda")
     cos, sin = make_rope(128, "cuda", base=500000.0)
-    ref = ref_prefill(p, q, kn, vn, cu, cos, sin, 128 ** -0.5)
+    ref = ref_prefill(p, q, kn, vn, cu, cos, sin, 128**-0.5)
     for _ in range(2):  # the second call runs at the occupancy the first one recorded, as the capture does
-        first = run_prefill(p, q, kn, vn, cu, cos, sin, 128 ** -0.5, max_seqlen_q=64, tile_cache={})
+        first = run_prefill(p, q, kn, vn, cu, cos, sin, 128**-0.5, max_seqlen_q=64, tile_cache={})
     assert rel_err(first, ref) < 1e-2
     outs = [torch.full_like(first, float("nan")) for _ in range(4)]
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        plan = plan_prefill(cu, p.meta, p.nblocks, num_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
-                            dtype=q.dtype, device=q.device, max_seqlen_q=64, tile_cache={})
+        plan = plan_prefill(
+            cu,
+            p.meta,
+            p.nblocks,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            block_size=16,
+            dtype=q.dtype,
+            device=q.device,
+            max_seqlen_q=64,
+            tile_cache={},
+        )
         for o in outs:  # one per layer
-            run_plan(plan, q, kn, vn, p.k_cache, p.v_cache, cos, sin, 128 ** -0.5, out=o)
+            run_plan(plan, q, kn, vn, p.k_cache, p.v_cache, cos, sin, 128**-0.5, out=o)
     assert plan.splits > 1
     for _ in range(3):
         for o in outs:
@@ -357,8 +425,9 @@ def test_prefill_gpu_split_replays_from_a_cuda_graph():
 @gpu
 @needs_cuda
 def test_fp32_gpu():
-    p, q, kn, vn, cu = make_prefill(500, [40, 9], [[100, 37], [64]], 8, 2, 64, 16, torch.float32, "cuda",
-                                    reuse_first_doc=True)
+    p, q, kn, vn, cu = make_prefill(
+        500, [40, 9], [[100, 37], [64]], 8, 2, 64, 16, torch.float32, "cuda", reuse_first_doc=True
+    )
     cos, sin = make_rope(64, "cuda")
     out = run_prefill(p, q, kn, vn, cu, cos, sin, 0.125)
     assert rel_err(out, ref_prefill(p, q, kn, vn, cu, cos, sin, 0.125)) < 1e-4

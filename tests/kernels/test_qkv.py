@@ -1,4 +1,5 @@
 """The fused q/k rotation + K/V pool store (kernels/qkv.py) against rotate_qk + BlockPool.write."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,7 +25,7 @@ def _check_rotate_qk_store(device, dtype, hq, hkv, d, T, scaling):
     q, k, v = rotate_qk_store(qkv, cos, sin, scaling, hq, hkv, k_cache, v_cache, slots)
     rq, rk, rv = rotate_qk(qkv.float(), cos.float(), sin.float(), scaling, hq, hkv)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
-    assert rel_err(q, rq) < tol and rel_err(k, rk) < tol and torch.equal(v, qkv[:, (hq + hkv) * d:].view(T, hkv, d))
+    assert rel_err(q, rq) < tol and rel_err(k, rk) < tol and torch.equal(v, qkv[:, (hq + hkv) * d :].view(T, hkv, d))
     flat_k, flat_v = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
     assert torch.equal(flat_k[slots], k) and torch.equal(flat_v[slots], v)
     untouched = torch.ones(nb * bs, dtype=torch.bool, device=device)

@@ -1,5 +1,6 @@
 """The tuned kernel choices (kernels/tuned_configs.json, kernels/tuned.py): the values the kernels shipped with as
 module constants, the per-device merge, and a benchmark's override file."""
+
 from __future__ import annotations
 
 import json
@@ -12,7 +13,11 @@ from lazyrag.kernels import tuned
 def test_default_values_are_the_measured_ones():
     t = tuned.for_device_name("default")
     assert t is tuned.tuned(torch.device("cpu"))
-    assert (t["prefill"]["kernel"], t["prefill"]["config"], t["prefill"]["rotation_mode"]) == ("wgmma", [128, 128, 8, 3], 5)
+    assert (t["prefill"]["kernel"], t["prefill"]["config"], t["prefill"]["rotation_mode"]) == (
+        "wgmma",
+        [128, 128, 8, 3],
+        5,
+    )
     assert (t["prefill"]["short_config"], t["prefill"]["short_rotation_mode"]) == ([64, 64, 4, 3], 7)
     assert t["prefill_wgmma"] == {"config": [128, 64, 12, 6], "registers": [216, 72], "key_chunk": 16}
     d = t["decode"]
@@ -49,8 +54,9 @@ def test_override_files_from_the_environment(tmp_path, monkeypatch):
 
 
 def test_the_wheel_ships_the_table():
-    import tomllib
     from pathlib import Path
+
+    import tomllib
 
     pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
     assert "tuned_configs.json" in pyproject["tool"]["setuptools"]["package-data"]["lazyrag.kernels"]

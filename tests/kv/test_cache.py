@@ -164,7 +164,7 @@ def test_budget_is_never_exceeded_by_random_traffic():
     cache = make(num_blocks=20, policy="gdsf", budget_bytes=budget)
     rng = random.Random(0)
     held = []
-    for step in range(400):
+    for _step in range(400):
         key = f"s{rng.randrange(30)}"
         seg = cache.get(key)
         if seg is None:
@@ -192,9 +192,10 @@ STORED_BOUNDS = {
 @pytest.mark.parametrize("stored", list(STORED_BOUNDS))
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_tier_round_trip_keeps_kv_within_its_stored_dtypes_rounding(tier, stored, tmp_path):
-    """float32 comes back bit-exact; 16 bits and int8 come back as the codec rounds them, at their share of the bytes."""
-    from lazyrag.kv.formats import resolve_stored_dtype
+    """float32 comes back bit-exact; 16 bits and int8 come back as the codec rounds them, at their share of the
+    bytes."""
     from lazyrag.kv import codec
+    from lazyrag.kv.formats import resolve_stored_dtype
 
     cfg = {"host_bytes": 1 << 20} if tier == "host" else {"disk_dir": str(tmp_path), "disk_bytes": 1 << 20}
     cache = make(num_blocks=4, stored_kv_dtype=stored, **cfg)
@@ -290,7 +291,7 @@ def test_prefetch_promotes_in_the_background(tmp_path):
     cache.clear()
     assert len(cache) == 0
     assert cache.prefetch(list("abc") + ["missing"]).result(timeout=30) == 3
-    for key, (k, v) in kvs.items():
+    for key, (k, _v) in kvs.items():
         seg = cache.get(key)
         assert seg is not None and torch.equal(cache.read_kv(seg)[0], k)
         cache.unpin(seg)

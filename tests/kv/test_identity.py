@@ -1,5 +1,6 @@
 """The content-key rule beside KVIdentity: how a chunk's and the shared prefix's cache keys are made
 (the keys of corpus stores on disk were made by it), and the memo that remembers them."""
+
 import hashlib
 import random
 from array import array
@@ -10,8 +11,10 @@ from lazyrag.kv.identity import ContentKeyMemo, chunk_key, content_key, prefix_k
 def test_content_keys_stay_those_stores_on_disk_are_indexed_by():
     """sha256 over each part's length and bytes, token ids as ``array("q")`` packs them: pinned by a digest
     made before ids were packed with ``struct`` and by the ``array`` definition on random parts."""
-    assert content_key("fp", "chunk", [128000, 0, 7], [], (1, 2**40)) == \
-        "2f25cc79a97775f248b5ecdddc891afc8fcd63d39810a36a7fe498d8fa79f9f6"
+    assert (
+        content_key("fp", "chunk", [128000, 0, 7], [], (1, 2**40))
+        == "2f25cc79a97775f248b5ecdddc891afc8fcd63d39810a36a7fe498d8fa79f9f6"
+    )
 
     def by_array(*parts):
         h = hashlib.sha256()
@@ -22,9 +25,15 @@ def test_content_keys_stay_those_stores_on_disk_are_indexed_by():
 
     rng = random.Random(0)
     for _ in range(50):
-        parts = [rng.choice(["", "prefix", "chunk \u00e9"]) if rng.random() < 0.4 else
-                 [rng.randrange(-(2**63), 2**63) if rng.random() < 0.1 else rng.randrange(128256) for _ in range(rng.randrange(600))]
-                 for _ in range(rng.randrange(1, 5))]
+        parts = [
+            rng.choice(["", "prefix", "chunk \u00e9"])
+            if rng.random() < 0.4
+            else [
+                rng.randrange(-(2**63), 2**63) if rng.random() < 0.1 else rng.randrange(128256)
+                for _ in range(rng.randrange(600))
+            ]
+            for _ in range(rng.randrange(1, 5))
+        ]
         assert content_key(*parts) == by_array(*parts)
 
 

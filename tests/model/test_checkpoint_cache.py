@@ -3,6 +3,7 @@
 A GGUF is converted once (here the conversion is the session's GGUF load, ``default_hf``, handed to the cache instead
 of a second 30 s parse) and read from the cache afterwards; a damaged folder is discarded and converted again; the
 engine is the same, fingerprint included, either way."""
+
 import json
 import logging
 import os
@@ -56,7 +57,11 @@ def test_first_load_converts_the_second_reads_the_cache(conversions, monkeypatch
     assert conversions == [loader.DEFAULT_MODEL_FILE]
     manifest = json.loads((_folder() / MANIFEST).read_text())
     assert manifest["gguf_file"] == loader.DEFAULT_MODEL_FILE and manifest["fingerprint"] == first.fingerprint
-    assert (_folder() / WEIGHTS).is_file() and (_folder() / "config.json").is_file() and (_folder() / "tokenizer.json").is_file()
+    assert (
+        (_folder() / WEIGHTS).is_file()
+        and (_folder() / "config.json").is_file()
+        and (_folder() / "tokenizer.json").is_file()
+    )
     assert not [p for p in _folder().parent.iterdir() if p.name.startswith(".tmp-")], "a temporary folder was left"
 
     _no_gguf_reads(monkeypatch)
@@ -65,14 +70,25 @@ def test_first_load_converts_the_second_reads_the_cache(conversions, monkeypatch
     # the same model as the GGUF loaded by transformers: fingerprint, prompts' tokens, end tokens and logits
     assert second.fingerprint == first.fingerprint == default_engine.fingerprint
     layout = second.build_prompt("Who discovered penicillin?", ["Alexander Fleming discovered penicillin in 1928."])
-    reference = default_engine.build_prompt("Who discovered penicillin?", ["Alexander Fleming discovered penicillin in 1928."])
+    reference = default_engine.build_prompt(
+        "Who discovered penicillin?", ["Alexander Fleming discovered penicillin in 1928."]
+    )
     assert layout.full_ids() == reference.full_ids()
     assert second.scheduler.end_tokens == default_engine.scheduler.end_tokens
     assert torch.equal(second.layout_logits(layout, "full"), default_engine.layout_logits(reference, "full"))
 
 
-@pytest.mark.parametrize("damage", ["truncated weights", "overwritten weights", "no manifest", "another GGUF's manifest",
-                                    "unreadable config", "edited tokenizer"])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "truncated weights",
+        "overwritten weights",
+        "no manifest",
+        "another GGUF's manifest",
+        "unreadable config",
+        "edited tokenizer",
+    ],
+)
 def test_a_damaged_cache_is_discarded_and_converted_again(conversions, damage, caplog, default_engine):
     LazyEngine.from_pretrained(**KW)
     folder = _folder()
@@ -131,7 +147,9 @@ def test_an_unwritable_cache_still_loads(conversions, tmp_path, monkeypatch, cap
 @pytest.mark.parametrize("switch", ["env", "argument"])
 def test_the_cache_can_be_turned_off(conversions, monkeypatch, default_hf, default_engine, switch):
     loads = []
-    monkeypatch.setattr("lazyrag.engine.engine.load_checkpoint", lambda source, dtype: loads.append(source) or default_hf)
+    monkeypatch.setattr(
+        "lazyrag.engine.engine.load_checkpoint", lambda source, dtype: loads.append(source) or default_hf
+    )
     kw = dict(KW)
     if switch == "env":
         monkeypatch.setenv("LAZYRAG_MODEL_CACHE", "0")
@@ -173,12 +191,20 @@ def test_a_rewritten_gguf_is_hashed_again_even_with_its_old_size_and_mtime(monke
 
 # -- warm-up -------------------------------------------------------------------------------------
 
+
 def _state(engine: LazyEngine) -> dict:
     """Everything a request leaves behind in an engine: cached segments, blocks, counters, registered chunk texts."""
-    return {"report": engine.cache_report(), "segments": len(engine.cache), "free": engine.cache.pool.num_free,
-            "steps": dict(engine.scheduler.steps), "forwarded": engine.runner.tokens_forwarded,
-            "flushed": engine.scheduler.planner.batch.tokens_flushed, "texts": len(engine.chunk_finder),
-            "host": [len(t) for t in engine.cache.tiers], "busy": engine.has_unfinished_requests()}
+    return {
+        "report": engine.cache_report(),
+        "segments": len(engine.cache),
+        "free": engine.cache.pool.num_free,
+        "steps": dict(engine.scheduler.steps),
+        "forwarded": engine.runner.tokens_forwarded,
+        "flushed": engine.scheduler.planner.batch.tokens_flushed,
+        "texts": len(engine.chunk_finder),
+        "host": [len(t) for t in engine.cache.tiers],
+        "busy": engine.has_unfinished_requests(),
+    }
 
 
 def test_warm_up_leaves_no_state_behind(default_hf):
@@ -191,7 +217,9 @@ def test_warm_up_leaves_no_state_behind(default_hf):
     engine.warm_up()
     assert forwarded, "the warm-up ran no forward pass"
     assert _state(engine) == fresh
-    r = engine.generate("Who discovered penicillin?", ["Alexander Fleming discovered penicillin in 1928."], max_new_tokens=4)
+    r = engine.generate(
+        "Who discovered penicillin?", ["Alexander Fleming discovered penicillin in 1928."], max_new_tokens=4
+    )
     assert r.stats.chunks_hit == 0 and r.stats.prefix_tokens_reused == 0  # nothing the warm-up encoded is found
 
 

@@ -3,6 +3,7 @@ RMSNorm before RoPE, head_dim != hidden / heads) and Mistral (full attention), a
 transformers. Each answers as transformers does, whether handed over in memory (``from_hf``) or loaded from a
 ``save_pretrained`` folder; cached chunk KV read at new positions equals KV computed there; and what the forward
 cannot run exactly (sliding windows, experts, other architectures) is refused with what is supported."""
+
 import json
 
 import pytest

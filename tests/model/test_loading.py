@@ -1,4 +1,5 @@
 """Model loading: the default GGUF, transformers folders, and clear errors for bad input."""
+
 import json
 
 import pytest
@@ -68,7 +69,11 @@ def test_plain_rope_is_transformers_own(default_hf, theta):
 
     from lazyrag.model.llama import rope_frequencies
 
-    config = default_hf[0].config if theta is None else tiny_llama_config(rope_parameters={"rope_type": "default", "rope_theta": theta})
+    config = (
+        default_hf[0].config
+        if theta is None
+        else tiny_llama_config(rope_parameters={"rope_type": "default", "rope_theta": theta})
+    )
     inv_freq, scaling = rope_frequencies(config)
     reference = LlamaRotaryEmbedding(config)
     assert torch.equal(inv_freq, reference.inv_freq.float()) and scaling == reference.attention_scaling

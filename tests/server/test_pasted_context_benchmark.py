@@ -2,6 +2,7 @@
 the stock LangChain and LlamaIndex clients and the openai client): 2 questions over 3 real 2WikiMultihopQA passages.
 From the 2nd question the pasted clients reuse >= 80% of the context tokens with no ``documents`` field, as the
 ``documents`` path does; with the server's pasted-context switch off nothing is reused. No timing is checked."""
+
 import importlib.util
 import json
 import sys
@@ -32,8 +33,14 @@ def test_pasted_clients_reuse_the_context_from_the_second_question(default_engin
     bench = load_benchmark()
     out = tmp_path / "pasted.json"
     config, finder = default_engine.cache.config, default_engine.chunk_finder
-    assert bench.main(["--questions", "2", "--passages", "3", "--max-tokens", "4", "--out", str(out)], engine=default_engine) == 0
-    assert default_engine.cache.config == config and default_engine.chunk_finder is finder  # the shared engine as it was
+    assert (
+        bench.main(
+            ["--questions", "2", "--passages", "3", "--max-tokens", "4", "--out", str(out)], engine=default_engine
+        )
+        == 0
+    )
+    # the shared engine as it was
+    assert default_engine.cache.config == config and default_engine.chunk_finder is finder
     assert default_engine.submit.__func__ is type(default_engine).submit  # the watch is off again
 
     result = json.loads(out.read_text())
@@ -47,9 +54,11 @@ def test_pasted_clients_reuse_the_context_from_the_second_question(default_engin
     rows = {(r["client"], r["question"]): r for r in result["rows"]}
     assert len(rows) == len(result["rows"]) == 2 * len(bench.CLIENTS)
     for (client, q), r in rows.items():
-        assert r["ttft_ms"] is not None and r["ttft_ms"] > 0 and r["engine_ttft_ms"] > 0, (client, q)  # text was streamed
+        # text was streamed
+        assert r["ttft_ms"] is not None and r["ttft_ms"] > 0 and r["engine_ttft_ms"] > 0, (client, q)
         assert r["answer"].strip() and r["context_tokens"] == meta["context_tokens"]
-        assert r["cached_tokens"] == r["metrics_cached_tokens"] == r["tokens_reused"], (client, q)  # usage = /metrics = engine
+        # usage = /metrics = engine
+        assert r["cached_tokens"] == r["metrics_cached_tokens"] == r["tokens_reused"], (client, q)
     assert rows["langchain", 1]["cached_source"] == rows["documents", 1]["cached_source"] == "usage"
     assert rows["llamaindex", 1]["cached_source"] == "metrics"
 

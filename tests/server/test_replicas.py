@@ -1,6 +1,7 @@
 """`lazyrag serve --replicas 2` as users run it, on CPU with the embedded model: two replica processes on Ray
 Serve behind one OpenAI endpoint (loopback only, behind an API key), routed by chunk affinity; a replica killed
 under load fails only its own requests, and a request nothing was sent for yet is answered by the other replica."""
+
 import threading
 import time
 
@@ -13,10 +14,14 @@ from tests.helpers import free_port  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 KEY = "sesame"  # the endpoint's --api-key
-FLEMING = ["Alexander Fleming discovered penicillin in 1928 at St Mary's Hospital in London.",
-           "The Eiffel Tower was completed in 1889 for the World's Fair in Paris."]
-CURIE = ["Marie Curie was the first person to win Nobel Prizes in two sciences.",
-         "Mount Kilimanjaro, in Tanzania, is the highest mountain in Africa."]
+FLEMING = [
+    "Alexander Fleming discovered penicillin in 1928 at St Mary's Hospital in London.",
+    "The Eiffel Tower was completed in 1889 for the World's Fair in Paris.",
+]
+CURIE = [
+    "Marie Curie was the first person to win Nobel Prizes in two sciences.",
+    "Mount Kilimanjaro, in Tanzania, is the highest mountain in Africa.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +33,18 @@ def endpoint():
     port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        run(ReplicaSpec(kv_budget=256 << 20, server={"max_tokens": 8}), 2, "chunk_affinity", "127.0.0.1", port,
-            blocking=False, api_key=KEY)
-        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120, headers={"Authorization": f"Bearer {KEY}"})
+        run(
+            ReplicaSpec(kv_budget=256 << 20, server={"max_tokens": 8}),
+            2,
+            "chunk_affinity",
+            "127.0.0.1",
+            port,
+            blocking=False,
+            api_key=KEY,
+        )
+        client = httpx.Client(
+            base_url=f"http://127.0.0.1:{port}", timeout=120, headers={"Authorization": f"Bearer {KEY}"}
+        )
         yield client
         client.close()
     finally:
@@ -39,8 +53,10 @@ def endpoint():
 
 
 def ask(client, question, documents, **kw):
-    return client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": question}],
-                                                     "documents": documents, **kw})
+    return client.post(
+        "/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": question}], "documents": documents, **kw},
+    )
 
 
 def routing(client) -> dict:
@@ -70,16 +86,26 @@ def test_one_endpoint_answers_and_a_request_goes_where_its_documents_are(endpoin
     # the front speaks the OpenAI API: the official client, streaming included
     client = OpenAI(base_url=str(endpoint.base_url) + "/v1", api_key=KEY)
     assert client.models.list().data[0].id == MODEL
-    pieces = list(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Who?"}],
-                                                 stream=True, max_tokens=6, extra_body={"documents": FLEMING}))
+    pieces = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Who?"}],
+            stream=True,
+            max_tokens=6,
+            extra_body={"documents": FLEMING},
+        )
+    )
     assert "".join(p.choices[0].delta.content or "" for p in pieces if p.choices).strip()
 
 
 def test_a_request_without_the_api_key_is_refused(endpoint):
     with httpx.Client(base_url=endpoint.base_url, timeout=120) as stranger:
         for headers in ({}, {"Authorization": "Bearer wrong"}):
-            r = stranger.post("/v1/chat/completions", headers=headers, json={
-                "model": MODEL, "messages": [{"role": "user", "content": "Who?"}], "documents": CURIE})
+            r = stranger.post(
+                "/v1/chat/completions",
+                headers=headers,
+                json={"model": MODEL, "messages": [{"role": "user", "content": "Who?"}], "documents": CURIE},
+            )
             assert r.status_code == 401, r.text
             assert r.json()["error"]["type"] == "authentication_error" and "x-lazyrag-replica" not in r.headers
             assert stranger.get("/v1/models", headers=headers).status_code == 401
@@ -108,9 +134,17 @@ def test_a_killed_replica_fails_only_its_requests_and_the_router_stops_sending_t
     survivor = next(n for n in routing(endpoint) if n != home)
     actor = next(a for a in ray.util.list_named_actors(all_namespaces=True) if f"#{home}#" in a["name"])
     # a long answer streaming from the replica about to die
-    with endpoint.stream("POST", "/v1/chat/completions",
-                         json={"model": MODEL, "messages": [{"role": "user", "content": "Tell me about penicillin."}],
-                               "documents": FLEMING, "max_tokens": 200, "stream": True}) as streaming:
+    with endpoint.stream(
+        "POST",
+        "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Tell me about penicillin."}],
+            "documents": FLEMING,
+            "max_tokens": 200,
+            "stream": True,
+        },
+    ) as streaming:
         assert streaming.headers["x-lazyrag-replica"] == home
         lines = streaming.iter_lines()
         assert next(lines).startswith("data: ")

@@ -3,6 +3,7 @@ row per router with sane numbers, every request's chunks are counted, and on a s
 affinity finds at least as many chunks cached as round robin. Every document fits every replica's pool and requests
 come one at a time on average (0.6 requests/s, each well under a second), so the router sees what each replica holds:
 affinity sends a request where its documents are, round robin alternates and encodes each document on both."""
+
 import importlib.util
 import json
 from pathlib import Path
@@ -29,9 +30,32 @@ def test_the_replicas_benchmark_runs_small_and_affinity_hits_at_least_as_much_as
         ray.shutdown()
     bench = load_benchmark()
     out = tmp_path / "replicas.json"
-    argv = ["--replicas", "2", "--routers", "chunk_affinity", "round_robin", "--docs", "6", "--doc-tokens", "48",
-            "--docs-per-prompt", "2", "--requests-per-replica", "6", "--rate", "0.3", "--kv-budget", "64MiB",
-            "--max-tokens", "2", "--num-cpus", "2", "--out", str(out), "--no-plot"]
+    argv = [
+        "--replicas",
+        "2",
+        "--routers",
+        "chunk_affinity",
+        "round_robin",
+        "--docs",
+        "6",
+        "--doc-tokens",
+        "48",
+        "--docs-per-prompt",
+        "2",
+        "--requests-per-replica",
+        "6",
+        "--rate",
+        "0.3",
+        "--kv-budget",
+        "64MiB",
+        "--max-tokens",
+        "2",
+        "--num-cpus",
+        "2",
+        "--out",
+        str(out),
+        "--no-plot",
+    ]
     assert bench.main(argv) == 0
     data = json.loads(out.read_text())
     assert data["meta"]["workload"]["docs"] == 6 and "benchmarks/replicas.py" in data["meta"]["command"]

@@ -1,6 +1,7 @@
 """What `lazyrag serve --replicas N` exposes, checked without starting Ray (tests/server/test_replicas.py starts it):
 the front checks `lazyrag serve`'s API key and body limits before routing, the Ray it starts has no dashboard, and
 the HTTP proxy listens on --host (loopback by default)."""
+
 import json
 
 import pytest
@@ -113,5 +114,8 @@ def test_serve_replicas_passes_the_key_and_listens_on_loopback_by_default(monkey
     assert calls["start"]["http_options"]["host"] == "127.0.0.1"
     assert calls["app"]["api_key"] == KEY and calls["app"]["api_key_covers"] == "v1"
     calls.clear()
-    assert main(["serve", "--replicas", "2", "--host", "0.0.0.0", "--api-key-file", str(key), "--api-key-covers", "all"]) == 0
+    assert (
+        main(["serve", "--replicas", "2", "--host", "0.0.0.0", "--api-key-file", str(key), "--api-key-covers", "all"])
+        == 0
+    )
     assert calls["start"]["http_options"]["host"] == "0.0.0.0" and calls["app"]["api_key_covers"] == "all"

@@ -1,5 +1,6 @@
 """Routing across replicas (lazyrag/server/routing.py): KV events from the real cache manager, the
 routers' choices, and the simulated cluster's outcome (benchmarks/routing.py)."""
+
 import pytest
 import torch
 
@@ -80,8 +81,7 @@ def test_evicted_chunks_stop_attracting_requests():
     assert router.start(["doc1"]).replica == "r0"  # r1 no longer has it; r0 is first among equals
 
 
-@pytest.mark.parametrize("router_cls", [ChunkAffinityRouter, LeastLoadedRouter, RoundRobinRouter],
-                         ids=lambda c: c.name)
+@pytest.mark.parametrize("router_cls", [ChunkAffinityRouter, LeastLoadedRouter, RoundRobinRouter], ids=lambda c: c.name)
 def test_a_replica_marked_down_gets_nothing_and_none_up_is_an_error(router_cls):
     router = router_cls(["r0", "r1"])
     router.replicas["r0"].held = {"doc1"}
@@ -115,8 +115,9 @@ def test_in_the_simulated_cluster_affinity_serves_more_chunks_from_cache_than_ro
     from benchmarks.hit_rate import Workload
     from benchmarks.routing import simulate
 
-    args = argparse.Namespace(budget_gib=4.0, rate=8.0, requests_per_replica=60, alpha=2.1, hit_ms=5.48,
-                              miss_us_per_token=25.4)
+    args = argparse.Namespace(
+        budget_gib=4.0, rate=8.0, requests_per_replica=60, alpha=2.1, hit_ms=5.48, miss_us_per_token=25.4
+    )
     rows = {name: simulate(name, 4, Workload(), args) for name in ("chunk_affinity", "round_robin")}
     a, b = rows["chunk_affinity"], rows["round_robin"]
     assert a["requests"] == b["requests"] == 240

