@@ -64,6 +64,87 @@ def test_a_saved_folder_loads_with_the_same_answers_and_its_own_fingerprint(fami
     assert loaded.fingerprint == engine.fingerprint != tiny_engine.fingerprint  # stores of one never serve another
 
 
+def write_gguf(hf, path) -> None:
+    """``hf`` (a tiny Qwen2 / Qwen3) as an fp32 GGUF file the way llama.cpp's converter names it (no q/k permutation:
+    these families rotate halves), with the embedded SmolLM2 GGUF's tokenizer (its vocabulary is the tiny models')."""
+    import gguf
+
+    from lazyrag.model.loader import default_model_source
+
+    c, family, tokenizer = hf.config, hf.config.model_type, default_model_source()
+    w = gguf.GGUFWriter(str(path), family)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for field in gguf.GGUFReader(tokenizer.folder / str(tokenizer.gguf_file)).fields.values():
+        if not field.name.startswith("tokenizer."):
+            continue
+        kind = field.types[0]
+        if kind == gguf.GGUFValueType.ARRAY and field.types[1] == gguf.GGUFValueType.STRING:
+            w.add_array(field.name, [bytes(field.parts[i]).decode() for i in field.data])
+        elif kind == gguf.GGUFValueType.ARRAY:
+            w.add_array(field.name, [field.parts[i].tolist()[0] for i in field.data])
+        elif kind == gguf.GGUFValueType.STRING:
+            w.add_string(field.name, bytes(field.parts[field.data[0]]).decode())
+        else:
+            w.add_key_value(field.name, field.parts[field.data[0]].tolist()[0], kind)
+    blocks = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "self_attn.q_norm": "attn_q_norm",
+        "self_attn.k_norm": "attn_k_norm",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    top["lm_head.weight"] = None if c.tie_word_embeddings else "output.weight"
+    for name, tensor in hf.state_dict().items():
+        if name in top:
+            gguf_name = top[name]
+        else:  # model.layers.<i>.<module>.<weight | bias>
+            parts = name.split(".")
+            gguf_name = f"blk.{parts[2]}.{blocks['.'.join(parts[3:-1])]}.{parts[-1]}"
+        if gguf_name is not None:
+            w.add_tensor(gguf_name, tensor.detach().float().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+def test_a_gguf_file_loads_with_the_answers_transformers_reads_from_it(name, tmp_path):
+    """Qwen2 and Qwen3 GGUF files (transformers reads both) through from_pretrained: the same greedy answer as
+    transformers' model of the same file. Qwen3 at head_dim 128: transformers' GGUF reader takes Qwen3's default
+    head_dim and reads no key_length, as every published Qwen3 has 128."""
+    from transformers import AutoModelForCausalLM
+
+    write_gguf(tiny_family_model(name, **({"head_dim": 128} if name == "qwen3" else {})), tmp_path / f"{name}.gguf")
+    engine = LazyEngine.from_pretrained(tmp_path / f"{name}.gguf", device="cpu", kv_budget=32 << 20, model_cache=False)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=f"{name}.gguf").eval()
+    assert hf.config.model_type == name
+    layout = engine.build_prompt(QUESTION, CHUNKS[:3])
+    ids = torch.tensor([layout.full_ids()])
+    answer = engine.submit(layout, SamplingParams(max_new_tokens=8, ignore_eos=True, strategy="full")).result()
+    with torch.no_grad():
+        expected = hf(ids).logits[0, -1]
+        reference = hf.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)[0, ids.shape[1] :]
+    assert rel_err(engine.layout_logits(layout, "full"), expected) < 1e-4
+    assert answer.token_ids == reference.tolist()
+    assert rel_err(engine.layout_logits(layout, "lazy"), engine.layout_logits(layout, "position_aware")) < 1e-4
+
+
 def test_each_family_builds_the_layers_it_needs():
     from lazyrag.model.llama import LlamaArgs
 
