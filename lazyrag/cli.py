@@ -510,6 +510,13 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
         "admitted for want of room, waits there and comes back by a copy instead of an encode (default: none)",
     )
     p.add_argument(
+        "--cache-admission",
+        action="store_true",
+        help="when the pool is full, keep a new chunk only if it was asked for at least as often as the chunks it "
+        "would evict (TinyLFU): popular documents stay cached under a stream of one-off ones (at a 1 GB pool on an "
+        "H200, +17%% requests/s on a Zipf-popular corpus; benchmarks/NOTES.md). Default: plain LRU",
+    )
+    p.add_argument(
         "--max-pending",
         type=int,
         default=256,
@@ -1497,8 +1504,8 @@ def _serve(args) -> int:
     from lazyrag.server import ServerConfig, run_server
 
     kw = {"kv_budget": args.kv_budget} if args.kv_budget else {}
-    if args.host_gb:
-        kw["cache"] = _host_cache(args.host_gb)
+    if args.host_gb or args.cache_admission:
+        kw["cache"] = _cache_config(args)
     scheduler = _scheduler_fields(args)
     if scheduler:
         from lazyrag.engine import SchedulerConfig
@@ -1602,10 +1609,11 @@ def model_aliases(name: str) -> tuple[str, ...]:
     return aliases(name)
 
 
-def _host_cache(host_gb: float):
+def _cache_config(args):
+    """The cache manager's settings that ``serve`` takes: the host tier and the admission filter."""
     from lazyrag.kv.cache import CacheConfig
 
-    return CacheConfig(host_bytes=int(host_gb * (1 << 30)))
+    return CacheConfig(host_bytes=int(args.host_gb * (1 << 30)), admission=args.cache_admission)
 
 
 def _serve_replicas(args) -> int:
@@ -1637,6 +1645,7 @@ def _serve_replicas(args) -> int:
         embedder=args.embedder,
         server=server,
         host_bytes=int(args.host_gb * (1 << 30)),
+        cache_admission=args.cache_admission,
         adapter=args.adapter,
         scheduler=_scheduler_fields(args),
         seed=args.seed,

@@ -317,6 +317,28 @@ def test_serve_takes_the_model_positionally_or_by_flag_not_both(tmp_path, monkey
         assert "hf download org/not-here" in r.stderr and "no torch" in r.stdout
 
 
+def test_serve_cache_admission_and_host_tier_reach_the_cache_manager():
+    from dataclasses import replace
+
+    import torch
+
+    from lazyrag.cli import _cache_config, build_parser
+    from lazyrag.kv.block_pool import BlockPool, KVShape
+    from lazyrag.kv.cache import CacheManager
+
+    args = build_parser().parse_args(["serve", "--cache-admission", "--host-gb", "0.5"])
+    config = _cache_config(args)
+    assert config.admission and config.host_bytes == 512 << 20 and config.policy == "lru"
+    assert not _cache_config(build_parser().parse_args(["serve"])).admission  # LRU alone unless asked
+    manager = CacheManager(
+        BlockPool(
+            KVShape(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, dtype=torch.float32), 4, torch.device("cpu")
+        ),
+        replace(config, host_bytes=0),
+    )
+    assert manager.sketch is not None
+
+
 def test_serve_config_file_gives_defaults_the_command_line_overrides(tmp_path):
     from lazyrag.cli import _with_config, build_parser
 
