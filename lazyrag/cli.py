@@ -1504,8 +1504,11 @@ def _serve(args) -> int:
     from lazyrag.server import ServerConfig, run_server
 
     kw = {"kv_budget": args.kv_budget} if args.kv_budget else {}
-    if args.host_gb or args.cache_admission:
-        kw["cache"] = _cache_config(args)
+    cache = _cache_fields(args)
+    if cache:
+        from lazyrag.kv.cache import CacheConfig
+
+        kw["cache"] = CacheConfig(**cache)
     scheduler = _scheduler_fields(args)
     if scheduler:
         from lazyrag.engine import SchedulerConfig
@@ -1609,11 +1612,10 @@ def model_aliases(name: str) -> tuple[str, ...]:
     return aliases(name)
 
 
-def _cache_config(args):
-    """The cache manager's settings that ``serve`` takes: the host tier and the admission filter."""
-    from lazyrag.kv.cache import CacheConfig
-
-    return CacheConfig(host_bytes=int(args.host_gb * (1 << 30)), admission=args.cache_admission)
+def _cache_fields(args) -> dict:
+    """CacheConfig fields from serve's flags (the host tier, the admission filter), those given."""
+    fields = {"host_bytes": int(args.host_gb * (1 << 30)), "admission": args.cache_admission}
+    return {k: v for k, v in fields.items() if v}
 
 
 def _serve_replicas(args) -> int:
@@ -1644,8 +1646,7 @@ def _serve_replicas(args) -> int:
         store=None if args.store is None else str(args.store.path),
         embedder=args.embedder,
         server=server,
-        host_bytes=int(args.host_gb * (1 << 30)),
-        cache_admission=args.cache_admission,
+        cache=_cache_fields(args),
         adapter=args.adapter,
         scheduler=_scheduler_fields(args),
         seed=args.seed,

@@ -322,14 +322,14 @@ def test_serve_cache_admission_and_host_tier_reach_the_cache_manager():
 
     import torch
 
-    from lazyrag.cli import _cache_config, build_parser
+    from lazyrag.cli import _cache_fields, build_parser
     from lazyrag.kv.block_pool import BlockPool, KVShape
-    from lazyrag.kv.cache import CacheManager
+    from lazyrag.kv.cache import CacheConfig, CacheManager
 
     args = build_parser().parse_args(["serve", "--cache-admission", "--host-gb", "0.5"])
-    config = _cache_config(args)
+    config = CacheConfig(**_cache_fields(args))
     assert config.admission and config.host_bytes == 512 << 20 and config.policy == "lru"
-    assert not _cache_config(build_parser().parse_args(["serve"])).admission  # LRU alone unless asked
+    assert _cache_fields(build_parser().parse_args(["serve"])) == {}  # LRU alone, no host tier, unless asked
     manager = CacheManager(
         BlockPool(
             KVShape(num_layers=1, num_kv_heads=1, head_dim=4, block_size=4, dtype=torch.float32), 4, torch.device("cpu")

@@ -58,8 +58,7 @@ class ReplicaSpec:
     embedder: str | None = (
         None  # the store's embedder as the user named it (serve --embedder; retriever.store_embedder)
     )
-    host_bytes: int = 0  # each replica's host-RAM tier below its GPU pool (CacheConfig.host_bytes)
-    cache_admission: bool = False  # CacheConfig.admission
+    cache: dict = field(default_factory=dict)  # CacheConfig fields (serve --host-gb, --cache-admission)
     adapter: str | None = None  # EngineConfig's: a LoRA adapter merged at load
     server: dict = field(default_factory=dict)  # ServerConfig fields (model_name set from the engine if absent)
     scheduler: dict = field(default_factory=dict)  # SchedulerConfig fields (serve --max-num-seqs, ...)
@@ -124,10 +123,10 @@ class LazyragReplica:
         kw: dict[str, Any] = {"kv_budget": settings.kv_budget} if settings.kv_budget else {}
         if settings.scheduler:
             kw["scheduler"] = SchedulerConfig(**settings.scheduler)
-        if settings.host_bytes or settings.cache_admission:
+        if settings.cache:
             from lazyrag.kv.cache import CacheConfig
 
-            kw["cache"] = CacheConfig(host_bytes=settings.host_bytes, admission=settings.cache_admission)
+            kw["cache"] = CacheConfig(**settings.cache)
         self.engine = LazyEngine.from_pretrained(
             settings.model,
             device=settings.device,
