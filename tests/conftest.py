@@ -47,19 +47,25 @@ def default_engine(default_hf):
     return LazyEngine.from_hf(hf, tokenizer, device="cpu", kv_budget=256 << 20)
 
 
+# every tiny test model's size: the embedded tokenizer's vocabulary, GQA of 4 query heads over 2 KV heads
+TINY_DIMS = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+)
+
+
 def tiny_llama_config(**overrides):
     """A random Llama with GQA (4 query heads over 2 KV heads) and Llama-3 RoPE frequency scaling."""
     from transformers import LlamaConfig
 
     kw = dict(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_DIMS,
         head_dim=16,
-        max_position_embeddings=4096,
         rms_norm_eps=1e-5,
         tie_word_embeddings=False,
         rope_parameters={
@@ -84,16 +90,7 @@ def tiny_family_model(family: str, seed: int = 1234, **overrides):
     hidden / heads; Mistral with full attention. Biases and norm weights are random too, so each one counts."""
     from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config, Qwen3Config
 
-    kw = dict(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        rms_norm_eps=1e-6,
-    )
+    kw = dict(**TINY_DIMS, rms_norm_eps=1e-6)
     rope = {"rope_type": "default", "rope_theta": 1e6}
     own = {
         "qwen2": dict(tie_word_embeddings=True, rope_parameters=rope),
