@@ -34,7 +34,14 @@ import string
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from lazyrag.prompt import DEFAULT_ENCODING_PASSAGE
+
+if TYPE_CHECKING:
+    from lazyrag.store.corpus import CorpusStore
 
 # the shared evaluation data sits beside the repository (../shared/data from its root)
 DATA = next(
@@ -539,157 +546,102 @@ def _device_name(device) -> str:
     return f"cuda ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
 
 
-def run_eval(args, engine_options: dict | None = None) -> int:
-    """``lazyrag eval``; ``engine_options``: EngineConfig fields the command line set (``--encoding-passage``)."""
+DEFAULT_STRATEGIES = ("full", "position_aware", "lazy", "lazy:first=16", "lazy:first=32")
+
+
+@dataclass
+class EvalConfig:
+    """What ``run_eval`` scores, and how: the options of ``lazyrag eval``, with the command's defaults (which
+    builds one from its arguments). Strings are taken where paths are (``out="q.json"``), and a comma-separated
+    string for ``strategies``."""
+
+    # the questions
+    dataset: str | None = None  # one of DATASETS; None: nq where its file is found, else squad (shipped)
+    data: Path | None = None  # the dataset file; None: default_data(dataset)
+    split: str = "all"  # one of SPLITS: tune (30% of each set), report (the other 70%) or all
+    n: int = 100  # questions
+    seed: int = 0  # seed of the question sample and the distractors
+    distractors: int = 4  # nq: random passages besides the gold one
+    passages: int | None = None  # every question over this many passages (its own, then others'); None: the set's
+    shuffle: bool = False  # hotpotqa, squad, 2wiki, musique: shuffle the paragraphs
+    skip_answered: tuple[Path, ...] = ()  # earlier reports: their questions answered by every strategy are left out
+    # retrieval mode (nq): each question's chunks are the top k of a corpus store, not gold + distractors
+    store: Path | CorpusStore | None = None  # a store folder (lazyrag precache), or one already opened
+    k: int = 5  # chunks per question from the store
+    embedder: str | None = None  # the store's embedder; None: the store's, if it is the packaged default
+    # what is scored
+    strategies: tuple[str, ...] = DEFAULT_STRATEGIES  # strategy names (lazyrag.strategy_names)
+    max_new_tokens: int = 32  # tokens per answer
+    # the engine
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    adapter: str | None = None  # a LoRA adapter folder, "embedded", or None / "none"
+    device: str | None = None  # None: cuda when available
+    dtype: str | None = None  # None: bfloat16 on cuda, float32 on cpu
+    kv_budget: int | None = None  # bytes, each worker's KV pool; None: 8 GiB on cuda, 1 GiB on cpu
+    encoding_passage: str | None = DEFAULT_ENCODING_PASSAGE  # what chunks are encoded after (None: the prefix alone)
+    eager: bool = False  # cuda: no CUDA graphs or compiled elementwise ops (starts sooner, runs slower)
+    # the run
+    batch: int = 4  # questions whose requests (all strategies) run as one batch
+    workers: int = 1  # processes, each with its own engine, spread over the visible GPUs
+    time_limit: float | None = None  # seconds: no new batch after it; the questions done so far are reported
+    resume: bool = False  # go on from out's .partial.jsonl, scoring only the questions left
+    out: Path = Path("lazyrag-eval/quality.json")  # the JSON report; the .png plot and .partial.jsonl beside it
+
+    def __post_init__(self):
+        if isinstance(self.strategies, str):
+            self.strategies = tuple(self.strategies.split(","))
+        self.strategies = tuple(self.strategies)
+        self.skip_answered = tuple(Path(p) for p in self.skip_answered)
+        self.out = Path(self.out)
+        if self.data is not None:
+            self.data = Path(self.data)
+        if isinstance(self.store, str):
+            self.store = Path(self.store)
+
+
+def run_eval(config: EvalConfig) -> int:
+    """``lazyrag eval``: every question answered with each strategy, scored, and reported (a table, ``config.out``
+    and a plot). Returns the exit status: 0, 1 (no question scored before ``time_limit``), 2 (no data file, or a
+    partial file of another run to resume)."""
     import torch
-    from tqdm import tqdm
 
-    from lazyrag.engine import EngineConfig, LazyEngine, SchedulerConfig
+    from lazyrag.engine import EngineConfig
     from lazyrag.model.loader import resolve_model_source
-    from lazyrag.prompt import passage_label, passage_sha256
 
-    if args.dataset is None:  # nq where its file is (a clone beside shared/data), else a set a wheel ships
-        args.dataset = "nq" if args.data or default_data("nq").is_file() else "squad"
-        if args.dataset == "squad":
-            print(
-                "nq's file is not here (nq is not shipped with lazyrag): evaluating on squad; "
-                "--dataset nq --data FILE for Natural Questions",
-                file=sys.stderr,
-            )
-    path = args.data or default_data(args.dataset)
-    if not path.is_file():
-        if args.data:
-            print(f"error: --data {path}: no such file", file=sys.stderr)
-        elif args.dataset in DATA_FORMATS:
-            print(
-                f"error: {args.dataset} is not shipped with lazyrag; pass its file with --data: "
-                f"{DATA_FORMATS[args.dataset]}. squad, 2wiki and musique run without --data.",
-                file=sys.stderr,
-            )
-        else:
-            print(f"error: {path} not found; pass --data FILE", file=sys.stderr)
+    dataset = _dataset(config)
+    path = _data_path(config, dataset)
+    if path is None:
         return 2
-    if path.parent == SAMPLES:
-        print(
-            f"{args.dataset}: the {path.name} shipped with lazyrag ({sum(1 for _ in _open_text(path))} questions); "
-            "--data FILE for the full set",
-            file=sys.stderr,
-        )
-    passages = getattr(args, "passages", None)
-    distractors = passages - 1 if passages and args.dataset == "nq" else args.distractors
-    items = load_dataset(
-        args.dataset, path, args.n, split=args.split, seed=args.seed, shuffle=args.shuffle, distractors=distractors
-    )
-    if passages and args.dataset != "nq":
-        pool = load_dataset(args.dataset, path, 1 << 30, split=args.split, seed=args.seed)
-        items = with_passages(items, pool, passages, args.seed)
-    strategies = args.strategies.split(",")
-    if getattr(args, "skip_answered", None):
-        answered = answered_questions(args.skip_answered, strategies)
+    distractors = config.passages - 1 if config.passages and dataset == "nq" else config.distractors
+    items = _questions(config, dataset, path, distractors)
+    strategies = list(config.strategies)
+    if config.skip_answered:
+        answered = answered_questions(list(config.skip_answered), strategies)
         kept = [it for it in items if it["question"] not in answered]
         print(f"--skip-answered: {len(items) - len(kept)} of {len(items)} questions already answered by every strategy")
         items = kept
         if not items:
             print("nothing left to score: no report written")
             return 0
-    # a batch's questions run as one continuous batch per strategy (_score_group)
-    engine_kwargs = dict(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        adapter=getattr(args, "adapter", None),
-        scheduler=SchedulerConfig(max_running=max(64, args.batch * len(strategies))),
-        **(engine_options or {}),
-    )
-    if args.kv_budget is not None:
-        engine_kwargs["kv_budget"] = args.kv_budget  # bytes (the CLI parsed the size)
-    if args.eager:
-        engine_kwargs.update(cuda_graphs=False, compile_elementwise=False, triton_elementwise=False)
-    if args.store is not None:  # retrieval mode: each question's top-k chunks of the corpus, their KV from the store
+    engine_kwargs = _engine_kwargs(config, len(strategies))
+    if config.store is not None:  # retrieval mode: each question's top-k chunks of the corpus, their KV from the store
         from lazyrag.store.retriever import Retriever
 
-        retriever = Retriever(args.store, getattr(args, "embedder", None))  # None: the store's, if a packaged one
-        for item, hits in zip(items, retriever.retrieve_batch([it["question"] for it in items], args.k)):
+        retriever = Retriever(config.store, config.embedder)  # None: the store's, if a packaged one
+        for item, hits in zip(items, retriever.retrieve_batch([it["question"] for it in items], config.k)):
             item["chunks"] = [h.text for h in hits]
-    config = EngineConfig(**engine_kwargs)  # the device and dtype the engines resolve to
-    device = config.device
+    engine_config = EngineConfig(**engine_kwargs)  # the device and dtype the engines resolve to
+    device = engine_config.device
     assert isinstance(device, torch.device)  # __post_init__ resolved it
-    model_name = resolve_model_source(args.model).name
-    run = {
-        "dataset": args.dataset,
-        "data": path.name,
-        "n": args.n,
-        "split": args.split,
-        "seed": args.seed,
-        "strategies": strategies,
-        "max_new_tokens": args.max_new_tokens,
-        "model": model_name,
-        "device": device.type,
-        "dtype": str(config.dtype).replace("torch.", ""),
-        "encoding_passage": passage_label(config.encoding_passage),
-        "encoding_passage_sha256": passage_sha256(
-            config.encoding_passage
-        ),  # a resume under another default's text is refused
-        **({"distractors": distractors} if args.dataset == "nq" else {"shuffle": args.shuffle}),
-        **({"passages": passages} if passages else {}),
-        **({"store": str(args.store), "k": args.k} if args.store is not None else {}),
-        **(
-            {"skip_answered": sorted(p.name for p in args.skip_answered)}
-            if getattr(args, "skip_answered", None)
-            else {}
-        ),
-    }
+    model_name = resolve_model_source(config.model).name
+    run = _run_header(config, dataset, path.name, distractors, model_name, engine_config)
     try:
-        checkpoint = Checkpoint(args.out.with_suffix(".partial.jsonl"), run, args.resume)
+        checkpoint = Checkpoint(config.out.with_suffix(".partial.jsonl"), run, config.resume)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    todo = [i for i in range(len(items)) if i not in checkpoint.rows]
-    if len(todo) < len(items):
-        print(f"resuming: {len(items) - len(todo)} of {len(items)} questions already scored ({checkpoint.path})")
-    left = [items[i] for i in todo]
-
-    def save(first: int, rows: dict[str, list[dict]]) -> None:  # ``first``: index into ``left``
-        checkpoint.add(todo[first : first + len(rows[strategies[0]])], rows)
-
     t = time.time()
-    deadline = None if args.time_limit is None else time.monotonic() + args.time_limit
-    if left and args.workers > 1:
-        store = None if args.store is None else str(getattr(args.store, "path", args.store))
-        gpus = torch.cuda.device_count() if device.type == "cuda" and device.index is None else 1
-        score_parallel(
-            engine_kwargs,
-            left,
-            strategies,
-            args.max_new_tokens,
-            args.batch,
-            args.workers,
-            store,
-            deadline=deadline,
-            gpus=gpus,
-            on_group=save,
-        )
-    elif left:
-        engine = LazyEngine.from_pretrained(**engine_kwargs)
-        if args.store is not None:
-            engine.attach_store(args.store)
-        bar = tqdm(total=len(left), desc="eval", unit="question")
-
-        def save_and_count(first: int, rows: dict[str, list[dict]]) -> None:
-            save(first, rows)
-            bar.update(len(rows[strategies[0]]))
-
-        score(
-            engine,
-            left,
-            strategies,
-            args.max_new_tokens,
-            args.batch,
-            deadline=deadline,
-            on_group=save_and_count,
-        )
-        bar.close()
-    per = checkpoint.per_strategy(strategies)
+    per, resumed = _score_left(config, engine_kwargs, items, strategies, device, checkpoint)
     done = len(per[strategies[0]])
     if done < len(items):
         print(
@@ -702,26 +654,184 @@ def run_eval(args, engine_options: dict | None = None) -> int:
     result = summarize(per)
     result.update(
         {
-            "dataset": args.dataset,
-            "split": args.split,
+            "dataset": dataset,
+            "split": config.split,
             "n": done,
             "n_asked": len(items),
             "model": model_name,
             "device": _device_name(device),
-            "dtype": str(config.dtype).replace("torch.", ""),
+            "dtype": run["dtype"],
             "encoding_passage": run["encoding_passage"],
-            "workers": args.workers,
-            "resumed": len(items) - len(todo),
+            "workers": config.workers,
+            "resumed": resumed,
             "command": "lazyrag " + " ".join(sys.argv[1:]),
             "seconds": time.time() - t,
-            "mode": "retrieval" if args.store is not None else "oracle",
-            "passages": passages,
-            "adapter": getattr(args, "adapter", None),
+            "mode": "retrieval" if config.store is not None else "oracle",
+            "passages": config.passages,
+            "adapter": config.adapter,
         }
     )
+    _print_table(result, strategies, config.out)
+    _write_report(result, config.out, f"{dataset} ({config.split}) n={done}, {model_name}")
+    if done == len(items):
+        checkpoint.path.unlink()  # everything is in --out now
+    return 0
+
+
+def _dataset(config: EvalConfig) -> str:
+    """``config.dataset``, else nq where its file is (a clone beside shared/data), else a set a wheel ships."""
+    if config.dataset is not None:
+        return config.dataset
+    dataset = "nq" if config.data or default_data("nq").is_file() else "squad"
+    if dataset == "squad":
+        print(
+            "nq's file is not here (nq is not shipped with lazyrag): evaluating on squad; "
+            "--dataset nq --data FILE for Natural Questions",
+            file=sys.stderr,
+        )
+    return dataset
+
+
+def _data_path(config: EvalConfig, dataset: str) -> Path | None:
+    """The dataset's file, or None after saying what to pass instead."""
+    path = config.data or default_data(dataset)
+    if not path.is_file():
+        if config.data:
+            print(f"error: --data {path}: no such file", file=sys.stderr)
+        elif dataset in DATA_FORMATS:
+            print(
+                f"error: {dataset} is not shipped with lazyrag; pass its file with --data: "
+                f"{DATA_FORMATS[dataset]}. squad, 2wiki and musique run without --data.",
+                file=sys.stderr,
+            )
+        else:
+            print(f"error: {path} not found; pass --data FILE", file=sys.stderr)
+        return None
+    if path.parent == SAMPLES:
+        print(
+            f"{dataset}: the {path.name} shipped with lazyrag ({sum(1 for _ in _open_text(path))} questions); "
+            "--data FILE for the full set",
+            file=sys.stderr,
+        )
+    return path
+
+
+def _questions(config: EvalConfig, dataset: str, path: Path, distractors: int) -> list[dict]:
+    """The questions asked, each over its chunks (padded with distractors up to ``config.passages``)."""
+    items = load_dataset(
+        dataset, path, config.n, split=config.split, seed=config.seed, shuffle=config.shuffle, distractors=distractors
+    )
+    if config.passages and dataset != "nq":
+        pool = load_dataset(dataset, path, 1 << 30, split=config.split, seed=config.seed)
+        items = with_passages(items, pool, config.passages, config.seed)
+    return items
+
+
+def _engine_kwargs(config: EvalConfig, strategies: int) -> dict:
+    """``LazyEngine.from_pretrained``'s keywords for every engine of the run (one per worker)."""
+    from lazyrag.engine import SchedulerConfig
+
+    # a batch's questions run as one continuous batch per strategy (_score_group)
+    kwargs: dict[str, Any] = dict(
+        model=config.model,
+        device=config.device,
+        dtype=config.dtype,
+        adapter=config.adapter,
+        scheduler=SchedulerConfig(max_running=max(64, config.batch * strategies)),
+        encoding_passage=config.encoding_passage,
+    )
+    if config.kv_budget is not None:
+        kwargs["kv_budget"] = config.kv_budget  # bytes (the CLI parsed the size)
+    if config.eager:
+        kwargs.update(cuda_graphs=False, compile_elementwise=False, triton_elementwise=False)
+    return kwargs
+
+
+def _run_header(config: EvalConfig, dataset: str, data: str, distractors: int, model_name: str, engine_config) -> dict:
+    """What the checkpoint's first line records of the run: resuming is refused unless it is the same."""
+    from lazyrag.prompt import passage_label, passage_sha256
+
+    device = engine_config.device
+    return {
+        "dataset": dataset,
+        "data": data,
+        "n": config.n,
+        "split": config.split,
+        "seed": config.seed,
+        "strategies": list(config.strategies),
+        "max_new_tokens": config.max_new_tokens,
+        "model": model_name,
+        "device": device.type,
+        "dtype": str(engine_config.dtype).replace("torch.", ""),
+        "encoding_passage": passage_label(engine_config.encoding_passage),
+        # a resume under another default's text is refused
+        "encoding_passage_sha256": passage_sha256(engine_config.encoding_passage),
+        **({"distractors": distractors} if dataset == "nq" else {"shuffle": config.shuffle}),
+        **({"passages": config.passages} if config.passages else {}),
+        **({"store": _store_path(config.store), "k": config.k} if config.store is not None else {}),
+        **({"skip_answered": sorted(p.name for p in config.skip_answered)} if config.skip_answered else {}),
+    }
+
+
+def _store_path(store) -> str:
+    """A store's folder, whether ``store`` is the folder or an opened CorpusStore."""
+    return str(getattr(store, "path", store))
+
+
+def _score_left(
+    config: EvalConfig, engine_kwargs: dict, items: list[dict], strategies: list[str], device, checkpoint: Checkpoint
+) -> tuple[dict[str, list[dict]], int]:
+    """Scores the items the checkpoint lacks, saving each batch to it as it finishes, until ``config.time_limit``;
+    returns every scored row per strategy (the resumed ones too) and how many items were resumed."""
+    import torch
+    from tqdm import tqdm
+
+    from lazyrag.engine import LazyEngine
+
+    todo = [i for i in range(len(items)) if i not in checkpoint.rows]
+    if len(todo) < len(items):
+        print(f"resuming: {len(items) - len(todo)} of {len(items)} questions already scored ({checkpoint.path})")
+    left = [items[i] for i in todo]
+
+    def save(first: int, rows: dict[str, list[dict]]) -> None:  # ``first``: index into ``left``
+        checkpoint.add(todo[first : first + len(rows[strategies[0]])], rows)
+
+    deadline = None if config.time_limit is None else time.monotonic() + config.time_limit
+    if left and config.workers > 1:
+        store = None if config.store is None else _store_path(config.store)
+        gpus = torch.cuda.device_count() if device.type == "cuda" and device.index is None else 1
+        score_parallel(
+            engine_kwargs,
+            left,
+            strategies,
+            config.max_new_tokens,
+            config.batch,
+            config.workers,
+            store,
+            deadline=deadline,
+            gpus=gpus,
+            on_group=save,
+        )
+    elif left:
+        engine = LazyEngine.from_pretrained(**engine_kwargs)
+        if config.store is not None:
+            engine.attach_store(config.store)
+        bar = tqdm(total=len(left), desc="eval", unit="question")
+
+        def save_and_count(first: int, rows: dict[str, list[dict]]) -> None:
+            save(first, rows)
+            bar.update(len(rows[strategies[0]]))
+
+        score(engine, left, strategies, config.max_new_tokens, config.batch, deadline=deadline, on_group=save_and_count)
+        bar.close()
+    return checkpoint.per_strategy(strategies), len(items) - len(todo)
+
+
+def _print_table(result: dict, strategies: list[str], out: Path) -> None:
+    """The run's summary as a table, and a warning per strategy whose requests failed."""
     print(
-        f"\n{args.dataset} ({args.split}), n={done}, {model_name} on {result['device']}, {result['dtype']}, "
-        f"{result['seconds']:.0f} s"
+        f"\n{result['dataset']} ({result['split']}), n={result['n']}, {result['model']} on {result['device']}, "
+        f"{result['dtype']}, {result['seconds']:.0f} s"
     )
     width = max(18, *(len(s) + 2 for s in strategies))
     print(
@@ -739,18 +849,19 @@ def run_eval(args, engine_options: dict | None = None) -> int:
     for s, m in result["summary"].items():
         if m["failed"]:
             print(
-                f"warning: {m['failed']} {s} requests failed and scored 0 (their errors are in {args.out})",
+                f"warning: {m['failed']} {s} requests failed and scored 0 (their errors are in {out})",
                 file=sys.stderr,
             )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2))
-    wrote = f"wrote {args.out}"
+
+
+def _write_report(result: dict, out: Path, title: str) -> None:
+    """``result`` as JSON at ``out`` and its plot beside it (without matplotlib: none, and why)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    wrote = f"wrote {out}"
     try:
-        plot(result["summary"], args.out.with_suffix(".png"), f"{args.dataset} ({args.split}) n={done}, {model_name}")
-        wrote += f" and {args.out.with_suffix('.png')}"
+        plot(result["summary"], out.with_suffix(".png"), title)
+        wrote += f" and {out.with_suffix('.png')}"
     except ModuleNotFoundError as e:  # plotting is an extra: the table and the JSON are the result
         wrote += f" (no plot: {e.name} is not installed; pip install 'lazyrag[bench]' for one)"
     print(wrote)
-    if done == len(items):
-        checkpoint.path.unlink()  # everything is in --out now
-    return 0

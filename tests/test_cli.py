@@ -176,23 +176,24 @@ def test_encoding_passage_follows_the_store_unless_given(tmp_path):
     from argparse import Namespace
     from types import SimpleNamespace
 
-    from lazyrag.cli import _passage
+    from lazyrag.cli.common import passage_kwargs
 
     def store(ids, text):
         return SimpleNamespace(manifest=SimpleNamespace(passage_ids=ids, encoding_passage=text))
 
     old, mine, untold = store([], ""), store([1, 2, 3], "A made-up town."), store([1, 2, 3], "")
-    assert _passage(Namespace(encoding_passage=None, store=old)) == {"encoding_passage": None}  # built before passages
-    assert _passage(Namespace(encoding_passage=None, store=mine)) == {"encoding_passage": "A made-up town."}
+    # built before passages
+    assert passage_kwargs(Namespace(encoding_passage=None, store=old)) == {"encoding_passage": None}
+    assert passage_kwargs(Namespace(encoding_passage=None, store=mine)) == {"encoding_passage": "A made-up town."}
     # the default; the store refuses it if it differs
-    assert _passage(Namespace(encoding_passage=None, store=untold)) == {}
+    assert passage_kwargs(Namespace(encoding_passage=None, store=untold)) == {}
     # asked for: the store then refuses, saying why
-    assert _passage(Namespace(encoding_passage="default", store=old)) == {}
-    assert _passage(Namespace(encoding_passage="none")) == {"encoding_passage": None}
-    assert _passage(Namespace(encoding_passage=None, store=None)) == {}
+    assert passage_kwargs(Namespace(encoding_passage="default", store=old)) == {}
+    assert passage_kwargs(Namespace(encoding_passage="none")) == {"encoding_passage": None}
+    assert passage_kwargs(Namespace(encoding_passage=None, store=None)) == {}
     text = tmp_path / "passage.txt"
     text.write_text("  First made-up document.\n\nSecond one.\n")
-    assert _passage(Namespace(encoding_passage=str(text))) == {
+    assert passage_kwargs(Namespace(encoding_passage=str(text))) == {
         "encoding_passage": "First made-up document.\n\nSecond one."
     }
     (tmp_path / "empty.txt").write_text("\n")
@@ -201,7 +202,7 @@ def test_encoding_passage_follows_the_store_unless_given(tmp_path):
         (tmp_path / "empty.txt", "empty"),
     ):
         with pytest.raises(SystemExit, match=says):
-            _passage(Namespace(encoding_passage=str(bad)))
+            passage_kwargs(Namespace(encoding_passage=str(bad)))
 
 
 def test_k_is_capped_before_anything_loads():
@@ -279,8 +280,7 @@ def test_no_model_cache_reaches_every_engine_the_command_makes(monkeypatch, argv
 
     monkeypatch.setenv(MODEL_CACHE_ENV, "1")  # restored after the test
     seen = []
-    monkeypatch.setattr(cli, "CHECKS", {})
-    monkeypatch.setattr(cli, "_run", lambda args: seen.append(os.environ[MODEL_CACHE_ENV]) or 0)
+    monkeypatch.setattr(cli, "_run", lambda args: seen.append(os.environ[MODEL_CACHE_ENV]) or 0)  # checks and run
     assert cli.main(argv) == 0 and seen == ["1"]
     assert cli.main([*argv, "--no-model-cache"]) == 0 and seen == ["1", "0"]
 
@@ -322,7 +322,8 @@ def test_serve_cache_admission_and_host_tier_reach_the_cache_manager():
 
     import torch
 
-    from lazyrag.cli import _cache_fields, build_parser
+    from lazyrag.cli import build_parser
+    from lazyrag.cli.serve import _cache_fields
     from lazyrag.kv.block_pool import BlockPool, KVShape
     from lazyrag.kv.cache import CacheConfig, CacheManager
 
@@ -340,7 +341,8 @@ def test_serve_cache_admission_and_host_tier_reach_the_cache_manager():
 
 
 def test_serve_config_file_gives_defaults_the_command_line_overrides(tmp_path):
-    from lazyrag.cli import _with_config, build_parser
+    from lazyrag.cli import build_parser
+    from lazyrag.cli.common import with_config
 
     config = tmp_path / "serve.yaml"
     config.write_text(
@@ -352,7 +354,7 @@ def test_serve_config_file_gives_defaults_the_command_line_overrides(tmp_path):
 
     def parsed(*argv):
         argv = list(argv)
-        return _with_config(parser, argv, parser.parse_args(argv))
+        return with_config(parser, argv, parser.parse_args(argv))
 
     args = parsed("serve", "--config", str(config), "--port", "9000")
     assert args.port == 9000 and args.max_num_seqs == 7 and args.max_model_len == 2048  # the command line wins
@@ -452,7 +454,9 @@ def test_serve_passes_vllm_s_flags_to_the_engine_the_app_and_uvicorn(monkeypatch
 
 def test_serve_reads_its_api_key_from_a_file_or_the_environment(tmp_path, monkeypatch):
     """A key on the command line shows in `ps`: --api-key-file and $LAZYRAG_API_KEY keep it out of sight."""
-    from lazyrag.cli import UsageError, _api_key, build_parser
+    from lazyrag.cli import build_parser
+    from lazyrag.cli.common import UsageError
+    from lazyrag.cli.serve import _api_key
 
     parse = lambda *a: build_parser().parse_args(["serve", *a])  # noqa: E731
     monkeypatch.delenv("LAZYRAG_API_KEY", raising=False)

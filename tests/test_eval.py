@@ -1,5 +1,8 @@
 """`lazyrag eval`: SQuAD-style scoring and the batched side-by-side evaluation."""
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from lazyrag.eval import DATA, accuracy, evaluate, exact_match, f1, normalize, score_parallel
@@ -296,7 +299,6 @@ def test_an_installed_lazyrag_evaluates_on_its_shipped_samples(tmp_path, monkeyp
     """From a wheel (no repository data beside it): squad, 2wiki and musique read the samples in the package, nq and
     hotpotqa say they need --data and what it holds, and the default dataset is one that runs."""
     from lazyrag import eval as quality
-    from lazyrag.cli import build_parser
 
     monkeypatch.setattr(quality, "BENCH_DATA", tmp_path / "no-benchmarks")
     monkeypatch.setattr(quality, "DATA", tmp_path / "no-shared-data")
@@ -305,12 +307,47 @@ def test_an_installed_lazyrag_evaluates_on_its_shipped_samples(tmp_path, monkeyp
         assert path.parent == quality.SAMPLES and path.is_file()
         items = quality.load_dataset(name, path, 5)
         assert len(items) == 5 and all(it["question"] and it["answers"] and it["chunks"] for it in items)
-    args = build_parser().parse_args(["eval", "--dataset", "hotpotqa"])
-    assert quality.run_eval(args) == 2
+    assert quality.run_eval(quality.EvalConfig(dataset="hotpotqa")) == 2
     assert "--data" in capsys.readouterr().err
     # the default: squad here (nq's file is not found), decided before any model loads
-    args = build_parser().parse_args(["eval", "--n", "2"])
-    monkeypatch.setattr(quality, "load_dataset", lambda *a, **k: (_ for _ in ()).throw(SystemExit(7)))
+    loaded = []
+    monkeypatch.setattr(quality, "load_dataset", lambda name, *a, **k: loaded.append(name) or sys.exit(7))
     with pytest.raises(SystemExit):
-        quality.run_eval(args)
-    assert args.dataset == "squad" and "evaluating on squad" in capsys.readouterr().err
+        quality.run_eval(quality.EvalConfig(n=2))
+    assert loaded == ["squad"] and "evaluating on squad" in capsys.readouterr().err
+
+
+def test_the_eval_command_builds_an_eval_config_with_the_library_s_defaults(tmp_path):
+    """``lazyrag eval`` hands run_eval an EvalConfig: its flags' defaults are EvalConfig's, and each flag reaches
+    its field (the size parsed, the strategies split, --encoding-passage read)."""
+    from lazyrag.cli import build_parser
+    from lazyrag.cli.eval import eval_config
+    from lazyrag.eval import EvalConfig
+
+    parse = build_parser().parse_args
+    assert eval_config(parse(["eval"])) == EvalConfig()
+    passage = tmp_path / "passage.txt"
+    passage.write_text("A made-up town.\n")
+    report = tmp_path / "earlier.json"
+    argv = ["eval", "--dataset", "squad", "--n", "7", "--strategies", "full,lazy", "--kv-budget", "512MiB"]
+    argv += ["--encoding-passage", str(passage), "--skip-answered", str(report), "--out", str(tmp_path / "q.json")]
+    config = eval_config(parse(argv))
+    assert (config.dataset, config.n, config.strategies, config.kv_budget) == ("squad", 7, ("full", "lazy"), 512 << 20)
+    assert config.encoding_passage == "A made-up town." and config.skip_answered == (report,)
+    assert config.out == tmp_path / "q.json"
+    assert eval_config(parse(["eval", "--encoding-passage", "none"])).encoding_passage is None
+    # from Python: strings where paths and lists go
+    assert EvalConfig(strategies="full,lazy", out="q.json", data="d.jsonl") == EvalConfig(
+        strategies=("full", "lazy"), out=Path("q.json"), data=Path("d.jsonl")
+    )
+
+
+def test_a_resumed_retrieval_run_names_its_store_by_its_folder(tmp_path):
+    """The checkpoint's first line names the store by its folder whether it comes opened (the command opens it to
+    check it) or as a path: a resumed ``--store`` run compares equal (an opened store's repr never did)."""
+    from types import SimpleNamespace
+
+    from lazyrag.eval import _store_path
+
+    folder = tmp_path / "stores" / "nq"
+    assert _store_path(SimpleNamespace(path=folder)) == _store_path(folder) == str(folder)
