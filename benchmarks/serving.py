@@ -151,7 +151,7 @@ def _serve(engine, strategy: str, prompts, params, rate, concurrency, seed) -> d
 
     clock = SkipIdleClock()
     engine.scheduler.clock = clock
-    tier_hits0 = engine.cache.stats.tier_hits
+    tier_hits0, prefetched0 = engine.cache.stats.tier_hits, engine.cache.stats.prefetched
     # e.g. the CUDA-graph scratch block
     held_outside = engine.cache.pool.num_blocks - engine.cache.pool.num_free - engine.cache.cached_blocks
     rng = random.Random(seed)
@@ -203,6 +203,8 @@ def _serve(engine, strategy: str, prompts, params, rate, concurrency, seed) -> d
         "output_tokens_per_s": sum(len(r.token_ids) for r in results) / makespan,
         "chunk_hit_rate": hits / lookups if lookups else 0.0,
         "tier_hits": engine.cache.stats.tier_hits - tier_hits0,  # chunk and prefix lookups promoted from the host tier
+        # segments promoted ahead of their request while others ran (SchedulerConfig.prefetch_waiting)
+        "prefetched": engine.cache.stats.prefetched - prefetched0,
         "tokens_prefilled_per_request": statistics.fmean(r.stats.tokens_prefilled for r in results),
         "makespan_s": makespan,
         "skipped_idle_s": clock.skipped,

@@ -6,6 +6,8 @@
 #   PART=b bash benchmarks/serving_gpu.sh            # this tree's 1 GB closed loop: every peer, lazy with and without the batched encode
 #   PART=c bash benchmarks/serving_gpu.sh            # this tree, 1 GB plus a host-RAM tier holding the corpus: closed loop, 2 req/s
 #   PART=p bash benchmarks/serving_gpu.sh            # this tree's 1 GB closed loop under LRU and TinyLFU admission: lazy and its exact peers
+#   PART=h bash benchmarks/serving_gpu.sh OLD_TREE   # 1 GB plus the host tier, closed loop and 2 req/s (HOST_STRATEGIES, default
+#                                                      lazy): the old tree then this one (the host-tier prefetch's A/B)
 # OLD_TREE: `git archive <commit> | tar -x -C .snap`, carried. Writes to $OUT (or benchmarks/results): e2e_<card>_serving_{new,old}.json,
 # serving_<card>_old.json, serving_<card>_1gb.json, ..._host.json, ..._policies.json (card: h100 or h200) and their logs.
 set -u
@@ -50,6 +52,17 @@ c)
   timeout 560 python3 benchmarks/serving.py --experiments host $loop --host-gb ${HOST_GB:-40} --rate 2 --requests 60 \
       --strategies position_aware,position_aware:rerotate,reorder+prefix,lazy --out "$OUT/serving_${card}_host.json" 2>&1 \
       | grep -v "Warning\|warn" | tee "$OUT/serving_${card}_host_log.txt" | grep "^host\|^model\|^wrote" ;;
+h)
+  old=${1:?old tree}
+  for side in old new; do
+    tree=$new; [ "$side" = old ] && tree=$old
+    install "$tree"
+    (cd "$tree" && timeout ${HOST_S:-270} python3 benchmarks/serving.py --experiments throughput,host $loop --host-gb ${HOST_GB:-40} \
+        --rate 2 --requests 60 --strategies ${HOST_STRATEGIES:-lazy} --out "$OUT/serving_${card}_host_$side.json") 2>&1 \
+        | grep -v "Warning\|warn" > "$OUT/serving_${card}_host_${side}_log.txt" || echo "$side exited $?"
+    grep "^throughput\|^host\|^model" "$OUT/serving_${card}_host_${side}_log.txt" | sed "s/^/$side: /"
+  done
+  install "$new" ;;
 p)
   install "$new"
   timeout 560 python3 benchmarks/serving.py --experiments throughput $loop --policies lru,lru+admit \

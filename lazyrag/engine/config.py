@@ -28,6 +28,10 @@ class SchedulerConfig:
     # launch each greedy decode step on the previous step's tokens while they are still on the device, so the
     # host's work overlaps the device's (vLLM's async scheduling); None: on with cuda
     async_scheduling: bool | None = None
+    # the chunks of the next this-many waiting requests are promoted from the host or disk tier ahead of their
+    # planning, in the background (on cuda, on a copy stream of its own: the copies overlap the step's forward);
+    # None: 4 on cuda without tensor parallelism (its ranks must plan over the same cache), else 0
+    prefetch_waiting: int | None = None
 
 
 @dataclass
@@ -128,6 +132,10 @@ class EngineConfig:
             self.scheduler = replace(self.scheduler, async_scheduling=on_cuda)
         if self.scheduler.long_prefill_tokens is None:
             self.scheduler = replace(self.scheduler, long_prefill_tokens=8192 if on_cuda else 2048)
+        if self.scheduler.prefetch_waiting is None:
+            self.scheduler = replace(
+                self.scheduler, prefetch_waiting=4 if on_cuda and self.tensor_parallel_size == 1 else 0
+            )
         if self.scheduler.long_prefill_tokens < 1:
             raise ValueError(f"long_prefill_tokens must be at least 1; got {self.scheduler.long_prefill_tokens}")
 
@@ -156,4 +164,4 @@ _RESOLVED = (
     "short_prefill_blas",
 )
 # SchedulerConfig's fields whose None means "the default for this device", likewise
-_RESOLVED_SCHEDULER = ("async_scheduling", "long_prefill_tokens")
+_RESOLVED_SCHEDULER = ("async_scheduling", "long_prefill_tokens", "prefetch_waiting")

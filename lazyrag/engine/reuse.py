@@ -192,6 +192,13 @@ class Strategy:
     def _plan(self, layout: PromptLayout, plan: Plan) -> None:
         raise NotImplementedError
 
+    def lookup_keys(self, layout: PromptLayout) -> list[str]:
+        """The cache keys a plan of ``layout`` asks for, computing nothing: what a prefetch can bring up from the
+        host or disk tier before the request is planned. The prefix and the position-free chunks."""
+        return [self.prefix_key(layout.prefix_ids)] + [
+            self.chunk_key(layout.encoding_prefix, c) for c in layout.chunk_ids
+        ]
+
     def finish(self, plan: Plan, seq: SeqState) -> None:
         """Called once the prompt is prefilled, before the request's own blocks are released."""
 
@@ -334,6 +341,9 @@ class FullPrefill(Strategy):
     def _plan(self, layout: PromptLayout, plan: Plan) -> None:
         plan.new_ids, plan.chunks_missed = layout.full_ids(), len(layout.chunk_ids)
 
+    def lookup_keys(self, layout: PromptLayout) -> list[str]:
+        return []
+
 
 class LazyStitching(Strategy):
     """Cached chunks read in place, with two optional ways to win back quality in context:
@@ -453,14 +463,23 @@ class PositionAware(Strategy):
     name = "position_aware"
     keep_base = False  # True: also cache the position-free chunk, to copy from at new positions
 
-    def _plan(self, layout: PromptLayout, plan: Plan) -> None:
-        plan.new_ids, plan.new_start = list(layout.question_ids), layout.question_start
-        # Look up the positioned copies first: the base chunks are needed only to make missing ones.
+    def _wanted(self, layout: PromptLayout) -> list[tuple[str, str, int]]:
+        """(the placed copy's key, its position-free chunk's key, the shift between them) of each chunk."""
         wanted = []
         for start, ids in zip(layout.chunk_starts(), layout.chunk_ids):
             base_key = self.chunk_key(layout.encoding_prefix, ids)
             delta = start - len(layout.encoding_prefix)
             wanted.append((base_key if delta == 0 else content_key(base_key, "at", str(delta)), base_key, delta))
+        return wanted
+
+    def lookup_keys(self, layout: PromptLayout) -> list[str]:
+        keys = [self.prefix_key(layout.prefix_ids)] + [copy for copy, _, _ in self._wanted(layout)]
+        return keys + [base for _, base, _ in self._wanted(layout)] * self.keep_base
+
+    def _plan(self, layout: PromptLayout, plan: Plan) -> None:
+        plan.new_ids, plan.new_start = list(layout.question_ids), layout.question_start
+        # Look up the positioned copies first: the base chunks are needed only to make missing ones.
+        wanted = self._wanted(layout)
         copies = {key: self.cache.get(key) for key in dict.fromkeys(k for k, _, _ in wanted)}
         plan.pinned.extend(s for s in copies.values() if s is not None)
         found = {key for key, seg in copies.items() if seg is not None}
@@ -505,6 +524,10 @@ class PrefixCaching(Strategy):
             prev = content_key(prev, "block", ids[i * bs : (i + 1) * bs])
             keys.append(prev)
         return keys
+
+    def lookup_keys(self, layout: PromptLayout) -> list[str]:
+        ids = layout.full_ids()
+        return self._chain(ids)[: (len(ids) - 1) // self.cache.pool.shape.block_size]
 
     def _plan(self, layout: PromptLayout, plan: Plan) -> None:
         ids = layout.full_ids()

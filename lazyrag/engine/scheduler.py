@@ -30,9 +30,11 @@ again one request at a time to find them. ``step`` itself never raises for a req
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Callable
 
@@ -111,6 +113,7 @@ class Scheduler:
         self._partial: list[Request] = []  # admitted, their prompt prefilled in part: continued first, next step
         self._launched: Launched | None = None  # async scheduling: the step in flight, not yet accepted
         self.async_scheduling = bool(self.config.async_scheduling)  # EngineConfig resolved None (on with cuda)
+        self.prefetching: Future | None = None  # the promotion of waiting requests' chunks under way, if any
         self.steps = {"prefill": 0, "decode": 0}
 
     # -- any thread ---------------------------------------------------------------------------
@@ -159,6 +162,7 @@ class Scheduler:
                 self._launched = self._decode()
             elif previous is None:
                 return False
+            self._prefetch_waiting()  # after the launch: the copies overlap the pass
             if not self.async_scheduling and self._launched is not None:
                 launched, self._launched = self._launched, None
                 self._accept(launched)
@@ -243,6 +247,28 @@ class Scheduler:
             batch.append(req)
             tokens += _length(self._next_piece(req))
         return batch
+
+    def _prefetch_waiting(self) -> None:
+        """Bring the chunks of the next waiting requests up from the host or disk tier while this step runs, so
+        that planning them finds them in the pool (one prefetch at a time; it only promotes, never encodes)."""
+        lookahead = self.config.prefetch_waiting or 0
+        if not (lookahead and self.waiting and self.cache.tiers):
+            return
+        if self.prefetching is not None:
+            if not self.prefetching.done():
+                return
+            if self.prefetching.exception() is not None:  # the request loads it itself; nothing is lost
+                log.warning("lazyrag: prefetching from a tier failed", exc_info=self.prefetching.exception())
+            self.prefetching = None
+        keys: list[str] = []
+        for req in itertools.islice(self.waiting, lookahead):
+            try:
+                keys += self.planner[req.params.strategy].lookup_keys(req.layout)
+            except ValueError:
+                continue  # an unknown strategy: its request fails when it is planned
+        keys = [k for k in dict.fromkeys(keys) if k not in self.cache]
+        if keys:
+            self.prefetching = self.cache.prefetch(keys)
 
     def _next_piece(self, req: Request) -> slice:
         """Which of ``req``'s new prompt tokens it prefills in this step: all that are left, or the next

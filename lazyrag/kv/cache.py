@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -110,6 +110,7 @@ class CacheStats:
     rejected: int = 0  # new segments not kept (admission said no, or no unpinned room)
     demotions: int = 0
     promotions: int = 0  # tier hits plus prefetches
+    prefetched: int = 0  # segments promoted ahead of the request that asked for them (``prefetch``)
     hit_tokens: int = 0
     tier_hits_by: dict = field(default_factory=dict)  # tier index -> lookups it served
     tier_misses_by: dict = field(default_factory=dict)  # tier index -> lookups that reached it and it could not serve
@@ -154,6 +155,8 @@ class CacheManager:
         self._cached_blocks = 0
         self._lock = threading.RLock()
         self._prefetcher: ThreadPoolExecutor | None = None
+        self._copy_stream: torch.cuda.Stream | None = None  # the prefetches' copies (CUDA)
+        self._prefetching: Future | None = None  # the last prefetch submitted
         self.stats = CacheStats()
         self._subscribers: list = []  # KV events (subscribe)
         # tensor parallelism: this rank's KV heads [lo, hi) of the model's; KV of every head (a corpus store's)
@@ -206,6 +209,7 @@ class CacheManager:
         is read again); tiers added otherwise (a corpus store) stay."""
         if (config.host_bytes or config.disk_dir) and self.pool.device.type == "meta":
             raise ValueError("A pool on the meta device holds no values, so it cannot have host or disk tiers.")
+        self.settle_prefetch()
         with self._lock:
             self.clear()
             assert not self._segments, "reconfigured while requests hold segments"
@@ -408,6 +412,7 @@ class CacheManager:
 
     def clear(self) -> None:
         """Drop every unpinned segment from the device pool (tiers keep what they hold)."""
+        self.settle_prefetch()
         with self._lock:
             for key in [k for k, s in self._segments.items() if s.pins == 0]:
                 self.evict(key)
@@ -415,6 +420,7 @@ class CacheManager:
     def reset(self) -> None:
         """Back to a new cache's state: every segment forgotten (not demoted to the tiers, not counted as evicted),
         the statistics, eviction policy and admission sketch new. None may be pinned (no request in flight)."""
+        self.settle_prefetch()
         with self._lock:
             assert all(s.pins == 0 for s in self._segments.values()), "reset while requests hold segments"
             for seg in list(self._segments.values()):
@@ -540,10 +546,19 @@ class CacheManager:
         )
 
     def prefetch(self, keys: list[str]) -> Future:
-        """Promote these keys from the tiers into the pool in a background thread; returns how many arrived."""
+        """Promote these keys from the tiers into the pool in a background thread; returns how many arrived.
+
+        On CUDA the copies run on a stream of their own, so they overlap the forward passes; a segment enters the
+        cache only once its KV has landed, so whoever finds it reads it whole."""
         if self._prefetcher is None:
             self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazyrag-prefetch")
-        return self._prefetcher.submit(self._prefetch, list(keys))
+        self._prefetching = self._prefetcher.submit(self._prefetch, list(keys))
+        return self._prefetching
+
+    def settle_prefetch(self) -> None:
+        """Wait for the prefetch under way, if any (a failed one changed nothing): before the cache starts over."""
+        if self._prefetching is not None:
+            wait([self._prefetching])
 
     def _prefetch(self, keys: list[str]) -> int:
         done = 0
@@ -553,12 +568,43 @@ class CacheManager:
             entry = self._load(key)
             if entry is None:
                 continue
-            with self._lock:
-                if key not in self._segments:
-                    try:
-                        seg = self._install(entry, pin=True)
-                    except OutOfBlocks:
-                        break  # the pool is full of pinned work: the request will load it itself
-                    self.unpin(seg)
-                    done += not seg.transient
+            try:
+                done += self._install_aside(entry)
+            except OutOfBlocks:
+                break  # the pool is full of pinned work: the request will load it itself
         return done
+
+    def _install_aside(self, entry: TierEntry) -> bool:
+        """``_install`` for a prefetch: the blocks are taken under the lock, the copy runs outside it (on CUDA, on
+        the prefetch stream), and the segment is published after the copy has finished. Whether it was kept."""
+        with self._lock:
+            if entry.key in self._segments:
+                return False
+            blocks = self.allocate(blocks_for(entry.num_tokens, self.pool.shape.block_size))
+            self.stats.promotions += 1
+            self.stats.prefetched += 1
+        try:
+            if self.pool.device.type == "cuda":
+                stream = self._prefetch_stream()
+                # the blocks may have been freed by a request whose passes are still queued on the compute stream
+                stream.wait_stream(torch.cuda.default_stream(self.pool.device))
+                with torch.cuda.stream(stream):
+                    self.write_kv(blocks, *entry.decode(self.pool.shape.dtype, self.pool.device))
+                stream.synchronize()
+            else:
+                self.write_kv(blocks, *entry.decode(self.pool.shape.dtype, self.pool.device))
+        except BaseException:
+            self.pool.decref(blocks)
+            raise
+        with self._lock:
+            if entry.key in self._segments:  # the request got there first and promoted it itself
+                self.pool.decref(blocks)
+                return False
+            seg = Segment(entry.key, blocks, entry.num_tokens, entry.start, SegmentKind(entry.kind), cost=entry.cost)
+            seg = self.put(seg, pin=False)
+            return not seg.transient
+
+    def _prefetch_stream(self):
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(self.pool.device)
+        return self._copy_stream

@@ -253,3 +253,46 @@ def test_long_prefill_tokens_defaults_by_device():
     assert EngineConfig(device="cpu").with_changes(device="cuda").scheduler.long_prefill_tokens == 8192
     with pytest.raises(ValueError, match="long_prefill_tokens"):
         EngineConfig(device="cpu", scheduler=SchedulerConfig(long_prefill_tokens=0))
+
+
+def test_the_chunks_of_waiting_requests_are_prefetched_from_the_host_tier(tiny_engine, monkeypatch):
+    """While a step runs, the chunks of the requests still waiting for a slot are promoted from the host tier in
+    the background: planning them finds them in the pool (device hits, nothing promoted on the stepping thread),
+    and the answers are those of a request that promoted its own."""
+    engine = tiny_engine
+    layouts = [engine.build_prompt(QUESTION, chunks) for chunks in (CHUNKS[:2], CHUNKS[2:4], CHUNKS[4:])]
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True)
+    config = engine.cache.config
+    engine.cache.reconfigure(replace(config, host_bytes=64 << 20, stored_kv_dtype="float32"))  # bit-exact
+    try:
+        alone = [engine.submit(lay, params).result().token_ids for lay in layouts]
+        engine.cache.clear()  # every segment demoted: the KV is in host RAM only
+        monkeypatch.setattr(
+            engine.scheduler, "config", replace(engine.scheduler.config, max_running=1, prefetch_waiting=2)
+        )
+        sched, stats = engine.scheduler, engine.cache.stats
+        keys = [k for lay in layouts[1:] for k in engine.scheduler.planner["lazy"].lookup_keys(lay)]
+        with engine._lock:
+            reqs = [engine.add_request(lay, params) for lay in layouts]
+            sched.step()  # the first request promotes its own chunks; the other two wait for its slot
+            assert sched.prefetching is not None and sched.prefetching.result(timeout=120) == 3  # their chunks
+            assert all(key in engine.cache for key in keys)
+            tier_hits, prefetched = stats.tier_hits, stats.prefetched
+            while sched.has_work():
+                sched.step()
+        assert stats.tier_hits == tier_hits and stats.prefetched == prefetched == 3
+        assert [r.result().token_ids for r in reqs] == alone
+        assert [r.stats.chunks_hit for r in reqs] == [len(lay.chunk_ids) for lay in layouts]
+        assert engine.cache.num_pinned == 0  # and every block not cached is back in the pool:
+        assert engine.cache.pool.num_free == engine.cache.pool.num_blocks - engine.cache.cached_blocks
+    finally:
+        engine.cache.reconfigure(config)
+
+
+def test_prefetching_waiting_requests_defaults_to_cuda_without_tensor_parallelism():
+    from lazyrag.engine import EngineConfig
+
+    assert EngineConfig(device="cpu").scheduler.prefetch_waiting == 0
+    assert EngineConfig(device="cpu").with_changes(device="cuda").scheduler.prefetch_waiting == 4
+    assert EngineConfig(device="cuda", tensor_parallel_size=2).scheduler.prefetch_waiting == 0
+    assert EngineConfig(device="cpu", scheduler=SchedulerConfig(prefetch_waiting=3)).scheduler.prefetch_waiting == 3

@@ -295,7 +295,36 @@ def test_prefetch_promotes_in_the_background(tmp_path):
         seg = cache.get(key)
         assert seg is not None and torch.equal(cache.read_kv(seg)[0], k)
         cache.unpin(seg)
-    assert cache.stats.hits == 3 and cache.stats.promotions == 3
+    assert cache.stats.hits == 3 and cache.stats.promotions == cache.stats.prefetched == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_prefetch_on_cuda_copies_on_its_own_stream_and_publishes_only_whole_kv():
+    """The copy stream waits for passes still queued on the compute stream (they may read blocks that were just
+    freed), and a prefetched segment appears in the cache only once its KV has landed."""
+    shape = KVShape(num_layers=4, num_kv_heads=8, head_dim=128, block_size=16, dtype=torch.bfloat16)
+    pool = BlockPool(shape, 512, torch.device("cuda"))
+    cache = CacheManager(pool, CacheConfig(host_bytes=1 << 30))
+    g = torch.Generator().manual_seed(0)
+    kvs = {}
+    for i in range(6):
+        k, v = (torch.randn(4, 512, 8, 128, generator=g).to(torch.bfloat16) for _ in range(2))
+        kvs[f"doc{i}"] = (k, v)
+        blocks = cache.allocate(shape.blocks_for(512))
+        cache.write_kv(blocks, k.cuda(), v.cuda())
+        cache.put(Segment(f"doc{i}", blocks, 512, 0), pin=False)
+    cache.clear()
+    a = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):  # the compute stream busy while the copies are queued
+        a = a @ a / 64
+    assert cache.prefetch(list(kvs)).result(timeout=120) == 6
+    for key, (k, v) in kvs.items():
+        seg = cache.get(key)
+        assert seg is not None and cache.stats.tier_hits == 0
+        k2, v2 = cache.read_kv(seg)
+        assert torch.equal(k2.cpu(), k) and torch.equal(v2.cpu(), v)
+        cache.unpin(seg)
 
 
 def test_meta_device_pool_takes_8b_sized_budgets_without_memory():
