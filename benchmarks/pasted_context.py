@@ -2,7 +2,7 @@
 
 A RAG app asks several questions over the same retrieved passages; its vector store returns the same top-k,
 reranked per question, and the app pastes them into its prompt. This script measures what ``lazyrag serve``
-(the real app, ``create_app`` + uvicorn in a thread on loopback, over the embedded default model) reuses of
+(the real app, ``build_app`` + uvicorn in a thread on loopback, over the embedded default model) reuses of
 such pasted passages, and the time to first token each client sees.
 
 The passages: the ``--passages`` paragraphs (title, newline, text) of item ``--item`` of a HotpotQA-style

@@ -10,7 +10,7 @@ run. Requests pick their documents with the same draws as ``serving.py``'s (the 
 
 One process, one engine, the same request sequence, each run from an empty cache:
 * ``offline``: ``--concurrency`` threads calling ``engine.generate(question, documents, strategy="lazy")``;
-* ``http-stream`` / ``http``: lazyrag's own app (``lazyrag.server.create_app``, as ``lazyrag serve`` builds it)
+* ``http-stream`` / ``http``: lazyrag's own app (``lazyrag.server.build_app``, as ``lazyrag serve`` builds it)
   over that engine, run by uvicorn in a thread on 127.0.0.1, and ``--concurrency`` threads each with its own
   ``openai.OpenAI`` client sending ``/v1/chat/completions`` (documents as ``extra_body={"documents": [...]}``,
   ``max_tokens=16``, ``ignore_eos``, ``strategy: lazy``); streamed (server-sent events, with a last usage chunk)
@@ -244,7 +244,7 @@ class Server:
     def __init__(self, engine, max_tokens: int, concurrency: int, log_level: str, **config):
         import uvicorn
 
-        from lazyrag.server import ServerConfig, create_app, wait_until_ready
+        from lazyrag.server import ServerConfig, build_app, wait_until_ready
 
         self.config = ServerConfig(
             model_name=engine.model_name,
@@ -255,7 +255,7 @@ class Server:
         self.url = f"http://127.0.0.1:{port}"
         self.server = uvicorn.Server(
             uvicorn.Config(
-                create_app(engine, self.config),
+                build_app(engine, self.config),
                 host="127.0.0.1",
                 port=port,
                 log_level=log_level,

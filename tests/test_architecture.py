@@ -204,3 +204,42 @@ def test_the_source_trees_kernels_folder_never_shadows_a_top_level_kernels():
     out = subprocess.run([sys.executable, "-c", probe], cwd=root, capture_output=True, text=True, timeout=HANG_S)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() in ("absent", "theirs")
+
+
+SERVER_FUNCTION_LINES = 80  # the most lines a function of lazyrag/server/ may take (issue 45: routes over app.state)
+
+
+def long_functions(source: str, limit: int = SERVER_FUNCTION_LINES) -> list[str]:
+    """``name (lines)`` of each function or method in ``source`` longer than ``limit`` lines, nested ones too."""
+    return [
+        f"{node.name} ({node.end_lineno - node.lineno + 1} lines, line {node.lineno})"
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.end_lineno is not None
+        and node.end_lineno - node.lineno + 1 > limit
+    ]
+
+
+def test_the_server_is_small_functions_and_create_app_is_gone():
+    """lazyrag/server/ is routes over ``app.state`` (vLLM's ``build_app`` / ``init_app_state``): no function over
+    80 lines, and no ``create_app``, the one function that held the whole app in closures."""
+    folder = ROOT / "lazyrag" / "server"
+    found = [f"{p.name}: {f}" for p in sorted(folder.glob("*.py")) for f in long_functions(p.read_text())]
+    assert not found, "\n".join(found)
+    defined = {
+        f"{p.name}: {node.name}"
+        for p in folder.glob("*.py")
+        for node in ast.walk(ast.parse(p.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == "create_app"
+    }
+    assert not defined, defined
+    import lazyrag.server
+
+    assert not hasattr(lazyrag.server, "create_app") and callable(lazyrag.server.build_app)
+
+
+def test_the_function_length_check_can_fail():
+    long_one = "def f():\n" + "    x = 1\n" * 80
+    assert long_functions(long_one) == ["f (81 lines, line 1)"]
+    assert long_functions("async def g():\n    pass\n") == []
+    assert long_functions("class C:\n    def m(self):\n" + "        y = 2\n" * 80) == ["m (81 lines, line 2)"]

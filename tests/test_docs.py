@@ -272,5 +272,6 @@ def test_the_docs_site_builds_strictly_with_the_cli_and_api_reference(tmp_path):
     for name in ("LazyEngine", "from_pretrained", "SamplingParams", "EngineConfig"):
         assert name in engine
     assert "LazyLlamaLLM" in (site / "reference" / "integrations" / "index.html").read_text()
-    assert "create_app" in (site / "reference" / "server" / "index.html").read_text()
+    server = (site / "reference" / "server" / "index.html").read_text()
+    assert 'id="lazyrag.server.build_app"' in server and 'id="lazyrag.server.init_app_state"' in server
     assert (site / "assets" / "results" / "serving_h200.png").is_file()  # plots served from benchmarks/results

@@ -3,14 +3,16 @@
 ``/v1/chat/completions`` and ``/v1/completions`` (streaming as server-sent events), ``/v1/models``,
 ``/health``, ``/metrics`` (Prometheus), and vLLM's ``/version``, ``/tokenize`` and ``/detokenize``. Any
 OpenAI client works against it; chunk KV is reused across requests whichever way the chunks arrive
-(see ``app.py``).
+(see ``serving.py``). ``build_app`` makes the app (as vLLM's ``api_server.build_app``; its routes read what they
+share from ``app.state``, which ``init_app_state`` fills).
 """
 
 from __future__ import annotations
 
-from lazyrag.server.app import ServerConfig, create_app, wait_until_ready
+from lazyrag.server.app import build_app, init_app_state, wait_until_ready
+from lazyrag.server.config import ServerConfig
 
-__all__ = ["ServerConfig", "create_app", "run_server", "wait_until_ready"]
+__all__ = ["ServerConfig", "build_app", "init_app_state", "run_server", "wait_until_ready"]
 
 
 def run_server(
@@ -27,7 +29,7 @@ def run_server(
     import uvicorn
 
     uvicorn.run(
-        create_app(engine, config, retriever),
+        build_app(engine, config, retriever),
         host=host,
         port=port,
         log_level=log_level,

@@ -3,7 +3,7 @@
     lazyrag serve --replicas 2 [--router chunk_affinity] [--store stores/nq] ...
 
 Each replica is one Ray Serve deployment (one actor) running the very app of ``lazyrag serve``
-(``create_app``: same endpoints, errors, streaming and metrics) over its own engine, called in process
+(``lazyrag.server.build_app``: same endpoints, errors, streaming and metrics) over its own engine, called in process
 through ASGI; all replicas may attach one corpus store on a shared filesystem (read-only: one
 ``lazyrag precache`` writes it beforehand). A front deployment takes the HTTP traffic, computes the
 content keys of a request's ``documents`` (the chunks it brings), asks the router
@@ -117,7 +117,8 @@ class LazyragReplica:
 
     def __init__(self, spec: dict):
         from lazyrag.engine import LazyEngine, SchedulerConfig
-        from lazyrag.server.app import ServerConfig, create_app, model_aliases, seed_sampling
+        from lazyrag.server.app import build_app, model_aliases, seed_sampling
+        from lazyrag.server.config import ServerConfig
 
         settings = ReplicaSpec(**spec)
         kw: dict[str, Any] = {"kv_budget": settings.kv_budget} if settings.kv_budget else {}
@@ -152,7 +153,7 @@ class LazyragReplica:
                 **settings.server,
             }
         )
-        self.app = create_app(self.engine, config, retriever)
+        self.app = build_app(self.engine, config, retriever)
         self._events: deque = deque()
         self.engine.cache.subscribe(lambda event, key: self._events.append((event, key)))
 
@@ -220,7 +221,7 @@ def documents_of(body: bytes) -> tuple[list[str], bool]:
 
 
 class KeyGate:
-    """Pure ASGI middleware of the front: ``lazyrag serve``'s API key rule (``app.key_refused``), checked before
+    """Pure ASGI middleware of the front: ``lazyrag serve``'s API key rule (``middleware.key_refused``), checked before
     the front reads a body or routes anything."""
 
     def __init__(self, app, api_key: str | None, covers: str = "v1"):
@@ -229,7 +230,8 @@ class KeyGate:
         self.app, self.api_key, self.covers = app, api_key, covers
 
     async def __call__(self, scope, receive, send):
-        from lazyrag.server.app import WRONG_KEY, json_error, key_refused, route_path
+        from lazyrag.server.errors import json_error
+        from lazyrag.server.middleware import WRONG_KEY, key_refused, route_path
 
         if scope["type"] == "http" and key_refused(
             self.api_key, self.covers, route_path(scope), dict(scope["headers"]).get(b"authorization", b"")
@@ -244,16 +246,121 @@ def add_front_gates(front_api: FastAPI, server: dict, api_key: str | None, cover
     ``lazyrag serve --max-request-mb / --body-timeout``), answered in OpenAI's error shape."""
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
-    from lazyrag.server.app import BodyLimits, ServerConfig, http_error
+    from lazyrag.server.config import ServerConfig
+    from lazyrag.server.errors import http_error_handler
+    from lazyrag.server.middleware import BodyLimits
 
     defaults = {f.name: f.default for f in fields(ServerConfig)}
     limits = {k: server.get(k, defaults[k]) for k in ("max_request_bytes", "body_timeout_s")}
     front_api.add_middleware(BodyLimits, **limits)
     front_api.add_middleware(KeyGate, api_key=api_key, covers=covers)
+    front_api.exception_handler(StarletteHTTPException)(http_error_handler)
 
-    @front_api.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, e: StarletteHTTPException):
-        return http_error(e)
+
+class FrontRelay:
+    """The front's work (the base of its Ray Serve deployment, whose routes ``build_app`` declares): the replicas'
+    chunk keys and liveness, polled, and each request relayed to the replica the router picks."""
+
+    def __init__(self, handles: dict, router, spec: ReplicaSpec, poll_s: float):
+        self.handles, self.router, self.spec, self.poll_s = handles, router, spec, poll_s
+        self.keys: ChunkKeys | None = None
+        self._poller = None
+
+    async def _ready(self):
+        if self.keys is None:
+            identity = await next(iter(self.handles.values())).identity.remote()
+            self.keys = await asyncio.to_thread(
+                ChunkKeys, self.spec.model, identity, self.spec.server.get("system_prompt")
+            )
+        if self._poller is None:
+            self._poller = asyncio.get_running_loop().create_task(self._poll())
+
+    async def _poll(self):
+        """Apply the replicas' KV events and mark replicas up or down by whether they answer."""
+        while True:
+            for name, handle in self.handles.items():
+                try:
+                    events = await asyncio.wait_for(handle.kv_events.remote(), timeout=5)
+                except Exception:
+                    self.router.mark_down(name)
+                    continue
+                replica = self.router.replicas[name]
+                if not replica.alive:
+                    self.router.mark_up(name)
+                for event, key in events:
+                    replica.on_kv_event(event, key)
+            await asyncio.sleep(self.poll_s)
+
+    def routing(self) -> dict:
+        return {
+            n: {"alive": r.alive, "held": len(r.held), "in_flight": r.in_flight}
+            for n, r in self.router.replicas.items()
+        }
+
+    async def _opened(self, request: Request, path: str, body: bytes):
+        """(route, the replica's answer stream, its first message), from the first replica that answers; or the
+        error response when none is up or every one up has failed this request."""
+        from lazyrag.server.protocol import error_body
+        from lazyrag.server.routing import NoReplica
+
+        documents, _ = documents_of(body)
+        assert self.keys is not None  # _ready made it
+        keys = self.keys(documents) if documents else []
+        headers = [(k.encode(), v.encode()) for k, v in request.headers.items()]
+        tried = set()
+        while True:
+            try:
+                route = self.router.start(keys)
+            except NoReplica as e:
+                return JSONResponse(error_body(str(e), "server_error", 503), status_code=503)
+            if route.replica in tried:  # every replica up has failed this request
+                self.router.finish(route)
+                return JSONResponse(
+                    error_body("every replica failed this request", "server_error", 502), status_code=502
+                )
+            tried.add(route.replica)
+            stream = (
+                self.handles[route.replica]
+                .options(stream=True)
+                .serve_http.remote(request.method, "/" + path, request.url.query.encode(), headers, body)
+            )
+            try:
+                return route, stream, await stream.__anext__()
+            except Exception as e:  # nothing sent yet: mark it down, try another replica
+                log.warning("lazyrag: %s failed a request before answering (%s); retrying elsewhere", route.replica, e)
+                self.router.finish(route)
+                self.router.mark_down(route.replica)
+
+    async def relayed(self, path: str, request: Request):
+        await self._ready()
+        opened = await self._opened(request, path, await request.body())
+        if isinstance(opened, JSONResponse):
+            return opened
+        route, stream, start = opened
+        out_headers = {
+            k.decode(): v.decode()
+            for k, v in start.get("headers", [])
+            if k.lower() not in (b"content-length", b"transfer-encoding")
+        }
+        out_headers[REPLICA_HEADER] = route.replica
+        return StreamingResponse(self._body_parts(route, stream), status_code=start["status"], headers=out_headers)
+
+    async def _body_parts(self, route, stream):
+        from lazyrag.server.protocol import error_body
+
+        try:
+            async for message in stream:
+                if message.get("body"):
+                    yield message["body"]
+        except Exception as e:  # the replica died mid-answer: this client alone gets an error event
+            self.router.mark_down(route.replica)
+            yield (
+                "data: "
+                + json.dumps(error_body(f"replica {route.replica} failed mid-answer: {e}", "server_error", 502))
+                + "\n\n"
+            ).encode()
+        finally:
+            self.router.finish(route)
 
 
 def build_app(
@@ -269,8 +376,7 @@ def build_app(
     ``api_key``: what every request to the front must bring (``lazyrag serve --api-key``; None: no key)."""
     from ray import serve
 
-    from lazyrag.server.protocol import error_body
-    from lazyrag.server.routing import NoReplica, make_router
+    from lazyrag.server.routing import make_router
 
     assert replicas >= 1
     names = [f"replica-{i}" for i in range(replicas)]
@@ -287,42 +393,9 @@ def build_app(
 
     @serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)
     @serve.ingress(front_api)
-    class Front:
+    class Front(FrontRelay):  # the routes are declared here, on this front's own FastAPI app
         def __init__(self, *handles):
-            self.handles = dict(zip(names, handles))
-            self.router = make_router(router, names)
-            self.spec = spec
-            self.keys: ChunkKeys | None = None
-            self._poller = None
-
-        async def _ready(self):
-            if self.keys is None:
-                identity = await self.handles[names[0]].identity.remote()
-                self.keys = await asyncio.to_thread(ChunkKeys, spec.model, identity, spec.server.get("system_prompt"))
-            if self._poller is None:
-                self._poller = asyncio.get_running_loop().create_task(self._poll())
-
-        async def _poll(self):
-            """Apply the replicas' KV events and mark replicas up or down by whether they answer."""
-            while True:
-                for name, handle in self.handles.items():
-                    try:
-                        events = await asyncio.wait_for(handle.kv_events.remote(), timeout=5)
-                    except Exception:
-                        self.router.mark_down(name)
-                        continue
-                    replica = self.router.replicas[name]
-                    if not replica.alive:
-                        self.router.mark_up(name)
-                    for event, key in events:
-                        replica.on_kv_event(event, key)
-                await asyncio.sleep(poll_s)
-
-        def routing(self) -> dict:
-            return {
-                n: {"alive": r.alive, "held": len(r.held), "in_flight": r.in_flight}
-                for n, r in self.router.replicas.items()
-            }
+            super().__init__(dict(zip(names, handles)), make_router(router, names), spec, poll_s)
 
         @front_api.get("/routing")
         async def routing_state(self):
@@ -332,63 +405,7 @@ def build_app(
 
         @front_api.api_route("/{path:path}", methods=["GET", "POST"])
         async def relay(self, path: str, request: Request):
-            await self._ready()
-            body = await request.body()
-            documents, _ = documents_of(body)
-            assert self.keys is not None  # _ready made it
-            keys = self.keys(documents) if documents else []
-            headers = [(k.encode(), v.encode()) for k, v in request.headers.items()]
-            tried = set()
-            while True:
-                try:
-                    route = self.router.start(keys)
-                except NoReplica as e:
-                    return JSONResponse(error_body(str(e), "server_error", 503), status_code=503)
-                if route.replica in tried:  # every replica up has failed this request
-                    self.router.finish(route)
-                    return JSONResponse(
-                        error_body("every replica failed this request", "server_error", 502), status_code=502
-                    )
-                tried.add(route.replica)
-                stream = (
-                    self.handles[route.replica]
-                    .options(stream=True)
-                    .serve_http.remote(request.method, "/" + path, request.url.query.encode(), headers, body)
-                )
-                try:
-                    start = await stream.__anext__()
-                except Exception as e:  # nothing sent yet: mark it down, try another replica
-                    log.warning(
-                        "lazyrag: %s failed a request before answering (%s); retrying elsewhere", route.replica, e
-                    )
-                    self.router.finish(route)
-                    self.router.mark_down(route.replica)
-                    continue
-                break
-            status = start["status"]
-            out_headers = {
-                k.decode(): v.decode()
-                for k, v in start.get("headers", [])
-                if k.lower() not in (b"content-length", b"transfer-encoding")
-            }
-            out_headers[REPLICA_HEADER] = route.replica
-
-            async def body_parts():
-                try:
-                    async for message in stream:
-                        if message.get("body"):
-                            yield message["body"]
-                except Exception as e:  # the replica died mid-answer: this client alone gets an error event
-                    self.router.mark_down(route.replica)
-                    yield (
-                        "data: "
-                        + json.dumps(error_body(f"replica {route.replica} failed mid-answer: {e}", "server_error", 502))
-                        + "\n\n"
-                    ).encode()
-                finally:
-                    self.router.finish(route)
-
-            return StreamingResponse(body_parts(), status_code=status, headers=out_headers)
+            return await self.relayed(path, request)
 
     # ray's stubs: serve.deployment's overloads give a Callable, and the decorated class keeps its own type
     replicas_bound = [Replica.options(name=n).bind(asdict(spec)) for n in names]  # type: ignore[attr-defined]

@@ -23,11 +23,11 @@ NOTES = [  # chunks no store holds: the first request encodes them, later ones r
 
 @pytest.fixture(scope="module")
 def server(adapter_engine, tiny_store, embedder):  # noqa: F811
-    from lazyrag.server import ServerConfig, create_app
+    from lazyrag.server import ServerConfig, build_app
     from lazyrag.store.retriever import Retriever
 
     retriever = Retriever(adapter_engine.attach_store(tiny_store), embedder)
-    running = Running(create_app(adapter_engine, ServerConfig(MODEL, max_tokens=24, k=2), retriever))
+    running = Running(build_app(adapter_engine, ServerConfig(MODEL, max_tokens=24, k=2), retriever))
     running.retriever = retriever
     yield running
     running.stop()
@@ -224,10 +224,10 @@ def test_bad_requests_get_openai_errors(server, client):
 
 
 def test_overload_and_api_key_answer_400_and_401(adapter_engine):
-    from lazyrag.server import ServerConfig, create_app
+    from lazyrag.server import ServerConfig, build_app
 
     running = Running(
-        create_app(adapter_engine, ServerConfig(MODEL, max_pending=1, api_key="sesame", max_request_bytes=4096))
+        build_app(adapter_engine, ServerConfig(MODEL, max_pending=1, api_key="sesame", max_request_bytes=4096))
     )
     try:
         denied = openai.OpenAI(base_url=f"{running.url}/v1", api_key="wrong", max_retries=0)
@@ -265,9 +265,9 @@ def test_a_request_that_can_never_fit_is_400_and_one_that_fits_a_busy_server_503
     """More generations (prompts x n) than --max-pending is the client's error (400: split it or raise the limit);
     a request that would fit is 503 only while others hold the slots. The busy state is an open stream holding the
     one slot (reserved before the response starts), and the test waits on /health, not on a clock."""
-    from lazyrag.server import ServerConfig, create_app
+    from lazyrag.server import ServerConfig, build_app
 
-    running = Running(create_app(adapter_engine, ServerConfig(MODEL, max_pending=2)))
+    running = Running(build_app(adapter_engine, ServerConfig(MODEL, max_pending=2)))
     try:
         client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0, timeout=120)
         r = httpx.post(
@@ -309,9 +309,9 @@ def test_a_request_that_can_never_fit_is_400_and_one_that_fits_a_busy_server_503
 def test_a_body_that_stops_arriving_gets_408_and_its_connection_closed(adapter_engine):
     """A slow client (headers, then part of the body, then nothing) is answered 408 once --body-timeout passes, and
     the connection ends; the test waits for that answer (the server's own deadline), not on a clock of its own."""
-    from lazyrag.server import ServerConfig, create_app
+    from lazyrag.server import ServerConfig, build_app
 
-    running = Running(create_app(adapter_engine, ServerConfig(MODEL, body_timeout_s=0.5)))
+    running = Running(build_app(adapter_engine, ServerConfig(MODEL, body_timeout_s=0.5)))
     try:
         answer = slow_body_answer(running.url)
         assert answer.startswith(b"HTTP/1.1 408") and b"--body-timeout" in answer, answer[:300]
@@ -321,9 +321,9 @@ def test_a_body_that_stops_arriving_gets_408_and_its_connection_closed(adapter_e
 
 
 def test_the_api_key_can_guard_every_route_but_the_probes(adapter_engine):
-    from lazyrag.server import ServerConfig, create_app
+    from lazyrag.server import ServerConfig, build_app
 
-    running = Running(create_app(adapter_engine, ServerConfig(MODEL, api_key="sesame", api_key_covers="all")))
+    running = Running(build_app(adapter_engine, ServerConfig(MODEL, api_key="sesame", api_key_covers="all")))
     try:
         key = {"authorization": "Bearer sesame"}
         for path in ("/metrics", "/docs", "/openapi.json", "/v1/models"):
@@ -336,7 +336,7 @@ def test_the_api_key_can_guard_every_route_but_the_probes(adapter_engine):
     finally:
         running.stop()
     with pytest.raises(ValueError, match="api_key_covers"):
-        create_app(adapter_engine, ServerConfig(MODEL, api_key="k", api_key_covers="some"))
+        build_app(adapter_engine, ServerConfig(MODEL, api_key="k", api_key_covers="some"))
 
 
 @pytest.mark.parametrize("stream", [True, False])

@@ -13,9 +13,9 @@ ORIGIN = "http://ui.example"
 
 
 def _app(engine, **config):
-    from lazyrag.server import ServerConfig, create_app
+    from lazyrag.server import ServerConfig, build_app
 
-    return create_app(engine, ServerConfig(MODEL, max_tokens=4, **config))
+    return build_app(engine, ServerConfig(MODEL, max_tokens=4, **config))
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +145,7 @@ def test_a_hub_id_in_the_local_cache_loads_and_is_served_under_it(hub_cache):
     from lazyrag.cli import _served_names
     from lazyrag.engine import LazyEngine
     from lazyrag.model.loader import ModelLoadError, resolve_model_source
-    from lazyrag.server import ServerConfig, create_app
+    from lazyrag.server import ServerConfig, build_app
 
     source = resolve_model_source("org/tiny-llama")
     assert source.folder == hub_cache and source.hub_id == "org/tiny-llama"
@@ -156,7 +156,7 @@ def test_a_hub_id_in_the_local_cache_loads_and_is_served_under_it(hub_cache):
     args = argparse.Namespace(served_model_name=None, model="org/tiny-llama")
     assert _served_names(args, engine.model_name) == ("org/tiny-llama", ("tiny-llama",))
     name, aliases = _served_names(args, engine.model_name)
-    client = TestClient(create_app(engine, ServerConfig(name, max_tokens=2, aliases=aliases)))
+    client = TestClient(build_app(engine, ServerConfig(name, max_tokens=2, aliases=aliases)))
     assert [m["id"] for m in client.get("/v1/models").json()["data"]] == ["org/tiny-llama"]
     for model in ("org/tiny-llama", "tiny-llama"):
         assert client.post("/tokenize", json={"model": model, "prompt": "a b"}).status_code == 200
