@@ -3,6 +3,8 @@ adapters check a ``--strategy`` / ``strategy=`` before a model loads (seconds to
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 # the strategies engine/reuse.py defines (it asserts the two agree); lazy:... adds quality recovery to lazy
 STRATEGY_NAMES = ("full", "prefix", "position_aware", "position_aware:rerotate", "lazy")
 # The named quality recovery: ``strategy="lazy+recover"`` is lazy stitching plus this selective recompute
@@ -13,6 +15,14 @@ RECOVER_AS = "lazy:blend=0.15:select=attn_dev"
 BLEND_SELECTIONS = ("global", "chunk", "attn", "attn_dev", "gradual")
 # where lazy:blend=R's share is counted: over all chunk tokens of the prompt, or R of each chunk
 BLEND_BUDGETS = ("global", "chunk")
+# lazy:KEY=VALUE: the keyword argument KEY sets, how VALUE is read, and which values it accepts
+_LAZY_KEYS: dict[str, tuple[str, Callable[[str], Any], Callable[[Any], bool]]] = {
+    "first": ("recompute_first", int, lambda v: v > 0),
+    "blend": ("blend", float, lambda v: 0 < v <= 1),
+    "select": ("blend_select", str, lambda v: v in BLEND_SELECTIONS),
+    "budget": ("blend_budget", str, lambda v: v in BLEND_BUDGETS),
+    "attn_from": ("attn_from", float, lambda v: 0 <= v < 1),
+}
 
 
 def lazy_options(name: str) -> dict:
@@ -30,27 +40,31 @@ def lazy_options(name: str) -> dict:
         name = RECOVER_AS
     opts: dict[str, int | float | str] = {}
     for part in name.split(":")[1:]:
-        key, _, value = part.partition("=")
-        try:
-            if key == "first" and "recompute_first" not in opts and int(value) > 0:
-                opts["recompute_first"] = int(value)
-            elif key == "blend" and "blend" not in opts and 0 < float(value) <= 1:
-                opts["blend"] = float(value)
-            elif key == "select" and "blend_select" not in opts and value in BLEND_SELECTIONS:
-                opts["blend_select"] = value
-            elif key == "budget" and "blend_budget" not in opts and value in BLEND_BUDGETS:
-                opts["blend_budget"] = value
-            elif key == "attn_from" and "attn_from" not in opts and 0 <= float(value) < 1:
-                opts["attn_from"] = float(value)
-            else:
-                raise ValueError(usage)
-        except ValueError:
-            raise ValueError(usage) from None
+        option = _lazy_option(part, opts)
+        if option is None:
+            raise ValueError(usage)
+        opts[option[0]] = option[1]
     if not opts or (opts.keys() & {"blend_select", "blend_budget", "attn_from"} and "blend" not in opts):
         raise ValueError(usage)
     if "attn_from" in opts and opts.get("blend_select") not in ("attn", "attn_dev"):
         raise ValueError(usage)
     return opts
+
+
+def _lazy_option(part: str, opts: dict) -> tuple[str, int | float | str] | None:
+    """(keyword, value) from one ``KEY=VALUE`` of a lazy:... name; None for an unknown key, one already in
+    ``opts``, or a value it does not accept."""
+    key, _, value = part.partition("=")
+    if key not in _LAZY_KEYS:
+        return None
+    option, read, accepts = _LAZY_KEYS[key]
+    if option in opts:
+        return None
+    try:
+        parsed = read(value)
+    except ValueError:
+        return None
+    return (option, parsed) if accepts(parsed) else None
 
 
 def check_strategy(name: str) -> str:

@@ -207,19 +207,37 @@ def _documents(inputs: list[str]):
 def _finished_store(args) -> str | None:
     """A summary if ``--out`` already holds a finished build of these inputs and options, so rerunning
     the command returns at once instead of loading the model to find nothing to do."""
-    from lazyrag.prompt import DEFAULT_SYSTEM_PROMPT
-    from lazyrag.store.corpus import INDEX, INDEX_NEXT, KV_DIR, MANIFEST, TABLE, read_manifest, rebuild_interrupted
+    from lazyrag.store.corpus import read_manifest
 
     out = Path(args.out)
-    if args.overwrite or args.verify or not (out / MANIFEST).is_file() or rebuild_interrupted(out):
+    if not _store_files_finished(args, out):
         return None
-    if args.limit is not None:  # the manifest does not say how many documents the build read: the build finds out
-        return None
-    if not all((out / name).exists() for name in (TABLE, INDEX, KV_DIR)):
-        return None  # files deleted under a finished manifest: the build makes them again
-    if (out / INDEX_NEXT).exists():
-        return None  # a run killed while publishing its index: the build finishes that
     m = read_manifest(out)
+    if not _manifest_matches(args, m) or not _inputs_unchanged(args, out, m):
+        return None
+    return (
+        f"{out} is already a finished store of these inputs ({m.num_chunks} chunks, {m.num_tokens} tokens); "
+        "nothing to do. Pass --verify to check its checksums or --overwrite to rebuild it."
+    )
+
+
+def _store_files_finished(args, out: Path) -> bool:
+    """Whether ``out`` holds a finished build's files and the flags leave it to be compared with its manifest."""
+    from lazyrag.store.corpus import INDEX, INDEX_NEXT, KV_DIR, MANIFEST, TABLE, rebuild_interrupted
+
+    if args.overwrite or args.verify or not (out / MANIFEST).is_file() or rebuild_interrupted(out):
+        return False
+    if args.limit is not None:  # the manifest does not say how many documents the build read: the build finds out
+        return False
+    if not all((out / name).exists() for name in (TABLE, INDEX, KV_DIR)):
+        return False  # files deleted under a finished manifest: the build makes them again
+    return not (out / INDEX_NEXT).exists()  # a run killed while publishing its index: the build finishes that
+
+
+def _manifest_matches(args, m) -> bool:
+    """Whether the finished manifest ``m`` records the options, dtypes and model these flags ask for."""
+    from lazyrag.prompt import DEFAULT_SYSTEM_PROMPT
+
     asked = {
         "chunk_tokens": args.chunk_tokens,
         "overlap": args.overlap,
@@ -231,25 +249,25 @@ def _finished_store(args) -> str | None:
     if args.chunk_tokens is None:
         del asked["chunk_tokens"]  # whole nodes: the build works out the size (the same, for unchanged inputs)
     if m.status != "complete" or any(getattr(m, k) != v for k, v in asked.items()):
-        return None  # unfinished or other settings: the build resumes or explains the mismatch
+        return False  # unfinished or other settings: the build resumes or explains the mismatch
     if args.dtype is not None and args.dtype != m.dtype:
-        return None
+        return False
     if resolve_stored_dtype(args.stored_kv_dtype, m.dtype) != m.stored_kv_dtype:
-        return None  # the build refuses another stored dtype, saying what to do
+        return False  # the build refuses another stored dtype, saying what to do
     from lazyrag.model.loader import resolve_model_source  # no weights read: the name the engine would carry
 
-    if resolve_model_source(args.model).name != m.model_name:
-        return None
+    return resolve_model_source(args.model).name == m.model_name
+
+
+def _inputs_unchanged(args, out: Path, m) -> bool:
+    """Whether the manifest ``m`` covers every input and none changed since the build wrote it."""
+    from lazyrag.store.corpus import MANIFEST
+
     if not {str(Path(i)) for i in args.inputs} <= set(m.sources):
-        return None
+        return False
     built = (out / MANIFEST).stat().st_mtime
     inputs = [f for i in args.inputs for f in ([Path(i)] if Path(i).is_file() else Path(i).rglob("*"))]
-    if any(f.stat().st_mtime > built for f in inputs):
-        return None  # an input changed since the build
-    return (
-        f"{out} is already a finished store of these inputs ({m.num_chunks} chunks, {m.num_tokens} tokens); "
-        "nothing to do. Pass --verify to check its checksums or --overwrite to rebuild it."
-    )
+    return not any(f.stat().st_mtime > built for f in inputs)  # an input changed since the build
 
 
 def run(args) -> int:

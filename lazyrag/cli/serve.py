@@ -393,11 +393,27 @@ def check(args) -> None:
     _api_key(args)
     check_strategy(args.strategy)
     check_model(args.model)
+    _check_engine_limits(args)
+    _check_http(args)
+    _check_request_limits(args)
+    require("lazyrag serve", "fastapi", "prometheus_client", "uvicorn")
+    _check_replicas(args)
+    if args.store is not None:
+        args.store = check_store(args.store)
+    check_embedder(args)
+
+
+def _check_engine_limits(args) -> None:
+    """The scheduler's sizes and --seed."""
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1; got {getattr(args, name)}.")
     if args.seed is not None and not 0 <= args.seed < 2**63:
         raise UsageError(f"--seed must be in [0, 2**63); got {args.seed}.")
+
+
+def _check_http(args) -> None:
+    """TLS files, --root-path (its trailing / dropped), --allowed-origins, --port and the connection limits."""
     for flag in ("ssl_keyfile", "ssl_certfile"):
         if getattr(args, flag) is not None and not Path(getattr(args, flag)).expanduser().is_file():
             raise UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag)} is not a file.")
@@ -413,6 +429,10 @@ def check(args) -> None:
         raise UsageError(f"--port {args.port} must be in 1-65535.")
     if not args.body_timeout > 0 or (args.limit_concurrency is not None and args.limit_concurrency < 1):
         raise UsageError("--body-timeout must be a positive number of seconds and --limit-concurrency at least 1.")
+
+
+def _check_request_limits(args) -> None:
+    """The per-request defaults and bounds, and --host-gb."""
     if not 0 < args.k <= MAX_K or args.max_tokens <= 0 or args.max_pending <= 0 or not args.max_request_mb > 0:
         raise UsageError(
             f"--k must be in 1-{MAX_K}; --max-tokens, --max-pending and --max-request-mb must be positive."
@@ -421,28 +441,29 @@ def check(args) -> None:
         raise UsageError("--temperature must be in [0, 100] (0 = greedy).")
     if not args.host_gb >= 0:
         raise UsageError(f"--host-gb must be a number of GiB of at least 0 (0 = no host tier); got {args.host_gb}.")
-    require("lazyrag serve", "fastapi", "prometheus_client", "uvicorn")
+
+
+def _check_replicas(args) -> None:
+    """--replicas: at least 1; more needs Ray Serve, and neither the HTTP options nor tensor parallelism."""
     if args.replicas < 1:
         raise UsageError("--replicas must be at least 1.")
-    if args.replicas > 1:
-        try:
-            import ray.serve  # noqa: F401
-        except ImportError:
-            raise UsageError("lazyrag serve --replicas needs Ray Serve: pip install 'lazyrag[replicas]'.") from None
-        http = [f for f in ("allowed_origins", "ssl_certfile", "root_path") if getattr(args, f)]
-        if http:
-            raise UsageError(
-                f"--{http[0].replace('_', '-')} is not supported with --replicas yet (Ray Serve's proxy takes "
-                "the HTTP traffic): put the endpoint behind your gateway."
-            )
-        if (args.tensor_parallel_size or 1) > 1:
-            raise UsageError(
-                "--replicas with --tensor-parallel-size is not supported yet (a replica is one process): run "
-                "one tensor-parallel server per set of GPUs, or replicas of a model that fits one device."
-            )
-    if args.store is not None:
-        args.store = check_store(args.store)
-    check_embedder(args)
+    if args.replicas <= 1:
+        return
+    try:
+        import ray.serve  # noqa: F401
+    except ImportError:
+        raise UsageError("lazyrag serve --replicas needs Ray Serve: pip install 'lazyrag[replicas]'.") from None
+    http = [f for f in ("allowed_origins", "ssl_certfile", "root_path") if getattr(args, f)]
+    if http:
+        raise UsageError(
+            f"--{http[0].replace('_', '-')} is not supported with --replicas yet (Ray Serve's proxy takes "
+            "the HTTP traffic): put the endpoint behind your gateway."
+        )
+    if (args.tensor_parallel_size or 1) > 1:
+        raise UsageError(
+            "--replicas with --tensor-parallel-size is not supported yet (a replica is one process): run "
+            "one tensor-parallel server per set of GPUs, or replicas of a model that fits one device."
+        )
 
 
 def run(args) -> int:

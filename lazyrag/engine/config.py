@@ -89,19 +89,30 @@ class EngineConfig:
             if self.device is None
             else torch.device(self.device)
         )
-        if self.dtype is None:
-            self.dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        elif isinstance(self.dtype, str):
-            dtype = getattr(torch, self.dtype.replace("torch.", ""), None)
-            if not isinstance(dtype, torch.dtype):
-                raise ValueError(f"dtype must be one of float32, bfloat16, float16; got {self.dtype!r}")
-            self.dtype = dtype
+        on_cuda = self.device.type == "cuda"
+        self._resolve_dtype(on_cuda)
         if self.kv_budget is None:
             self.kv_budget = DEFAULT_KV_BUDGET.get(self.device.type, 1 << 30)
         elif isinstance(self.kv_budget, str):  # "4GiB", "512MB"
             self.kv_budget = parse_bytes(self.kv_budget, "kv_budget")
         if self.model_cache is None:
             self.model_cache = cache_enabled()
+        self._check_sizes()
+        # every other None resolved here, once: the engine reads the settings as they are
+        self._resolve_kernels(on_cuda)
+        self._resolve_scheduler(on_cuda)
+
+    def _resolve_dtype(self, on_cuda: bool) -> None:
+        """``dtype``: the device's default for None, the torch dtype for a name."""
+        if self.dtype is None:
+            self.dtype = torch.bfloat16 if on_cuda else torch.float32
+        elif isinstance(self.dtype, str):
+            dtype = getattr(torch, self.dtype.replace("torch.", ""), None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"dtype must be one of float32, bfloat16, float16; got {self.dtype!r}")
+            self.dtype = dtype
+
+    def _check_sizes(self) -> None:
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1; got {self.block_size}")
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
@@ -110,8 +121,9 @@ class EngineConfig:
             )
         if not self.tensor_parallel_timeout_s > 0:
             raise ValueError(f"tensor_parallel_timeout_s must be positive; got {self.tensor_parallel_timeout_s!r}")
-        # every other None resolved here, once: the engine reads the settings as they are
-        on_cuda = self.device.type == "cuda"
+
+    def _resolve_kernels(self, on_cuda: bool) -> None:
+        """The attention backend and the kernel switches left None: the device's defaults."""
         if self.attention is None:
             self.attention = "triton" if on_cuda else "torch"
         triton_on_cuda = on_cuda and self.attention == "triton"
@@ -128,6 +140,9 @@ class EngineConfig:
             if getattr(self, name) is None:
                 setattr(self, name, value)
         self.short_prefill_blas = (self.short_prefill_blas or "cublaslt") if on_cuda else None
+
+    def _resolve_scheduler(self, on_cuda: bool) -> None:
+        """The scheduler's fields left None: the device's defaults; then its long_prefill_tokens checked."""
         if self.scheduler.async_scheduling is None:
             self.scheduler = replace(self.scheduler, async_scheduling=on_cuda)
         if self.scheduler.long_prefill_tokens is None:
@@ -136,8 +151,9 @@ class EngineConfig:
             self.scheduler = replace(
                 self.scheduler, prefetch_waiting=4 if on_cuda and self.tensor_parallel_size == 1 else 0
             )
-        if self.scheduler.long_prefill_tokens < 1:
-            raise ValueError(f"long_prefill_tokens must be at least 1; got {self.scheduler.long_prefill_tokens}")
+        long_prefill_tokens = self.scheduler.long_prefill_tokens
+        if long_prefill_tokens is not None and long_prefill_tokens < 1:  # None: resolved just above, never left
+            raise ValueError(f"long_prefill_tokens must be at least 1; got {long_prefill_tokens}")
 
     def with_changes(self, **fields) -> "EngineConfig":
         """A copy with ``fields`` changed and the defaults it took resolved again (another device changes them)."""

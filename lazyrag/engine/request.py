@@ -43,10 +43,7 @@ class SamplingParams:
     def __post_init__(self):
         # Checked here, before admission: a bad value would otherwise fail inside a batch of other requests.
         put = functools.partial(object.__setattr__, self)  # frozen: the checked values are set once, here
-        stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else self.stop
-        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
-            raise ValueError(f"stop must be a string or a list of strings; got {self.stop!r}")
-        put("stop", tuple(s for s in stop if s))
+        put("stop", _stop_strings(self.stop))
         if (
             isinstance(self.max_new_tokens, bool)
             or not isinstance(self.max_new_tokens, numbers.Integral)
@@ -73,17 +70,7 @@ class SamplingParams:
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 or 0 (off) or an integer of at least 1; got {self.top_k!r}")
         put("top_k", int(self.top_k))
-        if not _finite_number(self.repetition_penalty) or not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 100:
-            raise ValueError(
-                f"repetition_penalty must be a number in [{MIN_REPETITION_PENALTY}, 100] (1 = off); got "
-                f"{self.repetition_penalty!r}"
-            )
-        put("repetition_penalty", float(self.repetition_penalty))
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not _finite_number(value) or not -2 <= value <= 2:
-                raise ValueError(f"{name} must be a number in [-2, 2] (0 = off); got {value!r}")
-            put(name, float(value))
+        self._check_penalties(put)
         if self.logprobs is not None and (
             isinstance(self.logprobs, bool)
             or not isinstance(self.logprobs, numbers.Integral)
@@ -95,6 +82,20 @@ class SamplingParams:
             )
         put("logprobs", None if self.logprobs is None else int(self.logprobs))
 
+    def _check_penalties(self, put: Callable[[str, object], None]) -> None:
+        """The repetition, presence and frequency penalties checked, and ``put`` as floats."""
+        if not _finite_number(self.repetition_penalty) or not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 100:
+            raise ValueError(
+                f"repetition_penalty must be a number in [{MIN_REPETITION_PENALTY}, 100] (1 = off); got "
+                f"{self.repetition_penalty!r}"
+            )
+        put("repetition_penalty", float(self.repetition_penalty))
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _finite_number(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2] (0 = off); got {value!r}")
+            put(name, float(value))
+
     @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
@@ -103,6 +104,14 @@ class SamplingParams:
     def plain_greedy(self) -> bool:
         """Greedy with no knob that needs the logits row on the host: the device's argmax is the token."""
         return self.temperature == 0 and not self.has_penalties and self.logprobs is None
+
+
+def _stop_strings(stop) -> tuple[str, ...]:
+    """``stop`` (None, a string, or a list or tuple of strings) as a tuple of its non-empty strings."""
+    strings = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(strings, (list, tuple)) or not all(isinstance(s, str) for s in strings):
+        raise ValueError(f"stop must be a string or a list of strings; got {stop!r}")
+    return tuple(s for s in strings if s)
 
 
 def _finite_number(x) -> bool:

@@ -25,6 +25,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -337,16 +338,13 @@ class Tuner:
     # -- the run -----------------------------------------------------------------------------------------------
 
     def run(self) -> TuneResult:
-        from tqdm import tqdm
-
         c = self.config
         t0 = time.perf_counter()
         self.out.mkdir(parents=True, exist_ok=True)
         finished = self.out / TUNE_FILE
-        if finished.is_file():
-            done = json.loads(finished.read_text())
-            if done.get("identity") == c.identity() and done.get("steps", 0) >= c.max_steps:
-                return TuneResult(self.out, done["steps"], 0.0, done.get("dev_kl", {}))
+        done = self._finished(finished)
+        if done is not None:
+            return done
         dev_draws = [(f"dev:{j}", self.dev_sampler.draw(j)) for j in range(c.dev_prompts)]
         self._teacher_engine()  # before the adapter wraps the base model
         answers = self.teacher_answers(dev_draws)
@@ -354,42 +352,13 @@ class Tuner:
         params = [p for p in student.parameters() if p.requires_grad]
         assert c.learning_rate is not None  # __post_init__ set the method's default
         optimizer = torch.optim.AdamW(params, lr=c.learning_rate, weight_decay=0.0)
-
-        def lr_at(step: int) -> float:  # linear warm-up, then cosine down to a tenth
-            if step < c.warmup_steps:
-                return (step + 1) / c.warmup_steps
-            t = (step - c.warmup_steps) / max(1, c.max_steps - c.warmup_steps)
-            return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, t)))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_at)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_schedule(c))
         step, history = self.restore(student, optimizer, scheduler)
         dev = self.examples(dev_draws, answers)
         if step == 0 and dev:
             history.append({"step": 0, **self.dev_kl(student, dev, base=True)})
             self._log(history[-1])
-        bar = tqdm(total=c.max_steps, initial=step, desc="tune", unit="step", disable=not c.progress)
-        while step < c.max_steps:
-            if c.time_limit is not None and time.perf_counter() - t0 > c.time_limit:
-                if dev:
-                    history.append({"step": step, **self.dev_kl(student, dev)})
-                    self._log(history[-1])
-                self.checkpoint(student, optimizer, scheduler, step, history)
-                break
-            if f"train:{step}:0" not in answers:
-                answers = self.teacher_answers(self.train_draws(step, step + TEACHER_BLOCK))
-            batch = self.examples(self.train_draws(step, step + 1), answers)
-            row = self.train_step(student, optimizer, scheduler, batch)
-            step += 1
-            bar.update(1)
-            bar.set_postfix(kl_lazy=f"{row['kl_lazy']:.4f}", kl_full=f"{row['kl_full']:.4f}")
-            row = {"step": step, **row, "seconds": round(time.perf_counter() - t0, 2)}
-            if dev and (step % c.eval_every == 0 or step == c.max_steps):
-                row.update(self.dev_kl(student, dev))
-            history.append(row)
-            self._log(row)
-            if step % c.save_every == 0 or step == c.max_steps:
-                self.checkpoint(student, optimizer, scheduler, step, history)
-        bar.close()
+        step = self._train(student, optimizer, scheduler, step, history, dev, answers, t0)
         self._engine = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -418,6 +387,46 @@ class Tuner:
         tmp.write_text(json.dumps(record, indent=1))
         os.replace(tmp, finished)
         return TuneResult(self.out, step, time.perf_counter() - t0, dev_kl)
+
+    def _train(self, student, optimizer, scheduler, step: int, history: list, dev: list, answers: dict, t0) -> int:
+        """Train from ``step`` to max_steps, or until the time limit, logging to ``history`` and checkpointing; the
+        step it reached."""
+        from tqdm import tqdm
+
+        c = self.config
+        bar = tqdm(total=c.max_steps, initial=step, desc="tune", unit="step", disable=not c.progress)
+        while step < c.max_steps:
+            if c.time_limit is not None and time.perf_counter() - t0 > c.time_limit:
+                if dev:
+                    history.append({"step": step, **self.dev_kl(student, dev)})
+                    self._log(history[-1])
+                self.checkpoint(student, optimizer, scheduler, step, history)
+                break
+            if f"train:{step}:0" not in answers:
+                answers = self.teacher_answers(self.train_draws(step, step + TEACHER_BLOCK))
+            batch = self.examples(self.train_draws(step, step + 1), answers)
+            row = self.train_step(student, optimizer, scheduler, batch)
+            step += 1
+            bar.update(1)
+            bar.set_postfix(kl_lazy=f"{row['kl_lazy']:.4f}", kl_full=f"{row['kl_full']:.4f}")
+            row = {"step": step, **row, "seconds": round(time.perf_counter() - t0, 2)}
+            if dev and (step % c.eval_every == 0 or step == c.max_steps):
+                row.update(self.dev_kl(student, dev))
+            history.append(row)
+            self._log(row)
+            if step % c.save_every == 0 or step == c.max_steps:
+                self.checkpoint(student, optimizer, scheduler, step, history)
+        bar.close()
+        return step
+
+    def _finished(self, finished: Path) -> TuneResult | None:
+        """The result recorded in ``finished`` when it is a finished run of these settings, else None."""
+        if not finished.is_file():
+            return None
+        done = json.loads(finished.read_text())
+        if done.get("identity") != self.config.identity() or not done.get("steps", 0) >= self.config.max_steps:
+            return None
+        return TuneResult(self.out, done["steps"], 0.0, done.get("dev_kl", {}))
 
     def train_step(self, student, optimizer, scheduler, batch: list[Example]) -> dict:
         """One optimiser step on ``batch``: KL of the student's ``lazy`` (and, weighted, full prefill) logits to the
@@ -448,6 +457,18 @@ class Tuner:
     def _log(self, row: dict) -> None:
         with open(self.out / "log.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
+
+
+def _lr_schedule(c: TuneConfig) -> Callable[[int], float]:
+    """The learning rate's factor at each step: linear warm-up, then cosine down to a tenth."""
+
+    def lr_at(step: int) -> float:
+        if step < c.warmup_steps:
+            return (step + 1) / c.warmup_steps
+        t = (step - c.warmup_steps) / max(1, c.max_steps - c.warmup_steps)
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, t)))
+
+    return lr_at
 
 
 def tune(config: TuneConfig | None = None, **fields) -> TuneResult:
