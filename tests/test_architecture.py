@@ -243,3 +243,85 @@ def test_the_function_length_check_can_fail():
     assert long_functions(long_one) == ["f (81 lines, line 1)"]
     assert long_functions("async def g():\n    pass\n") == []
     assert long_functions("class C:\n    def m(self):\n" + "        y = 2\n" * 80) == ["m (81 lines, line 2)"]
+
+
+# issue 45: the engine's front door holds an engine core and never asks how many processes run it
+ENGINE = ROOT / "lazyrag" / "engine"
+# (module, access) -> why it stays: the only private names of another module that lazyrag/engine/ touches
+PRIVATE_ACCESS_ALLOWED = {
+    ("engine.py", "model._apply"): "torch.nn.Module._apply makes a meta model's tensors with torch.empty in the "
+    "load dtype in one pass (to_empty imports sympy and keeps a float32 copy); torch has no public equivalent",
+    ("tensor_parallel.py", "os._exit"): "os._exit is public API: a worker whose parent is gone exits at once, "
+    "without atexit handlers or joining threads",
+}
+
+
+def foreign_private_accesses(source: str) -> list[str]:
+    """``receiver._name (line N)`` for each attribute with one leading underscore, read or written, on a receiver
+    other than ``self`` or ``cls``, that the module does not define itself (as a function, method or class, an
+    attribute assigned on ``self``/``cls``, or a name assigned in a class body): another module's private name."""
+    tree = ast.parse(source)
+    own = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            own.add(node.name)
+        if isinstance(node, ast.ClassDef):  # its class attributes
+            for stmt in node.body:
+                if isinstance(stmt, ast.Assign):
+                    own.update(t.id for t in stmt.targets if isinstance(t, ast.Name))
+                elif isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                    own.add(stmt.target.id)
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.ctx, ast.Store)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in ("self", "cls")
+        ):
+            own.add(node.attr)
+    return [
+        f"{ast.unparse(node)} (line {node.lineno})"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr.startswith("_")
+        and not node.attr.startswith("__")
+        and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+        and node.attr not in own
+    ]
+
+
+def test_the_engine_calls_no_other_modules_private_names():
+    """lazyrag/engine/'s modules meet through public methods: tensor parallelism calls the core's (no more
+    ``engine._encode_locked`` or ``scheduler._fail``), the front door calls the core's. Each exception has its
+    reason."""
+    found = [
+        f"{p.name}: {access}"
+        for p in sorted(ENGINE.glob("*.py"))
+        for access in foreign_private_accesses(p.read_text())
+        if (p.name, access.rpartition(" (line")[0]) not in PRIVATE_ACCESS_ALLOWED
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_the_private_access_check_can_fail():
+    assert foreign_private_accesses("def f(s):\n    s._fail(1)\n") == ["s._fail (line 2)"]
+    assert foreign_private_accesses("def f(e):\n    e.scheduler._launched = None\n") == [
+        "e.scheduler._launched (line 2)"
+    ]
+    mine = "class A:\n    _n = 0\n    def __init__(self):\n        self._x = 1\n    def _m(self):\n        pass\n"
+    assert foreign_private_accesses(mine + "def g(a):\n    return a._x, a._m(), A._n\n") == []
+    assert foreign_private_accesses("def f(self, o):\n    self._y()\n    return o.__len__()\n") == []
+
+
+def test_the_front_door_never_asks_how_many_processes_run_it():
+    """engine.py's ``LazyEngine`` calls its core (an ``EngineCore``, or rank 0's ``TensorParallelCore``); tensor
+    parallelism's wire is calls of the core's methods by name (no ``run_op`` switch)."""
+    assert "tp_driver" not in (ENGINE / "engine.py").read_text()
+    for p in (ROOT / "lazyrag").rglob("*.py"):
+        assert "run_op" not in p.read_text(), p
+    from lazyrag.engine import tensor_parallel
+    from lazyrag.engine.core import EngineCore
+
+    assert not hasattr(tensor_parallel, "run_op")
+    shared = ("add", "abort", "drop_aborted", "step", "has_work", "encode", "attach", "chunk_key", "identity")
+    for name in shared:
+        assert callable(getattr(EngineCore, name)) and callable(getattr(tensor_parallel.TensorParallelCore, name))

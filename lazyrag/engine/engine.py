@@ -1,6 +1,7 @@
 """LazyEngine: the front door. Load a Llama model, lay out RAG prompts, and generate with reusable chunk KV.
 
-A request's path: ``generate`` / ``stream`` (or an adapter) -> ``submit`` -> the scheduler
+A request's path: ``generate`` / ``stream`` (or an adapter) -> ``submit`` -> the engine's core (engine/core.py:
+one process's, or under tensor parallelism rank 0's, which keeps the other ranks in step) -> the scheduler
 (engine/scheduler.py) -> the planner (engine/reuse.py: which KV comes from the cache) -> the
 model runner (engine/runner.py) -> the model (model/llama.py) -> an attention backend
 (model/attention.py) -> a Triton kernel (kernels/).
@@ -9,9 +10,7 @@ model runner (engine/runner.py) -> the model (model/llama.py) -> an attention ba
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
-import random
 import threading
 from pathlib import Path
 from typing import AsyncIterator, Iterator, cast
@@ -19,16 +18,14 @@ from typing import AsyncIterator, Iterator, cast
 import torch
 
 from lazyrag.engine.config import EngineConfig
-from lazyrag.engine.request import GenerationResult, Plan, Request, SamplingParams
-from lazyrag.engine.reuse import Planner
+from lazyrag.engine.core import Core, EngineCore, config_device, config_dtype
+from lazyrag.engine.request import GenerationResult, Request, SamplingParams
 from lazyrag.engine.runner import ModelRunner
 from lazyrag.engine.scheduler import Scheduler
-from lazyrag.kv.block_pool import BlockPool, KVShape
 from lazyrag.kv.cache import CacheManager
 from lazyrag.kv.identity import KVIdentity
 from lazyrag.model import checkpoint_cache
-from lazyrag.model.attention import make_attention_backend
-from lazyrag.model.llama import LlamaArgs, LlamaModel, build_rope
+from lazyrag.model.llama import LlamaArgs, LlamaModel
 from lazyrag.model.loader import (
     check_llama_config,
     fingerprint,
@@ -111,20 +108,6 @@ class RequestStream:
             self.engine._abandon(self.request, wait)
 
 
-def _device(cfg: EngineConfig) -> torch.device:
-    """``cfg.device`` as ``EngineConfig.__post_init__`` resolved it (a ``torch.device``, never a str or None)."""
-    device = cfg.device
-    assert isinstance(device, torch.device)
-    return device
-
-
-def _dtype(cfg: EngineConfig) -> torch.dtype:
-    """``cfg.dtype`` as ``EngineConfig.__post_init__`` resolved it (never a str or None)."""
-    dtype = cfg.dtype
-    assert dtype is not None and not isinstance(dtype, str)
-    return dtype
-
-
 def _join_group(args: LlamaArgs, cfg: EngineConfig, build=None):
     """(None, []) for one process; else the split checked (before any process starts) and this process in the
     tensor-parallel group: (its ``TensorParallel``, the workers it spawned). ``build``: what a spawned worker calls."""
@@ -137,13 +120,15 @@ def _join_group(args: LlamaArgs, cfg: EngineConfig, build=None):
 
 
 def _attached(engine: "LazyEngine", tp, workers) -> "LazyEngine":
-    """The engine of one process as it is; under tensor parallelism rank 0's, driving the others (on any other
-    rank this serves rank 0 and exits)."""
+    """The engine of one process as it is; under tensor parallelism rank 0's, its core driving the others' (on any
+    other rank this serves rank 0 with the engine's core and exits)."""
     if tp is None:
         return engine
     import lazyrag.engine.tensor_parallel as tensor_parallel
 
-    return tensor_parallel.attach(engine, tp, list(workers))
+    timeout = engine.config.tensor_parallel_timeout_s
+    engine.core = tensor_parallel.attach(cast(EngineCore, engine.core), tp, list(workers), timeout, engine._lock)
+    return engine
 
 
 def _rank_args(args: LlamaArgs, tp, cfg: EngineConfig) -> LlamaArgs:
@@ -170,53 +155,22 @@ class LazyEngine:
     ):
         self.model, self.hf_config, self.tokenizer, self.config = model, hf_config, tokenizer, config
         self.fingerprint, self.model_name = model_fingerprint, model_name
-        args, tp = model.args, model.tp
-        self.tp_driver = None  # rank 0 of a tensor-parallel engine: sends every state change to the other ranks
+        tp = model.tp
         if tp is not None and config.cache.disk_dir:  # each rank's disk tier holds its own heads
             config.cache = dataclasses.replace(
                 config.cache, disk_dir=str(Path(config.cache.disk_dir) / f"tp{tp.size}-rank{tp.rank}")
             )
-        device, kv_budget, attention_name = _device(config), config.kv_budget, config.attention
-        assert kv_budget is not None and not isinstance(kv_budget, str) and attention_name is not None  # resolved
-        # under tensor parallelism ``args`` is this rank's shard: the pool holds its KV heads of every block
-        shape = KVShape(args.num_layers, args.num_kv_heads, args.head_dim, config.block_size, _dtype(config))
-        pool = BlockPool.with_budget(shape, kv_budget, device)
-        self.cache = CacheManager(pool, config.cache)
-        if tp is not None:
-            self.cache.kv_heads = tp.head_range(args.num_kv_heads * tp.size)
-        rope_cos, rope_sin, rope_scaling = build_rope(hf_config, device)
-        attention = make_attention_backend(attention_name, device)
-        self.attention_backend = attention.name
-        self.runner = ModelRunner(model, pool, attention, rope_cos, rope_sin, rope_scaling)
-        if config.compile_elementwise:
-            self.runner.compile_elementwise()
-        if config.triton_elementwise:
-            self.runner.use_triton_elementwise()
-        half = args.head_dim // 2
-        if config.fused_kv_store and half >= 8 and half & (half - 1) == 0:  # the fused kernel's head_dim
-            self.runner.fuse_kv_store()
-        self.runner.short_prefill_blas = config.short_prefill_blas
-        if config.gemv:
-            self.runner.use_gemv()
-        if config.skinny_gemm:
-            self.runner.use_skinny_gemm()
-        if config.cuda_graphs:
-            # padding tokens of captured shapes write their K/V here; no sequence reads it
-            self.runner.enable_cuda_graphs(scratch_block=pool.allocate(1)[0])
         self.prompts = (
             PromptBuilder(tokenizer, config.system_prompt, config.encoding_passage) if tokenizer is not None else None
         )
         self.chunk_finder = ChunkFinder()  # texts of known chunks, to find them inside free-form prompts
         passage_ids = self.prompts.passage_ids() if self.prompts is not None else []
-        self.scheduler = Scheduler(
-            self.runner,
-            self.cache,
-            Planner(self.cache, self.runner, model_fingerprint, passage_ids),
-            tokenizer,
-            self._end_tokens(),
-            config.scheduler,
+        # scheduler, planner, cache and runner; every change to them goes through the core's methods. Under tensor
+        # parallelism ``_attached`` wraps it on rank 0 in a core that keeps the other ranks' cores in step
+        self.core: Core = EngineCore(
+            model, hf_config, config, model_fingerprint, tokenizer, self._end_tokens(), passage_ids
         )
-        self._lock = threading.Lock()  # held by whichever thread steps the scheduler (or touches the cache)
+        self._lock = threading.Lock()  # held by whichever thread steps the core (or changes its state)
         self._stepping_thread: int | None = None  # ident of the thread inside ``step``, if any
         self._work = threading.Event()  # set when a request arrives, for the asyncio driver thread
         self._driver: threading.Thread | None = None
@@ -241,7 +195,7 @@ class LazyEngine:
 
     @classmethod
     def _load(cls, cfg: EngineConfig) -> "LazyEngine":
-        source, dtype = resolve_model_source(cfg.model), _dtype(cfg)
+        source, dtype = resolve_model_source(cfg.model), config_dtype(cfg)
         if cfg.adapter is not None:
             if cfg.tensor_parallel_size > 1:
                 raise ValueError(
@@ -287,7 +241,7 @@ class LazyEngine:
         ``tensor_parallel_size=N`` only under torchrun (every rank passes its own copy of the model)."""
         cfg = config.with_changes(**fields) if config is not None else EngineConfig(**fields)
         check_llama_config(hf_model.config)
-        dtype = _dtype(cfg)
+        dtype = config_dtype(cfg)
         state = {k: v.detach().to(dtype) for k, v in hf_model.state_dict().items()}
         fp = fingerprint(hf_model.config, state, dtype)  # of the whole model: every rank's, and TP=1's
         if cfg.tensor_parallel_size > 1:
@@ -311,7 +265,7 @@ class LazyEngine:
     ) -> "LazyEngine":
         """The engine over ``state`` (transformers' names; under tensor parallelism this rank's shard)."""
         args = _rank_args(LlamaArgs.from_hf(hf_config), tp, cfg)
-        device, dtype = _device(cfg), _dtype(cfg)
+        device, dtype = config_device(cfg), config_dtype(cfg)
         with torch.device("meta"):
             model = LlamaModel(args, tp)
         # to_empty(device).to(dtype) in one step, with torch.empty: to_empty's empty_like of a meta tensor imports
@@ -335,7 +289,7 @@ class LazyEngine:
         tp, workers = _join_group(args, cfg, (cls.from_config, (hf_config, tokenizer, seed), fields))
         args = _rank_args(args, tp, cfg)
         torch.manual_seed(seed)
-        with torch.device(_device(cfg)):
+        with torch.device(config_device(cfg)):
             model = LlamaModel(args, tp).to(cfg.dtype)
         for p in model.parameters():
             torch.nn.init.normal_(p, std=0.02) if p.dim() > 1 else torch.nn.init.ones_(p)
@@ -355,15 +309,33 @@ class LazyEngine:
 
     @property
     def device(self) -> torch.device:
-        return _device(self.config)
+        return config_device(self.config)
 
     @property
     def dtype(self) -> torch.dtype:
-        return _dtype(self.config)
+        return config_dtype(self.config)
 
     @property
     def tensor_parallel_size(self) -> int:
         return 1 if self.model.tp is None else self.model.tp.size
+
+    # this process's scheduler, chunk cache and model runner, to read (benchmarks, metrics, tests)
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    @property
+    def cache(self) -> CacheManager:
+        return self.core.cache
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self.core.runner
+
+    @property
+    def attention_backend(self) -> str:
+        return self.core.attention_backend
 
     def warm_up(self) -> None:
         """Run one tiny request (the prefix encoded and cached, the question prefilled over it as ``lazy`` reads
@@ -371,8 +343,8 @@ class LazyEngine:
         counter zero), but each op has run once, so the first real request does not pay first-call costs (on CUDA:
         Triton compiles and graph captures; on 2 CPU cores it costs 0.25 s and changes little). Chunks are left out:
         one would bring the encoding passage's ~250 tokens, for no other op. Under tensor parallelism it does nothing
-        (the other ranks would have to forget in step). Only for a new engine: it forgets everything the cache holds."""
-        if self.tp_driver is not None or self.prompts is None:
+        (``TensorParallelCore.supports_warm_up``). Only for a new engine: it forgets everything the cache holds."""
+        if not self.core.supports_warm_up or self.prompts is None:
             return
         if len(self.cache) or self.has_unfinished_requests():
             raise ValueError(
@@ -382,19 +354,15 @@ class LazyEngine:
         layout = self.prompts.build("Hi?", [], None)  # not build_prompt: nothing joins the texts found in prompts
         RequestStream(self, self.add_request(layout, SamplingParams(max_new_tokens=2, ignore_eos=True))).result()
         with self._lock:
-            self.cache.reset()
-            self.scheduler.steps = dict.fromkeys(self.scheduler.steps, 0)
-            self.runner.tokens_forwarded = 0
-            self.scheduler.planner.batch.tokens_flushed = 0
+            self.core.forget()
 
     def health_problem(self) -> str | None:
         """Why this engine cannot answer (under tensor parallelism: a rank died), or None when it can."""
-        return None if self.tp_driver is None else self.tp_driver.problem()
+        return self.core.problem()
 
     def close(self) -> None:
         """Tensor parallelism: stop the other ranks (they exit). Later requests fail. One process: nothing to do."""
-        if self.tp_driver is not None:
-            self.tp_driver.close()
+        self.core.close()
 
     @property
     def max_context(self) -> int:
@@ -405,23 +373,7 @@ class LazyEngine:
         """What chunk KV computed by this engine (after ``system``'s prefix) depends on; a store must match it."""
         prompts = self._require_prompts()
         system = system or prompts.system_prompt
-        prefix_ids = prompts.prefix_ids(system)
-        shape = self.cache.pool.shape
-        # the model's KV heads, not this rank's share: a store holds every head, and each rank reads its own
-        return KVIdentity(
-            self.fingerprint,
-            self.model_name,
-            str(shape.dtype).replace("torch.", ""),
-            shape.block_size,
-            shape.num_layers,
-            shape.num_kv_heads * self.tensor_parallel_size,
-            shape.head_dim,
-            system,
-            list(prefix_ids),
-            self.scheduler.planner["lazy"].prefix_key(prefix_ids),
-            list(self.scheduler.planner.passage_ids),
-            prompts.encoding_passage or "",
-        )
+        return self.core.identity(self.model_name, system, prompts.prefix_ids(system), prompts.encoding_passage or "")
 
     # -- prompts --------------------------------------------------------------------------
 
@@ -502,33 +454,11 @@ class LazyEngine:
         prefix_ids = self._require_prompts().prefix_ids() if prefix_ids is None else prefix_ids
         prefix_ids, chunks = list(prefix_ids), [list(c) for c in chunks]
         with self._lock:
-            if self.tp_driver is None:
-                return self._encode_locked(prefix_ids, chunks, read)
-            if read:
-                raise ValueError(
-                    "A tensor-parallel engine's ranks each hold their share of the KV heads, so it cannot read "
-                    "whole chunk KV (e.g. to build a store): build the store with tensor_parallel_size=1; a "
-                    "tensor-parallel engine reads it, each rank its own heads."
-                )
-            return self.tp_driver.sync("encode", prefix_ids, chunks, False)
-
-    def _encode_locked(self, prefix_ids: list[int], chunks: list[list[int]], read: bool):
-        layout = PromptLayout(prefix_ids=prefix_ids, chunk_ids=chunks, question_ids=[])
-        strategy = self.scheduler.planner["lazy"]
-        plan = Plan(context=[], new_ids=[], new_start=0)
-        try:
-            prefix, found = strategy.base_segments(layout, plan)
-            kv = {}
-            if read:
-                kv = {key: self.cache.read_kv(seg) for key, seg in found.items()}
-                kv[prefix.key] = self.cache.read_kv(prefix)
-        finally:
-            strategy.release(plan)
-        return plan.chunks_missed, kv
+            return self.core.encode(prefix_ids, chunks, read)
 
     def chunk_key(self, chunk_ids: list[int], prefix_ids: list[int]) -> str:
         """The content key of a chunk's KV encoded after ``prefix_ids`` (what the cache and stores index by)."""
-        return self.scheduler.planner["lazy"].chunk_key(prefix_ids, chunk_ids)
+        return self.core.chunk_key(prefix_ids, chunk_ids)
 
     def precache(self, chunks: list[str], system: str | None = None) -> int:
         """Encode the chunks' KV now (after the shared prefix) so later prompts hit; returns how many were new."""
@@ -541,23 +471,10 @@ class LazyEngine:
         from lazyrag.store.corpus import CorpusStore
 
         folder = Path(store.path if isinstance(store, CorpusStore) else store).expanduser().resolve()
-        attached = next(
-            (t for t in self.cache.tiers if isinstance(t, CorpusStore) and t.path.resolve() == folder), None
-        )
+        attached = self.core.attached(folder)
         if attached is not None:
             return attached
-        if self.tp_driver is not None:  # every rank opens the folder and attaches it at the same point of its work
-            with self._lock:
-                return self.tp_driver.sync("attach", str(folder))
-        return self._attach_store_locked(store if isinstance(store, CorpusStore) else folder)
-
-    def _attach_store_locked(self, store):
-        from lazyrag.store.corpus import CorpusStore
-
-        if not isinstance(store, CorpusStore):
-            store = CorpusStore.open(store)
-        store.check_compatible(self.kv_identity())
-        self.cache.add_tier(store)
+        store = self.core.attach(store if isinstance(store, CorpusStore) else folder, self.kv_identity())
         self.register_chunks(store.chunk_texts())  # rows that fail their check are logged, their KV recomputed
         return store
 
@@ -565,7 +482,7 @@ class LazyEngine:
         """The chunk cache made visible: per tier (``"device"`` pool, then host, disk and attached corpus stores,
         in lookup order) its entries, bytes, hits, misses, hit rate and evictions; the overall hit rate; and
         ``reuse``: hits and tokens served for prefix segments vs chunks (``CacheManager.report``)."""
-        return self.cache.report()
+        return self.core.cache.report()
 
     # -- requests: every generation goes through the continuous-batching scheduler --------
 
@@ -588,20 +505,14 @@ class LazyEngine:
             raise ValueError(f"params must be a lazyrag.SamplingParams; got {type(params).__name__}.")
         check_layout(layout, self.model.args.vocab_size)
         self._check_length(layout.num_tokens, 0 if prompt_logits_only else params.max_new_tokens)
-        if self.tp_driver is not None and params.seed is None and params.temperature > 0:
-            # every rank samples the same token only from the same generator: a seed for each rank to use
-            params = dataclasses.replace(params, seed=random.getrandbits(63))
         req = Request(
             layout,
-            params,
-            arrival=self.scheduler.clock() if arrival is None else arrival,
+            self.core.seeded(params),
+            arrival=self.core.now() if arrival is None else arrival,
             prompt_logits_only=prompt_logits_only,
             notify=notify,
         )
-        if self.tp_driver is not None:
-            self.tp_driver.add(req)  # taken in by every rank at the next step
-        else:
-            self.scheduler.add(req)
+        self.core.add(req)
         self._work.set()
         return req
 
@@ -617,17 +528,12 @@ class LazyEngine:
     def _step_locked(self) -> bool:
         self._stepping_thread = threading.get_ident()
         try:
-            if self.tp_driver is not None:
-                try:
-                    return self.tp_driver.sync("step")
-                except Exception:  # the group broke: every request was failed with its error, nothing left to run
-                    return False
-            return self.scheduler.step()
+            return self.core.step()
         finally:
             self._stepping_thread = None
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work() or (self.tp_driver is not None and self.tp_driver.has_pending)
+        return self.core.has_work()
 
     def _drive(self, req: Request) -> None:
         """Step the scheduler (which advances every request in flight) until ``req`` has output or is done.
@@ -642,20 +548,13 @@ class LazyEngine:
         """The caller stopped listening: give the request's blocks and pins back now (``wait=False``:
         at the driver thread's next step, without waiting for the lock)."""
         if not req.done:
-            if self.tp_driver is not None:
-                self.tp_driver.abort(req)  # every rank marks it at the same point of its work: the next sync
-            else:
-                self.scheduler.abort(req)
+            self.core.abort(req)
             self._work.set()
             if not wait or self._stepping_thread == threading.get_ident():
                 # the next step drops it (the driver's, for an event loop that must not block; or this thread's own)
                 return
             with self._lock:
-                if self.tp_driver is None:
-                    self.scheduler.drop_aborted()
-                    return
-                with contextlib.suppress(Exception):  # the group broke: its requests were failed already
-                    self.tp_driver.sync("drop_aborted")
+                self.core.drop_aborted()
 
     # asyncio: a background thread steps the scheduler; coroutines wait on their request
 

@@ -137,6 +137,15 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.inbox or self.waiting or self._partial or self.running or self._launched)
 
+    def fail_all(self, error: BaseException, also: list[Request]) -> None:
+        """Fail every request queued or running, and ``also``, with ``error``, and forget the step in flight (stepping
+        thread only): tensor parallelism's group broke, so nothing can run any more (engine/tensor_parallel.py)."""
+        for req in list(self.inbox) + list(self.waiting) + list(self.running) + also:
+            self._fail(req, error)
+        self.inbox.clear()
+        self.waiting.clear()
+        self._launched = None
+
     # -- the stepping thread --------------------------------------------------------------------
 
     def step(self) -> bool:

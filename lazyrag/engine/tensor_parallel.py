@@ -14,12 +14,14 @@ rank 0 fails at once if a worker it spawned exits). Rank 0 returns the engine; o
 ``from_pretrained`` never returns: they serve rank 0 until it stops, then exit.
 
 Keeping the ranks in step (SGLang's design: every TP rank runs the scheduler, rather than vLLM's
-driver shipping each runner call). Every rank runs the whole engine over its shard: scheduler,
-planner and strategies, cache manager and tiers, unchanged. Rank 0, the driver, alone takes
-requests; at every point where the engine changes state under its lock (a step, dropping aborted
-requests, encoding chunks ahead, attaching a store) it broadcasts, in one ``broadcast_object_list``
-on a gloo group, the requests added and aborted since the last one and the operation, and every rank
-applies them and runs the operation. Given that sequence the engine is deterministic (scheduling and
+driver shipping each runner call). Every rank runs the whole engine core (engine/core.py) over its
+shard: scheduler, planner and strategies, cache manager and tiers, unchanged. Rank 0, the driver,
+alone takes requests; its engine's core is a ``TensorParallelCore`` whose every operation that
+changes state under the engine's lock (``step``, ``drop_aborted``, ``encode``, ``attach``) is a
+``call(name, *args)`` (nano-vllm's ``ModelRunner.call``): it broadcasts, in one ``broadcast_object_list``
+on a gloo group, a ``Command``: the ``add`` and ``abort`` calls queued since the last one and the
+operation's name and arguments; every rank makes those calls on its own ``EngineCore``
+(``getattr(core, name)(*args)``), rank 0 too. Given that sequence the engine is deterministic (scheduling and
 eviction read no clocks; the driver seeds every sampled request that has no seed), and every rank
 gets the same logits (all-reduced hidden states, replicated lm_head), so every rank plans, allocates,
 evicts and samples alike and its forwards meet the others' all-reduce for all-reduce. Why not ship
@@ -40,9 +42,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import logging
 import os
 import pickle
+import random
 import signal
 import socket
 import subprocess
@@ -50,13 +54,21 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from lazyrag.engine.request import Request
+from lazyrag.engine.request import Request, SamplingParams
 from lazyrag.model.parallel import TensorParallel, TensorParallelError
+
+if TYPE_CHECKING:
+    from lazyrag.engine.core import EngineCore, KVByKey
+    from lazyrag.kv.identity import KVIdentity
+    from lazyrag.prompt import PromptLayout
+    from lazyrag.store.corpus import CorpusStore
 
 log = logging.getLogger(__name__)
 
@@ -232,10 +244,13 @@ def abandon_start(workers: list[subprocess.Popen]) -> None:
             dist.destroy_process_group()
 
 
-def attach(engine, tp: TensorParallel, workers: list[subprocess.Popen]):
-    """Rank 0: the engine, driving the others. Any other rank: serve rank 0 until it stops, then exit.
-    First every rank waits for the others to have loaded their shards (a load takes minutes for a large model;
-    the engine's collectives after it are bounded by its own timeout)."""
+def attach(
+    core: EngineCore, tp: TensorParallel, workers: list[subprocess.Popen], timeout_s: float, lock: threading.Lock
+) -> TensorParallelCore:
+    """Rank 0: its core wrapped in a ``TensorParallelCore``, driving the others (``lock``: the engine's). Any other
+    rank: serve rank 0 with ``core`` until it stops, then exit. First every rank waits for the others to have loaded
+    their shards (a load takes minutes for a large model; the engine's collectives after it are bounded by
+    ``timeout_s``)."""
     import torch.distributed as dist
 
     try:
@@ -247,35 +262,83 @@ def attach(engine, tp: TensorParallel, workers: list[subprocess.Popen]):
             "other ranks' output for why (a missing file, out of memory?)"
         ) from e
     if tp.rank == 0:
-        engine.tp_driver = Driver(engine, tp, workers, engine.config.tensor_parallel_timeout_s)
-        return engine
-    sys.exit(serve(engine, tp))
+        return TensorParallelCore(core, tp, workers, timeout_s, lock)
+    sys.exit(serve(core, tp))
 
 
-# -- the operations every rank runs, in the same order -------------------------------------------
+# -- what rank 0 sends: calls of a core's methods -------------------------------------------------
+
+PING, STOP = "<ping>", "<stop>"  # no core method: rank 0's keep-alive, and the end of the workers' loop
 
 
-def run_op(engine, op: str, args: tuple):
-    if op == "step":
-        return engine.scheduler.step()
-    if op == "drop_aborted":
-        return engine.scheduler.drop_aborted()
-    if op == "encode":
-        return engine._encode_locked(*args)
-    if op == "attach":
-        return engine._attach_store_locked(*args)
-    if op in ("noop", "stop"):
-        return None
-    raise ValueError(f"unknown tensor-parallel operation {op!r}")
+@dataclass
+class NewRequest:
+    """A request on its first trip to the other ranks (with ``add``): what each needs to make its own copy."""
+
+    id: int  # ``Request.tp_id``: the id every rank knows it by
+    layout: PromptLayout
+    params: SamplingParams
+    arrival: float
+    prompt_logits_only: bool
+
+    @classmethod
+    def of(cls, req: Request) -> NewRequest:
+        return cls(req.tp_id, req.layout, req.params, req.arrival, req.prompt_logits_only)
+
+    def request(self) -> Request:
+        return Request(self.layout, self.params, arrival=self.arrival, prompt_logits_only=self.prompt_logits_only)
 
 
-class Driver:
-    """Rank 0's side: queue what callers add and abort, and broadcast it with each operation."""
+@dataclass
+class SentRequest:
+    """A request every rank was sent already, by its id."""
 
-    def __init__(self, engine, tp: TensorParallel, workers: list[subprocess.Popen], timeout_s: float):
-        self.engine, self.tp, self.workers = engine, tp, workers
+    id: int
+
+
+@dataclass
+class Queued:
+    """A call made from any thread (``add``, ``abort``) that travels with the next broadcast."""
+
+    name: str
+    req: Request  # rank 0's
+    sent: NewRequest | SentRequest  # what stands for it on the wire
+
+
+@dataclass
+class Command:
+    """One broadcast. The ids of requests that ended (``ended``) or were aborted (``aborted``) on rank 0 alone
+    since the last one (a consumer gone, a detokenizer or notify fault); the calls queued meanwhile, in order; then
+    the operation, ``name(*args)``, a method of the core (or PING, STOP)."""
+
+    ended: list[int]
+    aborted: list[int]
+    queued: list[tuple[str, NewRequest | SentRequest]]
+    name: str
+    args: tuple
+
+
+class TensorParallelCore:
+    """Rank 0's core: the same methods as its ``EngineCore``, which run there and on every other rank's, in the same
+    order. ``add`` and ``abort`` (any thread) are queued and travel with the next operation; each operation that
+    changes state (``step``, ``drop_aborted``, ``encode``, ``attach``, ``forget``) is ``call``ed: its name and
+    arguments broadcast, then run here. Reads (keys, the identity, the clock) are rank 0's own."""
+
+    supports_warm_up = False  # LazyEngine.warm_up does nothing here: the first request pays the first-call costs
+
+    def __init__(
+        self,
+        core: EngineCore,
+        tp: TensorParallel,
+        workers: list[subprocess.Popen],
+        timeout_s: float,
+        lock: threading.Lock,
+    ):
+        self.core, self.tp, self.workers, self.lock = core, tp, workers, lock
+        self.scheduler, self.planner, self.cache, self.runner = core.scheduler, core.planner, core.cache, core.runner
+        self.attention_backend = core.attention_backend
         self.interval = timeout_s / 4
-        self._pending: list[tuple[str, Request]] = []  # ("add" | "abort", request), from any thread
+        self._pending: list[Queued] = []  # from any thread
         self._pending_lock = threading.Lock()
         self._live: dict[int, Request] = {}  # requests every rank holds, by the id they were sent with
         self._next_id = 0
@@ -288,25 +351,79 @@ class Driver:
 
     # any thread
 
-    @property
-    def has_pending(self) -> bool:
-        return bool(self._pending)
+    def seeded(self, params: SamplingParams) -> SamplingParams:
+        if params.seed is None and params.temperature > 0:
+            # every rank samples the same token only from the same generator: a seed for each rank to use
+            return dataclasses.replace(params, seed=random.getrandbits(63))
+        return params
 
     def add(self, req: Request) -> None:
+        """Taken in by every rank at the next operation."""
         if self.tp.failed is not None:
             raise self.tp.failed
         with self._pending_lock:
             req.tp_id, self._next_id = self._next_id, self._next_id + 1
-            self._pending.append(("add", req))
+            self._pending.append(Queued("add", req, NewRequest.of(req)))
 
     def abort(self, req: Request) -> None:
+        """Every rank marks it at the same point of its work: the next operation."""
         with self._pending_lock:
-            self._pending.append(("abort", req))
+            self._pending.append(Queued("abort", req, SentRequest(req.tp_id)))
+
+    def has_work(self) -> bool:
+        return self.core.has_work() or bool(self._pending)
+
+    def now(self) -> float:
+        return self.core.now()
+
+    def attached(self, folder: Path) -> CorpusStore | None:
+        return self.core.attached(folder)
+
+    def chunk_key(self, prefix_ids: list[int], chunk_ids: list[int]) -> str:
+        return self.core.chunk_key(prefix_ids, chunk_ids)
+
+    def prefix_key(self, prefix_ids: list[int]) -> str:
+        return self.core.prefix_key(prefix_ids)
+
+    def identity(self, model_name: str, system: str, prefix_ids: list[int], encoding_passage: str) -> KVIdentity:
+        return self.core.identity(model_name, system, prefix_ids, encoding_passage)
+
+    def attach(self, store: CorpusStore | Path, identity: KVIdentity) -> CorpusStore:
+        """Every rank opens the folder and attaches it at the same point of its work (under the engine's lock, which
+        one process does not need for it)."""
+        from lazyrag.store.corpus import CorpusStore
+
+        folder = store.path.expanduser().resolve() if isinstance(store, CorpusStore) else store
+        with self.lock:
+            return self.call("attach", folder, identity)
 
     # the engine's lock held
 
-    def sync(self, op: str, *args):
-        """Send what was queued and ``op`` to every rank, apply it here too, and run ``op``; its result."""
+    def step(self) -> bool:
+        try:
+            return self.call("step")
+        except Exception:  # the group broke: every request was failed with its error, nothing left to run
+            return False
+
+    def drop_aborted(self) -> None:
+        with contextlib.suppress(Exception):  # the group broke: its requests were failed already
+            self.call("drop_aborted")
+
+    def encode(self, prefix_ids: list[int], chunks: list[list[int]], read: bool) -> tuple[int, KVByKey]:
+        if read:
+            raise ValueError(
+                "A tensor-parallel engine's ranks each hold their share of the KV heads, so it cannot read "
+                "whole chunk KV (e.g. to build a store): build the store with tensor_parallel_size=1; a "
+                "tensor-parallel engine reads it, each rank its own heads."
+            )
+        return self.call("encode", prefix_ids, chunks, False)
+
+    def forget(self) -> None:
+        self.call("forget")
+
+    def call(self, name: str, *args):
+        """Send what was queued and ``name(*args)`` to every rank, apply the queued calls here too, and run
+        ``name`` on this rank's core; its result."""
         if self.tp.failed is not None:
             self._fail_all([])
             raise self.tp.failed
@@ -316,41 +433,31 @@ class Driver:
         for i in ended:
             del self._live[i]
         aborted = [i for i, r in self._live.items() if r.aborted]
-        wire = [
-            ("add", r.tp_id, r.layout, r.params, r.arrival, r.prompt_logits_only)
-            if kind == "add"
-            else ("abort", r.tp_id)
-            for kind, r in queued
-        ]
+        command = Command(ended, aborted, [(q.name, q.sent) for q in queued], name, args)
         try:
-            torch.distributed.broadcast_object_list([(wire, ended, aborted, op, args)], src=0, group=self.tp.cpu_group)
+            torch.distributed.broadcast_object_list([command], src=0, group=self.tp.cpu_group)
         except Exception as e:
             error = self.tp.fail(e)
-            self._fail_all([r for kind, r in queued if kind == "add"])
+            self._fail_all([q.req for q in queued if isinstance(q.sent, NewRequest)])
             raise error from e
         self._last_sync = time.monotonic()
-        for kind, r in queued:
-            if kind == "add":
-                self._live[r.tp_id] = r
-                self.engine.scheduler.add(r)
-            else:
-                self.engine.scheduler.abort(r)
-        out = run_op(self.engine, op, args)
+        for q in queued:
+            if isinstance(q.sent, NewRequest):
+                self._live[q.req.tp_id] = q.req
+            getattr(self.core, q.name)(q.req)
+        out = None if name in (PING, STOP) else getattr(self.core, name)(*args)
         if self.tp.failed is not None:  # a collective failed inside the operation: nothing can run any more
             self._fail_all([])
         return out
 
     def _fail_all(self, extra: list[Request]) -> None:
         """Fail every request in flight with the group's error, and stop the workers still alive."""
-        s, error = self.engine.scheduler, self.tp.failed
+        error = self.tp.failed
+        assert error is not None
         with self._pending_lock:
-            extra = extra + [r for kind, r in self._pending if kind == "add"]
+            extra = extra + [q.req for q in self._pending if isinstance(q.sent, NewRequest)]
             self._pending = []
-        for req in list(s.inbox) + list(s.waiting) + list(s.running) + list(self._live.values()) + extra:
-            s._fail(req, error)
-        s.inbox.clear()
-        s.waiting.clear()
-        s._launched = None
+        self.core.scheduler.fail_all(error, list(self._live.values()) + extra)
         self._live.clear()
         self._stop_workers(wait=0.0)
 
@@ -393,7 +500,7 @@ class Driver:
         while not self._closed.wait(min(1.0, self.interval / 2)):
             if time.monotonic() - self._last_sync < self.interval or self.tp.failed is not None:
                 continue
-            with self.engine._lock:
+            with self.lock:
                 if (
                     self._closed.is_set()
                     or self.tp.failed is not None
@@ -401,7 +508,7 @@ class Driver:
                 ):
                     continue
                 try:
-                    self.sync("noop")
+                    self.call(PING)
                 except Exception:
                     log.error("lazyrag: %s", self.tp.failed)
 
@@ -421,8 +528,8 @@ class Driver:
         self._closed.set()
         if self.tp.failed is None:
             try:
-                with self.engine._lock:
-                    self.sync("stop")
+                with self.lock:
+                    self.call(STOP)
             except Exception:
                 pass
         self._stop_workers(wait=10.0)
@@ -442,14 +549,13 @@ def _watch_parent(parent: int) -> None:
         time.sleep(0.5)
 
 
-def serve(engine, tp: TensorParallel) -> int:
-    """Apply rank 0's commands to this rank's engine until it says stop (0) or is lost (1)."""
+def serve(core: EngineCore, tp: TensorParallel) -> int:
+    """Make rank 0's calls on this rank's core until it says stop (0) or is lost (1)."""
     if os.environ.get(PARENT_ENV):
         threading.Thread(target=_watch_parent, args=(int(os.environ[PARENT_ENV]),), daemon=True).start()
         # a terminal's Ctrl-C reaches the whole process group: rank 0 stops this worker (or its exit does)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-    s = engine.scheduler
-    requests: dict[int, Request] = {}
+    requests: dict[int, Request] = {}  # by the id rank 0 sent them with
     while True:
         box: list[Any] = [None]
         try:
@@ -457,26 +563,26 @@ def serve(engine, tp: TensorParallel) -> int:
         except Exception as e:
             log.error("lazyrag tensor-parallel rank %d: lost rank 0 (%s); exiting", tp.rank, e)
             return 1
-        wire, ended, aborted, op, args = box[0]
-        for i in ended:  # ended on rank 0 (finished, failed or aborted there): end it here too, now
+        command: Command = box[0]
+        for i in command.ended:  # ended on rank 0 (finished, failed or aborted there): end it here too, now
             req = requests.pop(i, None)
-            if req is not None and not req.done:
-                s.drop(req)
-        for i in aborted:
+            if req is not None:
+                core.drop(req)
+        for i in command.aborted:
             if i in requests:
-                s.abort(requests[i])
-        for cmd in wire:
-            if cmd[0] == "add":
-                _, i, layout, params, arrival, logits_only = cmd
-                requests[i] = s.add(Request(layout, params, arrival=arrival, prompt_logits_only=logits_only))
-            elif cmd[1] in requests:
-                s.abort(requests[cmd[1]])
-        if op == "stop":
+                core.abort(requests[i])
+        for name, sent in command.queued:
+            if isinstance(sent, NewRequest):
+                requests[sent.id] = sent.request()
+            if sent.id in requests:  # else it ended here already: nothing left to do to it
+                getattr(core, name)(requests[sent.id])
+        if command.name == STOP:
             return 0
         try:
-            run_op(engine, op, args)
+            if command.name != PING:
+                getattr(core, command.name)(*command.args)
         except Exception:  # rank 0 ran the same operation and raised the same to its caller
-            log.debug("lazyrag tensor-parallel rank %d: %s failed", tp.rank, op, exc_info=True)
+            log.debug("lazyrag tensor-parallel rank %d: %s failed", tp.rank, command.name, exc_info=True)
         if tp.failed is not None:
             log.error("lazyrag tensor-parallel rank %d: %s; exiting", tp.rank, tp.failed)
             return 1

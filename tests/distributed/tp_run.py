@@ -69,11 +69,11 @@ def main(model: str, out: str, tp: int, mode: str) -> None:
         time.sleep(2.5 * timeout)
         again = engine.generate(QUESTION, CHUNKS, max_new_tokens=4, ignore_eos=True).text
         with open(out, "w") as f:
-            json.dump({"first": first, "again": again, "worker_pid": engine.tp_driver.workers[0].pid}, f)
+            json.dump({"first": first, "again": again, "worker_pid": engine.core.workers[0].pid}, f)
         os._exit(0)  # then no close, no atexit: as if rank 0 crashed (its worker must exit by itself)
     else:
         first = engine.generate(QUESTION, CHUNKS, max_new_tokens=4, ignore_eos=True).text
-        worker = engine.tp_driver.workers[0]
+        worker = engine.core.workers[0]
         healthy = engine.health_problem()
         os.kill(worker.pid, signal.SIGKILL)
         worker.wait()

@@ -176,7 +176,7 @@ def test_every_selection_blending_every_token_is_full_prefill(engine, selection)
 @contextmanager
 def blended(engine, layout, ratio, **kw):
     """(lazy plan, its Blend, the private blocks) for ``layout``; plan and blocks are given back on exit."""
-    lazy = engine.scheduler.planner["lazy"]
+    lazy = engine.core.planner["lazy"]
     plan = lazy.plan(layout)
     owned = []
 
@@ -228,7 +228,7 @@ def test_attention_selection_takes_what_the_question_reads(default_engine):
     from lazyrag.engine.blend import PlacedContext, question_attention
 
     engine.precache(chunks)
-    plan2 = engine.scheduler.planner["lazy"].plan(layout)
+    plan2 = engine.core.planner["lazy"].plan(layout)
     try:
         n_prefix = plan2.context[0].segment.num_tokens
         ctx = PlacedContext(engine.runner, plan2.context)
@@ -237,7 +237,7 @@ def test_attention_selection_takes_what_the_question_reads(default_engine):
         L = len(engine.model.layers)
         late, _ = question_attention(engine.runner, ctx, list(layout.question_ids), layout.question_start, (L // 2, L))
     finally:
-        engine.scheduler.planner["lazy"].release(plan2)
+        engine.core.planner["lazy"].release(plan2)
     assert ran == len(engine.model.layers)
     top = score[n_prefix:].topk(len(b.selected)).indices.sort().values
     assert torch.equal(b.selected, top)
@@ -306,7 +306,7 @@ def test_placed_context_reads_what_the_reference_gathers(tiny_engine, strategy):
 
     engine = tiny_engine
     layout = engine.build_prompt(QUESTION, CHUNKS[:3])
-    planner = engine.scheduler.planner[strategy]
+    planner = engine.core.planner[strategy]
     plan = planner.plan(layout)
     try:
         assert strategy == "lazy" or any(p.first_block for p in plan.context)

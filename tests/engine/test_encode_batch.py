@@ -100,7 +100,7 @@ def test_a_steps_misses_are_encoded_together_with_the_stats_and_kv_of_one_at_a_t
     for a, b in zip(together, separately):
         assert a.token_ids == b.token_ids
     for engine in (batched, alone):
-        assert not engine.scheduler.planner.batch.pending and not engine.scheduler.planner.batch.open
+        assert not engine.core.planner.batch.pending and not engine.core.planner.batch.open
         assert engine.cache.num_pinned == 0
         assert engine.cache.pool.num_free + engine.cache.cached_blocks == engine.cache.pool.num_blocks
 
@@ -146,7 +146,7 @@ def test_a_chunk_that_fails_to_encode_fails_its_request_alone_and_is_not_cached(
 
 def test_planning_alone_computes_nothing_until_the_batch_is_flushed(tiny_hf, default_hf):
     engine = fresh_engine(tiny_hf, default_hf[1])
-    planner = engine.scheduler.planner
+    planner = engine.core.planner
     layout = engine.build_prompt(QUESTIONS[0], CHUNKS[0])
     forwarded = engine.runner.tokens_forwarded
     planner.batch.begin()

@@ -271,7 +271,7 @@ def test_the_chunks_of_waiting_requests_are_prefetched_from_the_host_tier(tiny_e
             engine.scheduler, "config", replace(engine.scheduler.config, max_running=1, prefetch_waiting=2)
         )
         sched, stats = engine.scheduler, engine.cache.stats
-        keys = [k for lay in layouts[1:] for k in engine.scheduler.planner["lazy"].lookup_keys(lay)]
+        keys = [k for lay in layouts[1:] for k in engine.core.planner["lazy"].lookup_keys(lay)]
         with engine._lock:
             reqs = [engine.add_request(lay, params) for lay in layouts]
             sched.step()  # the first request promotes its own chunks; the other two wait for its slot
