@@ -564,18 +564,7 @@ def serve(core: EngineCore, tp: TensorParallel) -> int:
             log.error("lazyrag tensor-parallel rank %d: lost rank 0 (%s); exiting", tp.rank, e)
             return 1
         command: Command = box[0]
-        for i in command.ended:  # ended on rank 0 (finished, failed or aborted there): end it here too, now
-            req = requests.pop(i, None)
-            if req is not None:
-                core.drop(req)
-        for i in command.aborted:
-            if i in requests:
-                core.abort(requests[i])
-        for name, sent in command.queued:
-            if isinstance(sent, NewRequest):
-                requests[sent.id] = sent.request()
-            if sent.id in requests:  # else it ended here already: nothing left to do to it
-                getattr(core, name)(requests[sent.id])
+        _take_in(core, command, requests)
         if command.name == STOP:
             return 0
         try:
@@ -586,6 +575,22 @@ def serve(core: EngineCore, tp: TensorParallel) -> int:
         if tp.failed is not None:
             log.error("lazyrag tensor-parallel rank %d: %s; exiting", tp.rank, tp.failed)
             return 1
+
+
+def _take_in(core: EngineCore, command: Command, requests: dict[int, Request]) -> None:
+    """What rank 0 did to requests since the last command, in its order: ended, aborted, then the queued calls."""
+    for i in command.ended:  # ended on rank 0 (finished, failed or aborted there): end it here too, now
+        req = requests.pop(i, None)
+        if req is not None:
+            core.drop(req)
+    for i in command.aborted:
+        if i in requests:
+            core.abort(requests[i])
+    for name, sent in command.queued:
+        if isinstance(sent, NewRequest):
+            requests[sent.id] = sent.request()
+        if sent.id in requests:  # else it ended here already: nothing left to do to it
+            getattr(core, name)(requests[sent.id])
 
 
 def main(argv: list[str]) -> int:
