@@ -4,4 +4,5 @@ import sys
 
 from lazyrag.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # importing it (the wheel check imports every module) runs nothing
+    sys.exit(main())
