@@ -114,6 +114,7 @@ class Scheduler:
         self._launched: Launched | None = None  # async scheduling: the step in flight, not yet accepted
         self.async_scheduling = bool(self.config.async_scheduling)  # EngineConfig resolved None (on with cuda)
         self.prefetching: Future | None = None  # the promotion of waiting requests' chunks under way, if any
+        self._prefetched_for: set[int] = set()  # ids of the waiting requests whose chunks were sent to prefetch
         self.steps = {"prefill": 0, "decode": 0}
 
     # -- any thread ---------------------------------------------------------------------------
@@ -269,8 +270,11 @@ class Scheduler:
             if self.prefetching.exception() is not None:  # the request loads it itself; nothing is lost
                 log.warning("lazyrag: prefetching from a tier failed", exc_info=self.prefetching.exception())
             self.prefetching = None
+        window = list(itertools.islice(self.waiting, lookahead))
+        newcomers = [req for req in window if req.id not in self._prefetched_for]
+        self._prefetched_for = {req.id for req in window}
         keys: list[str] = []
-        for req in itertools.islice(self.waiting, lookahead):
+        for req in newcomers:
             try:
                 keys += self.planner[req.params.strategy].lookup_keys(req.layout)
             except ValueError:

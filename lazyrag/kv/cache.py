@@ -541,9 +541,7 @@ class CacheManager:
         blocks = self.allocate(blocks_for(entry.num_tokens, bs))
         self.write_kv(blocks, *entry.decode(self.pool.shape.dtype, self.pool.device))
         self.stats.promotions += 1
-        return self.put(
-            Segment(entry.key, blocks, entry.num_tokens, entry.start, SegmentKind(entry.kind), cost=entry.cost), pin=pin
-        )
+        return self.put(_segment_of(entry, blocks), pin=pin)
 
     def prefetch(self, keys: list[str]) -> Future:
         """Promote these keys from the tiers into the pool in a background thread; returns how many arrived.
@@ -600,11 +598,15 @@ class CacheManager:
             if entry.key in self._segments:  # the request got there first and promoted it itself
                 self.pool.decref(blocks)
                 return False
-            seg = Segment(entry.key, blocks, entry.num_tokens, entry.start, SegmentKind(entry.kind), cost=entry.cost)
-            seg = self.put(seg, pin=False)
+            seg = self.put(_segment_of(entry, blocks), pin=False)
             return not seg.transient
 
     def _prefetch_stream(self):
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.pool.device)
         return self._copy_stream
+
+
+def _segment_of(entry: TierEntry, blocks: list[int]) -> Segment:
+    """The pool segment of a tier entry whose KV was written into ``blocks``."""
+    return Segment(entry.key, blocks, entry.num_tokens, entry.start, SegmentKind(entry.kind), cost=entry.cost)
