@@ -234,49 +234,63 @@ class Strategy:
         ``defer``: while the step's encode batch is open, the KV is computed at its flush
         (its tokens counted in ``plan.tokens_encoded_ahead``).
         """
-        bs = self.cache.pool.shape.block_size
-        segments: list[Segment] = []
-        batch: list[EncodeJob] = []
         defer = defer and self.batch.open
-
-        def flush():
-            seqs = []
-            try:
-                for j in batch:
-                    seqs.append(
-                        SeqState(
-                            context=j.context, blocks=self.cache.allocate(blocks_for(len(j.ids), bs)), next_pos=j.start
-                        )
-                    )
-                if not defer:
-                    _compute(self.runner, list(zip(batch, seqs)))
-            except BaseException:
-                for s in seqs:
-                    self.cache.pool.decref(s.blocks)
-                raise
-            for j, s in zip(batch, seqs):
-                seg = Segment(j.key, s.blocks, len(j.ids), j.start - j.rebase, kind=j.kind)
-                if keep:
-                    seg = self.cache.put(seg)
-                else:
-                    seg.pins, seg.transient = 1, True
-                segments.append(seg)
-                if plan is not None:
-                    plan.pinned.append(seg)
-                if defer:
-                    self.batch.defer(j, s, seg)
-                    if plan is not None:
-                        plan.tokens_encoded_ahead += len(j.ids)
-            batch.clear()
-
+        segments: list[Segment] = []
+        group: list[EncodeJob] = []  # one forward's jobs, at most ENCODE_BATCH_TOKENS together
         for job in jobs:
             assert job.ids, "cannot encode an empty segment"
-            if batch and sum(len(j.ids) for j in batch) + len(job.ids) > ENCODE_BATCH_TOKENS:
-                flush()
-            batch.append(job)
-        if batch:
-            flush()
+            if group and sum(len(j.ids) for j in group) + len(job.ids) > ENCODE_BATCH_TOKENS:
+                self._encode_group(group, segments, plan, keep, defer)
+                group.clear()
+            group.append(job)
+        if group:
+            self._encode_group(group, segments, plan, keep, defer)
         return segments
+
+    def _encode_group(
+        self, group: list[EncodeJob], segments: list[Segment], plan: Plan | None, keep: bool, defer: bool
+    ) -> None:
+        """One forward's worth of ``encode``'s jobs (deferred: their blocks only), their segments appended to
+        ``segments``."""
+        seqs = self._encode_into_blocks(group, defer)
+        for job, seq in zip(group, seqs):
+            segments.append(self._encoded_segment(job, seq, plan, keep, defer))
+
+    def _encode_into_blocks(self, group: list[EncodeJob], defer: bool) -> list[SeqState]:
+        """Fresh blocks for each job and, unless deferred to the step's encode batch, its KV computed into them; on a
+        failure the blocks go back (no segment holds them yet)."""
+        bs = self.cache.pool.shape.block_size
+        seqs: list[SeqState] = []
+        try:
+            for j in group:
+                seqs.append(
+                    SeqState(
+                        context=j.context, blocks=self.cache.allocate(blocks_for(len(j.ids), bs)), next_pos=j.start
+                    )
+                )
+            if not defer:
+                _compute(self.runner, list(zip(group, seqs)))
+        except BaseException:
+            for s in seqs:
+                self.cache.pool.decref(s.blocks)
+            raise
+        return seqs
+
+    def _encoded_segment(self, job: EncodeJob, seq: SeqState, plan: Plan | None, keep: bool, defer: bool) -> Segment:
+        """The segment over a job's blocks, pinned: cached (``keep``) or transient, in ``plan.pinned`` at once so that a
+        later failure still gives it back, and, deferred, handed to the step's encode batch to compute."""
+        seg = Segment(job.key, seq.blocks, len(job.ids), job.start - job.rebase, kind=job.kind)
+        if keep:
+            seg = self.cache.put(seg)
+        else:
+            seg.pins, seg.transient = 1, True
+        if plan is not None:
+            plan.pinned.append(seg)
+        if defer:
+            self.batch.defer(job, seq, seg)
+            if plan is not None:
+                plan.tokens_encoded_ahead += len(job.ids)
+        return seg
 
     def prefix_segment(self, ids: list[int], plan: Plan, own: bool = True, defer: bool = False) -> Segment:
         """A context-free segment at position 0 (a prompt's prefix): looked up, else computed; pinned.

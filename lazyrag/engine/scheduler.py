@@ -155,38 +155,57 @@ class Scheduler:
         where it can be. Returns False when there was nothing to do."""
         previous, self._launched = self._launched, None
         try:
-            while self.inbox:
-                self.waiting.append(self.inbox.popleft())
-            self._drop_aborted()
-            if previous is not None:
-                if self._can_chain(previous):
-                    self._launched = self._chain_decode(previous)
-                self._accept(previous)
-                if self._launched is not None:
-                    return True
-            self._prefilling = self._admit()  # out of waiting, not yet running
-            if self._prefilling:
-                self._launched = self._prefill(self._prefilling)
-                self._prefilling = []
-            elif self.running:
-                self._launched = self._decode()
-            elif previous is None:
-                return False
-            self._prefetch_waiting()  # after the launch: the copies overlap the pass
-            if not self.async_scheduling and self._launched is not None:
-                launched, self._launched = self._launched, None
-                self._accept(launched)
-            return True
+            return self._step(previous)
         except Exception as e:  # a fault no single request owns (a bug): fail those in flight rather than hang them
             log.exception("lazyrag scheduler step failed; failing the requests in flight")
-            in_flight = [r for step in (previous, self._launched) if step is not None for r in step.batch]
-            for req in list(self.waiting) + self.running + self._partial + self._prefilling + in_flight:
-                self._fail(req, e)
-            self.waiting.clear()
-            self._partial = []
-            self._prefilling = []
-            self._launched = None
+            self._fail_in_flight(previous, e)
             return True
+
+    def _step(self, previous: Launched | None) -> bool:
+        """``step``'s work, ``previous`` the pass launched by the step before (async scheduling)."""
+        while self.inbox:
+            self.waiting.append(self.inbox.popleft())
+        self._drop_aborted()
+        if previous is not None and self._chain_and_accept(previous):
+            return True
+        if not self._launch() and previous is None:
+            return False
+        self._prefetch_waiting()  # after the launch: the copies overlap the pass
+        if not self.async_scheduling and self._launched is not None:
+            launched, self._launched = self._launched, None
+            self._accept(launched)
+        return True
+
+    def _chain_and_accept(self, previous: Launched) -> bool:
+        """Accept ``previous``, having launched the decode that follows it first where it can be (so the device
+        computes it while the host reads ``previous``'s tokens). Whether that decode was launched."""
+        if self._can_chain(previous):
+            self._launched = self._chain_decode(previous)
+        self._accept(previous)
+        return self._launched is not None
+
+    def _launch(self) -> bool:
+        """Launch the step's pass into ``_launched``: a prefill of the requests admitted, else a decode of the
+        running ones. False when there is nothing to run (a pass whose every request failed still counts)."""
+        self._prefilling = self._admit()  # out of waiting, not yet running
+        if self._prefilling:
+            self._launched = self._prefill(self._prefilling)
+            self._prefilling = []
+        elif self.running:
+            self._launched = self._decode()
+        else:
+            return False
+        return True
+
+    def _fail_in_flight(self, previous: Launched | None, error: Exception) -> None:
+        """Fail every request queued, admitted, running or in a pass not yet accepted, and forget the pass."""
+        in_flight = [r for step in (previous, self._launched) if step is not None for r in step.batch]
+        for req in list(self.waiting) + self.running + self._partial + self._prefilling + in_flight:
+            self._fail(req, error)
+        self.waiting.clear()
+        self._partial = []
+        self._prefilling = []
+        self._launched = None
 
     def drop_aborted(self) -> None:
         """Give back the blocks and pins of aborted requests now, without a forward pass."""
