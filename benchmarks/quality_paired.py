@@ -7,16 +7,19 @@ at n = 500 mostly cancels in the difference).
 
 A run made with ``--adapter`` (JSON field ``adapter``) shows as "tuned STRATEGY", so base and tuned runs of
 the same questions pair up. Runs are matched by question (JSON written since the runs list their questions) or, for
-older JSON, by position in the item list that --dataset/--n/--seed rebuild. Writes OUT.json and OUT.png.
+older JSON, by position in the item list that --dataset/--n/--seed rebuild. A failed request (the report's
+``errors``) has no answer: each strategy is paired with the reference on the questions both answered, so ``n``
+may differ between rows. Writes OUT.json and OUT.png.
 """
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from quality_sets import paired, print_paired  # noqa: E402  (benchmarks/ is on the path when run as a script)
 
-from lazyrag.eval import DATASETS, SPLITS, accuracy, default_data, f1, load_dataset
+from lazyrag.eval import DATASETS, SPLITS, accuracy, default_data, f1, failed_requests, load_dataset
 
 
 def main() -> None:
@@ -41,14 +44,21 @@ def main() -> None:
         questions = run.get("questions") or [it["question"] for it in items[: run["n"]]]
         for s, texts in run["answers"].items():
             label = f"tuned {s}" if run.get("adapter") else s  # a tuned model's run beside the base model's
-            answers[label] = dict(zip(questions, texts))
+            failed = failed_requests(run, s)  # no answer: left out of every pair, not scored as wrong
+            answers[label] = {q: t for i, (q, t) in enumerate(zip(questions, texts)) if i not in failed}
             recomputed[label] = run["summary"][s]["recomputed_pct_of_chunk_tokens"]
-    common = [q for q in answers[args.reference] if q in golds and all(q in by_q for by_q in answers.values())]
-    scores = {
-        s: {"acc": [accuracy(by_q[q], golds[q]) for q in common], "f1": [f1(by_q[q], golds[q]) for q in common]}
-        for s, by_q in answers.items()
-    }
-    rows = paired(scores, args.reference)
+    rows = {}
+    for s, by_q in answers.items():  # each strategy against the reference on the questions both answered
+        common = [q for q in answers[args.reference] if q in golds and q in by_q]
+        if not common:
+            print(f"{s}: no question that it and {args.reference} both answered", file=sys.stderr)
+            continue
+        pair = {args.reference: answers[args.reference], s: by_q}
+        scores = {
+            name: {"acc": [accuracy(a[q], golds[q]) for q in common], "f1": [f1(a[q], golds[q]) for q in common]}
+            for name, a in pair.items()
+        }
+        rows[s] = paired(scores, args.reference)[s]
     for s, row in rows.items():
         row["recomputed_pct_of_chunk_tokens"] = recomputed[s]
     print_paired(rows, args.reference)
