@@ -3,6 +3,7 @@ and the plan that says where each part of its prompt's KV comes from (the schedu
 
 from __future__ import annotations
 
+import enum
 import functools
 import itertools
 import math
@@ -191,13 +192,30 @@ class TokenLogprob:
     top: list[tuple[int, float]] = field(default_factory=list)
 
 
+class RequestStage(enum.Enum):
+    """Where a request is in its life. The scheduler (engine/scheduler.py) moves it forward only, from any stage
+    before an end to any end: WAITING -> PREFILLING -> DECODING, then FINISHED, ABORTED or FAILED."""
+
+    WAITING = "waiting"  # queued (the scheduler's inbox or waiting queue): nothing planned, nothing held
+    PREFILLING = "prefilling"  # planned, holding its blocks and pins; its prompt prefilled whole or in pieces
+    DECODING = "decoding"  # in the running batch: its prompt prefilled, a token generated each step
+    FINISHED = "finished"  # ended by an end token, a stop string or the length limit (prompt_logits_only: prefilled)
+    ABORTED = "aborted"  # ended by an abort before it finished
+    FAILED = "failed"  # ended by its error (``Request.error``)
+
+    def __init__(self, value: str) -> None:
+        # a member's attribute, not a property: the scheduler reads it for every row of every step
+        self.ended = value in ("finished", "aborted", "failed")
+
+
 _ids = itertools.count()
 
 
 @dataclass(eq=False)
 class Request:
-    """One generation in flight. The stepping thread appends to ``outputs`` and sets ``done``;
-    the caller's thread drains ``outputs`` ((text delta, token id); id -1 for a final text tail)."""
+    """One generation in flight. The stepping thread appends to ``outputs`` and moves ``stage`` (to an end last, so
+    that ``done`` tells another thread that the outputs are complete); the caller's thread drains ``outputs``
+    ((text delta, token id); id -1 for a final text tail)."""
 
     layout: PromptLayout
     params: SamplingParams
@@ -207,8 +225,8 @@ class Request:
     id: int = field(default_factory=lambda: next(_ids))
 
     outputs: deque = field(default_factory=deque)
-    done: bool = False
-    aborted: bool = False
+    stage: RequestStage = RequestStage.WAITING  # moved by the scheduler alone
+    aborted: bool = False  # an abort asked for (any thread): the next step ends the request ABORTED unless it ended
     error: BaseException | None = None
     finish_reason: str = "length"
     prompt_logits: torch.Tensor | None = None  # [V] fp32 CPU, for prompt_logits_only
@@ -231,11 +249,16 @@ class Request:
         if self.params.logprobs is not None:
             self.logprobs = []
 
+    @property
+    def done(self) -> bool:
+        """Whether the request has ended (finished, aborted or failed): its outputs are all there."""
+        return self.stage.ended
+
     def result(self) -> GenerationResult:
         if self.error is not None:
             raise self.error
-        assert self.done, "the request is still running"
-        assert self.finished_at is not None  # set with done
+        assert self.done, f"the request is still {self.stage.value}"
+        assert self.finished_at is not None  # set before it ended
         text = self.detok.text if self.detok else ""
         ttft = (self.first_token_at if self.first_token_at is not None else self.finished_at) - self.arrival
         return GenerationResult(

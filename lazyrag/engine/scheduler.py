@@ -41,7 +41,7 @@ from typing import Callable
 import torch
 
 from lazyrag.engine.config import SchedulerConfig
-from lazyrag.engine.request import Plan, Request, TokenLogprob
+from lazyrag.engine.request import Plan, Request, RequestStage, TokenLogprob
 from lazyrag.engine.reuse import Planner
 from lazyrag.engine.runner import ModelRunner, SeqState
 from lazyrag.engine.sampling import Detokenizer, sample, token_logprobs
@@ -72,6 +72,10 @@ def _seq(req: Request) -> SeqState:
     """The sequence state of a planned request."""
     assert req.seq is not None, "the request is not planned"
     return req.seq
+
+
+# the stage a request ends in, by its finish reason ("stop" and "length": FINISHED)
+_END_STAGES = {"abort": RequestStage.ABORTED, "error": RequestStage.FAILED}
 
 
 def _length(piece: slice) -> int:
@@ -320,6 +324,7 @@ class Scheduler:
 
     def _plan(self, req: Request) -> None:
         """Look up, load or encode the prompt's segments and allocate the request's own blocks."""
+        assert req.stage is RequestStage.WAITING, req.stage
         shape = self.pool.shape
         strategy, stats = self.planner[req.params.strategy], req.stats
         forwarded0, flushed0 = self.runner.tokens_forwarded, self.planner.batch.tokens_flushed
@@ -337,6 +342,7 @@ class Scheduler:
             strategy.release(plan)
             raise
         req.plan = plan
+        req.stage = RequestStage.PREFILLING  # it holds blocks and pins from here: ``_release`` gives them back
         stats.plan_s = self.clock() - t0
         # its own forwards while planning (not the step's batched encodes it flushed) and its share of that batch
         own_forwarded = self.runner.tokens_forwarded - forwarded0 - (self.planner.batch.tokens_flushed - flushed0)
@@ -384,7 +390,9 @@ class Scheduler:
                 continue
             kept.append(i)
             if not r.prompt_logits_only:
+                assert r.stage is RequestStage.PREFILLING, r.stage
                 self.running.append(r)
+                r.stage = RequestStage.DECODING
         if len(kept) < len(done):
             if not kept:
                 return None
@@ -459,7 +467,7 @@ class Scheduler:
     def _accept(self, launched: Launched) -> None:
         """Read a launched step's tokens (sampling the rows that are not greedy) and apply end of turn, stop
         strings and the length limit; rows of requests that ended meanwhile are dropped."""
-        live = [(i, r) for i, r in enumerate(launched.batch) if not r.done]
+        live = [(i, r) for i, r in enumerate(launched.batch) if not r.stage.ended]
         if not live:
             return  # nothing to read: no need to wait for the device
         if launched.ready is not None:
@@ -510,7 +518,7 @@ class Scheduler:
     def _finish(self, req: Request, reason: str) -> None:
         if req.done:
             return
-        if req in self.running:
+        if req.stage is RequestStage.DECODING:  # exactly the requests in the running batch
             self.running.remove(req)
         try:
             self._release(req)
@@ -522,8 +530,10 @@ class Scheduler:
             log.exception("lazyrag: finishing request %d failed", req.id)
             if req.error is None:
                 req.error, reason = e, "error"
+        assert (req.error is not None) == (reason == "error"), (reason, req.error)
         req.stats.new_tokens = len(req.seq.generated) if req.seq else 0
-        req.finish_reason, req.finished_at, req.done = reason, self.clock(), True
+        req.finish_reason, req.finished_at = reason, self.clock()
+        req.stage = _END_STAGES.get(reason, RequestStage.FINISHED)  # last: another thread may read ``done`` now
         self._notify(req)
 
     def _notify(self, req: Request) -> None:

@@ -429,7 +429,7 @@ class TensorParallelCore:
             raise self.tp.failed
         with self._pending_lock:
             queued, self._pending = self._pending, []
-        ended = [i for i, r in self._live.items() if r.done]
+        ended = [i for i, r in self._live.items() if r.stage.ended]
         for i in ended:
             del self._live[i]
         aborted = [i for i, r in self._live.items() if r.aborted]

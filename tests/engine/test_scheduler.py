@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from lazyrag.engine import SamplingParams, SchedulerConfig
+from lazyrag.engine.request import RequestStage
 from lazyrag.kv.block_pool import OutOfBlocks
 from tests.helpers import (
     CHUNKS,
@@ -241,6 +242,70 @@ def test_a_long_prompt_is_prefilled_in_pieces_and_an_abort_lands_between_them(ti
     assert long.finish_reason == "abort" and long.seq.num_written == 2 * piece
     assert engine.runner.tokens_forwarded - forwarded == 1  # the short request's second token, nothing of the long one
     assert len(quick.result().token_ids) == 2
+    assert_nothing_held(engine, free_before)
+
+
+def _stages(sched, req, step_while=lambda: True) -> list[RequestStage]:
+    """The stages ``req`` is seen in after each step (each one once), stepping while it runs and ``step_while()``."""
+    seen = [req.stage]
+    while not req.done and step_while():
+        sched.step()
+        if req.stage is not seen[-1]:
+            seen.append(req.stage)
+    return seen
+
+
+def test_a_request_moves_through_its_stages_and_ends_finished_aborted_or_failed(tiny_engine, monkeypatch):
+    """WAITING until a step plans it; PREFILLING while its prompt is prefilled (a piece a step here); DECODING in
+    the running batch; FINISHED at the length limit. An abort asked for moves nothing until the next step, which
+    ends the request ABORTED wherever it was; a request whose forward pass fails ends FAILED. Each gives back all
+    it held."""
+    S = RequestStage
+    engine, sched = tiny_engine, tiny_engine.scheduler
+    layout = random_layouts(engine, 1, seed=41)[0]
+    params = SamplingParams(max_new_tokens=3, ignore_eos=True, strategy="full")
+    engine.submit(layout, params).result()
+    free_before = engine.cache.pool.num_free
+    monkeypatch.setattr(sched, "async_scheduling", False)
+    monkeypatch.setattr(sched, "config", replace(sched.config, long_prefill_tokens=16))
+    assert layout.num_tokens > 2 * 16
+
+    with engine._lock:
+        req = engine.add_request(layout, params)
+        assert _stages(sched, req, lambda: req.stage is S.WAITING) == [S.WAITING, S.PREFILLING]
+        assert req in sched._partial and not req.done  # its first piece only
+        assert _stages(sched, req) == [S.PREFILLING, S.DECODING, S.FINISHED]
+        assert req.done and req.finish_reason == "length" and req not in sched.running
+
+        logits_only = engine.add_request(layout, params, prompt_logits_only=True)
+        assert _stages(sched, logits_only) == [S.WAITING, S.PREFILLING, S.FINISHED]  # never in the running batch
+
+        waiting = engine.add_request(layout, params)
+        sched.abort(waiting)
+        assert waiting.stage is S.WAITING  # the abort lands at the next step
+        assert _stages(sched, waiting) == [S.WAITING, S.ABORTED]
+
+        endless = replace(params, max_new_tokens=50)
+        running = engine.add_request(layout, endless)
+        assert _stages(sched, running, lambda: running.stage is not S.DECODING)[-1] is S.DECODING
+        sched.abort(running)
+        assert running.stage is S.DECODING and running in sched.running
+        assert _stages(sched, running) == [S.DECODING, S.ABORTED]
+        assert running.finish_reason == "abort" and running not in sched.running
+    assert_nothing_held(engine, free_before)
+
+    decode = engine.runner.decode
+
+    def failing(seqs, tokens):
+        if any(s is poisoned.seq for s in seqs):
+            raise RuntimeError("poisoned sequence")
+        return decode(seqs, tokens)
+
+    monkeypatch.setattr(engine.runner, "decode", failing)
+    with engine._lock:
+        poisoned = engine.add_request(layout, params)
+        assert _stages(sched, poisoned)[-2:] == [S.DECODING, S.FAILED]
+    assert poisoned.finish_reason == "error" and isinstance(poisoned.error, RuntimeError)
     assert_nothing_held(engine, free_before)
 
 
