@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 import torch
 
@@ -112,9 +114,11 @@ class CacheStats:
     promotions: int = 0  # tier hits plus prefetches
     prefetched: int = 0  # segments promoted ahead of the request that asked for them (``prefetch``)
     hit_tokens: int = 0
-    tier_hits_by: dict = field(default_factory=dict)  # tier index -> lookups it served
-    tier_misses_by: dict = field(default_factory=dict)  # tier index -> lookups that reached it and it could not serve
-    reuse: dict = field(default_factory=dict)  # "prefix" | "chunk" -> [hits, tokens] served (any tier)
+    tier_hits_by: dict[int, int] = field(default_factory=dict)  # tier index -> lookups it served
+    tier_misses_by: dict[int, int] = field(
+        default_factory=dict
+    )  # tier index -> lookups that reached it and it could not serve
+    reuse: dict[str, list[int]] = field(default_factory=dict)  # "prefix" | "chunk" -> [hits, tokens] served (any tier)
 
     def reused(self, seg: "Segment") -> None:
         group = "prefix" if seg.kind in (SegmentKind.PREFIX, SegmentKind.PREFIX_BLOCK) else "chunk"
@@ -131,7 +135,9 @@ def _rate(hits: int, lookups: int) -> float | None:
     return hits / lookups if lookups else None
 
 
-def _tier_row(tier: str, label: str, entries, nbytes, hits: int, misses: int, evictions: int) -> dict:
+def _tier_row(
+    tier: str, label: str, entries: int | None, nbytes: int | None, hits: int, misses: int, evictions: int
+) -> dict[str, Any]:
     return {
         "tier": tier,
         "label": label,
@@ -156,9 +162,9 @@ class CacheManager:
         self._lock = threading.RLock()
         self._prefetcher: ThreadPoolExecutor | None = None
         self._copy_stream: torch.cuda.Stream | None = None  # the prefetches' copies (CUDA)
-        self._prefetching: Future | None = None  # the last prefetch submitted
+        self._prefetching: Future[int] | None = None  # the last prefetch submitted
         self.stats = CacheStats()
-        self._subscribers: list = []  # KV events (subscribe)
+        self._subscribers: list[Callable[[str, str], None]] = []  # KV events (subscribe)
         # tensor parallelism: this rank's KV heads [lo, hi) of the model's; KV of every head (a corpus store's)
         # is sliced to them where it enters the pool. None: the pool holds every head.
         self.kv_heads: tuple[int, int] | None = None
@@ -176,7 +182,7 @@ class CacheManager:
             tiers.append(DiskTier(config.disk_dir, config.disk_bytes or 1 << 62))
         return tiers
 
-    def subscribe(self, callback) -> None:
+    def subscribe(self, callback: Callable[[str, str], None]) -> None:
         """Call ``callback(event, key)`` whenever a segment enters the pool (``"stored"``) or leaves it
         (``"removed"``), as vLLM publishes KV events: what a router needs to send a request where its chunks
         are (lazyrag/server/routing.py). It runs under the cache's lock: keep it to a queue append."""
@@ -323,14 +329,14 @@ class CacheManager:
             self.evict(key)
         return True
 
-    def record(self, keys) -> None:
+    def record(self, keys: Iterable[str]) -> None:
         """Count requests for keys that were not looked up one by one (admission frequency only)."""
         if self.sketch is not None:
             with self._lock:
                 for key in keys:
                     self.sketch.record(key)
 
-    def touch(self, keys) -> None:
+    def touch(self, keys: Iterable[str]) -> None:
         """Mark cached keys as just used, in this order, without counting lookups."""
         with self._lock:
             for key in keys:
@@ -488,7 +494,7 @@ class CacheManager:
             self.stats.tier_misses_by[i] = self.stats.tier_misses_by.get(i, 0) + 1
         return None
 
-    def report(self) -> dict:
+    def report(self) -> dict[str, Any]:
         """What the cache holds and how it served lookups, per tier (the device pool first, then host, disk and
         attached corpus stores, in lookup order): entries, bytes, hits, misses, hit rate, evictions; and the
         reuse split, prefix segments (a prompt's shared prefix, prefix-caching blocks) vs chunks, in hits and tokens.
@@ -543,7 +549,7 @@ class CacheManager:
         self.stats.promotions += 1
         return self.put(_segment_of(entry, blocks), pin=pin)
 
-    def prefetch(self, keys: list[str]) -> Future:
+    def prefetch(self, keys: list[str]) -> Future[int]:
         """Promote these keys from the tiers into the pool in a background thread; returns how many arrived.
 
         On CUDA the copies run on a stream of their own, so they overlap the forward passes; a segment enters the
@@ -601,7 +607,7 @@ class CacheManager:
             seg = self.put(_segment_of(entry, blocks), pin=False)
             return not seg.transient
 
-    def _prefetch_stream(self):
+    def _prefetch_stream(self) -> torch.cuda.Stream:
         if self._copy_stream is None:
             self._copy_stream = torch.cuda.Stream(self.pool.device)
         return self._copy_stream

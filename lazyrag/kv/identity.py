@@ -31,7 +31,7 @@ class KVIdentity:
     encoding_passage: str  # its text ("" for none): what an engine is given to read a store (passage_ids decide)
 
 
-def content_key(*parts) -> str:
+def content_key(*parts: str | Sequence[int]) -> str:
     """sha256 over the parts (strings and token-id lists), for content addressing.
 
     Token ids are hashed as packed int64 in native byte order (the bytes of ``array("q", ids)``,
@@ -47,6 +47,9 @@ def content_key(*parts) -> str:
     return h.hexdigest()
 
 
+_Frozen = tuple[str | tuple[int, ...], ...]  # a key's parts, token-id lists made tuples
+
+
 class ContentKeyMemo:
     """``content_key`` remembered by the parts' values: a chunk recurs across requests, and packing and
     hashing its ids is on the way to the first token. A 512-token chunk's key (dev machine): ~10 µs to
@@ -60,22 +63,22 @@ class ContentKeyMemo:
 
     def __init__(self, max_tokens: int = 1 << 20):
         self.max_tokens = max_tokens
-        self._keys: dict[tuple, str] = {}
+        self._keys: dict[_Frozen, str] = {}
         self._tokens = 0
         self._lock = threading.Lock()  # for changes; a look-up is one dict read
 
     def __len__(self) -> int:
         return len(self._keys)
 
-    def __call__(self, *parts) -> str:
-        frozen = tuple(p if isinstance(p, str) else tuple(p) for p in parts)
+    def __call__(self, *parts: str | Sequence[int]) -> str:
+        frozen: _Frozen = tuple(p if isinstance(p, str) else tuple(p) for p in parts)
         key = self._keys.get(frozen)
         if key is None:
             key = content_key(*frozen)
             self._remember(frozen, key)
         return key
 
-    def _remember(self, frozen: tuple, key: str) -> None:
+    def _remember(self, frozen: _Frozen, key: str) -> None:
         tokens = _num_ids(frozen)
         with self._lock:
             if frozen in self._keys or tokens > self.max_tokens:
@@ -88,7 +91,7 @@ class ContentKeyMemo:
             self._tokens += tokens
 
 
-def _num_ids(frozen: tuple) -> int:
+def _num_ids(frozen: _Frozen) -> int:
     return sum(len(p) for p in frozen if not isinstance(p, str))
 
 

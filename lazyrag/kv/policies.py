@@ -53,29 +53,29 @@ class EvictionPolicy:
 class LRU(EvictionPolicy):
     name = "lru"
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._order: OrderedDict[str, None] = OrderedDict()
 
-    def insert(self, key, size, cost):
+    def insert(self, key: str, size: int, cost: float) -> None:
         self._order[key] = None
 
-    def touch(self, key):
+    def touch(self, key: str) -> None:
         self._order.move_to_end(key)
 
-    def remove(self, key):
+    def remove(self, key: str) -> None:
         self._order.pop(key, None)
 
-    def refresh(self, key):
+    def refresh(self, key: str) -> None:
         self._order.move_to_end(key)
 
-    def victims(self):
+    def victims(self) -> Iterator[str]:
         return iter(self._order)  # callers stop iterating before they evict
 
 
 class _HeapPolicy(EvictionPolicy):
     """Min-heap of (priority, tick, key) with lazy deletion: stale entries are skipped on pop."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._heap: list[tuple[float, int, str]] = []
         self._prio: dict[str, tuple[float, int]] = {}
         self._uses: dict[str, int] = {}
@@ -93,25 +93,25 @@ class _HeapPolicy(EvictionPolicy):
             self._heap = [(p, t, k) for k, (p, t) in self._prio.items()]
             heapq.heapify(self._heap)
 
-    def insert(self, key, size, cost):
+    def insert(self, key: str, size: int, cost: float) -> None:
         self._uses[key] = 1
         self._meta[key] = (max(1, size), max(cost, 1e-12))
         self._push(key)
 
-    def touch(self, key):
+    def touch(self, key: str) -> None:
         self._uses[key] += 1
         self._push(key)
 
-    def refresh(self, key):
+    def refresh(self, key: str) -> None:
         self._push(key)  # same priority, newer tick: the later of two ties to go
 
-    def remove(self, key):
+    def remove(self, key: str) -> None:
         for d in (self._prio, self._uses, self._meta):
             d.pop(key, None)
 
-    def victims(self):
+    def victims(self) -> Iterator[str]:
         # Pop in priority order; keys the caller skips (pinned) are pushed back afterwards.
-        skipped = []
+        skipped: list[tuple[float, int, str]] = []
         try:
             while self._heap:
                 p, t, key = heapq.heappop(self._heap)
@@ -128,22 +128,22 @@ class _HeapPolicy(EvictionPolicy):
 class LFU(_HeapPolicy):
     name = "lfu"
 
-    def priority(self, key):
+    def priority(self, key: str) -> float:
         return float(self._uses[key])
 
 
 class GDSF(_HeapPolicy):
     name = "gdsf"
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
         self.inflation = 0.0  # L: priority of the last victim
 
-    def priority(self, key):
+    def priority(self, key: str) -> float:
         size, cost = self._meta[key]
         return self.inflation + self._uses[key] * cost / size
 
-    def evicted(self, key):
+    def evicted(self, key: str) -> None:
         if key in self._prio:
             self.inflation = max(self.inflation, self._prio[key][0])
 

@@ -49,7 +49,7 @@ class TierEntry:
         ``pinned``: in page-locked memory, copied there straight from the device (one copy, not two)."""
         return cls(key, {n: to_host(t, pinned) for n, t in codec.encode(k, v, fmt).items()}, start, str(kind), cost)
 
-    def decode(self, dtype: torch.dtype, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def decode(self, dtype: torch.dtype, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         return codec.decode(self.tensors, dtype, device)
 
     @property
@@ -90,7 +90,7 @@ def kv_checksum(tensors: dict[str, torch.Tensor], *context: str) -> str:
     return h.hexdigest()
 
 
-def _entry_context(key: str, meta: dict) -> tuple[str, ...]:
+def _entry_context(key: str, meta: dict[str, str]) -> tuple[str, ...]:
     """What a disk file's checksum ties its KV to: the key it is filed under and where the KV was computed."""
     return key, meta.get("start", ""), meta.get("kind", "")
 
@@ -161,20 +161,20 @@ class HostTier(Tier):
     def nbytes(self) -> int:
         return self._bytes
 
-    def __contains__(self, key):
+    def __contains__(self, key: str) -> bool:
         return key in self._entries
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, key):
+    def get(self, key: str) -> TierEntry | None:
         with self._lock:
             e = self._entries.get(key)
             if e is not None:
                 self._entries.move_to_end(key)
             return e
 
-    def put(self, entry):
+    def put(self, entry: TierEntry) -> list[TierEntry]:
         if entry.nbytes > self.budget_bytes:
             return [entry]
         if self.pins_memory and not all(t.is_pinned() for t in entry.tensors.values()):
@@ -185,7 +185,7 @@ class HostTier(Tier):
                 entry.kind,
                 entry.cost,
             )
-        out = []
+        out: list[TierEntry] = []
         with self._lock:
             if entry.key in self._entries:
                 return []
@@ -220,16 +220,16 @@ class DiskTier(Tier):
     def nbytes(self) -> int:
         return sum(self._files.values())
 
-    def __contains__(self, key):
+    def __contains__(self, key: str) -> bool:
         return key in self._files
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self._files)
 
     def _path(self, key: str) -> Path:
         return self.folder / f"{key}.safetensors"
 
-    def get(self, key):
+    def get(self, key: str) -> TierEntry | None:
         from safetensors import safe_open
         from safetensors.torch import load_file
 
@@ -257,7 +257,7 @@ class DiskTier(Tier):
             self._files.pop(key, None)
         self._path(key).unlink(missing_ok=True)
 
-    def put(self, entry):
+    def put(self, entry: TierEntry) -> list[TierEntry]:
         from safetensors.torch import save
 
         meta = {"start": str(entry.start), "kind": str(entry.kind), "cost": repr(entry.cost)}

@@ -25,9 +25,10 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
-from lazyrag.prompt import check_text
+from lazyrag.defaults import DEFAULT_EMBEDDER
+from lazyrag.prompt import PromptBuilder, check_text
 from lazyrag.store.corpus import (
     LAYOUT_VERSION,
     MANIFEST,
@@ -42,7 +43,13 @@ from lazyrag.store.corpus import (
     rebuild_interrupted,
     writer_lock,
 )
-from lazyrag.store.retriever import DEFAULT_EMBEDDER, embed, load_embedder
+from lazyrag.store.retriever import embed, load_embedder
+
+if TYPE_CHECKING:
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    from lazyrag.engine.engine import LazyEngine
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +62,7 @@ DEFAULT_CHUNK_TOKENS = 256
 class Document:
     id: str
     text: str
-    meta: dict = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -105,7 +112,7 @@ class PrecacheReport:
 # -- reading ------------------------------------------------------------------------------------
 
 
-def _records_to_documents(rec: dict, line_no: int, source: str) -> Iterator[Document]:
+def _records_to_documents(rec: dict[str, Any], line_no: int, source: str) -> Iterator[Document]:
     """HotpotQA (``contexts[]``), NQ/DPR (``ctxs[]``), or a plain record with ``text``/``contents``."""
     if isinstance(rec.get("contexts"), list):
         for c in rec["contexts"]:
@@ -164,7 +171,7 @@ def _read_inputs(inputs: list[str]) -> Iterator[Document]:
         yield from docs
 
 
-def _usable(docs, limit: int | None) -> Iterator[Document]:
+def _usable(docs: Iterable[Document], limit: int | None) -> Iterator[Document]:
     """The non-empty documents, at most ``limit`` of them."""
     n = 0
     for doc in docs:
@@ -176,7 +183,7 @@ def _usable(docs, limit: int | None) -> Iterator[Document]:
         yield doc
 
 
-def _in_memory(documents) -> Iterator[Document]:
+def _in_memory(documents: Iterable[object]) -> Iterator[Document]:
     """``precache(documents=...)``'s items checked, their metadata made JSON (values it cannot hold become their
     str())."""
     for i, doc in enumerate(documents):
@@ -237,10 +244,12 @@ class Chunk:
     doc_id: str
     text: str
     ids: list[int]  # as the engine tokenizes the chunk (PromptBuilder.encode_chunk)
-    meta: dict
+    meta: dict[str, Any]
 
 
-def chunk_documents(docs, prompts, chunk_tokens: int, overlap: int, block_size: int) -> list[Chunk]:
+def chunk_documents(
+    docs: Iterable[Document], prompts: PromptBuilder, chunk_tokens: int, overlap: int, block_size: int
+) -> list[Chunk]:
     """Token windows of each document, sized so a chunk (with its separator) fills whole KV blocks.
 
     Chunks with identical text are kept once: they have the same KV (same content key).
@@ -257,7 +266,8 @@ def chunk_documents(docs, prompts, chunk_tokens: int, overlap: int, block_size: 
             f"--overlap must be at least 0 and below the chunk size ({window} tokens of text); got {overlap}."
         )
     tok = prompts.tokenizer
-    seen, out = set(), []
+    seen: set[str] = set()
+    out: list[Chunk] = []
     for doc in docs:
         ids = prompts.encode(doc.text.strip())
         a, part = 0, 0
@@ -280,13 +290,13 @@ def chunk_documents(docs, prompts, chunk_tokens: int, overlap: int, block_size: 
     return out
 
 
-def _separator_tokens(prompts) -> int:
+def _separator_tokens(prompts: PromptBuilder) -> int:
     """Tokens the chunk separator adds to a chunk's text."""
     return len(prompts.encode_chunk("x")) - len(prompts.encode("x"))
 
 
 def whole_document_chunk_tokens(
-    docs: list[Document], prompts, block_size: int, room: int, stored: int | None = None
+    docs: list[Document], prompts: PromptBuilder, block_size: int, room: int, stored: int | None = None
 ) -> int:
     """``chunk_tokens=None``: a chunk size that keeps every document one chunk (as ``chunk_documents`` splits),
     so a framework's node is stored exactly as it appears in prompts. ``stored``: the chunk size of the
@@ -311,7 +321,9 @@ def whole_document_chunk_tokens(
 # -- building -----------------------------------------------------------------------------------
 
 
-def _encode_kv(engine, prefix_ids: list[int], chunk_ids: list[list[int]]) -> dict:
+def _encode_kv(
+    engine: LazyEngine, prefix_ids: list[int], chunk_ids: list[list[int]]
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Each chunk's K/V via the engine's lazy strategy (encoded after the shared prefix), copied to CPU."""
     return engine.encode_chunks(chunk_ids, prefix_ids, read=True)[1]
 
@@ -322,7 +334,7 @@ def _encode_kv(engine, prefix_ids: list[int], chunk_ids: list[list[int]]) -> dic
 STORE_TENSOR_PARALLEL_SIZE = 1
 
 
-def check_store_writer(engine) -> None:
+def check_store_writer(engine: LazyEngine) -> None:
     """Refuse to build a store with an engine whose ranks each hold a share of the KV heads."""
     size = getattr(engine, "tensor_parallel_size", 1)
     if size != STORE_TENSOR_PARALLEL_SIZE:
@@ -333,7 +345,12 @@ def check_store_writer(engine) -> None:
         )
 
 
-def precache(engine, config: PrecacheConfig, embedder=None, documents=None) -> PrecacheReport:
+def precache(
+    engine: LazyEngine,
+    config: PrecacheConfig,
+    embedder: SentenceTransformer | None = None,
+    documents: Iterable[Document] | None = None,
+) -> PrecacheReport:
     """Build (or resume) the store at ``config.out``; returns what was done and how fast.
 
     ``documents``: Documents already in memory (a framework's nodes, in a stable order), stored instead of
@@ -358,15 +375,17 @@ def precache(engine, config: PrecacheConfig, embedder=None, documents=None) -> P
     if not docs:
         raise StoreError(f"No documents found in {', '.join(config.inputs)}.")
     identity = engine.kv_identity(config.system)  # raises for an engine without a tokenizer
+    prompts = engine.prompts
+    assert prompts is not None  # kv_identity raised otherwise
     chunk_tokens = config.chunk_tokens
     if chunk_tokens is None:
         resumed = (out / MANIFEST).is_file() and not config.overwrite and not rebuild_interrupted(out)
         stored = read_manifest(out).chunk_tokens if resumed else None
         chunk_tokens = whole_document_chunk_tokens(
-            docs, engine.prompts, identity.block_size, engine.max_context - len(identity.prefix_ids), stored
+            docs, prompts, identity.block_size, engine.max_context - len(identity.prefix_ids), stored
         )
         config = replace(config, chunk_tokens=chunk_tokens)
-    chunks = chunk_documents(docs, engine.prompts, chunk_tokens, config.overlap, identity.block_size)
+    chunks = chunk_documents(docs, prompts, chunk_tokens, config.overlap, identity.block_size)
     split = sorted({c.doc_id for c in chunks if c.meta["part"]}) if documents is not None else []
     if split:
         log.warning(
@@ -414,7 +433,12 @@ def _verify(out: Path) -> list[int]:
 
 
 def _build(
-    engine, config: PrecacheConfig, store: CorpusStore, chunks: list[Chunk], embedder, t0: float
+    engine: LazyEngine,
+    config: PrecacheConfig,
+    store: CorpusStore,
+    chunks: list[Chunk],
+    embedder: SentenceTransformer,
+    t0: float,
 ) -> tuple[int, int]:
     """Encode and store every chunk whose shard is not done, then write the index; (chunks, tokens) encoded."""
     from tqdm import tqdm
@@ -468,9 +492,11 @@ def _build(
     return encoded, tokens
 
 
-def _embed_dim(model) -> int:
+def _embed_dim(model: SentenceTransformer) -> int:
     get = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
-    return int(get())
+    dim = get()  # sentence-transformers: None for a model whose output size it cannot tell
+    assert dim is not None, "the embedder does not say the size of its embeddings"
+    return int(dim)
 
 
 def _check_same_input(store: CorpusStore, keys: list[str]) -> None:

@@ -82,10 +82,11 @@ import sqlite3
 import threading
 import time
 import uuid
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, overload
 
 import numpy as np
 import torch
@@ -95,6 +96,9 @@ from lazyrag.kv import codec
 from lazyrag.kv.formats import resolve_stored_dtype
 from lazyrag.kv.identity import KVIdentity
 from lazyrag.kv.tiers import ATOMIC_TEMP_FILE, KV_TENSORS, CorruptKV, Tier, TierEntry, atomic_write_bytes, kv_checksum
+
+if TYPE_CHECKING:  # imported where used: the faiss extra is optional
+    import faiss
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +221,7 @@ class StoreManifest(KVIdentity):
         ]
 
 
-def _short(x) -> str:
+def _short(x: object) -> str:
     s = repr(x)
     return s if len(s) < 60 else s[:57] + "..."
 
@@ -260,7 +264,7 @@ class ChunkRow:
     digest: str = ""
     kind: str = "chunk"
     start: int = 0
-    meta: dict = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
 
 
 _COLUMNS = "id, key, doc_id, text, num_tokens, shard, digest, kind, start, meta"
@@ -334,7 +338,7 @@ class CorpusStore(Tier):
         self.read_only = read_only
         self._limit = None if limit is None else int(limit)
         self._local = threading.local()  # sqlite connections are per thread
-        self._index = None
+        self._index: faiss.Index | None = None
         if not read_only:
             with self._table_errors(), self._db() as db:
                 db.execute(_SCHEMA)
@@ -575,7 +579,7 @@ class CorpusStore(Tier):
         return folder
 
     @property
-    def index(self):
+    def index(self) -> faiss.Index:
         """The FAISS index (ids = chunk ids), read once and checked against the manifest's sha256 (a
         full hash of the bytes just read: 0.7x to 2.4x of faiss's own deserialization, benchmarks/index_hash.py);
         StoreError if the file is damaged or is not the index the manifest published."""
@@ -584,7 +588,8 @@ class CorpusStore(Tier):
                 data = np.fromfile(self.path / INDEX, dtype=np.uint8)
             except OSError as e:
                 data, missing = None, e
-            if data is None or hashlib.sha256(data).hexdigest() != self.manifest.index_sha256:
+            # numpy's stubs give ndarray its buffer protocol (__buffer__) only for Python 3.12+
+            if data is None or hashlib.sha256(data).hexdigest() != self.manifest.index_sha256:  # type: ignore[arg-type]
                 # a precache publishing a new generation: its index waits beside the old one until the manifest names it
                 pending = _read_pending_index(self.path, self.manifest.index_sha256)
                 if pending is not None:
@@ -602,7 +607,7 @@ class CorpusStore(Tier):
                 self._index_damaged(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         return self._index
 
-    def _index_damaged(self, why: str, error: type = StoreError):
+    def _index_damaged(self, why: str, error: type[StoreError] = StoreError) -> NoReturn:
         raise error(
             f"{self.path}: the FAISS index {INDEX} is missing or damaged ({why}). Rerun "
             f"`{rebuild_command(self.path, self.manifest, '--verify')}`: it checks the stored KV and rewrites the "
@@ -655,7 +660,7 @@ class CorpusStore(Tier):
         )
 
     @contextmanager
-    def _table_errors(self):
+    def _table_errors(self) -> Iterator[None]:
         """sqlite's errors on a damaged table file, as a StoreError that says how to rebuild."""
         try:
             yield
@@ -666,18 +671,19 @@ class CorpusStore(Tier):
         except sqlite3.DatabaseError as e:
             self._table_damaged(f"{type(e).__name__}: {e}", e)
 
-    def _table_damaged(self, why: str, cause: Exception | None = None):
+    def _table_damaged(self, why: str, cause: Exception | None = None) -> NoReturn:
         raise StoreError(
             f"{self.path}: the chunk table {TABLE} is damaged ({why}). Rebuild the store with "
             f"`{rebuild_command(self.path, self.manifest, '--overwrite')}` or into a new --out folder."
         ) from cause
 
-    def _sql(self, query: str, params=()) -> list[tuple]:
+    def _sql(self, query: str, params: Sequence[object] = ()) -> list[tuple[Any, ...]]:
         with self._table_errors():
             return self._db().execute(query, params).fetchall()
 
     def __len__(self) -> int:
-        return self._sql(f"SELECT COUNT(*) FROM chunks WHERE kind = 'chunk'{self._visible()}")[0][0]
+        count: int = self._sql(f"SELECT COUNT(*) FROM chunks WHERE kind = 'chunk'{self._visible()}")[0][0]
+        return count
 
     def done_shards(self) -> set[str]:
         return {s for (s,) in self._sql(f"SELECT DISTINCT shard FROM chunks WHERE 1{self._visible()}")}
@@ -693,7 +699,17 @@ class CorpusStore(Tier):
             raise StoreError(self._changed_rows(bad))
         return out
 
-    def _read_rows(self, ids: list[int] | None, with_embeddings: bool = False) -> tuple[list, list[int]]:
+    @overload
+    def _read_rows(
+        self, ids: list[int] | None, with_embeddings: Literal[False] = False
+    ) -> tuple[list[ChunkRow], list[int]]: ...
+
+    @overload
+    def _read_rows(
+        self, ids: list[int] | None, with_embeddings: Literal[True]
+    ) -> tuple[list[tuple[ChunkRow, bytes]], list[int]]: ...
+
+    def _read_rows(self, ids: list[int] | None, with_embeddings: bool = False) -> tuple[list[Any], list[int]]:
         """The rows (or ``(row, embedding)`` pairs), and the ids of those that fail their ``row_check``."""
         # the table's id read in the same statement as the rows (under one sqlite read lock, so both come from one
         # file): a connection made before the table was replaced is checked on every read, not only when it connected
@@ -1093,7 +1109,7 @@ def remove_stale_temp_files(path: Path) -> list[Path]:
 
 
 @contextmanager
-def writer_lock(path: Path):
+def writer_lock(path: Path) -> Iterator[None]:
     """Hold the store's build lock (a file lock in the folder, so other processes see it too).
 
     A second writer waits, saying so, and then finds the first one's shards done."""
@@ -1181,7 +1197,7 @@ def _delete(p: Path) -> None:
 # -- the FAISS index ------------------------------------------------------------------------
 
 
-def build_index(vecs: np.ndarray, ids: np.ndarray, kind: str = "flat"):
+def build_index(vecs: np.ndarray, ids: np.ndarray, kind: str = "flat") -> faiss.Index:
     """Inner product over normalised embeddings (cosine). flat: exact; ivf/hnsw: approximate, for large corpora."""
     require("FAISS indexes", "faiss")
     import faiss
@@ -1206,7 +1222,7 @@ def build_index(vecs: np.ndarray, ids: np.ndarray, kind: str = "flat"):
     return index
 
 
-def write_index(path: Path, index) -> str:
+def write_index(path: Path, index: faiss.Index) -> str:
     """Write the index (atomically); its sha256, which the manifest records."""
     require("FAISS indexes", "faiss")
     import faiss
@@ -1248,12 +1264,12 @@ def settle_pending_index(path: Path, manifest: StoreManifest) -> None:
         _delete(pending)
 
 
-def deserialize_index(data: np.ndarray):
+def deserialize_index(data: np.ndarray) -> faiss.Index:
     require("FAISS indexes", "faiss")
     import faiss
 
     return faiss.deserialize_index(data)
 
 
-def read_index(path: Path):
+def read_index(path: Path) -> faiss.Index:
     return deserialize_index(np.fromfile(path, dtype=np.uint8))

