@@ -12,6 +12,7 @@ its config.json and tokenizer, weights drawn here) needs no checkpoint to travel
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import statistics
@@ -37,6 +38,26 @@ def random_model(config_folder: Path, out: Path) -> Path:
     return out
 
 
+@contextlib.contextmanager
+def _variant(name: str):
+    """The settings a ``--variants`` entry names, for the steps inside the block."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from lazyrag.tune.forward import activation_checkpointing
+
+    parts = set(name.split("+")) - {"default"}
+    unknown = parts - {"keep", "no_cudnn"}
+    if unknown:
+        raise SystemExit(f"unknown variant part(s) {', '.join(sorted(unknown))}: keep, no_cudnn")
+    backends = (
+        sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+        if "no_cudnn" in parts
+        else contextlib.nullcontext()
+    )
+    with activation_checkpointing("keep" not in parts), backends:
+        yield
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="a local Llama folder or .gguf (default: the embedded model)")
@@ -46,6 +67,13 @@ def main() -> int:
     ap.add_argument("--profile-steps", type=int, default=2)
     ap.add_argument("--prompts-per-step", type=int, default=8)
     ap.add_argument("--answer-tokens", type=int, default=32)
+    ap.add_argument(
+        "--variants",
+        default="default",
+        help="comma-separated, timed one after another on the same batches: default; keep (activations kept, "
+        "no layer recomputed in the backward); no_cudnn (scaled_dot_product_attention without the cuDNN backend); "
+        "keep+no_cudnn",
+    )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/tune_step_gpu.json"))
     args = ap.parse_args()
     from lazyrag.tune.train import TuneConfig, Tuner
@@ -76,24 +104,39 @@ def main() -> int:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     batches = [tuner.examples(tuner.train_draws(i, i + 1), answers) for i in range(total)]
     tokens = [sum(e.layout.num_tokens + len(e.answer_ids) for e in b) for b in batches]
-    seconds = []
-    for i in range(2 + args.steps):
-        sync()
-        t = time.perf_counter()
-        tuner.train_step(student, optimizer, scheduler, batches[i])
-        sync()
-        if i >= 2:
-            seconds.append(time.perf_counter() - t)
+    variants = {}
+    for variant in args.variants.split(","):
+        seconds = []
+        torch.cuda.reset_peak_memory_stats() if tuner.device.type == "cuda" else None
+        with _variant(variant):
+            for i in range(2 + args.steps):
+                sync()
+                t = time.perf_counter()
+                tuner.train_step(student, optimizer, scheduler, batches[i])
+                sync()
+                if i >= 2:
+                    seconds.append(time.perf_counter() - t)
+        variants[variant] = {
+            "step_s_median": statistics.median(seconds),
+            "step_s": seconds,
+            "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if tuner.device.type == "cuda" else None,
+        }
+        print(
+            f"{variant:>14}: step {statistics.median(seconds):.3f} s median, peak {variants[variant]['peak_gib']} GiB",
+            flush=True,
+        )
+    first = variants[args.variants.split(",")[0]]
     res = {
         "device": torch.cuda.get_device_name() if tuner.device.type == "cuda" else "cpu",
         "model": model,
         "command": "python " + " ".join(sys.argv),
         "prompts_per_step": args.prompts_per_step,
         "teacher_s_per_step": teacher_s / total,
-        "step_s_median": statistics.median(seconds),
-        "step_s": seconds,
+        "step_s_median": first["step_s_median"],
+        "step_s": first["step_s"],
+        "variants": variants,
         "tokens_per_step_median": statistics.median(tokens[2 : 2 + args.steps]),
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if tuner.device.type == "cuda" else None,
+        "peak_gib": first["peak_gib"],
     }
     print(
         f"teacher answers {res['teacher_s_per_step']:.2f} s/step; step {res['step_s_median']:.2f} s median "

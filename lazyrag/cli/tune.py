@@ -92,6 +92,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the prompts and distractors (default: %(default)s)")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument(
+        "--keep-activations",
+        action="store_true",
+        help="keep every layer's activations for the backward instead of recomputing them: one forward less a "
+        "step, several times the memory (a small model on a large GPU)",
+    )
+    p.add_argument(
         "--time-limit",
         type=float,
         default=None,
@@ -130,6 +136,7 @@ def tune_config(args):
         encoding_passage=passage,
         progress=True,
         time_limit=args.time_limit,
+        activation_checkpointing=not args.keep_activations,
     )
 
 

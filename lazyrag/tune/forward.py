@@ -21,12 +21,30 @@ Shapes: B items, R chunk rows, T tokens, H heads (Hkv K/V heads), D head dim, V 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from lazyrag.prompt import PromptLayout
+
+# whether a pass with gradients recomputes each layer's activations in the backward instead of keeping them
+_CHECKPOINT_LAYERS = contextvars.ContextVar("lazyrag_tune_checkpoint_layers", default=True)
+
+
+@contextlib.contextmanager
+def activation_checkpointing(on: bool) -> Iterator[None]:
+    """Within this block, the training forward keeps (``on=False``) or recomputes (``on=True``, the default) each
+    layer's activations for the backward: keeping them saves a forward of every layer, recomputing them saves the
+    memory (eight 20-passage prompts of an 8B model would hold tens of GB)."""
+    token = _CHECKPOINT_LAYERS.set(on)
+    try:
+        yield
+    finally:
+        _CHECKPOINT_LAYERS.reset(token)
 
 
 @dataclass
@@ -104,16 +122,17 @@ def _layers(
     ``[B, Hkv, T, D]`` (K rotated at ``positions``). ``past``: each layer's context K/V ``[B, Hkv, N, D]``,
     attended to before the new tokens; ``mask [B, 1, T, N + T]``: True where a token may attend; None: plain
     causal (right padding needs no mask: no real token sees a later one), which flash attention runs.
-    With gradients on, each layer's activations are recomputed in the backward pass instead of kept (a step of
-    eight 20-passage prompts would otherwise hold tens of GB)."""
+    With gradients on, each layer's activations are recomputed in the backward pass instead of kept, unless
+    ``activation_checkpointing(False)`` says otherwise."""
     from torch.utils.checkpoint import checkpoint
 
     _, layers, _, _, rotary = _modules(model)
     cos, sin = _rope(rotary, x, positions)
     new_kv = []
+    recompute = torch.is_grad_enabled() and _CHECKPOINT_LAYERS.get()
     for i, layer in enumerate(layers):
         pk, pv = past[i] if past is not None else (None, None)
-        if torch.is_grad_enabled():
+        if recompute:
             x, k, v = checkpoint(_layer, layer, x, cos, sin, mask, pk, pv, use_reentrant=False)
         else:
             x, k, v = _layer(layer, x, cos, sin, mask, pk, pv)

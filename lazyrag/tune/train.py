@@ -33,7 +33,7 @@ from lazyrag.eval import DATASETS
 from lazyrag.prompt import DEFAULT_ENCODING_PASSAGE, DEFAULT_SYSTEM_PROMPT, PromptBuilder, passage_label, passage_sha256
 from lazyrag.tune.adapter import TUNE_FILE, base_id
 from lazyrag.tune.data import PromptSampler, is_dev, load_questions
-from lazyrag.tune.forward import Example, full_logits, lazy_logits
+from lazyrag.tune.forward import Example, activation_checkpointing, full_logits, lazy_logits
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,16 @@ TEACHER_BLOCK = 25  # steps whose teacher answers are generated together
 TEACHER_KV_BYTES = 2 << 30  # the teacher engine's KV pool: room for a block's prompts beside training
 CHECKPOINT = "checkpoint"
 # fields that may change between a run and its resume (the rest must match, or the resume is refused)
-RESUMABLE = {"max_steps", "progress", "eval_every", "save_every", "out", "device", "time_limit"}
+RESUMABLE = {
+    "max_steps",
+    "progress",
+    "eval_every",
+    "save_every",
+    "out",
+    "device",
+    "time_limit",
+    "activation_checkpointing",
+}
 
 
 @dataclass
@@ -73,6 +82,7 @@ class TuneConfig:
     time_limit: float | None = (
         None  # seconds: past it, checkpoint and write the adapter as far as it got (rerun to go on)
     )
+    activation_checkpointing: bool = True  # False: keep every layer's activations (faster, far more memory)
 
     def __post_init__(self):
         if self.method not in ("lora", "full"):
@@ -434,7 +444,7 @@ class Tuner:
         from torch.profiler import record_function  # named ranges for benchmarks/tune_step_gpu.py's profile
 
         c = self.config
-        with self._autocast():
+        with self._autocast(), activation_checkpointing(c.activation_checkpointing):
             with record_function("tune.teacher"):
                 t = self.teacher_logits(student, full_logits, batch)
             with record_function("tune.lazy_forward"):

@@ -17,7 +17,7 @@ from lazyrag.tune import (  # noqa: E402
     train as train_mod,  # noqa: E402
     tune,
 )
-from lazyrag.tune.forward import Example, full_logits, lazy_logits  # noqa: E402
+from lazyrag.tune.forward import Example, activation_checkpointing, full_logits, lazy_logits  # noqa: E402
 from tests.conftest import tiny_family_model, tiny_llama_config  # noqa: E402
 
 CHUNKS = [
@@ -54,6 +54,25 @@ def test_the_training_forward_gives_the_engines_lazy_and_full_logits(tiny_hf, de
     with torch.no_grad():  # every answer row against transformers' own forward of prompt + answer
         ref = tiny_hf(torch.tensor([examples[0].layout.full_ids() + [5, 6]])).logits[0, -3:]
     torch.testing.assert_close(full[:3], ref, rtol=1e-4, atol=1e-4)
+
+
+def test_keeping_activations_gives_the_same_gradients_as_recomputing_them(tiny_hf, default_hf):
+    engine = LazyEngine.from_hf(tiny_hf, default_hf[1], device="cpu", kv_budget=16 << 20)
+    examples = [
+        Example(engine.build_prompt("Where does the Orinoco flow?", CHUNKS[:3]), [5, 6, 7]),
+        Example(engine.build_prompt("Where is Kilimanjaro?", CHUNKS[::-1]), [9]),
+    ]
+    grads = []
+    for keep in (False, True):
+        tiny_hf.zero_grad(set_to_none=True)
+        with activation_checkpointing(not keep):
+            lazy = lazy_logits(tiny_hf, examples, engine.scheduler.planner.passage_ids)
+            (lazy.logsumexp(-1).sum() + full_logits(tiny_hf, examples).logsumexp(-1).sum()).backward()
+        grads.append({n: p.grad.clone() for n, p in tiny_hf.named_parameters() if p.grad is not None})
+    tiny_hf.zero_grad(set_to_none=True)
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-4, atol=1e-5, msg=name)
 
 
 @pytest.fixture(scope="module")
