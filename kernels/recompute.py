@@ -96,7 +96,8 @@ def prefix_attention(
 ) -> torch.Tensor:
     """Softmax attention of each query over the first ``limit`` keys.
 
-    q: [S, Hq, D]; k, v: [N, Hkv, D], in q's dtype, positions already applied; limit: [S] int, each >= 1 and <= N.
+    q: [S, Hq, D]; k, v: [N, Hkv, D], in q's dtype, positions already applied, any strides but the head dim's
+    (dense); limit: [S] int (int32: used as it is), each >= 1 and <= N.
     Returns [S, Hq, D] in q's dtype (accumulated in fp32). ``HEAD_DIM`` a power of two (the reference otherwise).
     ``block_n``, ``num_warps``, ``num_stages``: the launch (benchmarks/recover_gpu.py --sweep compares them); None
     takes the first of :func:`_launches` that fits this GPU."""
@@ -106,13 +107,15 @@ def prefix_attention(
     if D & (D - 1) or D < 16:
         return prefix_attention_reference(q, k, v, limit, sm_scale).to(q.dtype)
     G = Hq // Hkv
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if S == 0:
         return out
     block_m = max(128, triton.next_power_of_2(G))
-    limit = limit.to(device=q.device, dtype=torch.int32)
+    limit = limit.to(device=q.device, dtype=torch.int32)  # a no-op for the recompute's int32 limits
     grid = (triton.cdiv(S, block_m // G), Hkv)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    # the kernel takes any token and head strides: only a head dim that is not dense is copied (the recompute's q is
+    # a slice of the fused projection, used in place)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     explicit = block_n is not None or num_warps is not None or num_stages is not None
     key = (q.device, q.dtype, D, G)
     if explicit:

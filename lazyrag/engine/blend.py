@@ -19,9 +19,11 @@ The question is then prefilled over the blended context as usual. This is a dens
 implementation (each layer's placed context gathered into [N, Hkv, D] tensors; in position order, so
 a token sees a prefix of them: kernels/recompute.py, no [S, N] mask). On a GPU a request's blend is bound by host work
 (launches and syncs: benchmarks/NOTES.md, "Running the eval on the GPU"), so the context's token
-slots and rotations are computed once per request, nothing syncs inside the layer loop, the
-fresh K/V are written to the pool in one go at the end, and the elementwise steps run eagerly (a
-compiled op's guards cost more than its launches at these sizes).
+slots and rotations are computed once per request (the running tokens' ones only when they change), the
+selection runs on the device from budgets the host knows beforehand, nothing syncs with the host until the selected
+tokens are read once at the end (their private blocks are allocated there), the fresh K/V are written to the pool in
+one go, and the elementwise steps run as the runner's Triton kernels where it uses them, else eagerly (a compiled
+op's guards cost more than its launches at these sizes). benchmarks/recover_ops.py counts the ops and syncs.
 """
 
 from __future__ import annotations
@@ -55,8 +57,8 @@ def _blocks(model: LlamaModel) -> Sequence[Block]:
 @dataclass
 class Blend:
     context: list[Placement]  # the placements, each blended chunk replaced by its private copy
-    selected: torch.Tensor  # [S] indices into the chunk tokens (prompt order) recomputed in every layer
-    deviation: torch.Tensor  # [C] each chunk token's K/V deviation at the selection layer
+    selected: torch.Tensor  # [S] indices into the chunk tokens (prompt order) recomputed in every layer (host)
+    deviation: torch.Tensor  # [C] each chunk token's K/V deviation at the selection layer (the model's device)
     cost: float  # in tokens through the whole model: all chunk tokens ran layer 0, the selected ones every layer
 
 
@@ -78,6 +80,7 @@ class PlacedContext:
         position = np.concatenate([p.segment.start + p.delta + t for p, t in zip(placed, offsets)])
         # in prompt order the positions increase: a token at position p sees the context tokens [0, limit(p))
         assert (np.diff(position) > 0).all(), "a placed context out of position order"
+        self.offsets = offsets  # each placement's token offsets (numpy), for the chunk tokens' layout
         self.owner, self.offset = torch.from_numpy(owner), torch.from_numpy(np.concatenate(offsets))  # [N] host
         self.position = torch.from_numpy(position).to(dev)  # [N]
         self.delta = torch.from_numpy(delta)  # [N] host
@@ -129,16 +132,13 @@ def select(
     deviation: torch.Tensor, chunk: torch.Tensor, ratio: float, forced: torch.Tensor, per_chunk: bool = False
 ) -> torch.Tensor:
     """Sorted indices of the tokens to recompute: the ``forced`` ones and the top ``ratio`` of the
-    others by ``deviation`` (all [C]), counted over all chunk tokens or, ``per_chunk``, in each chunk."""
-    score = deviation.masked_fill(forced, float("inf"))
-    groups = [torch.arange(len(score), device=score.device)]
-    if per_chunk:
-        groups = [(chunk == c).nonzero()[:, 0] for c in chunk.unique()]
-    picks = []
-    for idx in groups:
-        n = min(len(idx), int(forced[idx].sum()) + round(ratio * len(idx)))
-        picks.append(idx[score[idx].topk(n).indices])
-    return torch.cat(picks).sort().values
+    others by ``deviation`` (all [C]), counted over all chunk tokens or, ``per_chunk``, in each chunk (``chunk``:
+    each token's chunk, non-decreasing). Reads ``chunk`` and ``forced`` on the host (the recompute's own
+    :class:`Picker` knows them beforehand)."""
+    owner, is_forced = chunk.cpu().numpy(), forced.cpu().numpy()
+    assert (np.diff(owner) >= 0).all(), "a chunk's tokens are contiguous"
+    bounds = np.concatenate(([0], np.flatnonzero(np.diff(owner)) + 1, [len(owner)]))
+    return Picker(bounds, is_forced, per_chunk).pick(deviation, forced, ratio)
 
 
 # How tokens are chosen (``lazy:blend=R:select=...``):
@@ -162,8 +162,8 @@ def question_attention(
 ) -> tuple[torch.Tensor, int]:
     """[N]: the attention each context token gets from the question run over the context as cached, summed over
     heads and question tokens in layers [lo, hi); and the number of layers the question ran through. The
-    gathered layers are kept in ``ctx`` for the recompute that follows."""
-    model, dev, ops = runner.model, runner.device, DENSE_OPS
+    gathered layers are kept in ``ctx`` for the recompute that follows. Nothing syncs with the host."""
+    model, dev, ops = runner.model, runner.device, dense_ops(runner)
     L, n_ctx = len(model.layers), len(ctx)
     lo, hi = layers or (0, L)
     x = model.embed(torch.tensor(question, device=dev))
@@ -180,19 +180,71 @@ def question_attention(
         if hidden is None:
             hidden = torch.ones(T, T, dtype=torch.bool, device=dev).triu(1).repeat(G, 1)
         # grouped heads as batched GEMMs over the KV heads: no copy of the context per query head
-        qg = q.float().view(T, hkv, G, D).permute(1, 2, 0, 3).reshape(hkv, G * T, D)
-        keys = torch.cat((kc, k.to(kc.dtype))).float().transpose(0, 1)  # [Hkv, N+T, D]
-        vals = torch.cat((vc, v.to(vc.dtype))).float().transpose(0, 1)
-        logits = torch.matmul(qg, keys.transpose(1, 2)) * model.sm_scale  # [Hkv, G*T, N+T]
+        qg = torch.empty(hkv, G, T, D, device=dev)  # widened and regrouped in one copy
+        qg.copy_(q.view(T, hkv, G, D).permute(1, 2, 0, 3))
+        qg = qg.view(hkv, G * T, D)
+        keys, vals = _widened(kc, k), _widened(vc, v)  # [Hkv, N+T, D] fp32
+        logits = torch.matmul(qg, keys.transpose(1, 2)).mul_(model.sm_scale)  # [Hkv, G*T, N+T]
         logits[:, :, n_ctx:].masked_fill_(hidden, float("-inf"))
         p = logits.softmax(-1)
         if layer >= lo:
             score += p[:, :, :n_ctx].sum((0, 1))
-        o = torch.matmul(p, vals).view(hkv, G, T, D).permute(2, 0, 1, 3).reshape(T, hkv * G * D)  # [T, Hq * D]
-        x = block.after_attention(x, block.attn.output(o.to(x.dtype)), ops)
+        o = torch.empty(T, hkv, G, D, dtype=x.dtype, device=dev)  # [T, Hq, D]: narrowed and regrouped in one copy
+        o.copy_(torch.matmul(p, vals).view(hkv, G, T, D).permute(2, 0, 1, 3))
+        x = block.after_attention(x, block.attn.output(o.view(T, hkv * G * D)), ops)
     if model.tp is not None:  # each rank summed its own heads: the score is over all of them
         model.tp.all_reduce(score)
     return score, hi
+
+
+def _widened(context: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """``[Hkv, N+T, D]`` fp32: the context's rows ``[N, Hkv, D]`` then the question's own ``[T, Hkv, D]``, each
+    widened and moved into place by one copy (not concatenated in their dtype, then widened)."""
+    N, T = context.shape[0], own.shape[0]
+    out = torch.empty(context.shape[1], N + T, context.shape[2], device=context.device)
+    out[:, :N].copy_(context.transpose(0, 1))
+    out[:, N:].copy_(own.to(context.dtype).transpose(0, 1))  # as stored: in the context's dtype first
+    return out
+
+
+class ChunkTokens:
+    """The chunk tokens of a placed context (those whose ids are given), in prompt order: their layout on the host
+    (numpy, known before anything runs) and what the recompute indexes with on the model's device."""
+
+    def __init__(self, ctx: PlacedContext, ids: Sequence[Sequence[int] | None], first: int, device: torch.device):
+        owner, offset = ctx.owner.numpy(), ctx.offset.numpy()
+        blended = np.array([x is not None for x in ids], dtype=bool)
+        self.place = np.flatnonzero(blended[owner])  # [C] their rows in the context
+        self.owner, self.offset = owner[self.place], offset[self.place]  # [C] host: placement, offset in it
+        self.count = len(self.place)
+        # chunk tokens are contiguous per placement: each chunk's [start, end) among the C
+        chunks = [i for i in range(len(ids)) if ids[i] is not None]
+        sizes = np.array([len(ctx.offsets[i]) for i in chunks], dtype=np.int64)
+        self.bounds = np.concatenate(([0], np.cumsum(sizes)))
+        token_ids = [np.asarray(ids[i], dtype=np.int64)[ctx.offsets[i]] for i in chunks]
+        self.forced = self.offset < first  # [C] host: the tokens always recomputed
+        self.ids = torch.from_numpy(np.concatenate(token_ids) if token_ids else np.zeros(0, np.int64)).to(device)
+        self.place_dev = torch.from_numpy(self.place).to(device)
+        self.forced_dev = torch.from_numpy(self.forced).to(device)
+
+
+class Picker:
+    """The top of a score by chunk-token budget, on the score's device without a sync: how many tokens each group
+    (all chunk tokens, or each chunk) takes is known on the host from the layout alone."""
+
+    def __init__(self, bounds: np.ndarray, forced: np.ndarray, per_chunk: bool):
+        self.bounds = bounds if per_chunk else np.array([0, bounds[-1]])
+        self.forced = [int(forced[a:b].sum()) for a, b in zip(self.bounds[:-1], self.bounds[1:])]
+
+    def pick(self, score: torch.Tensor, forced: torch.Tensor, ratio: float) -> torch.Tensor:
+        """Sorted indices: the ``forced`` tokens and the top ``ratio`` of the others by ``score`` in each group."""
+        score = score.masked_fill(forced, float("inf"))
+        picks = []
+        for (a, b), f in zip(zip(self.bounds[:-1].tolist(), self.bounds[1:].tolist()), self.forced):
+            n = min(b - a, f + round(ratio * (b - a)))
+            top = score[a:b].topk(n).indices
+            picks.append(top + a if a else top)
+        return (picks[0] if len(picks) == 1 else torch.cat(picks)).sort().values
 
 
 @torch.inference_mode()
@@ -216,103 +268,154 @@ def selective_recompute(
     ``question`` (token ids) and where it starts; their attention counts from layer ``attn_from * L`` on.
     ``per_chunk``: ``ratio`` of each chunk's tokens, not of all chunk tokens.
     ``allocate(n)`` gives n fresh blocks for the private copies; the caller owns and frees them.
+
+    Everything up to the last layer stays on the model's device; the host reads the selected tokens once, at the
+    end (their private blocks are allocated there).
     """
     assert selection in SELECTIONS, selection
-    pool, model, dev, ops = runner.pool, runner.model, runner.device, DENSE_OPS
-    layers = _blocks(model)
-    L = len(layers)
     ctx = PlacedContext(runner, placed)
-    owner, offset, pos = ctx.owner, ctx.offset, ctx.position
-    blended = torch.tensor([x is not None for x in ids])[owner]
-
-    chunk_pos = blended.nonzero()[:, 0]  # [C] the chunk tokens' places in the context
-    C = len(chunk_pos)
-    if not C:
+    chunks = ChunkTokens(ctx, ids, first, runner.device)
+    if not chunks.count:
         return Blend(list(placed), torch.zeros(0, dtype=torch.int64), torch.zeros(0), 0.0)
-    chunk_ids = torch.tensor(
-        [ids[i][j] for i, j in zip(owner[chunk_pos].tolist(), offset[chunk_pos].tolist())], device=dev
-    )
-    chunk_of, forced = owner[chunk_pos], offset[chunk_pos] < first
-    cost = 0.0  # in tokens through the whole model
-    attn = None
+    L = len(runner.model.layers)
+    cost, attn = 0.0, None  # cost in tokens through the whole model
     if selection in ("attn", "attn_dev"):
         assert question, "selection by the question's attention needs the question"
         score, ran = question_attention(runner, ctx, question, question_start, (int(attn_from * L), L))
-        attn, cost = score[chunk_pos.to(dev)].cpu(), len(question) * ran / L
-    sel_layer = min(SELECTION_LAYER, L - 1)
-    # (layer, tokens kept there, score from the deviation there or None: the attention, before the layer runs)
-    stages: list[tuple[int, float, str | None]]
-    if selection == "attn":
-        stages = [(0, ratio, None)]
-    elif selection == "gradual" and sel_layer + 1 < L:
-        stages = [(sel_layer, min(1.0, GRADUAL_FACTOR * ratio), "dev"), (sel_layer + 1, ratio, "dev")]
-    else:
-        stages = [(sel_layer, ratio, "dev")]
-    cur = torch.arange(C)  # the chunk tokens (indices into the C) still running
-    x = model.embed(chunk_ids)  # [C, H]
-    deviation = torch.zeros(C)
-    fresh = []  # (layer, cur then, k, v): the fresh K/V of layers >= 1, written once the final tokens are known
-
-    def keep(score: torch.Tensor, r: float) -> torch.Tensor:
-        """The tokens of ``cur`` to keep: rows of the current tensors (sorted), by ``score`` [C]."""
-        full = torch.full((C,), float("-inf"))
-        full[cur] = score[cur]
-        return torch.searchsorted(cur, select(full, chunk_of, r, forced, per_chunk or selection == "chunk"))
-
-    def running(cur: torch.Tensor):
-        """The running tokens' places in the context, rotations and how many context tokens each sees."""
-        sel = chunk_pos[cur].to(dev)
-        return (sel, *rope_at(runner.rope_cos, runner.rope_sin, pos[sel], x.dtype), ctx.limit(sel))
-
-    sel, cos, sin, limit = running(cur)
-    for layer, block in enumerate(layers):
-        stage = next((s for s in stages if s[0] == layer), None)
-        if stage is not None and stage[2] is None:  # chosen before the layer runs: the dropped tokens cost nothing
-            assert attn is not None  # the "attn" selection's stage: the question's attention was computed
-            rows_kept = keep(attn, stage[1])
-            cur, x = cur[rows_kept], x[rows_kept.to(dev)]
-            sel, cos, sin, limit = running(cur)
-        kc, vc = ctx.layer(layer)  # [N, Hkv, D] fp32, as cached
-        q, k, v = block.attn.project(block.attn_input(x, ops), cos, sin, ops, runner.rope_scaling)
-        if stage is not None and stage[2] == "dev":
-            d = kv_deviation(k, v, kc[sel], vc[sel])
-            if model.tp is not None:  # over this rank's KV heads: summed, every rank picks the same tokens
-                model.tp.all_reduce(d)
-            d = d.cpu()
-            if layer == stages[0][0]:
-                deviation[cur] = d
-            score = torch.zeros(C)
-            score[cur] = d
-            if attn is not None:
-                score = score * attn
-            rows_kept = keep(score, stage[1])
-            r = rows_kept.to(dev)
-            cur, x, q, k, v = cur[rows_kept], x[r], q[r], k[r], v[r]
-            sel, cos, sin, limit = running(cur)
-        cost += len(cur) / L  # a layer's projections for the dropped tokens are not counted
-        if not len(cur):
-            break
-        if layer >= 1:  # layer 0's K/V depend on token and position only: the cached ones are exact
-            fresh.append((layer, cur, k, v))
-        if layer == L - 1:
-            break  # the last layer's K/V is all the question needs
-        o = recompute_attention(q, kc, vc, sel, k, v, limit, model.sm_scale).to(x.dtype)
-        x = block.after_attention(x, block.attn.output(o.flatten(1)), ops)  # [S, H]
-    if not len(cur):
-        return Blend(list(placed), torch.zeros(0, dtype=torch.int64), deviation, _counted(runner, cost))
+        attn, cost = score[chunks.place_dev], len(question) * ran / L
+    picker = Picker(chunks.bounds, chunks.forced, per_chunk or selection == "chunk")
+    run = _Recompute(runner, ctx, chunks, picker, attn)
+    cost += run.layers(_stages(selection, ratio, L))
+    selected = run.cur.cpu()  # the one sync: the host allocates their blocks
+    if not len(selected):
+        return Blend(list(placed), torch.zeros(0, dtype=torch.int64), run.deviation, _counted(runner, cost))
     # the tokens are known: their private copies, and their fresh K/V of every layer in one write
-    context, slots = _private_copies(pool, placed, owner[chunk_pos[cur]], offset[chunk_pos[cur]], allocate)
-    if fresh:
-        d = ctx.delta[chunk_pos[cur]].to(dev)
-        back = (
-            runner.rope_cos[d][:, None],
-            -runner.rope_sin[d][:, None],
-        )  # R(-delta): the copy is read at the chunk's delta
-        rows = [torch.searchsorted(was, cur).to(dev) for _, was, _, _ in fresh]  # the final tokens' rows of each layer
-        k = torch.stack([kk[r] for (_, _, kk, _), r in zip(fresh, rows)]).float()  # [L', S, Hkv, D]
-        v = torch.stack([vv[r] for (_, _, _, vv), r in zip(fresh, rows)])
-        pool.write_layers([lay for lay, _, _, _ in fresh], slots, apply_rotary(k, *back), v)
-    return Blend(context, cur, deviation, _counted(runner, cost))
+    context, slots = _private_copies(
+        runner.pool, placed, chunks.owner[selected.numpy()], chunks.offset[selected.numpy()], allocate
+    )
+    run.write_fresh(slots)
+    return Blend(context, selected, run.deviation, _counted(runner, cost))
+
+
+# (layer, tokens kept there, score from the deviation there ("dev") or None: the attention, before the layer runs)
+Stage = tuple[int, float, str | None]
+
+
+def _stages(selection: str, ratio: float, L: int) -> list[Stage]:
+    """Where a selection drops tokens, and how many it keeps there."""
+    sel_layer = min(SELECTION_LAYER, L - 1)
+    if selection == "attn":
+        return [(0, ratio, None)]
+    if selection == "gradual" and sel_layer + 1 < L:
+        return [(sel_layer, min(1.0, GRADUAL_FACTOR * ratio), "dev"), (sel_layer + 1, ratio, "dev")]
+    return [(sel_layer, ratio, "dev")]
+
+
+class _Recompute:
+    """The layer loop of :func:`selective_recompute`: the running chunk tokens (``cur``, indices into the C chunk
+    tokens, sorted, on the device) through the layers, dropped at the selection stages. Their rows' positions,
+    rotations and limits are worked out only when ``cur`` changes; no step reads a device value on the host."""
+
+    def __init__(self, runner: ModelRunner, ctx: PlacedContext, chunks: ChunkTokens, picker: Picker, attn):
+        self.runner, self.ctx, self.chunks, self.picker, self.attn = runner, ctx, chunks, picker, attn
+        self.model, self.ops = runner.model, dense_ops(runner)
+        C, dev = chunks.count, runner.device
+        self.cur = torch.arange(C, device=dev)
+        self.x = self.model.embed(chunks.ids)  # [C, H]
+        self.deviation = torch.zeros(C, device=dev)
+        # the fresh K/V of layers >= 1 by the ``cur`` they were computed for: (cur, layers, ks, vs), gathered once
+        # the final tokens are known
+        self.fresh: list[tuple[torch.Tensor, list[int], list[torch.Tensor], list[torch.Tensor]]] = []
+        self._running()
+
+    def _running(self) -> None:
+        """The running tokens' rows in the context, rotations and how many context tokens each sees."""
+        self.sel = self.chunks.place_dev[self.cur]
+        self.cos, self.sin = rope_at(
+            self.runner.rope_cos, self.runner.rope_sin, self.ctx.position[self.sel], self.x.dtype
+        )
+        self.limit = self.ctx.limit(self.sel).to(torch.int32)
+
+    def _keep(self, score: torch.Tensor, ratio: float) -> torch.Tensor:
+        """Drop to the top ``ratio`` by ``score`` (of the running tokens, [len(cur)]); returns the kept rows."""
+        full = torch.full((self.chunks.count,), float("-inf"), device=score.device).index_put_((self.cur,), score)
+        picks = self.picker.pick(full, self.chunks.forced_dev, ratio)
+        rows = torch.searchsorted(self.cur, picks)
+        self.cur, self.x = picks, self.x[rows]
+        self._running()
+        return rows
+
+    def _select_by_deviation(self, first: bool, ratio: float, k, v, kc, vc):
+        """A "dev" stage: each running token's K/V deviation here, times the question's attention where it counts;
+        returns ``k``, ``v`` and the rows of ``q`` kept."""
+        d = kv_deviation(k, v, kc[self.sel], vc[self.sel])
+        if self.model.tp is not None:  # over this rank's KV heads: summed, every rank picks the same tokens
+            self.model.tp.all_reduce(d)
+        if first:
+            self.deviation.index_put_((self.cur,), d)
+        rows = self._keep(d if self.attn is None else d * self.attn[self.cur], ratio)
+        return k[rows], v[rows], rows
+
+    def layers(self, stages: list[Stage]) -> float:
+        """Run the layers; returns their cost in tokens through the whole model."""
+        blocks, cost = _blocks(self.model), 0.0
+        L = len(blocks)
+        for layer, block in enumerate(blocks):
+            stage = next((s for s in stages if s[0] == layer), None)
+            if stage is not None and stage[2] is None:  # chosen before the layer runs: the dropped ones cost nothing
+                assert self.attn is not None  # the "attn" selection's stage: the question's attention was computed
+                self._keep(self.attn[self.cur], stage[1])
+            kc, vc = self.ctx.layer(layer)  # [N, Hkv, D], as cached
+            q, k, v = block.attn.project(
+                block.attn_input(self.x, self.ops), self.cos, self.sin, self.ops, self.runner.rope_scaling
+            )
+            if stage is not None and stage[2] == "dev":
+                k, v, rows = self._select_by_deviation(layer == stages[0][0], stage[1], k, v, kc, vc)
+                q = q[rows]
+            cost += len(self.cur) / L  # a layer's projections for the dropped tokens are not counted
+            if not len(self.cur):
+                break
+            if layer >= 1:  # layer 0's K/V depend on token and position only: the cached ones are exact
+                self._keep_fresh(layer, k, v)
+            if layer == L - 1:
+                break  # the last layer's K/V is all the question needs
+            o = recompute_attention(q, kc, vc, self.sel, k, v, self.limit, self.model.sm_scale).to(self.x.dtype)
+            self.x = block.after_attention(self.x, block.attn.output(o.flatten(1)), self.ops)  # [S, H]
+        return cost
+
+    def _keep_fresh(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if not self.fresh or self.fresh[-1][0] is not self.cur:
+            self.fresh.append((self.cur, [], [], []))
+        _, layers, ks, vs = self.fresh[-1]
+        layers.append(layer)
+        ks.append(k)
+        vs.append(v)
+
+    def write_fresh(self, slots: torch.Tensor) -> None:
+        """The final tokens' fresh K/V of every layer into their private copies (``slots``), in one write: keys
+        rotated by R(-delta), since the copy is read at the chunk's delta."""
+        if not self.fresh:
+            return
+        ks: list[torch.Tensor] = []
+        vs: list[torch.Tensor] = []
+        for (
+            cur,
+            _,
+            k_layers,
+            v_layers,
+        ) in self.fresh:  # stacked once per ``cur``; the final tokens' rows where it changed
+            k, v = torch.stack(k_layers), torch.stack(v_layers)  # [layers, S', Hkv, D]
+            if cur is not self.cur:
+                rows = torch.searchsorted(cur, self.cur)
+                k, v = k[:, rows], v[:, rows]
+            ks.append(k)
+            vs.append(v)
+        d = self.ctx.delta_dev[self.sel]
+        back = self.runner.rope_cos[d][:, None], -self.runner.rope_sin[d][:, None]
+        k_all = (ks[0] if len(ks) == 1 else torch.cat(ks)).float()
+        v_all = vs[0] if len(vs) == 1 else torch.cat(vs)
+        layers = [layer for _, lay, _, _ in self.fresh for layer in lay]
+        self.runner.pool.write_layers(layers, slots, apply_rotary(k_all, *back), v_all)
 
 
 def prefix_attention(q, k, v, limit, sm_scale):
@@ -394,21 +497,34 @@ def _kernel_checked(device: torch.device, dtype: torch.dtype, hq: int, hkv: int,
     return ok
 
 
+def dense_ops(runner: ModelRunner) -> ElementwiseOps:
+    """The recovery's elementwise ops: the runner's Triton kernels where it runs them (kernels/elementwise.py: one
+    launch each at any token count), else eager ones (a compiled op's guards cost more than its launches here)."""
+    if getattr(runner.ops.rms_norm, "__module__", None) == "lazyrag.kernels.elementwise":
+        return _triton_dense_ops()
+    return DENSE_OPS
+
+
+@functools.cache
+def _triton_dense_ops() -> ElementwiseOps:
+    return DENSE_OPS.with_triton_kernels()
+
+
 def _counted(runner: ModelRunner, cost: float) -> float:
     runner.tokens_forwarded += round(cost)
     return cost
 
 
-def _private_copies(pool, placed: list[Placement], owner: torch.Tensor, offset: torch.Tensor, allocate):
-    """Copy every block holding a selected token (placement ``owner``, token ``offset`` in its segment);
-    the placements read the copies instead, at the same delta. Returns them and each token's pool slot."""
+def _private_copies(pool, placed: list[Placement], owner: np.ndarray, offset: np.ndarray, allocate):
+    """Copy every block holding a selected token (placement ``owner``, token ``offset`` in its segment: host
+    arrays); the placements read the copies instead, at the same delta. Returns them and each token's pool slot."""
     bs = pool.shape.block_size
     context = list(placed)
-    slots = torch.empty_like(offset)
+    slots = np.empty_like(offset)
     src, dst = [], []  # the blocks to copy, copied in one go (one host-to-device transfer, not one per chunk)
-    for i in owner.unique().tolist():
+    for i in np.unique(owner).tolist():
         p, mine = placed[i], owner == i
-        touched = (offset[mine] // bs).unique().tolist()
+        touched = np.unique(offset[mine] // bs).tolist()
         fresh = allocate(len(touched))
         src += [p.segment.blocks[j] for j in touched]
         dst += fresh
@@ -417,9 +533,9 @@ def _private_copies(pool, placed: list[Placement], owner: torch.Tensor, offset: 
             blocks[j] = b
         seg = Segment("", blocks, p.segment.num_tokens, p.segment.start, kind=SegmentKind.BLENDED, transient=True)
         context[i] = Placement(seg, p.delta, p.first_block)
-        table = torch.tensor(blocks)
+        table = np.asarray(blocks, dtype=np.int64)
         slots[mine] = table[offset[mine] // bs] * bs + offset[mine] % bs
     moves = torch.tensor([src, dst], device=pool.device)
     pool.k[:, moves[1]] = pool.k[:, moves[0]]
     pool.v[:, moves[1]] = pool.v[:, moves[0]]
-    return context, slots.to(pool.device)
+    return context, torch.from_numpy(slots).to(pool.device)
