@@ -78,7 +78,7 @@ class EngineConfig:
     # the fields left None (resolved below): ``with_changes`` resolves them again
     defaulted: tuple[str, ...] = field(default=(), repr=False, compare=False)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.adapter is not None and str(self.adapter).lower() == "none":
             self.adapter = None
         self.defaulted = tuple(f for f in _RESOLVED if getattr(self, f) is None) + tuple(
@@ -155,7 +155,7 @@ class EngineConfig:
         if long_prefill_tokens is not None and long_prefill_tokens < 1:  # None: resolved just above, never left
             raise ValueError(f"long_prefill_tokens must be at least 1; got {long_prefill_tokens}")
 
-    def with_changes(self, **fields) -> "EngineConfig":
+    def with_changes(self, **fields: Any) -> "EngineConfig":
         """A copy with ``fields`` changed and the defaults it took resolved again (another device changes them)."""
         again: dict[str, Any] = {f: None for f in self.defaulted if f not in _RESOLVED_SCHEDULER and f not in fields}
         scheduler_again: dict[str, Any] = {f: None for f in self.defaulted if f in _RESOLVED_SCHEDULER}

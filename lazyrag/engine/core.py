@@ -16,7 +16,7 @@ engine's lock held; ``add`` and ``abort`` from any thread at any time, as the sc
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -92,10 +92,10 @@ class EngineCore:
     def __init__(
         self,
         model: LlamaModel,
-        hf_config,
+        hf_config: Any,  # a transformers config, or a SavedConfig (model/loader.py): read by attribute
         config: EngineConfig,
         fingerprint: str,
-        tokenizer,
+        tokenizer: Any,  # a transformers tokenizer, or None
         end_tokens: set[int],
         passage_ids: list[int],
     ):

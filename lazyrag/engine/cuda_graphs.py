@@ -9,12 +9,13 @@ touches real results.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from lazyrag.model.attention import HostBatch
+from lazyrag.model.attention import AttentionMetadata, HostBatch
 
 
 def _bucket(n: int, smallest: int) -> int:
@@ -36,16 +37,25 @@ class _Graph:
     shape: tuple[int, int, int]  # (tokens, batch, width) it was captured for
 
 
+_Key = tuple[bool, int, int, int]  # (is_decode, batch, tokens, table width) buckets: one graph each
+
+
 class GraphRunner:
     """Captures ``last_logits(ids, positions, meta)`` (forward + each sequence's last-token logits)
     lazily per shape bucket and replays it. A replay's inputs (token ids, positions, slots and block
     metadata) go to the device in one copy from a pinned buffer: no kernel refills them."""
 
-    def __init__(self, last_logits, scratch_slot: int, device: torch.device, max_tokens: int = 512):
+    def __init__(
+        self,
+        last_logits: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor],
+        scratch_slot: int,
+        device: torch.device,
+        max_tokens: int = 512,
+    ):
         self.last_logits = last_logits
         self.scratch_slot, self.device, self.max_tokens = scratch_slot, device, max_tokens
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[tuple, _Graph] = {}
+        self.graphs: dict[_Key, _Graph] = {}
 
     def clear(self) -> None:
         """Drop every captured graph; later captures go to a fresh memory pool (capturing again into a
@@ -56,7 +66,7 @@ class GraphRunner:
     def supports(self, num_tokens: int, batch: int, is_decode: bool) -> bool:
         return num_tokens <= self.max_tokens and (is_decode or batch == 1)
 
-    def _capture(self, key) -> _Graph:
+    def _capture(self, key: _Key) -> _Graph:
         is_decode, batch, tokens, width = key
         size = HostBatch.size(tokens, batch, width)
         host = torch.zeros(size, dtype=torch.int64, pin_memory=True)

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import subprocess
 import threading
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import AsyncIterator, Iterator, cast
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, cast
 
 import torch
 
@@ -34,7 +36,7 @@ from lazyrag.model.loader import (
     load_sharded,
     resolve_model_source,
 )
-from lazyrag.model.parallel import check_divisible, local_args, shard_hf_state_dict, shard_tensor
+from lazyrag.model.parallel import TensorParallel, check_divisible, local_args, shard_hf_state_dict, shard_tensor
 from lazyrag.prompt import (
     ChunkFinder,
     PromptBuilder,
@@ -44,6 +46,12 @@ from lazyrag.prompt import (
     check_text,
     pasted_passages,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from lazyrag.engine.tensor_parallel import Build
+    from lazyrag.store.corpus import CorpusStore
 
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "</s>")
 
@@ -58,7 +66,7 @@ class RequestStream:
 
     def _ready_deltas(self) -> list[str]:
         """The text the stepping thread has produced since the last look (empty deltas dropped)."""
-        out = []
+        out: list[str] = []
         while self.request.outputs:
             delta, _ = self.request.outputs.popleft()
             if delta:
@@ -108,7 +116,9 @@ class RequestStream:
             self.engine._abandon(self.request, wait)
 
 
-def _join_group(args: LlamaArgs, cfg: EngineConfig, build=None):
+def _join_group(
+    args: LlamaArgs, cfg: EngineConfig, build: Build | None = None
+) -> tuple[TensorParallel | None, list[subprocess.Popen[bytes]]]:
     """(None, []) for one process; else the split checked (before any process starts) and this process in the
     tensor-parallel group: (its ``TensorParallel``, the workers it spawned). ``build``: what a spawned worker calls."""
     if cfg.tensor_parallel_size == 1:
@@ -119,7 +129,9 @@ def _join_group(args: LlamaArgs, cfg: EngineConfig, build=None):
     return tensor_parallel.start(cfg, build)
 
 
-def _attached(engine: "LazyEngine", tp, workers) -> "LazyEngine":
+def _attached(
+    engine: "LazyEngine", tp: TensorParallel | None, workers: Sequence[subprocess.Popen[bytes]]
+) -> "LazyEngine":
     """The engine of one process as it is; under tensor parallelism rank 0's, its core driving the others' (on any
     other rank this serves rank 0 with the engine's core and exits)."""
     if tp is None:
@@ -131,13 +143,14 @@ def _attached(engine: "LazyEngine", tp, workers) -> "LazyEngine":
     return engine
 
 
-def _rank_args(args: LlamaArgs, tp, cfg: EngineConfig) -> LlamaArgs:
+def _rank_args(args: LlamaArgs, tp: TensorParallel | None, cfg: EngineConfig) -> LlamaArgs:
     """The model's args, or under tensor parallelism this rank's shard of them; a rank's GPU is cuda:LOCAL_RANK."""
     if tp is None:
         return args
     if cast(torch.device, cfg.device).type == "cuda":  # EngineConfig.__post_init__ resolved it
         cfg.device = torch.device("cuda", tp.local_rank)
-    return local_args(args, tp.size)
+    shard: LlamaArgs = local_args(args, tp.size)
+    return shard
 
 
 class LazyEngine:
@@ -147,8 +160,8 @@ class LazyEngine:
     def __init__(
         self,
         model: LlamaModel,
-        hf_config,
-        tokenizer,
+        hf_config: Any,  # a transformers config, or a SavedConfig (model/loader.py): read by attribute
+        tokenizer: Any,  # a transformers tokenizer, or None
         config: EngineConfig,
         model_fingerprint: str,
         model_name: str = "model",
@@ -179,7 +192,7 @@ class LazyEngine:
     # -- construction ---------------------------------------------------------------------
 
     @classmethod
-    def from_pretrained(cls, model: str | None = None, *, warmup: bool = True, **config) -> "LazyEngine":
+    def from_pretrained(cls, model: str | None = None, *, warmup: bool = True, **config: Any) -> "LazyEngine":
         """Load the embedded default model (``model=None``), a local Llama folder, or a ``.gguf`` file.
         Keyword arguments are ``EngineConfig`` fields (device, dtype, kv_budget, scheduler, cache, model_cache, ...).
         A GGUF is converted once into a cache folder and read from there afterwards (``model_cache=False``, or
@@ -220,6 +233,7 @@ class LazyEngine:
         config = load_config(source)
         args = LlamaArgs.from_hf(config)
         tp, workers = _join_group(args, cfg, (cls._load, (cfg,), {}))  # every rank joins, then all load their shards
+        assert tp is not None  # tensor_parallel_size > 1: this process is in a group
         try:
             keep = lambda name, t: shard_tensor(name, t, args, tp)  # noqa: E731
             if cached:
@@ -235,7 +249,12 @@ class LazyEngine:
 
     @classmethod
     def from_hf(
-        cls, hf_model, tokenizer, model_name: str = "model", config: EngineConfig | None = None, **fields
+        cls,
+        hf_model: PreTrainedModel,
+        tokenizer: Any,
+        model_name: str = "model",
+        config: EngineConfig | None = None,
+        **fields: Any,
     ) -> "LazyEngine":
         """Wrap an already-loaded transformers ``LlamaForCausalLM`` (its weights are copied). With
         ``tensor_parallel_size=N`` only under torchrun (every rank passes its own copy of the model)."""
@@ -261,7 +280,15 @@ class LazyEngine:
 
     @classmethod
     def _assemble(
-        cls, hf_config, tokenizer, state: dict, fp: str, model_name: str, cfg: EngineConfig, tp=None, workers=()
+        cls,
+        hf_config: Any,
+        tokenizer: Any,
+        state: dict[str, torch.Tensor],
+        fp: str,
+        model_name: str,
+        cfg: EngineConfig,
+        tp: TensorParallel | None = None,
+        workers: Sequence[subprocess.Popen[bytes]] = (),
     ) -> "LazyEngine":
         """The engine over ``state`` (transformers' names; under tensor parallelism this rank's shard)."""
         args = _rank_args(LlamaArgs.from_hf(hf_config), tp, cfg)
@@ -270,7 +297,7 @@ class LazyEngine:
             model = LlamaModel(args, tp)
         # to_empty(device).to(dtype) in one step, with torch.empty: to_empty's empty_like of a meta tensor imports
         # sympy (0.5 s of a model load on 2 cores), and no float32 copy of the weights is made on the way
-        model = model._apply(
+        model = model._apply(  # type: ignore[no-untyped-call]  # torch.nn.Module._apply has no annotations
             lambda t: torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
         )
         model.load_hf_state_dict(state)
@@ -279,7 +306,7 @@ class LazyEngine:
         return _attached(cls(model.eval(), hf_config, tokenizer, cfg, fp, model_name), tp, workers)
 
     @classmethod
-    def from_config(cls, hf_config, tokenizer=None, seed: int = 0, **fields) -> "LazyEngine":
+    def from_config(cls, hf_config: Any, tokenizer: Any = None, seed: int = 0, **fields: Any) -> "LazyEngine":
         """Random weights for a Llama config: for benchmarks, where speed does not depend on values. With
         ``tensor_parallel_size=N`` each rank makes only its shard (the same seed on every rank, so the
         replicated weights agree); a 70B shape needs no checkpoint and no host copy of the whole model."""
@@ -392,16 +419,16 @@ class LazyEngine:
         self.register_chunks(chunks)
         return layout
 
-    def render_chat(self, messages: list[dict]) -> str:
+    def render_chat(self, messages: list[dict[str, Any]]) -> str:
         """The prompt text of chat messages ({"role", "content"}) through the model's chat template."""
         return self._require_prompts().render(messages)
 
-    def register_chunks(self, texts) -> None:
+    def register_chunks(self, texts: Iterable[str]) -> None:
         """Make chunk texts findable inside free-form prompts (``layout_from_text``), e.g. retrieved nodes."""
         for text in texts:
             self.chunk_finder.add(text)
 
-    def register_pasted(self, prompt: "str | list[dict]") -> int:
+    def register_pasted(self, prompt: str | list[dict[str, Any]]) -> int:
         """Make the passages pasted into a prompt reusable, as if they had come as chunks: a raw prompt (its
         last paragraph, the question, left out) or chat messages (the paragraphs of user and system messages,
         but the question paragraph of the last user message and a system message's first, its instructions).
@@ -465,7 +492,7 @@ class LazyEngine:
         layout = self.build_prompt("", chunks, system)
         return self.encode_chunks(layout.chunk_ids, layout.prefix_ids)[0]
 
-    def attach_store(self, store):
+    def attach_store(self, store: CorpusStore | str | Path) -> CorpusStore:
         """Serve chunk KV from a corpus store built by ``lazyrag precache``: misses load from disk, not
         recompute, and free-form prompts find the store's chunks. Attaching the same folder again is a no-op."""
         from lazyrag.store.corpus import CorpusStore
@@ -478,7 +505,7 @@ class LazyEngine:
         self.register_chunks(store.chunk_texts())  # rows that fail their check are logged, their KV recomputed
         return store
 
-    def cache_report(self) -> dict:
+    def cache_report(self) -> dict[str, Any]:
         """The chunk cache made visible: per tier (``"device"`` pool, then host, disk and attached corpus stores,
         in lookup order) its entries, bytes, hits, misses, hit rate and evictions; the overall hit rate; and
         ``reuse``: hits and tokens served for prefix segments vs chunks (``CacheManager.report``)."""
@@ -493,7 +520,7 @@ class LazyEngine:
         *,
         arrival: float | None = None,
         prompt_logits_only: bool = False,
-        notify=None,
+        notify: Callable[[], object] | None = None,
     ) -> Request:
         """Queue a request for the scheduler (vLLM's ``add_request``); ``step`` runs it. Any thread.
 
@@ -574,7 +601,7 @@ class LazyEngine:
 
     # -- the front door -------------------------------------------------------------------
 
-    def _params(self, params: SamplingParams | None, sampling: dict) -> SamplingParams:
+    def _params(self, params: SamplingParams | None, sampling: dict[str, Any]) -> SamplingParams:
         if params is not None and sampling:
             raise ValueError(f"pass either params= or sampling keywords ({', '.join(sampling)}), not both")
         return params if params is not None else SamplingParams(**sampling)
@@ -586,7 +613,7 @@ class LazyEngine:
         params: SamplingParams | None = None,
         *,
         system: str | None = None,
-        **sampling,
+        **sampling: Any,
     ) -> GenerationResult:
         """Answer ``question`` over ``chunks``; each chunk's KV is reused from the cache when it was seen before.
         ``sampling``: SamplingParams fields (max_new_tokens, temperature, top_p, stop, seed, strategy, ...)."""
@@ -599,7 +626,7 @@ class LazyEngine:
         params: SamplingParams | None = None,
         *,
         system: str | None = None,
-        **sampling,
+        **sampling: Any,
     ) -> RequestStream:
         """``generate``, streamed: iterate the returned stream for text deltas (then ``.result()`` for stats)."""
         return self.submit(self.build_prompt(question, chunks, system), self._params(params, sampling))
@@ -611,7 +638,7 @@ class LazyEngine:
         params: SamplingParams | None = None,
         *,
         system: str | None = None,
-        **sampling,
+        **sampling: Any,
     ) -> GenerationResult:
         """``generate`` for asyncio: awaiting many at once batches them on the device."""
         return await self.stream(question, chunks, params, system=system, **sampling).aresult()
@@ -623,7 +650,7 @@ class LazyEngine:
         params: SamplingParams | None = None,
         *,
         system: str | None = None,
-        **sampling,
+        **sampling: Any,
     ) -> RequestStream:
         """``stream`` for asyncio: ``async for delta in engine.astream(...)``."""
         return self.stream(question, chunks, params, system=system, **sampling)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -70,7 +71,7 @@ SHORT_PREFILL_TOKENS = 512
 
 
 @contextmanager
-def blas_library(name: str):
+def blas_library(name: str) -> Iterator[None]:
     """torch's preferred BLAS library (process-wide) set to ``name`` for the block, then restored."""
     prev = torch.backends.cuda.preferred_blas_library()
     torch.backends.cuda.preferred_blas_library(name)
@@ -81,7 +82,15 @@ def blas_library(name: str):
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, pool: BlockPool, attention, rope_cos, rope_sin, rope_scaling: float):
+    def __init__(
+        self,
+        model: LlamaModel,
+        pool: BlockPool,
+        attention: Callable[..., torch.Tensor],
+        rope_cos: torch.Tensor,
+        rope_sin: torch.Tensor,
+        rope_scaling: float,
+    ):
         self.model, self.pool, self.attention = model, pool, attention
         self.rope_cos, self.rope_sin, self.rope_scaling = rope_cos, rope_sin, rope_scaling
         self.device = pool.device
@@ -107,11 +116,11 @@ class ModelRunner:
         """Rotate q/k and store the new K/V into the pool in one Triton kernel (kernels/qkv.py)."""
         self.ops = self.ops.with_fused_kv_store()
 
-    def use_gemv(self, layers=GEMV_DEFAULT) -> None:
+    def use_gemv(self, layers: Iterable[str] = GEMV_DEFAULT) -> None:
         """One-token forwards run these projections as Triton GEMVs, norm / silu*up folded in (kernels/gemv.py)."""
         self.ops = replace(self.ops, gemv=frozenset(layers))
 
-    def use_skinny_gemm(self, layers=GEMV_LAYERS) -> None:
+    def use_skinny_gemm(self, layers: Iterable[str] = GEMV_LAYERS) -> None:
         """2-64 token forwards (the TTFT prefill) run these projections through Triton's skinny GEMM
         (kernels/gemm.py)."""
         self.ops = replace(self.ops, skinny=frozenset(layers))
@@ -236,4 +245,5 @@ class ModelRunner:
     def _rotated_k(self, blocks: torch.Tensor, delta: int) -> torch.Tensor:
         k = self.pool.k[:, blocks].float()  # [L, nb, bs, Hkv, D]
         sign = 1 if delta >= 0 else -1  # a rotation by -d: cos(d), -sin(d)
-        return apply_rotary(k, self.rope_cos[abs(delta)], sign * self.rope_sin[abs(delta)]).to(self.pool.k.dtype)
+        rotated: torch.Tensor = apply_rotary(k, self.rope_cos[abs(delta)], sign * self.rope_sin[abs(delta)])
+        return rotated.to(self.pool.k.dtype)

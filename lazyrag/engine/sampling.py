@@ -2,14 +2,42 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 
 
+# what this module reads of request.py's SamplingParams and TokenLogprob (typed structurally: request.py imports this
+# module)
+class SamplingKnobs(Protocol):
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def top_k(self) -> int: ...
+    @property
+    def top_p(self) -> float: ...
+    @property
+    def repetition_penalty(self) -> float: ...
+    @property
+    def presence_penalty(self) -> float: ...
+    @property
+    def frequency_penalty(self) -> float: ...
+    @property
+    def has_penalties(self) -> bool: ...
+
+
+class TokenLogprobView(Protocol):
+    @property
+    def token_id(self) -> int: ...
+    @property
+    def logprob(self) -> float: ...
+    @property
+    def top(self) -> list[tuple[int, float]]: ...
+
+
 def sample(
     logits: torch.Tensor,
-    params,
+    params: SamplingKnobs,
     generator: torch.Generator | None,
     prompt_ids: torch.Tensor | None = None,
     output_ids: list[int] | None = None,
@@ -37,7 +65,7 @@ def sample(
 
 
 def apply_penalties(
-    logits: torch.Tensor, params, prompt_ids: torch.Tensor | None, output_ids: list[int]
+    logits: torch.Tensor, params: SamplingKnobs, prompt_ids: torch.Tensor | None, output_ids: list[int]
 ) -> torch.Tensor:
     """A penalized copy of ``logits`` [V] (fp32), as vLLM: the repetition penalty (HF's: a seen token's logit
     divided by it when positive, multiplied when not) over the prompt's and the answer's tokens, then OpenAI's
@@ -56,10 +84,10 @@ def apply_penalties(
     return logits
 
 
-def token_logprobs(logits: torch.Tensor, token: int, n: int):
+def token_logprobs(logits: torch.Tensor, token: int, n: int) -> tuple[float, list[tuple[int, float]]]:
     """(the token's logprob, the ``n`` most likely (id, logprob), best first) from the raw logits [V]."""
     lp = torch.log_softmax(logits.float(), dim=-1)
-    top = []
+    top: list[tuple[int, float]] = []
     if n:
         values, ids = torch.topk(lp, min(n, lp.shape[-1]))
         top = list(zip(ids.tolist(), values.tolist()))
@@ -69,25 +97,30 @@ def token_logprobs(logits: torch.Tensor, token: int, n: int):
 # -- logprobs as OpenAI reports them (the server's responses, and ChatOpenAI's format in the LangChain adapter) --
 
 
-def logprob_entries(tokenizer, logprobs) -> list[tuple[str, float, list[tuple[str, float]]]]:
+def logprob_entries(
+    tokenizer: Any, logprobs: Sequence[TokenLogprobView]
+) -> list[tuple[str, float, list[tuple[str, float]]]]:
     """(token text, logprob, [(top token text, logprob)]) per generated token (a result's TokenLogprobs)."""
 
     def text(token_id: int) -> str:
-        return tokenizer.decode([token_id])
+        decoded: str = tokenizer.decode([token_id])
+        return decoded
 
     return [(text(lp.token_id), lp.logprob, [(text(t), v) for t, v in lp.top]) for lp in logprobs]
 
 
-def openai_chat_logprobs(entries: list[tuple[str, float, list[tuple[str, float]]]]) -> dict:
+def openai_chat_logprobs(entries: list[tuple[str, float, list[tuple[str, float]]]]) -> dict[str, Any]:
     """OpenAI's chat ``choices[i].logprobs["content"]`` from ``logprob_entries``."""
 
-    def one(text: str, logprob: float) -> dict:
+    def one(text: str, logprob: float) -> dict[str, Any]:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     return {"content": [{**one(t, lp), "top_logprobs": [one(tt, tlp) for tt, tlp in top]} for t, lp, top in entries]}
 
 
-def openai_completion_logprobs(entries: list[tuple[str, float, list[tuple[str, float]]]], offset: int = 0) -> dict:
+def openai_completion_logprobs(
+    entries: list[tuple[str, float, list[tuple[str, float]]]], offset: int = 0
+) -> dict[str, Any]:
     """OpenAI's completions ``choices[i].logprobs``; ``offset``: the text offset of the first token."""
     offsets = []
     for t, _, _ in entries:
@@ -108,7 +141,7 @@ class Detokenizer:
     back until it is resolved.
     """
 
-    def __init__(self, tokenizer, stop: Sequence[str]):
+    def __init__(self, tokenizer: Any, stop: Sequence[str]):  # a transformers tokenizer (its decode)
         self.tokenizer, self.stop = tokenizer, stop
         self.ids: list[int] = []
         self.emitted = 0
@@ -117,7 +150,7 @@ class Detokenizer:
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        text: str = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         for s in self.stop:
             i = text.find(s)
             if i >= 0:

@@ -65,12 +65,18 @@ from lazyrag.engine.request import Request, SamplingParams
 from lazyrag.model.parallel import TensorParallel, TensorParallelError
 
 if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from lazyrag.engine.config import EngineConfig
     from lazyrag.engine.core import EngineCore, KVByKey
     from lazyrag.kv.identity import KVIdentity
     from lazyrag.prompt import PromptLayout
     from lazyrag.store.corpus import CorpusStore
 
 log = logging.getLogger(__name__)
+
+# what a spawned worker calls to make its engine: (function, args, kwargs), picklable
+Build = tuple[Callable[..., object], tuple[Any, ...], dict[str, Any]]
 
 # start-up waits (the rendezvous, then the barrier after every rank's load: minutes for a 70B-class model); the
 # collectives after it are bounded by EngineConfig.tensor_parallel_timeout_s
@@ -88,7 +94,7 @@ def launched_by_torchrun() -> bool:
 LOOPBACK = "127.0.0.1"  # where rank 0's store listens for the workers it spawns (always on this host)
 
 
-def loopback_store(world_size: int, timeout_s: float):
+def loopback_store(world_size: int, timeout_s: float) -> dist.TCPStore:
     """Rank 0's rendezvous store for the workers this process spawns: a TCPStore on a free port of loopback,
     listening there only (a TCPStore given a host still listens on every interface: here it is handed a
     socket bound to 127.0.0.1, which also leaves no window for another process to take the port)."""
@@ -114,12 +120,14 @@ def loopback_store(world_size: int, timeout_s: float):
     return store
 
 
-def start(config, build=None) -> tuple[TensorParallel, list[subprocess.Popen]]:
+def start(config: EngineConfig, build: Build | None = None) -> tuple[TensorParallel, list[subprocess.Popen[bytes]]]:
     """Join the tensor-parallel group of ``config.tensor_parallel_size`` ranks: the launcher's (torchrun, or
     the worker processes this module spawns), or as rank 0 of a new one whose workers are spawned here.
     ``build`` = (function, args, kwargs), picklable: what each spawned worker calls to make its engine (the
     same call as rank 0's; it travels in the spec, so this module imports no engine). None: torchrun only."""
     size, timeout = config.tensor_parallel_size, config.tensor_parallel_timeout_s
+    device = config.device
+    assert isinstance(device, torch.device)  # EngineConfig.__post_init__ resolved it
     if launched_by_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         if world != size:
@@ -128,7 +136,7 @@ def start(config, build=None) -> tuple[TensorParallel, list[subprocess.Popen]]:
                 f"--nproc-per-node {size} or tensor_parallel_size={world}."
             )
         rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
-        return _join(size, rank, local, config.device.type, timeout, None), []
+        return _join(size, rank, local, device.type, timeout, None), []
     if build is None:
         raise ValueError(
             "this engine cannot start its tensor-parallel workers itself: start every rank with "
@@ -138,7 +146,7 @@ def start(config, build=None) -> tuple[TensorParallel, list[subprocess.Popen]]:
     fd, spec = tempfile.mkstemp(prefix="lazyrag-tp-", suffix=".pkl")
     with os.fdopen(fd, "wb") as f:
         pickle.dump(build, f)
-    workers = []
+    workers: list[subprocess.Popen[bytes]] = []
     try:
         for rank in range(1, size):
             env = dict(
@@ -151,7 +159,7 @@ def start(config, build=None) -> tuple[TensorParallel, list[subprocess.Popen]]:
                 **{PARENT_ENV: str(os.getpid())},
             )
             workers.append(subprocess.Popen([sys.executable, "-m", "lazyrag.engine.tensor_parallel", spec], env=env))
-        tp = _join(size, 0, 0, config.device.type, timeout, store, workers)
+        tp = _join(size, 0, 0, device.type, timeout, store, workers)
     except BaseException as e:
         abandon_start(workers)
         dead = [f"rank {i + 1} exited with code {w.returncode}" for i, w in enumerate(workers)]
@@ -170,8 +178,8 @@ def _join(
     local_rank: int,
     device_type: str,
     timeout_s: float,
-    store,
-    workers: Sequence[subprocess.Popen] = (),
+    store: dist.Store | None,
+    workers: Sequence[subprocess.Popen[bytes]] = (),
 ) -> TensorParallel:
     """``store``: rank 0's ``loopback_store`` when it spawned the workers; None: the launcher's (``env://``)."""
     import torch.distributed as dist
@@ -201,13 +209,13 @@ def _join(
     return TensorParallel(size, dist.get_rank(), mesh.get_group("tp"), cpu_group, local_rank)
 
 
-def _rendezvous(workers: Sequence[subprocess.Popen], **init) -> None:
+def _rendezvous(workers: Sequence[subprocess.Popen[bytes]], **init: Any) -> None:
     import torch.distributed as dist
 
     _watching(workers, "joined", lambda: dist.init_process_group(**init))
 
 
-def _watching(workers: Sequence[subprocess.Popen], what: str, wait: Callable[[], None]) -> None:
+def _watching(workers: Sequence[subprocess.Popen[bytes]], what: str, wait: Callable[[], None]) -> None:
     """Run ``wait`` (a start-up collective bounded by START_TIMEOUT_S); a worker this process spawned that
     exits meanwhile (a failed load) fails it at once instead of at the timeout."""
     if not workers:
@@ -215,7 +223,7 @@ def _watching(workers: Sequence[subprocess.Popen], what: str, wait: Callable[[],
         return
     errors: list[BaseException] = []
 
-    def run():
+    def run() -> None:
         try:
             wait()
         except BaseException as e:
@@ -231,7 +239,7 @@ def _watching(workers: Sequence[subprocess.Popen], what: str, wait: Callable[[],
         raise errors[0]
 
 
-def abandon_start(workers: list[subprocess.Popen]) -> None:
+def abandon_start(workers: list[subprocess.Popen[bytes]]) -> None:
     """A start that failed after joining (a rank could not load its shard): kill the workers this process
     spawned and leave the group, so the caller's error is all that remains."""
     import torch.distributed as dist
@@ -245,7 +253,7 @@ def abandon_start(workers: list[subprocess.Popen]) -> None:
 
 
 def attach(
-    core: EngineCore, tp: TensorParallel, workers: list[subprocess.Popen], timeout_s: float, lock: threading.Lock
+    core: EngineCore, tp: TensorParallel, workers: list[subprocess.Popen[bytes]], timeout_s: float, lock: threading.Lock
 ) -> TensorParallelCore:
     """Rank 0: its core wrapped in a ``TensorParallelCore``, driving the others (``lock``: the engine's). Any other
     rank: serve rank 0 with ``core`` until it stops, then exit. First every rank waits for the others to have loaded
@@ -315,7 +323,7 @@ class Command:
     aborted: list[int]
     queued: list[tuple[str, NewRequest | SentRequest]]
     name: str
-    args: tuple
+    args: tuple[Any, ...]
 
 
 class TensorParallelCore:
@@ -330,7 +338,7 @@ class TensorParallelCore:
         self,
         core: EngineCore,
         tp: TensorParallel,
-        workers: list[subprocess.Popen],
+        workers: list[subprocess.Popen[bytes]],
         timeout_s: float,
         lock: threading.Lock,
     ):
@@ -395,13 +403,15 @@ class TensorParallelCore:
 
         folder = store.path.expanduser().resolve() if isinstance(store, CorpusStore) else store
         with self.lock:
-            return self.call("attach", folder, identity)
+            attached: CorpusStore = self.call("attach", folder, identity)
+            return attached
 
     # the engine's lock held
 
     def step(self) -> bool:
         try:
-            return self.call("step")
+            stepped: bool = self.call("step")
+            return stepped
         except Exception:  # the group broke: every request was failed with its error, nothing left to run
             return False
 
@@ -416,12 +426,13 @@ class TensorParallelCore:
                 "whole chunk KV (e.g. to build a store): build the store with tensor_parallel_size=1; a "
                 "tensor-parallel engine reads it, each rank its own heads."
             )
-        return self.call("encode", prefix_ids, chunks, False)
+        encoded: tuple[int, KVByKey] = self.call("encode", prefix_ids, chunks, False)
+        return encoded
 
     def forget(self) -> None:
         self.call("forget")
 
-    def call(self, name: str, *args):
+    def call(self, name: str, *args: Any) -> Any:
         """Send what was queued and ``name(*args)`` to every rank, apply the queued calls here too, and run
         ``name`` on this rank's core; its result."""
         if self.tp.failed is not None:
@@ -475,7 +486,7 @@ class TensorParallelCore:
 
     def describe_failure(self, cause: BaseException) -> str:
         deadline = time.monotonic() + 2.0  # a killed worker is reaped a moment after its sockets close
-        dead: list[tuple[int, subprocess.Popen]] = []
+        dead: list[tuple[int, subprocess.Popen[bytes]]] = []
         while not dead and time.monotonic() < deadline:
             dead = [(i + 1, w) for i, w in enumerate(self.workers) if w.poll() is not None]
             if not dead:
