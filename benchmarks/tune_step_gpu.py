@@ -41,21 +41,22 @@ def random_model(config_folder: Path, out: Path) -> Path:
 @contextlib.contextmanager
 def _variant(name: str):
     """The settings a ``--variants`` entry names, for the steps inside the block."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import SDPBackend
 
-    from lazyrag.tune.forward import activation_checkpointing
+    from lazyrag.tune import forward
 
     parts = set(name.split("+")) - {"default"}
-    unknown = parts - {"keep", "no_cudnn"}
+    unknown = parts - {"keep", "cudnn"}
     if unknown:
-        raise SystemExit(f"unknown variant part(s) {', '.join(sorted(unknown))}: keep, no_cudnn")
-    backends = (
-        sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
-        if "no_cudnn" in parts
-        else contextlib.nullcontext()
-    )
-    with activation_checkpointing("keep" not in parts), backends:
-        yield
+        raise SystemExit(f"unknown variant part(s) {', '.join(sorted(unknown))}: keep, cudnn")
+    backends = forward._ATTENTION_BACKENDS
+    if "cudnn" in parts:  # as before the tune forward left cuDNN out: it comes first where it is allowed
+        forward._ATTENTION_BACKENDS = [*backends, SDPBackend.CUDNN_ATTENTION]
+    try:
+        with forward.activation_checkpointing("keep" not in parts):
+            yield
+    finally:
+        forward._ATTENTION_BACKENDS = backends
 
 
 def main() -> int:
@@ -70,9 +71,9 @@ def main() -> int:
     ap.add_argument(
         "--variants",
         default="default",
-        help="comma-separated, timed one after another on the same batches: default; keep (activations kept, "
-        "no layer recomputed in the backward); no_cudnn (scaled_dot_product_attention without the cuDNN backend); "
-        "keep+no_cudnn",
+        help="comma-separated, timed one after another on the same batches: default (lazyrag tune's settings); "
+        "keep (activations kept, no layer recomputed in the backward); cudnn (attention may run on cuDNN, as before "
+        "the tune forward left it out); keep+cudnn",
     )
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/tune_step_gpu.json"))
     args = ap.parse_args()
