@@ -38,6 +38,7 @@ import torch
 
 from lazyrag.engine.runner import ModelRunner, Placement
 from lazyrag.kernels.reference import apply_rotary, gather_rotated_reference, prefix_attention_reference
+from lazyrag.kv.block_pool import BlockPool
 from lazyrag.kv.cache import Segment, SegmentKind
 from lazyrag.model.llama import Block, ElementwiseOps, LlamaModel, rope_at
 from lazyrag.strategy_names import BLEND_SELECTIONS
@@ -316,7 +317,9 @@ class _Recompute:
     tokens, sorted, on the device) through the layers, dropped at the selection stages. Their rows' positions,
     rotations and limits are worked out only when ``cur`` changes; no step reads a device value on the host."""
 
-    def __init__(self, runner: ModelRunner, ctx: PlacedContext, chunks: ChunkTokens, picker: Picker, attn):
+    def __init__(
+        self, runner: ModelRunner, ctx: PlacedContext, chunks: ChunkTokens, picker: Picker, attn: torch.Tensor | None
+    ) -> None:
         self.runner, self.ctx, self.chunks, self.picker, self.attn = runner, ctx, chunks, picker, attn
         self.model, self.ops = runner.model, dense_ops(runner)
         C, dev = chunks.count, runner.device
@@ -345,7 +348,9 @@ class _Recompute:
         self._running()
         return rows
 
-    def _select_by_deviation(self, first: bool, ratio: float, k, v, kc, vc):
+    def _select_by_deviation(
+        self, first: bool, ratio: float, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A "dev" stage: each running token's K/V deviation here, times the question's attention where it counts;
         returns ``k``, ``v`` and the rows of ``q`` kept."""
         d = kv_deviation(k, v, kc[self.sel], vc[self.sel])
@@ -418,11 +423,14 @@ class _Recompute:
         self.runner.pool.write_layers(layers, slots, apply_rotary(k_all, *back), v_all)
 
 
-def prefix_attention(q, k, v, limit, sm_scale):
+def prefix_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, limit: torch.Tensor, sm_scale: float
+) -> torch.Tensor:
     """kernels/recompute.py's kernel, imported on first use: Triton is an extra, and a CPU install may lack it."""
     from lazyrag.kernels.recompute import prefix_attention as kernel
 
-    return kernel(q, k, v, limit, sm_scale)
+    out: torch.Tensor = kernel(q, k, v, limit, sm_scale)
+    return out
 
 
 def recompute_attention(
@@ -443,14 +451,18 @@ def recompute_attention(
         keys, vals = kc.to(q.dtype).index_copy_(0, sel, k), vc.to(q.dtype).index_copy_(0, sel, v)
         return prefix_attention(q, keys, vals, limit, sm_scale)
     keys, vals = kc.index_copy(0, sel, k.float()), vc.index_copy(0, sel, v.float())
-    return prefix_attention_reference(q.float(), keys, vals, limit, sm_scale)
+    out: torch.Tensor = prefix_attention_reference(q.float(), keys, vals, limit, sm_scale)
+    return out
 
 
-def gather_rotated(k, v, slots, delta, cos, sin):
+def gather_rotated(
+    k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, delta: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """kernels/recompute.py's gather, imported on first use (as ``prefix_attention``)."""
     from lazyrag.kernels.recompute import gather_rotated as kernel
 
-    return kernel(k, v, slots, delta, cos, sin)
+    kv: tuple[torch.Tensor, torch.Tensor] = kernel(k, v, slots, delta, cos, sin)
+    return kv
 
 
 def use_kernels(device: torch.device, dtype: torch.dtype, hq: int, hkv: int, d: int, sm_scale: float) -> bool:
@@ -515,7 +527,13 @@ def _counted(runner: ModelRunner, cost: float) -> float:
     return cost
 
 
-def _private_copies(pool, placed: list[Placement], owner: np.ndarray, offset: np.ndarray, allocate):
+def _private_copies(
+    pool: BlockPool,
+    placed: list[Placement],
+    owner: np.ndarray,
+    offset: np.ndarray,
+    allocate: Callable[[int], list[int]],
+) -> tuple[list[Placement], torch.Tensor]:
     """Copy every block holding a selected token (placement ``owner``, token ``offset`` in its segment: host
     arrays); the placements read the copies instead, at the same delta. Returns them and each token's pool slot."""
     bs = pool.shape.block_size

@@ -10,7 +10,7 @@ import math
 import numbers
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -41,7 +41,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI: minus this times the token's count in the answer so far, in [-2, 2]
     logprobs: int | None = None  # None = none; n = the chosen token's logprob and the n most likely (0..20) per token
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         # Checked here, before admission: a bad value would otherwise fail inside a batch of other requests.
         put = functools.partial(object.__setattr__, self)  # frozen: the checked values are set once, here
         put("stop", _stop_strings(self.stop))
@@ -107,7 +107,7 @@ class SamplingParams:
         return self.temperature == 0 and not self.has_penalties and self.logprobs is None
 
 
-def _stop_strings(stop) -> tuple[str, ...]:
+def _stop_strings(stop: object) -> tuple[str, ...]:
     """``stop`` (None, a string, or a list or tuple of strings) as a tuple of its non-empty strings."""
     strings = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(strings, (list, tuple)) or not all(isinstance(s, str) for s in strings):
@@ -115,7 +115,7 @@ def _stop_strings(stop) -> tuple[str, ...]:
     return tuple(s for s in strings if s)
 
 
-def _finite_number(x) -> bool:
+def _finite_number(x: object) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
 
 
@@ -167,7 +167,7 @@ class RequestStats:
     plan_s: float = 0.0  # host time to look up, encode or copy the prompt's segments (TTFT minus prefill and sampling)
     queue_s: float = 0.0  # time from arrival until the scheduler took the request in
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -224,7 +224,7 @@ class Request:
     notify: Callable[[], object] | None = None  # called after outputs or done change (from the stepping thread)
     id: int = field(default_factory=lambda: next(_ids))
 
-    outputs: deque = field(default_factory=deque)
+    outputs: deque[tuple[str, int]] = field(default_factory=deque)
     stage: RequestStage = RequestStage.WAITING  # moved by the scheduler alone
     aborted: bool = False  # an abort asked for (any thread): the next step ends the request ABORTED unless it ended
     error: BaseException | None = None
@@ -242,7 +242,7 @@ class Request:
     penalty_ids: torch.Tensor | None = None  # with a repetition penalty: the prompt's distinct token ids
     tp_id: int = -1  # tensor parallelism: the id every rank knows this request by (engine/tensor_parallel.py)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         self.stats = RequestStats(self.params.strategy, prompt_tokens=self.layout.num_tokens)
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)

@@ -377,9 +377,9 @@ class LazyStitching(Strategy):
 
     def __init__(
         self,
-        cache,
-        runner,
-        fingerprint,
+        cache: CacheManager,
+        runner: ModelRunner,
+        fingerprint: str,
         batch: EncodeBatch | None = None,
         passage_ids: Sequence[int] = (),
         recompute_first: int = 0,
@@ -387,7 +387,7 @@ class LazyStitching(Strategy):
         blend_select: str = "global",
         blend_budget: str = "global",
         attn_from: float = 0.0,
-    ):
+    ) -> None:
         super().__init__(cache, runner, fingerprint, batch, passage_ids)
         self.recompute_first, self.blend, self.blend_select = recompute_first, blend, blend_select
         self.blend_budget, self.attn_from = blend_budget, attn_from

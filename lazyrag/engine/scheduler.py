@@ -36,7 +36,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -78,11 +78,13 @@ def _seq(req: Request) -> SeqState:
 _END_STAGES = {"abort": RequestStage.ABORTED, "error": RequestStage.FAILED}
 
 
-def _length(piece: slice) -> int:
+def _length(piece: slice[int, int, int]) -> int:
     return piece.stop - piece.start
 
 
-def launch_tokens(batch: list[Request], logits: torch.Tensor, greedy_tokens) -> Launched:
+def launch_tokens(
+    batch: list[Request], logits: torch.Tensor, greedy_tokens: Callable[[torch.Tensor], torch.Tensor]
+) -> Launched:
     """Queue each row's greedy token and its copy to the host (pinned memory, one event), without waiting."""
     tokens = greedy_tokens(logits)  # [B] on the device
     if not tokens.is_cuda:
@@ -100,11 +102,11 @@ class Scheduler:
         runner: ModelRunner,
         cache: CacheManager,
         planner: Planner,
-        tokenizer,
+        tokenizer: Any,  # a transformers tokenizer (its decode), or None: no text, token ids only
         end_tokens: set[int],
         config: SchedulerConfig | None = None,
         clock: Callable[[], float] = time.perf_counter,
-    ):
+    ) -> None:
         self.runner, self.cache, self.planner = runner, cache, planner
         self.tokenizer, self.end_tokens = tokenizer, end_tokens
         self.config = config or SchedulerConfig()
@@ -117,7 +119,7 @@ class Scheduler:
         self._partial: list[Request] = []  # admitted, their prompt prefilled in part: continued first, next step
         self._launched: Launched | None = None  # async scheduling: the step in flight, not yet accepted
         self.async_scheduling = bool(self.config.async_scheduling)  # EngineConfig resolved None (on with cuda)
-        self.prefetching: Future | None = None  # the promotion of waiting requests' chunks under way, if any
+        self.prefetching: Future[int] | None = None  # the promotion of waiting requests' chunks under way, if any
         self._prefetched_for: set[int] = set()  # ids of the waiting requests whose chunks were sent to prefetch
         self.steps = {"prefill": 0, "decode": 0}
 
@@ -306,7 +308,7 @@ class Scheduler:
         if keys:
             self.prefetching = self.cache.prefetch(keys)
 
-    def _next_piece(self, req: Request) -> slice:
+    def _next_piece(self, req: Request) -> slice[int, int, int]:
         """Which of ``req``'s new prompt tokens it prefills in this step: all that are left, or the next
         ``long_prefill_tokens``."""
         plan, seq = _planned(req)
