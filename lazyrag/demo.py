@@ -46,13 +46,47 @@ def run_demo(
 ) -> list[dict]:
     """Answer every question of the bundled corpus with each strategy; returns one row per answer
     (and writes them, with the summary per strategy, to ``json_out``)."""
+    console = Console(highlight=False, soft_wrap=True)  # answers stay one line each, whatever the width
+    corpus = load_demo_corpus()
+    docs = {d["id"]: d["text"] for d in corpus["documents"]}
+    engine = _cached_engine(console, model, device, docs, strategies)
+    first = corpus["questions"][0]
+    for strategy in strategies:  # warm-up: one-time costs (first forward, allocations) out of the timings
+        engine.generate(first["question"], [docs[d] for d in first["documents"]], max_new_tokens=1, strategy=strategy)
+
+    rng = random.Random(seed)
+    rows: list[dict] = []
+    for n, item in enumerate(corpus["questions"], 1):
+        for order in range(orders):
+            chunks = [docs[d] for d in item["documents"]]
+            rng.shuffle(chunks)
+            tag = f"Q{n}" + (f".{order + 1}" if orders > 1 else "")
+            console.print(
+                f"[bold cyan]{tag}[/] {escape(item['question'])}   [dim]expected: {escape(item['answer'])}[/]"
+            )
+            rows += _ask(console, engine, item, chunks, strategies, max_new_tokens, f"Q{n}", order)
+            console.print()
+    summary = _summary(console, rows, strategies)
+    if json_out:
+        meta = {
+            "model": engine.model_name,
+            "device": str(engine.device),
+            "dtype": str(engine.dtype),
+            "max_new_tokens": max_new_tokens,
+            "orders": orders,
+            "seed": seed,
+        }
+        _write_json(json_out, {"meta": meta, "summary": summary, "answers": rows})
+        console.print(f"[dim]wrote {json_out}[/]")
+    return rows
+
+
+def _cached_engine(console: Console, model: str | None, device: str | None, docs: dict, strategies: tuple[str, ...]):
+    """The engine, loaded, with every document's chunk KV cached once."""
     from tqdm import tqdm
 
     from lazyrag.engine import LazyEngine
 
-    console = Console(highlight=False, soft_wrap=True)  # answers stay one line each, whatever the width
-    corpus = load_demo_corpus()
-    docs = {d["id"]: d["text"] for d in corpus["documents"]}
     with console.status("Loading the model (the embedded SmolLM2-135M-Instruct unless --model is given)..."):
         engine = LazyEngine.from_pretrained(model, device=device)
     console.print(
@@ -65,61 +99,45 @@ def run_demo(
         f"Cached {len(docs)} chunks once each (+ the shared system prefix). Each question is asked over "
         f"its note and three unrelated ones, shuffled, with: " + ", ".join(strategies) + ".\n"
     )
-    first = corpus["questions"][0]
-    for strategy in strategies:  # warm-up: one-time costs (first forward, allocations) out of the timings
-        engine.generate(first["question"], [docs[d] for d in first["documents"]], max_new_tokens=1, strategy=strategy)
+    return engine
 
-    rng = random.Random(seed)
-    rows, width = [], max(map(len, strategies))
-    for n, item in enumerate(corpus["questions"], 1):
-        for order in range(orders):
-            chunks = [docs[d] for d in item["documents"]]
-            rng.shuffle(chunks)
-            tag = f"Q{n}" + (f".{order + 1}" if orders > 1 else "")
-            console.print(
-                f"[bold cyan]{tag}[/] {escape(item['question'])}   [dim]expected: {escape(item['answer'])}[/]"
-            )
-            chunk_tokens = sum(map(len, engine.build_prompt(item["question"], chunks).chunk_ids))
-            for strategy in strategies:
-                console.print(f"   {strategy:<{width}}  ", end="")
-                stream = engine.stream(item["question"], chunks, max_new_tokens=max_new_tokens, strategy=strategy)
-                for delta in stream:
-                    console.print(escape(delta.replace("\n", " ")), end="")
-                r = stream.result()
-                right = is_right(r.text, item["match"])
-                mark = "[bold green]right[/]" if right else "[bold red]wrong[/]"
-                console.print(f"  {mark} [dim]TTFT {1e3 * r.ttft_s:.0f} ms[/]")
-                rows.append(
-                    {
-                        "question": f"Q{n}",
-                        "order": order,
-                        "strategy": strategy,
-                        "answer": r.text,
-                        "right": right,
-                        "ttft_ms": 1e3 * r.ttft_s,
-                        "tokens_prefilled": r.stats.tokens_prefilled,
-                        "prompt_tokens": r.stats.prompt_tokens,
-                        "chunks_hit": r.stats.chunks_hit,
-                        "recomputed_share": r.stats.tokens_recomputed / max(chunk_tokens, 1),
-                    }
-                )
-            console.print()
-    summary = _summary(console, rows, strategies)
-    if json_out:
-        from pathlib import Path
 
-        meta = {
-            "model": engine.model_name,
-            "device": str(engine.device),
-            "dtype": str(engine.dtype),
-            "max_new_tokens": max_new_tokens,
-            "orders": orders,
-            "seed": seed,
-        }
-        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_out).write_text(json.dumps({"meta": meta, "summary": summary, "answers": rows}, indent=1))
-        console.print(f"[dim]wrote {json_out}[/]")
+def _ask(console, engine, item: dict, chunks: list[str], strategies, max_new_tokens: int, question: str, order: int):
+    """One question over one order of its chunks with every strategy, streamed to the console; one row each."""
+    width = max(map(len, strategies))
+    chunk_tokens = sum(map(len, engine.build_prompt(item["question"], chunks).chunk_ids))
+    rows = []
+    for strategy in strategies:
+        console.print(f"   {strategy:<{width}}  ", end="")
+        stream = engine.stream(item["question"], chunks, max_new_tokens=max_new_tokens, strategy=strategy)
+        for delta in stream:
+            console.print(escape(delta.replace("\n", " ")), end="")
+        r = stream.result()
+        right = is_right(r.text, item["match"])
+        mark = "[bold green]right[/]" if right else "[bold red]wrong[/]"
+        console.print(f"  {mark} [dim]TTFT {1e3 * r.ttft_s:.0f} ms[/]")
+        rows.append(
+            {
+                "question": question,
+                "order": order,
+                "strategy": strategy,
+                "answer": r.text,
+                "right": right,
+                "ttft_ms": 1e3 * r.ttft_s,
+                "tokens_prefilled": r.stats.tokens_prefilled,
+                "prompt_tokens": r.stats.prompt_tokens,
+                "chunks_hit": r.stats.chunks_hit,
+                "recomputed_share": r.stats.tokens_recomputed / max(chunk_tokens, 1),
+            }
+        )
     return rows
+
+
+def _write_json(path: str, data: dict) -> None:
+    from pathlib import Path
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(data, indent=1))
 
 
 def _summary(console: Console, rows: list[dict], strategies: tuple[str, ...]) -> dict:
