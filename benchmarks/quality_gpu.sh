@@ -32,6 +32,24 @@ fi
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1  # the worker processes share the cores
 export LAZYRAG_KERNEL_AUTOTUNE=0  # each worker would autotune the kernels again: the default configs
 nvidia-smi --query-gpu=index,name,memory.used --format=csv
+# Refuse a call that would run the GPUs out of memory before it loads anything: a worker takes its KV pool plus
+# about 6 GiB (7 of KV_GIB=4 fit an 80 GB H100; 12 of KV_GIB=2, six a side of tune_gpu.sh's eval, did not).
+# EVALS_AT_ONCE: how many of these scripts share the GPUs (tune_gpu.sh's eval runs two).
+total=0
+for d in $sets; do
+  case $d in
+    nq) total=$(( total + ${NQ_WORKERS:-4} )) ;;
+    hotpotqa) total=$(( total + ${HP_WORKERS:-2} )) ;;
+    *:*:*) IFS=: read -r _ _ _ w _ <<< "$d"; total=$(( total + ${w:-2} )) ;;
+  esac
+done
+gib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | awk '{s += $1} END {print int(s / 1024)}')
+fit=$(( gib / (${KV_GIB:-8} + 6) ))
+if (( total * ${EVALS_AT_ONCE:-1} > fit )); then
+  echo "quality_gpu.sh: $total workers x ${EVALS_AT_ONCE:-1} evals at once would not fit in the GPUs' ${gib} GiB" \
+    "(about $fit workers of KV_GIB=${KV_GIB:-8} do): fewer workers per set, or a smaller KV_GIB" >&2
+  exit 2
+fi
 Q=/tmp/q
 mkdir -p "$Q"
 cp -n .data/partial/*.partial.jsonl "$Q"/ 2>/dev/null || true

@@ -22,7 +22,7 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 ||
 T=/tmp/t; mkdir -p $T
 if [ "$mode" = eval ]; then
   sets=${3:?sets}
-  export INSTALLED=1
+  export INSTALLED=1 EVALS_AT_ONCE=2  # the base and the tuned model's evals share the GPU
   bash benchmarks/quality_gpu.sh "$budget" "${BASE_STRATEGIES:-full,lazy,lazy+recover}" "$sets" > $T/eval_base.txt 2>&1 &
   ADAPTER=${ADAPTER_DIR:-$T/adapter} bash benchmarks/quality_gpu.sh "$budget" "${TUNED_STRATEGIES:-full,lazy,lazy+recover}" "$sets" > $T/eval_tuned.txt 2>&1 &
   wait
