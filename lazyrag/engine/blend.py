@@ -82,19 +82,18 @@ class PlacedContext:
         # in prompt order the positions increase: a token at position p sees the context tokens [0, limit(p))
         assert (np.diff(position) > 0).all(), "a placed context out of position order"
         self.offsets = offsets  # each placement's token offsets (numpy), for the chunk tokens' layout
-        self.owner, self.offset = torch.from_numpy(owner), torch.from_numpy(np.concatenate(offsets))  # [N] host
+        self.owner, self.offset = owner, np.concatenate(offsets)  # [N] host (numpy): placement, offset in it
         self.position = torch.from_numpy(position).to(dev)  # [N]
-        self.delta = torch.from_numpy(delta)  # [N] host
+        self.delta = torch.from_numpy(delta).to(dev)  # [N]
         # [N]: each token's slot in a layer's pool viewed as [blocks * bs, Hkv, D] (worked out on the host: one copy)
         slots = np.concatenate(
             [np.asarray(p.segment.blocks, dtype=np.int64)[t // bs] * bs + t % bs for p, t in zip(placed, offsets)]
         )
         self.slots = torch.from_numpy(slots).to(dev)
-        self.delta_dev = self.delta.to(dev)
         attn = _blocks(runner.model)[0].attn
         self.fast = use_kernels(dev, self.pool.k.dtype, attn.hq, attn.hkv, attn.d, runner.model.sm_scale)
         if not self.fast:  # the fp32 path rotates with tables gathered once, not once per layer
-            self.cos, self.sin = self.rope_cos[self.delta_dev][:, None], self.rope_sin[self.delta_dev][:, None]
+            self.cos, self.sin = self.rope_cos[self.delta][:, None], self.rope_sin[self.delta][:, None]
         self._kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         L, _, _, hkv, hd = self.pool.k.shape
         elem = self.pool.k.element_size() if self.fast else 4
@@ -115,7 +114,7 @@ class PlacedContext:
         hkv, hd = self.pool.k.shape[-2:]
         k, v = self.pool.k[i].view(-1, hkv, hd), self.pool.v[i].view(-1, hkv, hd)
         if self.fast:
-            kv = gather_rotated(k, v, self.slots, self.delta_dev, self.rope_cos, self.rope_sin)
+            kv = gather_rotated(k, v, self.slots, self.delta, self.rope_cos, self.rope_sin)
         else:
             # fp32 (the CPU's path): the rows indexed first, then widened, so the whole layer is never copied
             kv = apply_rotary(k[self.slots].float(), self.cos, self.sin), v[self.slots].float()
@@ -213,7 +212,7 @@ class ChunkTokens:
     (numpy, known before anything runs) and what the recompute indexes with on the model's device."""
 
     def __init__(self, ctx: PlacedContext, ids: Sequence[Sequence[int] | None], first: int, device: torch.device):
-        owner, offset = ctx.owner.numpy(), ctx.offset.numpy()
+        owner, offset = ctx.owner, ctx.offset
         blended = np.array([x is not None for x in ids], dtype=bool)
         self.place = np.flatnonzero(blended[owner])  # [C] their rows in the context
         self.owner, self.offset = owner[self.place], offset[self.place]  # [C] host: placement, offset in it
@@ -403,19 +402,14 @@ class _Recompute:
             return
         ks: list[torch.Tensor] = []
         vs: list[torch.Tensor] = []
-        for (
-            cur,
-            _,
-            k_layers,
-            v_layers,
-        ) in self.fresh:  # stacked once per ``cur``; the final tokens' rows where it changed
+        for cur, _, k_layers, v_layers in self.fresh:  # stacked once per ``cur``; the final rows where it changed
             k, v = torch.stack(k_layers), torch.stack(v_layers)  # [layers, S', Hkv, D]
             if cur is not self.cur:
                 rows = torch.searchsorted(cur, self.cur)
                 k, v = k[:, rows], v[:, rows]
             ks.append(k)
             vs.append(v)
-        d = self.ctx.delta_dev[self.sel]
+        d = self.ctx.delta[self.sel]
         back = self.runner.rope_cos[d][:, None], -self.runner.rope_sin[d][:, None]
         k_all = (ks[0] if len(ks) == 1 else torch.cat(ks)).float()
         v_all = vs[0] if len(vs) == 1 else torch.cat(vs)
