@@ -25,10 +25,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def llama31_8b_config(layers: int = 32):
+def llama31_8b_config(layers: int = 32, **fields):
+    """Llama-3.1-8B's config with ``layers`` layers; ``fields`` set any other field otherwise (e.g. a small model
+    of the same architecture, GQA and RoPE scaling)."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(
+    config = dict(
         vocab_size=128256,
         hidden_size=4096,
         intermediate_size=14336,
@@ -48,6 +50,7 @@ def llama31_8b_config(layers: int = 32):
             "original_max_position_embeddings": 8192,
         },
     )
+    return LlamaConfig(**{**config, **fields})
 
 
 def qwen25_7b_config(layers: int = 28):

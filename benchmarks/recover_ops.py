@@ -87,27 +87,18 @@ def _shares(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def tiny_llama(layers: int, dtype: torch.dtype):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
-    config = LlamaConfig(
+    from benchmarks.e2e_gpu import llama31_8b_config
+
+    config = llama31_8b_config(
+        layers,
         vocab_size=4096,
         hidden_size=256,
         intermediate_size=512,
-        num_hidden_layers=layers,
         num_attention_heads=8,
         num_key_value_heads=2,
         head_dim=32,
-        max_position_embeddings=8192,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        rope_parameters={
-            "rope_type": "llama3",
-            "rope_theta": 500000.0,
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 1024,
-        },
     )
     torch.manual_seed(0)
     hf = LlamaForCausalLM(config).eval()
