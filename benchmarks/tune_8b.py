@@ -29,6 +29,7 @@ def main(argv=None) -> int:
     ap.add_argument("--answer-tokens", type=int, default=16)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--keep-activations", action="store_true", help="as `lazyrag tune --keep-activations`")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "tune_8b.json")
     args = ap.parse_args(argv)
     from peft import LoraConfig, get_peft_model
@@ -36,7 +37,7 @@ def main(argv=None) -> int:
 
     from benchmarks.e2e_gpu import llama31_8b_config
     from lazyrag.prompt import PromptLayout
-    from lazyrag.tune.forward import Example, full_logits, lazy_logits
+    from lazyrag.tune.forward import Example, activation_checkpointing, full_logits, lazy_logits
     from lazyrag.tune.train import LORA_TARGETS, kl_to
 
     torch.manual_seed(0)
@@ -68,7 +69,7 @@ def main(argv=None) -> int:
             for step in range(args.steps + 1):
                 torch.cuda.synchronize()
                 t = time.perf_counter()
-                with torch.autocast("cuda", dtype=torch.bfloat16):
+                with torch.autocast("cuda", dtype=torch.bfloat16), activation_checkpointing(not args.keep_activations):
                     with torch.no_grad(), model.disable_adapter():
                         teacher = full_logits(model, examples)
                     loss = kl_to(teacher, lazy_logits(model, examples, passage_ids)) + 0.25 * kl_to(
@@ -101,6 +102,7 @@ def main(argv=None) -> int:
         "lora_mb_bf16": lora_bytes / 1e6,
         "passages": args.passages,
         "passage_tokens": args.passage_tokens,
+        "activation_checkpointing": not args.keep_activations,
         "command": "python benchmarks/tune_8b.py " + " ".join(argv or sys.argv[1:]),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
