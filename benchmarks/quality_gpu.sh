@@ -9,7 +9,7 @@
 # NAME:SPLIT:N[:WORKERS[:PASSAGES]] is N questions of one split (tune or report) of any set lazyrag eval knows, e.g.
 # "nq:tune:240:4 squad:report:120:2:20" (nq and hotpotqa read .data, the others benchmarks/data; HotpotQA shuffled;
 # PASSAGES: eval --passages). ADAPTER=FOLDER: every eval of the call with that adapter (tags end in _tuned).
-# Here, beforehand: `bash benchmarks/device_model.sh cut 28` (.model/0..3: the working tree is ~31 MB of the 64 MiB a call); .whl/ the gguf wheel
+# Here, beforehand: `bash benchmarks/device_model.sh cut 32500K` (.model/0..2: the working tree is ~30 MB of the 64 MiB a call, the last part travels with .data and .whl); .whl/ the gguf wheel
 # (device README); .data/ a copy of ../shared/data (hotpotqa_dev_500.jsonl may travel gzip'd), and in
 # .data/partial/ the *.partial.jsonl of an earlier machine, if the runs are to go on from there; or SKIP_FROM=DIR
 # (e.g. benchmarks/results/quality30): a split set scores only the questions DIR's quality_NAME_SPLIT_gpu_*.json
