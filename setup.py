@@ -1,13 +1,13 @@
 """Package discovery (pyproject.toml holds everything else).
 
-One import namespace: ``lazyrag/`` and every package under it, plus the design card's top-level
-``kernels/`` and ``integrations/`` folders installed as ``lazyrag.kernels`` and
-``lazyrag.integrations`` (never as generic top-level names). Packages are found, not listed,
+One import namespace: ``lazyrag/`` and every package under it (the kernels among them, as
+``lazyrag.kernels``), plus the design card's top-level ``integrations/`` folder installed as
+``lazyrag.integrations`` (never as a generic top-level name). Packages are found, not listed,
 so a new subpackage cannot be left out of the wheel.
 """
 from setuptools import find_namespace_packages, find_packages, setup
 
-MOUNTED = {"lazyrag.kernels": "kernels", "lazyrag.integrations": "integrations"}
+MOUNTED = {"lazyrag.integrations": "integrations"}
 
 # namespace packages too: lazyrag/data/ and the folders under it hold only package data (adapters, eval samples),
 # and setuptools warns about every importable folder the packages do not list

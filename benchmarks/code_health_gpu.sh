@@ -3,8 +3,8 @@
 # bf16 weights: TTFT and decode ms/token) of an older tree and of this one, alternating, in one call.
 #   bash benchmarks/code_health_gpu.sh OLD_TREE [ROUNDS]     (SKIP_TESTS=1: e2e only; FIRST_ROUND=K: rounds K..ROUNDS)
 # OLD_TREE: a checkout of the code to compare with (e.g. `git archive <commit> | tar -x -C .snap`, carried).
-# Each tree is installed editable before its run (lazyrag.kernels is mounted from kernels/ by setup.py, so a
-# tree's e2e_gpu.py only sees its own kernels once it is the one installed). Writes to $OUT (or
+# Each tree is installed editable before its run (a tree from before lazyrag/kernels/ mounts lazyrag.kernels from
+# its top-level kernels/ through setup.py, so its e2e_gpu.py only sees its own kernels once it is the one installed). Writes to $OUT (or
 # benchmarks/results): gpu_tests_NAME_log.txt, e2e_h200_NAME_{old,new}_rK.json and their logs (NAME: $NAME, default
 # code_health; issue 33's TP=1 check ran with NAME=tp1).
 set -u

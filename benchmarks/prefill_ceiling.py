@@ -32,8 +32,9 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # `kernels` below is benchmarks/kernels.py
 from kernels import BS, DT, HKV, HQ, MAX_POS, D, PrefillCase, fmt_info, launch_info, paired_graph_ms  # noqa: E402
+
 from lazyrag.kernels.common import pack_block_meta, unpack_block_meta  # noqa: E402
 from lazyrag.kernels.kvloop import load_index  # noqa: E402
 from lazyrag.kernels.reference import rope_tables  # noqa: E402

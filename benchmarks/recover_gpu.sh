@@ -2,8 +2,9 @@
 # Issue 41 item 5 and issue 42's step time, one device call: the GPU kernel tests of the recovery's attention, then
 # benchmarks/recover_gpu.py (lazy / lazy+recover / full TTFT at 2.6k and 20.6k tokens, Llama-3.1-8B shapes, profiled)
 # for this tree and OLD_TREE, then benchmarks/tune_step_gpu.py on a random-weight SmolLM2 (carry .snap/smol and .data).
-#   bash benchmarks/recover_gpu.sh OLD_TREE        (OLD_TREE: `git archive <commit> lazyrag kernels setup.py pyproject.toml
-#                                                   benchmarks | tar -x -C .snap/old`, carried; SKIP_TUNE=1: no tune step)
+#   bash benchmarks/recover_gpu.sh OLD_TREE        (OLD_TREE: `git archive <commit> lazyrag setup.py pyproject.toml
+#                                                   benchmarks | tar -x -C .snap/old`, plus `kernels` for a commit
+#                                                   from before lazyrag/kernels/, carried; SKIP_TUNE=1: no tune step)
 # Writes recover_<card>_{new,old}.json, tune_step_gpu.json and logs to $OUT (or benchmarks/results).
 set -u
 old=${1:?old tree}

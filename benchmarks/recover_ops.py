@@ -109,7 +109,7 @@ def tiny_llama(layers: int, dtype: torch.dtype):
     return hf.to(dtype)
 
 
-OURS = [f"{REPO}/lazyrag/", f"{REPO}/kernels/"]  # and --blend-from's file
+OURS = [f"{REPO}/lazyrag/"]  # the kernels included; and --blend-from's file
 
 
 def _ours(filename: str) -> bool:

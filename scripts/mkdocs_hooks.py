@@ -3,8 +3,8 @@
 * ``reference/cli.md`` is generated from the real argparse parser (``lazyrag.cli.build_parser``): every
   subcommand's ``--help`` as the command prints it.
 * mkdocstrings reads the sources statically from ``build/docs-src/`` (there while a build runs): links that put the top-level
-  ``integrations/`` and ``kernels/`` folders where the wheel installs them (``lazyrag.integrations``,
-  ``lazyrag.kernels``; see setup.py), so the API reference names them as users import them.
+  ``integrations/`` folder where the wheel installs it (``lazyrag.integrations``; see setup.py), so the API reference
+  names it as users import it.
 * the benchmark plots in ``benchmarks/results/*.png`` are served as ``assets/results/*.png`` (no copies in docs/).
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 from mkdocs.structure.files import File
 
 ROOT = Path(__file__).resolve().parent.parent
-MOUNTED = {"integrations": "integrations", "kernels": "kernels"}  # setup.py's MOUNTED, under lazyrag/
+MOUNTED = {"integrations": "integrations"}  # setup.py's MOUNTED, under lazyrag/
 SOURCE_TREE = ROOT / "build" / "docs-src"
 CLI_PAGE = "reference/cli.md"
 PLOTS = ROOT / "benchmarks" / "results"

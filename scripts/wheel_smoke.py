@@ -8,7 +8,7 @@ import sysconfig
 from pathlib import Path
 
 SOURCE = Path(sys.argv[1])  # the source tree, read as a list of files only: never put on sys.path
-MOUNTED = {"lazyrag": "lazyrag", "lazyrag.kernels": "kernels", "lazyrag.integrations": "integrations"}
+MOUNTED = {"lazyrag": "lazyrag", "lazyrag.integrations": "integrations"}
 
 
 def source_modules() -> set[str]:
@@ -39,6 +39,7 @@ for name in sorted(installed):
     importlib.import_module(name)
 print(f"imported {len(installed)} modules from {site}")
 assert (Path(lazyrag.__file__).parent / "data" / "demo_corpus.json").is_file(), "package data missing"
+assert (Path(lazyrag.__file__).parent / "kernels" / "tuned_configs.json").is_file(), "kernels/tuned_configs.json missing"
 from lazyrag.tune.adapter import EMBEDDED_FOLDER  # noqa: E402
 
 assert {"adapter_config.json", "adapter_model.safetensors", "lazyrag_tune.json"} <= {p.name for p in EMBEDDED_FOLDER.iterdir()}, \

@@ -1,0 +1,1 @@
+"""Attention kernels with deferred RoPE (Triton) and their PyTorch reference."""
