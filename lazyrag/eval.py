@@ -750,6 +750,7 @@ def _engine_kwargs(config: EvalConfig, strategies: int) -> dict:
 def _run_header(config: EvalConfig, dataset: str, data: str, distractors: int, model_name: str, engine_config) -> dict:
     """What the checkpoint's first line records of the run: resuming is refused unless it is the same."""
     from lazyrag.prompt import passage_label, passage_sha256
+    from lazyrag.tune.adapter import adapter_sha256
 
     device = engine_config.device
     return {
@@ -770,6 +771,7 @@ def _run_header(config: EvalConfig, dataset: str, data: str, distractors: int, m
         **({"passages": config.passages} if config.passages else {}),
         **({"store": _store_path(config.store), "k": config.k} if config.store is not None else {}),
         **({"skip_answered": sorted(p.name for p in config.skip_answered)} if config.skip_answered else {}),
+        **({"adapter_sha256": adapter_sha256(config.adapter)} if config.adapter not in (None, "none") else {}),
     }
 
 

@@ -135,6 +135,8 @@ def test_an_interrupted_eval_resumes_where_it_stopped(tmp_path, monkeypatch, cap
     partial.write_text("\n".join([json.dumps({**run, "encoding_passage_sha256": "0" * 64}), *done]) + "\n")
     assert main(args + ["--resume"]) == 2
     assert "differs in encoding_passage_sha256" in capsys.readouterr().err and len(seen) == 1
+    assert main(args + ["--resume", "--adapter", "embedded"]) == 2  # the base model's rows, not the tuned one's
+    assert "differs in adapter_sha256" in capsys.readouterr().err and len(seen) == 1
     partial.write_text("\n".join([header, *done]) + "\n")
 
     monkeypatch.setattr(

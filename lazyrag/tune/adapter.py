@@ -8,6 +8,7 @@ the weights it was trained against.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -23,6 +24,16 @@ EMBEDDED_FOLDER = Path(__file__).resolve().parent.parent / "data" / "adapters" /
 def adapter_folder(adapter: str | Path) -> Path:
     """The folder of ``adapter``: a path, or ``"embedded"`` for the one shipped with the package."""
     return EMBEDDED_FOLDER if str(adapter) == EMBEDDED else Path(adapter)
+
+
+def adapter_sha256(adapter: str | Path) -> str:
+    """The content digest of an adapter folder (its config and weights, not where it lies): what an eval's
+    checkpoint records, so that a resume under another adapter, or none, is refused."""
+    folder = adapter_folder(adapter)
+    digest = hashlib.sha256()
+    for f in sorted(folder.glob("adapter_*")):
+        digest.update(f.name.encode() + b"\0" + f.read_bytes())
+    return digest.hexdigest()
 
 
 def base_id(hf_model) -> str:
