@@ -9,7 +9,9 @@ A run made with ``--adapter`` (JSON field ``adapter``) shows as "tuned STRATEGY"
 the same questions pair up. Runs are matched by question (JSON written since the runs list their questions) or, for
 older JSON, by position in the item list that --dataset/--n/--seed rebuild. A failed request (the report's
 ``errors``) has no answer: each strategy is paired with the reference on the questions both answered, so ``n``
-may differ between rows. Writes OUT.json and OUT.png.
+may differ between rows. A run cut short by its time limit pairs on what it answered: pass its RUN.partial.jsonl
+(a tuned run's checkpoint names its adapter; ``--tuned`` marks the runs of an eval that did not record it yet).
+Writes OUT.json and OUT.png.
 """
 
 import argparse
@@ -19,7 +21,31 @@ from pathlib import Path
 
 from quality_sets import paired, print_paired  # noqa: E402  (benchmarks/ is on the path when run as a script)
 
-from lazyrag.eval import DATASETS, SPLITS, accuracy, default_data, f1, failed_requests, load_dataset
+from lazyrag.eval import (
+    DATASETS,
+    SPLITS,
+    Checkpoint,
+    accuracy,
+    default_data,
+    f1,
+    failed_requests,
+    load_dataset,
+    summarize,
+)
+
+
+def load_run(path: Path, tuned: bool) -> dict:
+    """An eval report, or what a stopped eval's checkpoint (``.partial.jsonl``) holds, in the report's form."""
+    if not path.name.endswith(".partial.jsonl"):
+        run = json.loads(path.read_text())
+    else:
+        header = json.loads(path.read_text().splitlines()[0])
+        saved = Checkpoint(path, header, resume=True)
+        run = summarize(saved.per_strategy(header["strategies"]))
+        run.update(n=len(saved.rows), adapter=header.get("adapter_sha256"))
+    if tuned:
+        run["adapter"] = run.get("adapter") or "tuned"
+    return run
 
 
 def main() -> None:
@@ -31,6 +57,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shuffle", action="store_true", help="the runs shuffled the paragraphs")
     ap.add_argument("--reference", default="full")
+    ap.add_argument("--tuned", type=Path, nargs="*", default=[], help="runs of a tuned model whose files do not say so")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     items = load_dataset(
@@ -40,7 +67,7 @@ def main() -> None:
     answers: dict[str, dict[str, str]] = {}  # strategy -> question -> answer
     recomputed: dict[str, float] = {}
     for path in args.runs:
-        run = json.loads(path.read_text())
+        run = load_run(path, path in args.tuned)
         questions = run.get("questions") or [it["question"] for it in items[: run["n"]]]
         for s, texts in run["answers"].items():
             label = f"tuned {s}" if run.get("adapter") else s  # a tuned model's run beside the base model's
