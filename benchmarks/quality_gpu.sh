@@ -54,6 +54,13 @@ Q=/tmp/q
 mkdir -p "$Q"
 cp -n .data/partial/*.partial.jsonl "$Q"/ 2>/dev/null || true
 trap 'tar czf "$OUT/quality_gpu.tgz" -C "$Q" . 2>/dev/null || true' EXIT
+# One question first, in one process: it converts the GGUF into the model cache and fills Triton's kernel cache,
+# which the workers then read. Twelve workers starting cold each converted and compiled for themselves, and their
+# first batch took 3-5 minutes of a 450 s call (benchmarks/NOTES.md, ninth session).
+W=$Q/warm-up${ADAPTER:+_tuned}; mkdir -p "$W"
+timeout 240 python3 -m lazyrag.cli eval --dataset squad --split report --n 1 --strategies "$strategies" --device cuda \
+  --dtype float32 --eager --max-new-tokens 2 --model "$M" --out "$W/quality.json" ${ADAPTER:+--adapter "$ADAPTER"} \
+  > "$W/log.txt" 2>&1 || echo "warm-up exited $? (the workers start cold)"
 left=$(( budget - ($(date +%s) - start) ))
 run() {  # tag workers batch [eval options]: one eval, resumed, stopped in time to write its report
   local tag=$1 workers=$2 batch=$3; shift 3

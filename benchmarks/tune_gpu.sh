@@ -6,9 +6,10 @@
 # then, next call on the still-warm machine (carry .whl .data):
 #   bash benchmarks/tune_gpu.sh eval SECONDS "SETS"      # SETS as quality_gpu.sh's NAME:SPLIT:N:WORKERS:PASSAGES
 #   (ADAPTER_DIR=FOLDER: evaluate that adapter instead of this machine's last training, e.g. the embedded one)
-# train: CONFIGS (default below: two learning rates) are LoRA settings trained side by side, one process each, on the one GPU; each
+# train: CONFIGS (default below: LoRA rank 8 and 64 and full fine-tuning) are settings trained side by side, one process each, on the one GPU
+# (TUNE_OPTS: options every config gets, e.g. "--passages 10,20,20": no 5-passage prompts, twice as many of 20); each
 # first runs 20 steps to time a step, then resumes with as many steps as fit in SECONDS (the cosine schedule ends
-# there). The config with the lowest held-out KL (tuned lazy vs base full, on tune-part prompts) becomes
+# there). The LoRA config with the lowest held-out KL (tuned lazy vs base full, on tune-part prompts) becomes
 # /tmp/t/adapter. eval: quality_gpu.sh twice at once on the same questions: the base model (BASE_STRATEGIES) and
 # the tuned one (TUNED_STRATEGIES). Everything comes back in $OUT/tune_gpu.tgz and $OUT/quality_gpu.tgz.
 set -u
@@ -32,14 +33,14 @@ fi
 python3 -c "import torch, peft, transformers; print(torch.cuda.get_device_name(), 'peft', peft.__version__, 'transformers', transformers.__version__)"
 trap 'tar czf "$OUT/tune_gpu.tgz" -C "$T" --exclude=checkpoint --exclude=.checkpoint.old --exclude=teacher_answers.jsonl . 2>/dev/null || true' EXIT
 data="--data nq=.data/nq_open_oracle_2655.jsonl.gz --data hotpotqa=.data/hotpotqa_dev_500.jsonl"
-CONFIGS=${CONFIGS:-"r8_lr4e-4:--lora-rank=8:--lr=4e-4 r8_lr1.5e-3:--lora-rank=8:--lr=1.5e-3"}
+CONFIGS=${CONFIGS:-"r8_lr1.5e-3:--lora-rank=8:--lr=1.5e-3 r64_lr1e-3:--lora-rank=64:--lr=1e-3 full_2e-5:--method=full:--lr=2e-5"}
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # two trainings share the GPU; their peaks differ by step
 one() {  # name options...: 20 steps to time a step, then as many as fit in the budget
   local name=$1; shift
   local out=$T/$name opts=("$@") steps
   tune() {  # steps seconds
     timeout $(( $2 + 90 )) python3 -m lazyrag.cli tune --model "$M" --out $out $data --max-steps "$1" --time-limit "$2" \
-      --eval-every 100 --save-every 50 --prompts-per-step ${PROMPTS:-8} "${opts[@]}" >> $T/${name}_log.txt 2>&1 \
+      --eval-every 100 --save-every 50 --prompts-per-step ${PROMPTS:-8} "${opts[@]}" ${TUNE_OPTS:-} >> $T/${name}_log.txt 2>&1 \
       || echo "$name: tune exited $?"
   }
   tune 20 $(( budget - ($(date +%s) - start) - 30 ))
