@@ -45,6 +45,7 @@ from langchain_core.callbacks import (  # noqa: E402 (after the check)
 from langchain_core.documents import Document
 from langchain_core.embeddings import Embeddings
 from langchain_core.language_models import BaseChatModel, LangSmithParams
+from langchain_core.load import dumpd
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, HumanMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult, Generation, LLMResult
@@ -529,7 +530,7 @@ class LazyRAG(RunnableSerializable[RAGInput, AIMessage]):
         (tracing, UsageMetadataCallbackHandler, token counters) see an LLM run as for ChatLazyLlama."""
         llm = self.llm
         messages = [HumanMessage(content="\n\n".join([*texts, f"Question: {question}"]))]
-        return (llm._serialized, [messages]), {
+        return (dumpd(llm), [messages]), {
             "invocation_params": llm._get_invocation_params(),
             "name": llm.get_name(),
             "batch_size": 1,

@@ -14,10 +14,20 @@ require("lazyrag's structured output", "langchain_core", "pydantic")
 
 from langchain_core.exceptions import OutputParserException  # noqa: E402 (after the check)
 from langchain_core.language_models import LanguageModelInput
-from langchain_core.messages import AIMessage, BaseMessage, HumanMessage
+from langchain_core.messages import AIMessage, BaseMessage, HumanMessage, convert_to_messages
+from langchain_core.prompt_values import PromptValue
 from langchain_core.runnables import Runnable, RunnableConfig, RunnableLambda
 from langchain_core.utils.function_calling import convert_to_json_schema
 from pydantic import TypeAdapter, ValidationError
+
+
+def _as_messages(input: LanguageModelInput) -> list[BaseMessage]:
+    """A chat model's input (a prompt value, a string or messages) as its messages, as the chat model reads it."""
+    if isinstance(input, PromptValue):
+        return input.to_messages()
+    if isinstance(input, str):
+        return [HumanMessage(input)]
+    return convert_to_messages(input)
 
 
 class NoJSONObject(ValueError):
@@ -75,7 +85,7 @@ class StructuredOutput:
 
     def messages(self, input: LanguageModelInput) -> list[BaseMessage]:
         """The input's messages with the instructions after the last one (where small models heed them)."""
-        messages = list(self.llm._convert_input(input).to_messages())
+        messages = _as_messages(input)
         if messages and isinstance(messages[-1], HumanMessage):
             return [*messages[:-1], HumanMessage(f"{messages[-1].text}\n\n{self.instructions()}")]
         return [*messages, HumanMessage(self.instructions())]

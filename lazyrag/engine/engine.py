@@ -398,13 +398,14 @@ class LazyEngine:
 
     def kv_identity(self, system: str | None = None) -> KVIdentity:
         """What chunk KV computed by this engine (after ``system``'s prefix) depends on; a store must match it."""
-        prompts = self._require_prompts()
+        prompts = self.require_prompts()
         system = system or prompts.system_prompt
         return self.core.identity(self.model_name, system, prompts.prefix_ids(system), prompts.encoding_passage or "")
 
     # -- prompts --------------------------------------------------------------------------
 
-    def _require_prompts(self) -> PromptBuilder:
+    def require_prompts(self) -> PromptBuilder:
+        """The engine's prompt builder; a clear error for an engine without a tokenizer."""
         if self.prompts is None:
             raise ValueError("This engine has no tokenizer; pass token ids through a PromptLayout instead.")
         return self.prompts
@@ -412,7 +413,7 @@ class LazyEngine:
     def build_prompt(self, question: str, chunks: list[str], system: str | None = None) -> PromptLayout:
         """Token ids of each segment: shared prefix, each chunk (tokenized alone), question tail."""
         chunks = check_chunks(chunks)
-        layout = self._require_prompts().build(
+        layout = self.require_prompts().build(
             check_text(question, "question"), chunks, None if system is None else check_text(system, "system")
         )
         self._check_length(layout.num_tokens)
@@ -421,7 +422,7 @@ class LazyEngine:
 
     def render_chat(self, messages: list[dict[str, Any]]) -> str:
         """The prompt text of chat messages ({"role", "content"}) through the model's chat template."""
-        return self._require_prompts().render(messages)
+        return self.require_prompts().render(messages)
 
     def register_chunks(self, texts: Iterable[str]) -> None:
         """Make chunk texts findable inside free-form prompts (``layout_from_text``), e.g. retrieved nodes."""
@@ -459,7 +460,7 @@ class LazyEngine:
         and blank text between them is the chunks' own separator. Chunks keep their KV
         encoded after the engine's shared encoding prefix, whatever the prompt's prefix is.
         """
-        layout = self._require_prompts().split_text(check_text(text, "prompt"), self.chunk_finder.find(text))
+        layout = self.require_prompts().split_text(check_text(text, "prompt"), self.chunk_finder.find(text))
         self._check_length(layout.num_tokens)
         return layout
 
@@ -478,7 +479,7 @@ class LazyEngine:
         """Encode the chunks' KV (token ids, each after ``prefix_ids``, default the shared prefix) into the
         cache unless already there. Returns how many were new and, with ``read``, each segment's K/V
         ``[L, T, Hkv, D]`` on the CPU by content key (the prefix's included), as a store writes them."""
-        prefix_ids = self._require_prompts().prefix_ids() if prefix_ids is None else prefix_ids
+        prefix_ids = self.require_prompts().prefix_ids() if prefix_ids is None else prefix_ids
         prefix_ids, chunks = list(prefix_ids), [list(c) for c in chunks]
         with self._lock:
             return self.core.encode(prefix_ids, chunks, read)

@@ -233,6 +233,10 @@ class CacheManager:
     def __contains__(self, key: str) -> bool:
         return key in self._segments
 
+    def resident_keys(self) -> list[str]:
+        """The keys of the segments held in the pool now, oldest first."""
+        return list(self._segments)
+
     @property
     def num_pinned(self) -> int:
         """Cached segments some request in flight still holds."""

@@ -159,13 +159,13 @@ class LazyragReplica:
 
     def identity(self) -> dict:
         """What the front needs to compute this replica's chunk keys: the model fingerprint and encoding prefix."""
-        prompts = self.engine._require_prompts()
+        prompts = self.engine.require_prompts()
         return {
             "fingerprint": self.engine.fingerprint,
             "prefix_ids": prompts.prefix_ids(),
             "passage_ids": prompts.passage_ids(),
             "model_name": self.engine.model_name,
-            "held": list(self.engine.cache._segments),
+            "held": self.engine.cache.resident_keys(),
         }
 
     def kv_events(self) -> list[tuple[str, str]]:
