@@ -151,21 +151,33 @@ def assert_same_greedy_answer(got, expected, what: str) -> None:
         return
 
 
+def assert_two_ranks_answer_as_one(a: dict, b: dict) -> set[str]:
+    """A "strategies" run's results on one process (``a``) and on two ranks (``b``) agree: logits within a
+    tolerance, greedy answers up to a near-tie, the rest (the seeded sample, the fingerprint) exactly. Returns the
+    strategies whose logits were compared."""
+    assert a.keys() == b.keys()
+    strategies = set()
+    for key in a:
+        if key.endswith("/logits"):
+            scale = a[key].abs().max().item()
+            torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-4 * max(1.0, scale), msg=key)
+            strategies.add(key.split("/")[0])
+        elif key.endswith("/steps"):
+            assert_same_greedy_answer(b[key], a[key], key)
+        elif key == "batch/greedy":
+            for i, (got, want) in enumerate(zip(b[key], a[key], strict=True)):
+                assert_same_greedy_answer(got, want, f"{key}[{i}]")
+        else:
+            assert b[key] == a[key], key  # the seeded sample (same seed on every rank) and the fingerprint
+    return strategies
+
+
 def _exited(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/status").read_text()
     except FileNotFoundError:
         return True
     return "State:\tZ" in state  # a zombie has exited; its parent died before reaping it
-
-
-def _cpu_s(pid: int) -> float:
-    """CPU seconds ``pid`` used so far; 0 once it is gone."""
-    try:
-        f = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return 0.0
-    return sum(int(x) for x in f[f.rindex(")") + 2 :].split()[11:13]) / os.sysconf("SC_CLK_TCK")
 
 
 # -- in one process: the split's checks ------------------------------------------------------------
@@ -351,21 +363,7 @@ def test_two_ranks_give_one_process_logits_and_answers(tiny_folder, tmp_path):
     one, two = tmp_path / "tp1.pt", tmp_path / "tp2.pt"
     run(tiny_folder, one, 1, "strategies")
     run(tiny_folder, two, 2, "strategies")
-    a, b = torch.load(one), torch.load(two)
-    assert a.keys() == b.keys()
-    strategies = set()
-    for key in a:
-        if key.endswith("/logits"):
-            scale = a[key].abs().max().item()
-            torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-4 * max(1.0, scale), msg=key)
-            strategies.add(key.split("/")[0])
-        elif key.endswith("/steps"):
-            assert_same_greedy_answer(b[key], a[key], key)
-        elif key == "batch/greedy":
-            for i, (got, want) in enumerate(zip(b[key], a[key], strict=True)):
-                assert_same_greedy_answer(got, want, f"{key}[{i}]")
-        else:
-            assert b[key] == a[key], key  # the seeded sample (same seed on every rank) and the fingerprint
+    strategies = assert_two_ranks_answer_as_one(torch.load(one), torch.load(two))
     assert strategies == {"full", "lazy", "position_aware", "lazy+recover"}
 
 
@@ -384,18 +382,7 @@ def test_other_families_split_over_two_ranks_answer_as_one_process(family, tmp_p
     one, two = tmp_path / "tp1.pt", tmp_path / "tp2.pt"
     run(folder, one, 1, "strategies")
     run(folder, two, 2, "strategies")
-    a, b = torch.load(one), torch.load(two)
-    assert a.keys() == b.keys()
-    for key in a:
-        if key.endswith("/logits"):
-            torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-4 * max(1.0, a[key].abs().max().item()), msg=key)
-        elif key.endswith("/steps"):
-            assert_same_greedy_answer(b[key], a[key], key)
-        elif key == "batch/greedy":
-            for i, (got, want) in enumerate(zip(b[key], a[key], strict=True)):
-                assert_same_greedy_answer(got, want, f"{key}[{i}]")
-        else:
-            assert b[key] == a[key], key
+    assert_two_ranks_answer_as_one(torch.load(one), torch.load(two))
 
 
 @pytest.mark.slow
@@ -423,7 +410,7 @@ def test_idle_engine_keeps_its_workers_and_a_dead_driver_lets_them_go(tiny_folde
     r = json.loads(out.read_text())
     assert r["again"] == r["first"]
     pid = r["worker_pid"]  # no longer this test's grandchild: rank 0 is gone
-    wait_working(lambda: _exited(pid), lambda: _cpu_s(pid), "the worker, after rank 0 died")
+    wait_working(lambda: _exited(pid), lambda: tree_cpu_s(pid), "the worker, after rank 0 died")
 
 
 @pytest.mark.slow
