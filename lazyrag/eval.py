@@ -771,7 +771,7 @@ def _run_header(config: EvalConfig, dataset: str, data: str, distractors: int, m
         **({"passages": config.passages} if config.passages else {}),
         **({"store": _store_path(config.store), "k": config.k} if config.store is not None else {}),
         **({"skip_answered": sorted(p.name for p in config.skip_answered)} if config.skip_answered else {}),
-        **({"adapter_sha256": adapter_sha256(config.adapter)} if config.adapter not in (None, "none") else {}),
+        **({"adapter_sha256": adapter_sha256(engine_config.adapter)} if engine_config.adapter is not None else {}),
     }
 
 
