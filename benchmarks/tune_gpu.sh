@@ -31,7 +31,13 @@ if [ "$mode" = eval ]; then
   exit 0
 fi
 python3 -c "import torch, peft, transformers; print(torch.cuda.get_device_name(), 'peft', peft.__version__, 'transformers', transformers.__version__)"
-trap 'tar czf "$OUT/tune_gpu.tgz" -C "$T" --exclude=checkpoint --exclude=.checkpoint.old --exclude=teacher_answers.jsonl . 2>/dev/null || true' EXIT
+pack() {  # logs and the adapters that fit what a call brings back (16 MiB a file); larger weights stay on the machine
+  local big; big=$(cd "$T" && find . -name '*.safetensors' -size +14M -printf '%P ')
+  [ -z "$big" ] || echo "left on the machine (over 14 MB): $big"
+  tar czf "$OUT/tune_gpu.tgz" -C "$T" --exclude=checkpoint --exclude=.checkpoint.old --exclude=teacher_answers.jsonl \
+    $(for f in $big; do printf -- '--exclude=./%s ' "$f"; done) . 2>/dev/null || true
+}
+trap pack EXIT
 data="--data nq=.data/nq_open_oracle_2655.jsonl.gz --data hotpotqa=.data/hotpotqa_dev_500.jsonl"
 CONFIGS=${CONFIGS:-"r8_lr1.5e-3:--lora-rank=8:--lr=1.5e-3 r64_lr1e-3:--lora-rank=64:--lr=1e-3 full_2e-5:--method=full:--lr=2e-5"}
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True  # two trainings share the GPU; their peaks differ by step

@@ -298,8 +298,7 @@ class Tuner:
         if self.config.method == "lora":
             student.save_pretrained(folder)
         else:
-            student.save_pretrained(folder, safe_serialization=True)
-            self.tokenizer.save_pretrained(folder)
+            save_full_model(student, self.tokenizer, folder)
 
     def checkpoint(self, student, optimizer, scheduler, step: int, history: list) -> None:
         """The run's state, written beside the last one and swapped in by renames: a kill leaves one whole."""
@@ -467,6 +466,30 @@ class Tuner:
     def _log(self, row: dict) -> None:
         with open(self.out / "log.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
+
+
+def save_full_model(model, tokenizer, folder: Path) -> None:
+    """A fully tuned model as a plain safetensors folder (config, weights, tokenizer) that ``--model`` loads.
+
+    A GGUF checkpoint is dequantized when transformers loads it, so the trained weights are ordinary tensors; but
+    the model keeps its GGUF quantizer, and ``save_pretrained`` refuses any model so marked. The marker is lifted
+    for the save alone."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
+    dequantized = quantizer is not None and str(getattr(method, "value", method)) == "gguf"
+    quant_config = getattr(model.config, "quantization_config", None) if dequantized else None
+    if dequantized:
+        model.hf_quantizer = None
+        if quant_config is not None:
+            del model.config.quantization_config
+    try:
+        model.save_pretrained(folder, safe_serialization=True)
+    finally:
+        if dequantized:
+            model.hf_quantizer = quantizer
+            if quant_config is not None:
+                model.config.quantization_config = quant_config
+    tokenizer.save_pretrained(folder)
 
 
 def _lr_schedule(c: TuneConfig) -> Callable[[int], float]:
