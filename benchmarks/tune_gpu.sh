@@ -6,6 +6,8 @@
 # then, next call on the still-warm machine (carry .whl .data):
 #   bash benchmarks/tune_gpu.sh eval SECONDS "SETS"      # SETS as quality_gpu.sh's NAME:SPLIT:N:WORKERS:PASSAGES
 #   (ADAPTER_DIR=FOLDER: evaluate that adapter instead of this machine's last training, e.g. the embedded one)
+# weights over 14 MB stay on the machine (a call brings back 16 MiB a file); fetch them in a next call with
+#   python3 benchmarks/device_weights.py pack /tmp/t/NAME $OUT [--call K]
 # train: CONFIGS (default below: LoRA rank 8 and 64 and full fine-tuning) are settings trained side by side, one process each, on the one GPU
 # (TUNE_OPTS: options every config gets, e.g. "--passages 10,20,20": no 5-passage prompts, twice as many of 20); each
 # first runs 20 steps to time a step, then resumes with as many steps as fit in SECONDS (the cosine schedule ends
@@ -33,7 +35,7 @@ fi
 python3 -c "import torch, peft, transformers; print(torch.cuda.get_device_name(), 'peft', peft.__version__, 'transformers', transformers.__version__)"
 pack() {  # logs and the adapters that fit what a call brings back (16 MiB a file); larger weights stay on the machine
   local big; big=$(cd "$T" && find . -name '*.safetensors' -size +14M -printf '%P ')
-  [ -z "$big" ] || echo "left on the machine (over 14 MB): $big"
+  [ -z "$big" ] || echo "left on the machine (over 14 MB; benchmarks/device_weights.py brings them): $big"
   tar czf "$OUT/tune_gpu.tgz" -C "$T" --exclude=checkpoint --exclude=.checkpoint.old --exclude=teacher_answers.jsonl \
     $(for f in $big; do printf -- '--exclude=./%s ' "$f"; done) . 2>/dev/null || true
 }
