@@ -8,7 +8,8 @@
 # SETS, space-separated: "nq" and "hotpotqa" are the whole sets as issue 14 ran them (NQ_WORKERS, HP_WORKERS);
 # NAME:SPLIT:N[:WORKERS[:PASSAGES]] is N questions of one split (tune or report) of any set lazyrag eval knows, e.g.
 # "nq:tune:240:4 squad:report:120:2:20" (nq and hotpotqa read .data, the others benchmarks/data; HotpotQA shuffled;
-# PASSAGES: eval --passages). ADAPTER=FOLDER: every eval of the call with that adapter (tags end in _tuned).
+# PASSAGES: eval --passages). ADAPTER=FOLDER: every eval of the call with that adapter (tags end in _tuned);
+# MODEL_DIR=FOLDER: with that model instead of the embedded GGUF, e.g. a `lazyrag tune --method full` output (same tags).
 # Here, beforehand: `bash benchmarks/device_model.sh cut 32500K` (.model/0..2: the working tree is ~30 MB of the 64 MiB a call, the last part travels with .data and .whl); .whl/ the gguf wheel
 # (device README); .data/ a copy of ../shared/data (hotpotqa_dev_500.jsonl may travel gzip'd), and in
 # .data/partial/ the *.partial.jsonl of an earlier machine, if the runs are to go on from there; or SKIP_FROM=DIR
@@ -23,7 +24,8 @@
 set -euo pipefail
 budget=${1:?seconds}; strategies=${2:?strategies}; sets=${3:-"nq hotpotqa"}
 start=$(date +%s)
-M=$(bash benchmarks/device_model.sh join)
+M=${MODEL_DIR:-$(bash benchmarks/device_model.sh join)}
+tuned=${ADAPTER:+_tuned}; tuned=${tuned:-${MODEL_DIR:+_tuned}}  # the tag's suffix
 [ -f .data/hotpotqa_dev_500.jsonl ] || gunzip -k .data/hotpotqa_dev_500.jsonl.gz
 if [ -z "${INSTALLED:-}" ]; then  # INSTALLED=1: a caller that runs several of these at once installed already
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -57,7 +59,7 @@ trap 'tar czf "$OUT/quality_gpu.tgz" -C "$Q" . 2>/dev/null || true' EXIT
 # One question first, in one process: it converts the GGUF into the model cache and fills Triton's kernel cache,
 # which the workers then read. Twelve workers starting cold each converted and compiled for themselves, and their
 # first batch took 3-5 minutes of a 450 s call (benchmarks/NOTES.md, ninth session).
-W=$Q/warm-up${ADAPTER:+_tuned}; mkdir -p "$W"
+W=$Q/warm-up$tuned; mkdir -p "$W"
 timeout 240 python3 -m lazyrag.cli eval --dataset squad --split report --n 1 --strategies "$strategies" --device cuda \
   --dtype float32 --eager --max-new-tokens 2 --model "$M" --out "$W/quality.json" ${ADAPTER:+--adapter "$ADAPTER"} \
   > "$W/log.txt" 2>&1 || echo "warm-up exited $? (the workers start cold)"
@@ -87,7 +89,7 @@ for d in $sets; do
     hotpotqa) run hotpotqa "${HP_WORKERS:-2}" 16 --dataset hotpotqa --n 500 $(data_of hotpotqa) & tags+=(hotpotqa) ;;
     *:*:*)
       IFS=: read -r name split n workers passages <<< "$d"
-      tag="${name}_${split}${passages:+_p$passages}${ADAPTER:+_tuned}"
+      tag="${name}_${split}${passages:+_p$passages}$tuned"
       run "$tag" "${workers:-2}" "${SPLIT_BATCH:-12}" --dataset "$name" --split "$split" --n "$n" $(data_of "$name") \
         $(skip_of "$name" "$split") ${passages:+--passages "$passages"} ${ADAPTER:+--adapter "$ADAPTER"} &
       tags+=("$tag") ;;

@@ -5,7 +5,8 @@
 #   bash benchmarks/device_model.sh stage && bash benchmarks/tune_gpu.sh train SECONDS
 # then, next call on the still-warm machine (carry .whl .data):
 #   bash benchmarks/tune_gpu.sh eval SECONDS "SETS"      # SETS as quality_gpu.sh's NAME:SPLIT:N:WORKERS:PASSAGES
-#   (ADAPTER_DIR=FOLDER: evaluate that adapter instead of this machine's last training, e.g. the embedded one)
+#   (ADAPTER_DIR=FOLDER: evaluate that adapter instead of this machine's last training, e.g. the embedded one;
+#    TUNED_MODEL=FOLDER: a fully tuned model instead of an adapter, e.g. /tmp/t/full_2e-5)
 # weights over 14 MB stay on the machine (a call brings back 16 MiB a file); fetch them in a next call with
 #   python3 benchmarks/device_weights.py pack /tmp/t/NAME $OUT [--call K]
 # train: CONFIGS (default below: LoRA rank 8 and 64 and full fine-tuning) are settings trained side by side, one process each, on the one GPU
@@ -27,7 +28,11 @@ if [ "$mode" = eval ]; then
   sets=${3:?sets}
   export INSTALLED=1 EVALS_AT_ONCE=2  # the base and the tuned model's evals share the GPU
   bash benchmarks/quality_gpu.sh "$budget" "${BASE_STRATEGIES:-full,lazy,lazy+recover}" "$sets" > $T/eval_base.txt 2>&1 &
-  ADAPTER=${ADAPTER_DIR:-$T/adapter} bash benchmarks/quality_gpu.sh "$budget" "${TUNED_STRATEGIES:-full,lazy,lazy+recover}" "$sets" > $T/eval_tuned.txt 2>&1 &
+  if [ -n "${TUNED_MODEL:-}" ]; then  # a fully tuned model's folder, e.g. $T/full_2e-5
+    MODEL_DIR=$TUNED_MODEL bash benchmarks/quality_gpu.sh "$budget" "${TUNED_STRATEGIES:-full,lazy,lazy+recover}" "$sets" > $T/eval_tuned.txt 2>&1 &
+  else
+    ADAPTER=${ADAPTER_DIR:-$T/adapter} bash benchmarks/quality_gpu.sh "$budget" "${TUNED_STRATEGIES:-full,lazy,lazy+recover}" "$sets" > $T/eval_tuned.txt 2>&1 &
+  fi
   wait
   grep -h "accuracy\|^ *full\|^ *lazy\|exited" $T/eval_base.txt $T/eval_tuned.txt | head -80
   exit 0
