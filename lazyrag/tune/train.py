@@ -239,9 +239,7 @@ class Tuner:
         c = self.config
         torch.manual_seed(c.seed)  # the adapter's initial weights: a rerun with the seed starts where this one did
         if c.method == "full":
-            import copy
-
-            student = copy.deepcopy(self.base).to(self.device).train()
+            student = trainable_copy(self.base).to(self.device).train()
             self.teacher = self.base.to(self.device).eval().requires_grad_(False)
             return student
         from peft import LoraConfig, get_peft_model
@@ -298,7 +296,8 @@ class Tuner:
         if self.config.method == "lora":
             student.save_pretrained(folder)
         else:
-            save_full_model(student, self.tokenizer, folder)
+            student.save_pretrained(folder, safe_serialization=True)
+            self.tokenizer.save_pretrained(folder)
 
     def checkpoint(self, student, optimizer, scheduler, step: int, history: list) -> None:
         """The run's state, written beside the last one and swapped in by renames: a kill leaves one whole."""
@@ -468,28 +467,20 @@ class Tuner:
             f.write(json.dumps(row) + "\n")
 
 
-def save_full_model(model, tokenizer, folder: Path) -> None:
-    """A fully tuned model as a plain safetensors folder (config, weights, tokenizer) that ``--model`` loads.
+def trainable_copy(model):
+    """A copy of ``model`` for full fine-tuning, which ``save_pretrained`` writes as a plain safetensors folder.
 
-    A GGUF checkpoint is dequantized when transformers loads it, so the trained weights are ordinary tensors; but
-    the model keeps its GGUF quantizer, and ``save_pretrained`` refuses any model so marked. The marker is lifted
-    for the save alone."""
-    quantizer = getattr(model, "hf_quantizer", None)
-    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
-    dequantized = quantizer is not None and str(getattr(method, "value", method)) == "gguf"
-    quant_config = getattr(model.config, "quantization_config", None) if dequantized else None
-    if dequantized:
-        model.hf_quantizer = None
-        if quant_config is not None:
-            del model.config.quantization_config
-    try:
-        model.save_pretrained(folder, safe_serialization=True)
-    finally:
-        if dequantized:
-            model.hf_quantizer = quantizer
-            if quant_config is not None:
-                model.config.quantization_config = quant_config
-    tokenizer.save_pretrained(folder)
+    A GGUF checkpoint is dequantized when transformers loads it, so its weights are ordinary tensors; but the model
+    stays marked with its GGUF quantizer, and ``save_pretrained`` refuses any model so marked. The copy drops the
+    marker (the original keeps it)."""
+    import copy
+
+    student = copy.deepcopy(model)
+    method = getattr(getattr(getattr(student, "hf_quantizer", None), "quantization_config", None), "quant_method", None)
+    if str(getattr(method, "value", method)) == "gguf":
+        student.hf_quantizer = None
+        student.config.__dict__.pop("quantization_config", None)
+    return student
 
 
 def _lr_schedule(c: TuneConfig) -> Callable[[int], float]:

@@ -220,11 +220,12 @@ def test_the_embedded_adapter_is_tuned_from_the_embedded_model_and_merges(defaul
 def test_a_fully_tuned_gguf_model_saves_as_a_folder_that_loads_with_its_logits(default_hf, default_engine, tmp_path):
     # the GGUF is dequantized on load, but transformers keeps it marked quantized and refuses to save it: a full
     # fine-tuning of the embedded model ran its steps and then lost them at the save
-    from lazyrag.tune.train import save_full_model
+    from lazyrag.tune.train import trainable_copy
 
     hf, tokenizer = default_hf
-    save_full_model(hf, tokenizer, tmp_path / "full")
-    assert hf.hf_quantizer is not None, "the model in memory keeps its marker"
+    trainable_copy(hf).save_pretrained(tmp_path / "full", safe_serialization=True)
+    tokenizer.save_pretrained(tmp_path / "full")
+    assert hf.hf_quantizer is not None, "the original keeps its marker"
     assert "quantization_config" not in json.loads((tmp_path / "full" / "config.json").read_text())
     saved = LazyEngine.from_pretrained(str(tmp_path / "full"), device="cpu", kv_budget=64 << 20)
     layout = saved.build_prompt("Where does the Orinoco flow?", CHUNKS[:2])
