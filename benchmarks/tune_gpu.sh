@@ -28,11 +28,9 @@ if [ "$mode" = eval ]; then
   sets=${3:?sets}
   export INSTALLED=1 EVALS_AT_ONCE=2  # the base and the tuned model's evals share the GPU
   bash benchmarks/quality_gpu.sh "$budget" "${BASE_STRATEGIES:-full,lazy,lazy+recover}" "$sets" > $T/eval_base.txt 2>&1 &
-  if [ -n "${TUNED_MODEL:-}" ]; then  # a fully tuned model's folder, e.g. $T/full_2e-5
-    MODEL_DIR=$TUNED_MODEL bash benchmarks/quality_gpu.sh "$budget" "${TUNED_STRATEGIES:-full,lazy,lazy+recover}" "$sets" > $T/eval_tuned.txt 2>&1 &
-  else
-    ADAPTER=${ADAPTER_DIR:-$T/adapter} bash benchmarks/quality_gpu.sh "$budget" "${TUNED_STRATEGIES:-full,lazy,lazy+recover}" "$sets" > $T/eval_tuned.txt 2>&1 &
-  fi
+  tuned=(ADAPTER="${ADAPTER_DIR:-$T/adapter}")
+  [ -z "${TUNED_MODEL:-}" ] || tuned=(MODEL_DIR="$TUNED_MODEL")  # a fully tuned model's folder, e.g. $T/full_2e-5
+  env "${tuned[@]}" bash benchmarks/quality_gpu.sh "$budget" "${TUNED_STRATEGIES:-full,lazy,lazy+recover}" "$sets" > $T/eval_tuned.txt 2>&1 &
   wait
   grep -h "accuracy\|^ *full\|^ *lazy\|exited" $T/eval_base.txt $T/eval_tuned.txt | head -80
   exit 0
