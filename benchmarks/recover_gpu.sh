@@ -4,7 +4,9 @@
 # for this tree and OLD_TREE, then benchmarks/tune_step_gpu.py on a random-weight SmolLM2 (carry .snap/smol and .data).
 #   bash benchmarks/recover_gpu.sh OLD_TREE        (OLD_TREE: `git archive <commit> lazyrag setup.py pyproject.toml
 #                                                   benchmarks | tar -x -C .snap/old`, plus `kernels` for a commit
-#                                                   from before lazyrag/kernels/, carried; SKIP_TUNE=1: no tune step)
+#                                                   from before lazyrag/kernels/, carried; SKIP_TUNE=1: no tune step;
+#                                                   SIDES="new old old new": the trees' runs in that order, more
+#                                                   pairs against drift; RECOVER_ARGS: e.g. "--docs 5 --reps 30")
 # Writes recover_<card>_{new,old}.json, tune_step_gpu.json and logs to $OUT (or benchmarks/results).
 set -u
 old=${1:?old tree}
@@ -17,13 +19,16 @@ card=$(python3 -c "import torch; print('h200' if 'H200' in torch.cuda.get_device
 install "$new"
 timeout 120 python3 -m pytest -q -m gpu tests/kernels/test_recompute.py 2>&1 | tail -3
 cp benchmarks/recover_gpu.py "$old/benchmarks/"
-for side in new old; do
+declare -A runs=()
+for side in ${SIDES:-new old}; do
   tree=$new; [ "$side" = old ] && tree=$old
+  runs[$side]=$(( ${runs[$side]:-0} + 1 )); tag=$side; [ "${runs[$side]}" = 1 ] || tag=${side}_r${runs[$side]}
   install "$tree"
-  sweep=; [ "$side" = new ] && sweep=--sweep  # the kernels alone under each launch (this tree's options)
+  sweep=; [ "$tag" = new ] && [ -z "${NO_SWEEP:-}" ] && sweep=--sweep  # the kernels alone under each launch
   (cd "$tree" && timeout ${RECOVER_S:-200} python3 benchmarks/recover_gpu.py --label $side ${PROFILE:---profile} $sweep \
-      --out "$OUT/recover_${card}_$side.json") > "$OUT/recover_${card}_${side}_log.txt" 2>&1 || echo "recover $side exited $?"
-  grep -v "Warning\|warn" "$OUT/recover_${card}_${side}_log.txt" | grep "tokens:\|profile\|gpu \|host \|  attention\|  gather" | head -80
+      ${RECOVER_ARGS:-} --out "$OUT/recover_${card}_$tag.json") > "$OUT/recover_${card}_${tag}_log.txt" 2>&1 \
+    || echo "recover $tag exited $?"
+  grep -v "Warning\|warn" "$OUT/recover_${card}_${tag}_log.txt" | grep "tokens:\|profile\|gpu \|host \|  attention\|  gather" | head -80
 done
 install "$new"
 [ -n "${SKIP_TUNE:-}" ] || { [ -f .data/hotpotqa_dev_500.jsonl ] || gunzip -k .data/hotpotqa_dev_500.jsonl.gz
