@@ -20,9 +20,11 @@ mode=${1:?train or eval}; budget=${2:?seconds}
 start=$(date +%s)
 M=${MODEL:-$(bash benchmarks/device_model.sh join)} || exit 1  # MODEL: another checkpoint
 [ -f .data/hotpotqa_dev_500.jsonl ] || gunzip -k .data/hotpotqa_dev_500.jsonl.gz
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+if [ -z "${INSTALLED:-}" ]; then  # INSTALLED=1: the caller installed, e.g. to run quality_gpu.sh beside the training
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || { echo "install failed"; exit 3; }
+fi
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 LAZYRAG_KERNEL_AUTOTUNE=0
-python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || { echo "install failed"; exit 3; }
 T=/tmp/t; mkdir -p $T
 if [ "$mode" = eval ]; then
   sets=${3:?sets}
