@@ -209,27 +209,29 @@ class LazyEngine:
     @classmethod
     def _load(cls, cfg: EngineConfig) -> "LazyEngine":
         source, dtype = resolve_model_source(cfg.model), config_dtype(cfg)
+        cached = source.gguf_file is not None and cfg.model_cache
+        name = source.name
         if cfg.adapter is not None:
-            if cfg.tensor_parallel_size > 1:
-                raise ValueError(
-                    "An adapter is merged into the whole model at load, which tensor parallelism does not "
-                    "hold in one process: merge it into a model folder first (peft's merge_and_unload, then "
-                    "save_pretrained) and pass that folder as the model."
-                )
             from lazyrag.tune.adapter import adapter_folder, apply_adapter
 
-            hf_model, tokenizer = load_checkpoint(source, torch.float32)  # merged in float32, then cast once
-            hf_model = apply_adapter(hf_model, cfg.adapter)
-            return cls.from_hf(
-                hf_model, tokenizer, model_name=f"{source.name}+{adapter_folder(cfg.adapter).name}", config=cfg
-            )
-        cached = source.gguf_file is not None and cfg.model_cache
+            name = f"{source.name}+{adapter_folder(cfg.adapter).name}"
+            if not cached:  # merged here, in this process: the converted-model cache merges it once for every load
+                if cfg.tensor_parallel_size > 1:
+                    raise ValueError(
+                        "An adapter is merged into the whole model at load, which tensor parallelism does not "
+                        "hold in one process: merge it into a model folder first (peft's merge_and_unload, then "
+                        "save_pretrained) and pass that folder as the model, or load a GGUF with the model "
+                        "cache on (it caches the merged model, which every rank then reads its shard of)."
+                    )
+                hf_model, tokenizer = load_checkpoint(source, torch.float32)  # merged in float32, then cast once
+                hf_model = apply_adapter(hf_model, cfg.adapter)
+                return cls.from_hf(hf_model, tokenizer, model_name=name, config=cfg)
         if cfg.tensor_parallel_size == 1:
             if cached:
-                config, tokenizer, state, fp = checkpoint_cache.load(source, dtype)
-                return cls._assemble(config, tokenizer, state, fp, source.name, cfg)
+                config, tokenizer, state, fp = checkpoint_cache.load(source, dtype, adapter=cfg.adapter)
+                return cls._assemble(config, tokenizer, state, fp, name, cfg)
             hf_model, tokenizer = load_checkpoint(source, dtype)
-            return cls.from_hf(hf_model, tokenizer, model_name=source.name, config=cfg)
+            return cls.from_hf(hf_model, tokenizer, model_name=name, config=cfg)
         config = load_config(source)
         args = LlamaArgs.from_hf(config)
         tp, workers = _join_group(args, cfg, (cls._load, (cfg,), {}))  # every rank joins, then all load their shards
@@ -237,7 +239,7 @@ class LazyEngine:
         try:
             keep = lambda name, t: shard_tensor(name, t, args, tp)  # noqa: E731
             if cached:
-                _, tokenizer, state, fp = checkpoint_cache.load(source, dtype, keep)
+                _, tokenizer, state, fp = checkpoint_cache.load(source, dtype, keep, adapter=cfg.adapter)
             else:
                 tokenizer, state, fp = load_sharded(source, config, dtype, keep)
         except BaseException:
@@ -245,7 +247,7 @@ class LazyEngine:
 
             tensor_parallel.abandon_start(workers)
             raise
-        return cls._assemble(config, tokenizer, state, fp, source.name, cfg, tp, workers)
+        return cls._assemble(config, tokenizer, state, fp, name, cfg, tp, workers)
 
     @classmethod
     def from_hf(

@@ -75,32 +75,47 @@ def models_dir() -> Path:
     return cache_root() / "models"
 
 
-def cache_folder(source: ModelSource, dtype: torch.dtype) -> Path:
-    """Where ``source`` (a GGUF) converted for ``dtype`` is cached (whether or not it is there yet)."""
-    return _folder(_identity(source, dtype))
+def cache_folder(source: ModelSource, dtype: torch.dtype, adapter: str | Path | None = None) -> Path:
+    """Where ``source`` (a GGUF), with ``adapter`` merged if given, converted for ``dtype`` is cached (whether or
+    not it is there yet)."""
+    return _folder(_identity(source, dtype, adapter))
 
 
 def _folder(identity: dict) -> Path:
     key = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
-    return models_dir() / f"{Path(identity['gguf_file']).stem}-{identity['dtype']}-{key}"
+    merged = "-tuned" if "adapter_sha256" in identity else ""
+    return models_dir() / f"{Path(identity['gguf_file']).stem}{merged}-{identity['dtype']}-{key}"
 
 
-def load(source: ModelSource, dtype: torch.dtype, keep: Callable[[str, torch.Tensor], torch.Tensor] | None = None):
+def load(
+    source: ModelSource,
+    dtype: torch.dtype,
+    keep: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+    adapter: str | Path | None = None,
+):
     """(config, tokenizer, state dict, fingerprint) of a GGUF checkpoint: from the cache, or converted by transformers
     and cached for the next load. ``keep(name, tensor)``: the part of each tensor to hold (tensor parallelism);
-    the fingerprint is always the whole model's."""
-    identity = _identity(source, dtype)
+    the fingerprint is always the whole model's. ``adapter``: a ``lazyrag tune`` LoRA (a folder, or "embedded"),
+    merged in float32 at the conversion; the merged model is what is cached, under the adapter's content digest."""
+    identity = _identity(source, dtype, adapter)
     folder = _folder(identity)
     found = _open(folder, identity, dtype, keep)
     if found is not None:
         return found
     log.warning(
-        "converting %s once into the model cache at %s (later loads read it in about a second; "
+        "converting %s%s once into the model cache at %s (later loads read it in about a second; "
         "LAZYRAG_MODEL_CACHE=0 turns the cache off)",
         source.name,
+        "" if adapter is None else " with its adapter merged",
         folder,
     )
-    hf, tokenizer = load_checkpoint(source, dtype)
+    if adapter is None:
+        hf, tokenizer = load_checkpoint(source, dtype)
+    else:
+        from lazyrag.tune.adapter import apply_adapter
+
+        hf, tokenizer = load_checkpoint(source, torch.float32)  # merged in float32, then cast once
+        hf = apply_adapter(hf, adapter)
     state = {k: v.detach().to(dtype) for k, v in hf.state_dict().items()}
     config, fp = hf.config, fingerprint(hf.config, state, dtype)  # as ``LazyEngine.from_hf`` hashes the model
     del hf
@@ -119,11 +134,11 @@ def load(source: ModelSource, dtype: torch.dtype, keep: Callable[[str, torch.Ten
     return config, tokenizer, {k: v if keep is None else keep(k, v) for k, v in state.items()}, fp
 
 
-def _identity(source: ModelSource, dtype: torch.dtype) -> dict:
+def _identity(source: ModelSource, dtype: torch.dtype, adapter: str | Path | None = None) -> dict:
     """What a converted folder depends on: it is valid only where all of these are equal."""
     assert source.gguf_file is not None  # a GGUF source
     path = source.folder / source.gguf_file
-    return {
+    identity = {
         "format": FORMAT,
         "gguf_file": source.gguf_file,
         "gguf_sha256": gguf_sha256(path),
@@ -131,6 +146,14 @@ def _identity(source: ModelSource, dtype: torch.dtype) -> dict:
         "transformers": importlib.metadata.version("transformers"),
         "dtype": str(dtype).replace("torch.", ""),
     }
+    if adapter is not None:  # the base model's folder keeps the key it had before adapters were cached
+        from lazyrag.extras import require
+        from lazyrag.tune.adapter import adapter_sha256
+
+        require("Loading an adapter", "peft")
+        identity["adapter_sha256"] = adapter_sha256(adapter)
+        identity["peft"] = importlib.metadata.version("peft")
+    return identity
 
 
 # -- the GGUF's digest -------------------------------------------------------------------------

@@ -29,7 +29,7 @@ def adapter_folder(adapter: str | Path) -> Path:
 def adapter_sha256(adapter: str | Path) -> str:
     """The content digest of an adapter folder (its config and weights, not where it lies): what an eval's
     checkpoint records, so that a resume under another adapter, or none, is refused."""
-    folder = adapter_folder(adapter)
+    folder = checked_adapter_folder(adapter)
     digest = hashlib.sha256()
     for f in sorted(folder.glob("adapter_*")):
         digest.update(f.name.encode() + b"\0" + f.read_bytes())
@@ -54,10 +54,9 @@ def read_record(path: str | Path) -> dict:
     return json.loads(f.read_text()) if f.is_file() else {}
 
 
-def apply_adapter(hf_model, path: str | Path):
-    """``hf_model`` with the LoRA adapter in ``path`` (or ``"embedded"``) merged into its weights (a plain
-    transformers model again)."""
-    path = adapter_folder(path)
+def checked_adapter_folder(adapter: str | Path) -> Path:
+    """The folder of ``adapter``, refused with what to do if it holds no LoRA adapter."""
+    path = adapter_folder(adapter)
     if not (path / "adapter_config.json").is_file():
         hint = (
             " It holds a whole model: pass it as the model instead (--model / from_pretrained(path))."
@@ -67,6 +66,13 @@ def apply_adapter(hf_model, path: str | Path):
         raise ValueError(
             f"{path} is not a LoRA adapter (no adapter_config.json); make one with `lazyrag tune --out {path}`.{hint}"
         )
+    return path
+
+
+def apply_adapter(hf_model, adapter: str | Path):
+    """``hf_model`` with the LoRA adapter in ``adapter`` (a folder, or ``"embedded"``) merged into its weights (a
+    plain transformers model again)."""
+    path = checked_adapter_folder(adapter)
     require("Loading an adapter", "peft")
     from peft import PeftModel
 

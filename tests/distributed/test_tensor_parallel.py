@@ -368,6 +368,24 @@ def test_two_ranks_give_one_process_logits_and_answers(tiny_folder, tmp_path):
 
 
 @pytest.mark.slow
+def test_ranks_load_the_embedded_model_with_its_adapter_from_the_cache(tmp_path, monkeypatch):
+    """An adapter is merged once, when the converted-model cache is filled; each rank then reads its shard of the
+    merged weights: the same model, fingerprint and lazy logits as one process."""
+    monkeypatch.setenv("LAZYRAG_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("LAZYRAG_MODEL_CACHE", raising=False)
+    one, two = tmp_path / "tp1.pt", tmp_path / "tp3.pt"
+    run("embedded", one, 1, "tuned")  # converts and merges, then fills the cache
+    run("embedded", two, 3, "tuned")  # the model's 3 KV heads split over 3 ranks
+    a, b = torch.load(one), torch.load(two)
+    assert (
+        a["fingerprint"] == b["fingerprint"]
+        and a["name"] == b["name"]
+        and a["name"].endswith("+smollm2-135m-instruct-lazy")
+    )
+    torch.testing.assert_close(b["logits"], a["logits"], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_other_families_split_over_two_ranks_answer_as_one_process(family, tmp_path):
     """Qwen2's q/k/v biases sliced with their heads, Qwen3's q/k norms replicated: TP=2 matches TP=1."""

@@ -6,7 +6,8 @@ the two likeliest tokens' logprobs, so the test can tell a near-tie that another
 way), then a batch of requests at once; saved with torch.save to OUT. MODE ``kill``: with TP > 1, answer once,
 SIGKILL worker rank 1, answer again; OUT gets the error, how long it took, and whether the worker is gone. MODE
 ``idle``: a short collective timeout, idle for longer than it, then answer (the driver's pings keep the workers
-waiting); then write the worker's pid and die without a word (the worker must exit by itself).
+waiting); then write the worker's pid and die without a word (the worker must exit by itself). MODE ``tuned``:
+MODEL ``embedded`` with the shipped adapter, from the converted-model cache: lazy's logits and the fingerprint.
 """
 
 import json
@@ -39,10 +40,19 @@ def main(model: str, out: str, tp: int, mode: str) -> None:
     from lazyrag.engine import LazyEngine, SamplingParams
 
     timeout = 3.0 if mode == "idle" else NO_TIMEOUT_S  # idle tests the collective timeout itself
-    engine = LazyEngine.from_pretrained(
-        model, device="cpu", kv_budget=8 << 20, tensor_parallel_size=tp, tensor_parallel_timeout_s=timeout
+    # the embedded model's KV takes 8x the tiny models' a token
+    tuned = (
+        dict(model=None, adapter="embedded", kv_budget=64 << 20)
+        if mode == "tuned"
+        else dict(model=model, kv_budget=8 << 20)
     )
-    if mode == "strategies":
+    engine = LazyEngine.from_pretrained(
+        **tuned, device="cpu", tensor_parallel_size=tp, tensor_parallel_timeout_s=timeout
+    )
+    if mode == "tuned":
+        logits = engine.next_token_logits(QUESTION, CHUNKS, strategy="lazy")
+        torch.save({"logits": logits, "fingerprint": engine.fingerprint, "name": engine.model_name}, out)
+    elif mode == "strategies":
         res = {}
         for order in (CHUNKS, CHUNKS[::-1]):  # the second order reuses the chunks' KV at new positions
             for s in STRATEGIES:

@@ -239,3 +239,31 @@ def test_warm_up_refuses_an_engine_in_use(tiny_hf, default_hf):
     with pytest.raises(ValueError, match="new engine"):
         engine.warm_up()
     assert _state(engine) == before
+
+
+def test_a_tuned_load_caches_the_merged_model_apart_from_the_base(tmp_path, monkeypatch, default_hf):
+    # an adapter is merged once, at the conversion: the next load of the tuned model reads no GGUF and merges nothing,
+    # and it is the same model as a merge in the loading process (cache off), fingerprint and logits
+    import copy
+
+    monkeypatch.setenv("LAZYRAG_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("LAZYRAG_MODEL_CACHE", raising=False)
+    fresh = lambda source, dtype: (copy.deepcopy(default_hf[0]), default_hf[1])  # noqa: E731 - merging edits it
+    monkeypatch.setattr(checkpoint_cache, "load_checkpoint", fresh)
+    monkeypatch.setattr("lazyrag.engine.engine.load_checkpoint", fresh)
+    merged_here = LazyEngine.from_pretrained(adapter="embedded", model_cache=False, **KW)
+    assert not (tmp_path / "cache").exists()
+
+    first = LazyEngine.from_pretrained(adapter="embedded", **KW)
+    tuned_folder = cache_folder(loader.default_model_source(), torch.float32, "embedded")
+    assert tuned_folder != _folder() and (tuned_folder / MANIFEST).is_file() and not _folder().exists()
+    assert json.loads((tuned_folder / MANIFEST).read_text())["adapter_sha256"]
+    _no_gguf_reads(monkeypatch)
+    monkeypatch.setattr("lazyrag.tune.adapter.apply_adapter", lambda *a: pytest.fail("merged again"))
+    second = LazyEngine.from_pretrained(adapter="embedded", **KW)
+    assert second.fingerprint == first.fingerprint == merged_here.fingerprint
+    assert second.model_name == merged_here.model_name == f"{loader.DEFAULT_MODEL_FILE}+smollm2-135m-instruct-lazy"
+    layout = second.build_prompt("Who discovered penicillin?", ["Alexander Fleming discovered penicillin in 1928."])
+    torch.testing.assert_close(second.layout_logits(layout, "lazy"), merged_here.layout_logits(layout, "lazy"))
+    with pytest.raises(ValueError, match="not a LoRA adapter"):  # a cache miss still checks what it merges
+        LazyEngine.from_pretrained(adapter=str(tmp_path / "cache"), **KW)
