@@ -151,7 +151,7 @@ def main() -> int:
     adopt: dict = {}
     from lazyrag.kernels import gemv as G
 
-    known = G._tuned(torch.device("cuda"))[0]
+    known = G.tuned_shapes(torch.device("cuda"))
     for shape in args.shapes.split(","):
         config = SHAPES[shape][0](1)
         bias = bool(getattr(config, "model_type", "") == "qwen2")  # q/k/v bias on the qkv projection only

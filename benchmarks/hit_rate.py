@@ -140,7 +140,7 @@ def run_one(
             hit_tokens += min(max(0, plan.tokens_context - len(layout.prefix_ids)), n_chunk_tokens)
         else:
             hit_tokens += plan.chunks_hit * wl.doc_tokens
-    assert pool.num_free + cache._cached_blocks == pool.num_blocks, "leaked blocks"
+    assert pool.num_free + cache.cached_blocks == pool.num_blocks, "leaked blocks"
     return {
         "strategy": strategy,
         "policy": policy + ("+admit" if admission else ""),

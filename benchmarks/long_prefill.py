@@ -25,12 +25,11 @@ def one(engine, layout, piece: int) -> list[float]:
     sched = engine.scheduler
     sched.config = replace(sched.config, long_prefill_tokens=piece)
     steps = []
-    with engine._lock:
-        req = engine.add_request(layout, SamplingParams(max_new_tokens=1, strategy="full"))
-        while sched.has_work():
-            t = time.perf_counter()
-            sched.step()
-            steps.append(time.perf_counter() - t)
+    req = engine.add_request(layout, SamplingParams(max_new_tokens=1, strategy="full"))
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        engine.step()
+        steps.append(time.perf_counter() - t)
     assert req.done and req.error is None, req.error
     return steps
 

@@ -87,7 +87,7 @@ def full_greedy(e: LazyEngine, layout, n: int):
     try:
         seq = SeqState(context=[], blocks=blocks, next_pos=0)
         logits = runner.prefill([seq], [ids])
-        answer, logps, end = [], [], e._end_tokens()
+        answer, logps, end = [], [], e.scheduler.end_tokens
         while True:
             lp = logits[0].float().log_softmax(-1).cpu()
             tok = int(lp.argmax())

@@ -196,7 +196,7 @@ def main() -> int:
                     e = engines[d]
                     logits, answers, missed = answer_all(e, items, args.max_new_tokens, args.batch, True)
                     host = e.cache.tiers[0]
-                    held = sum(en.num_tokens for en in host._entries.values())  # what the LRU budget still holds
+                    held = host.held_tokens  # what the LRU budget still holds
                     size = {"kv_bytes": host.nbytes, "kv_bytes_per_token": host.nbytes / max(held, 1)}
                     e.cache.clear()
                 else:

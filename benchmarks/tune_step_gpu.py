@@ -49,14 +49,14 @@ def _variant(name: str):
     unknown = parts - {"keep", "cudnn"}
     if unknown:
         raise SystemExit(f"unknown variant part(s) {', '.join(sorted(unknown))}: keep, cudnn")
-    backends = forward._ATTENTION_BACKENDS
+    backends = forward.ATTENTION_BACKENDS
     if "cudnn" in parts:  # as before the tune forward left cuDNN out: it comes first where it is allowed
-        forward._ATTENTION_BACKENDS = [*backends, SDPBackend.CUDNN_ATTENTION]
+        forward.ATTENTION_BACKENDS = [*backends, SDPBackend.CUDNN_ATTENTION]
     try:
         with forward.activation_checkpointing("keep" not in parts):
             yield
     finally:
-        forward._ATTENTION_BACKENDS = backends
+        forward.ATTENTION_BACKENDS = backends
 
 
 def main() -> int:
@@ -96,7 +96,7 @@ def main() -> int:
     tuner.out.mkdir(parents=True)
     sync = torch.cuda.synchronize if tuner.device.type == "cuda" else (lambda: None)
     t = time.perf_counter()
-    tuner._teacher_engine()
+    tuner.teacher_engine()
     draws = tuner.train_draws(0, total)
     answers = tuner.teacher_answers(draws)
     teacher_s = time.perf_counter() - t

@@ -43,6 +43,11 @@ def _tuned(device: torch.device) -> tuple[dict, tuple]:
     return {tuple(int(v) for v in k.split(",")): tuple(c) for k, c in t["shapes"].items()}, tuple(t["config"])
 
 
+def tuned_shapes(device: torch.device) -> dict:
+    """{(N, K, prologue): config} of the projection shapes measured on ``device``'s kind of card."""
+    return _tuned(device)[0]
+
+
 def config_for(n: int, k: int, prologue: int, device: torch.device) -> tuple[int, ...]:
     """The tuned config of this projection shape on ``device`` (the default one where none was measured)."""
     shapes, default = _tuned(device)

@@ -167,6 +167,12 @@ class HostTier(Tier):
     def __len__(self) -> int:
         return len(self._entries)
 
+    @property
+    def held_tokens(self) -> int:
+        """Tokens of KV the tier holds, over all its entries."""
+        with self._lock:
+            return sum(e.num_tokens for e in self._entries.values())
+
     def get(self, key: str) -> TierEntry | None:
         with self._lock:
             e = self._entries.get(key)

@@ -35,7 +35,7 @@ from lazyrag.prompt import PromptLayout
 # cuDNN's attention is left out: with boolean masks of a new shape every step its host-side set-up cost ~0.45 s of a
 # 2.1 s step (H100, SmolLM2 shapes; benchmarks/tune_step_gpu.py --variants). Chosen inside each layer, so that
 # the forward that activation checkpointing reruns in the backward takes the same backend.
-_ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+ATTENTION_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 # whether a pass with gradients recomputes each layer's activations in the backward instead of keeping them
 _CHECKPOINT_LAYERS = contextvars.ContextVar("lazyrag_tune_checkpoint_layers", default=True)
@@ -109,7 +109,7 @@ def _layer(layer, x, cos, sin, mask, past_k, past_v):
     if past_k is not None:
         k, v = torch.cat((past_k, k), dim=2), torch.cat((past_v, v), dim=2)
     groups = q.shape[1] // k.shape[1]
-    with sdpa_kernel(_ATTENTION_BACKENDS):
+    with sdpa_kernel(ATTENTION_BACKENDS):
         o = F.scaled_dot_product_attention(
             q, _repeat_kv(k, groups), _repeat_kv(v, groups), attn_mask=mask, is_causal=mask is None, scale=attn.scaling
         )

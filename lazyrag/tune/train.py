@@ -188,7 +188,7 @@ class Tuner:
             self._generate(missing, self._answers, path)
         return self._answers
 
-    def _teacher_engine(self):
+    def teacher_engine(self):
         """The base model's engine, made once, before an adapter wraps the model (its weights are copies)."""
         if self._engine is None:
             from lazyrag.engine import LazyEngine
@@ -214,7 +214,7 @@ class Tuner:
         from lazyrag.engine import SamplingParams
 
         c = self.config
-        engine = self._teacher_engine()
+        engine = self.teacher_engine()
         eos = self.tokenizer.eos_token_id
         params = SamplingParams(max_new_tokens=c.answer_tokens, strategy="full")
         bar = tqdm(total=len(missing), desc="teacher answers", unit="prompt", disable=not c.progress, leave=False)
@@ -354,7 +354,7 @@ class Tuner:
         if done is not None:
             return done
         dev_draws = [(f"dev:{j}", self.dev_sampler.draw(j)) for j in range(c.dev_prompts)]
-        self._teacher_engine()  # before the adapter wraps the base model
+        self.teacher_engine()  # before the adapter wraps the base model
         answers = self.teacher_answers(dev_draws)
         student = self.build_student()
         params = [p for p in student.parameters() if p.requires_grad]
