@@ -35,7 +35,8 @@ export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1  # the worker p
 export LAZYRAG_KERNEL_AUTOTUNE=0  # each worker would autotune the kernels again: the default configs
 nvidia-smi --query-gpu=index,name,memory.used --format=csv
 # Refuse a call that would run the GPUs out of memory before it loads anything: a worker takes its KV pool plus
-# about 6 GiB (7 of KV_GIB=4 fit an 80 GB H100; 12 of KV_GIB=2, six a side of tune_gpu.sh's eval, did not).
+# about 6 GiB (7 of KV_GIB=4 fit an 80 GB H100; 12 of KV_GIB=2, six a side of tune_gpu.sh's eval, did not; at
+# KV_GIB=2 and 20 passages one held 9.0-10.0 GiB, eleventh session).
 # EVALS_AT_ONCE: how many of these scripts share the GPUs (tune_gpu.sh's eval runs two).
 total=0
 for d in $sets; do
@@ -46,7 +47,8 @@ for d in $sets; do
   esac
 done
 gib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | awk '{s += $1} END {print int(s / 1024)}')
-fit=$(( gib / (${KV_GIB:-8} + 6) ))
+# TRAINING_GIB: memory a training beside the evals holds (a rank-64 tune of the embedded model peaks at 31 GiB)
+fit=$(( (gib - ${TRAINING_GIB:-0}) / (${KV_GIB:-8} + 6) ))
 if (( total * ${EVALS_AT_ONCE:-1} > fit )); then
   echo "quality_gpu.sh: $total workers x ${EVALS_AT_ONCE:-1} evals at once would not fit in the GPUs' ${gib} GiB" \
     "(about $fit workers of KV_GIB=${KV_GIB:-8} do): fewer workers per set, or a smaller KV_GIB" >&2
