@@ -41,13 +41,13 @@ def main(model: str, out: str, tp: int, mode: str) -> None:
 
     timeout = 3.0 if mode == "idle" else NO_TIMEOUT_S  # idle tests the collective timeout itself
     # the embedded model's KV takes 8x the tiny models' a token
-    tuned = (
+    which = (
         dict(model=None, adapter="embedded", kv_budget=64 << 20)
         if mode == "tuned"
         else dict(model=model, kv_budget=8 << 20)
     )
     engine = LazyEngine.from_pretrained(
-        **tuned, device="cpu", tensor_parallel_size=tp, tensor_parallel_timeout_s=timeout
+        **which, device="cpu", tensor_parallel_size=tp, tensor_parallel_timeout_s=timeout
     )
     if mode == "tuned":
         logits = engine.next_token_logits(QUESTION, CHUNKS, strategy="lazy")
