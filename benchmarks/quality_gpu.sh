@@ -21,6 +21,8 @@
 # most 8 files). KV_GIB: each worker's KV pool in GiB (default 8; 12 workers of 8 GiB ran out of memory). A worker
 # takes several GiB besides its pool: an 80 GB H100 held 7 workers of KV_GIB=4 and ran out with 9 and 13 (failed
 # requests are recorded, not scored; benchmarks/NOTES.md), the 141 GB H200 held 11.
+# DTYPE: the evals' dtype (default float32, as every committed report); bfloat16, what GPU users run, scored one
+# worker's questions 2.6x faster on an H100, float32's run also re-encoding evicted chunks (NOTES, twelfth session).
 set -euo pipefail
 budget=${1:?seconds}; strategies=${2:?strategies}; sets=${3:-"nq hotpotqa"}
 start=$(date +%s)
@@ -63,13 +65,13 @@ trap 'tar czf "$OUT/quality_gpu.tgz" -C "$Q" . 2>/dev/null || true' EXIT
 # first batch took 3-5 minutes of a 450 s call (benchmarks/NOTES.md, ninth session).
 W=$Q/warm-up$tuned; mkdir -p "$W"
 timeout 240 python3 -m lazyrag.cli eval --dataset squad --split report --n 1 --strategies "$strategies" --device cuda \
-  --dtype float32 --eager --max-new-tokens 2 --model "$M" --out "$W/quality.json" ${ADAPTER:+--adapter "$ADAPTER"} \
+  --dtype "${DTYPE:-float32}" --eager --max-new-tokens 2 --model "$M" --out "$W/quality.json" ${ADAPTER:+--adapter "$ADAPTER"} \
   > "$W/log.txt" 2>&1 || echo "warm-up exited $? (the workers start cold)"
 left=$(( budget - ($(date +%s) - start) ))
 run() {  # tag workers batch [eval options]: one eval, resumed, stopped in time to write its report
   local tag=$1 workers=$2 batch=$3; shift 3
   timeout "$left" python3 -m lazyrag.cli eval --resume --time-limit $(( left - 40 )) --strategies "$strategies" \
-    --out "$Q/quality_${tag}_gpu.json" --device cuda --dtype float32 --workers "$workers" --batch "$batch" --eager \
+    --out "$Q/quality_${tag}_gpu.json" --device cuda --dtype "${DTYPE:-float32}" --workers "$workers" --batch "$batch" --eager \
     --max-new-tokens "${NEW_TOKENS:-16}" --model "$M" ${KV_GIB:+--kv-budget "$KV_GIB"} "$@" > "$Q/log_$tag.txt" 2>&1 \
     || echo "eval $tag exited $?" >> "$Q/log_$tag.txt"
 }

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lazyrag.prompt import DEFAULT_ENCODING_PASSAGE
+from lazyrag.strategy_names import CHUNK_FREE_STRATEGIES
 
 if TYPE_CHECKING:
     from lazyrag.store.corpus import CorpusStore
@@ -285,15 +286,15 @@ def _score_group(engine, group: list[dict], strategies: list[str], max_new_token
             file=sys.stderr,
         )
     # one strategy a batch: a question's answer then never depends on which other strategies were compared in the
-    # same run (bf16 batched matmuls round by batch shape), only on its group of questions (--batch and the seed)
-    by_strategy = []
-    for s in strategies:
-        by_strategy.append(
-            [engine.add_request(layout, SamplingParams(max_new_tokens, strategy=s)) for layout in layouts]
-        )
+    # same run (bf16 batched matmuls round by batch shape), only on its group of questions (--batch and the seed).
+    # The strategies that read the chunks just encoded go first: a full prefill's own blocks would evict them
+    # under a tight KV budget, and they would be encoded again (counted as recompute, and paid for).
+    by_strategy = {}
+    for s in sorted(strategies, key=lambda s: s in CHUNK_FREE_STRATEGIES):
+        by_strategy[s] = [engine.add_request(layout, SamplingParams(max_new_tokens, strategy=s)) for layout in layouts]
         while engine.has_unfinished_requests():
             engine.step()
-    requests = [list(reqs) for reqs in zip(*by_strategy)]
+    requests = [list(reqs) for reqs in zip(*(by_strategy[s] for s in strategies))]
     for item, reqs in zip(group, requests):
         for s, req in zip(strategies, reqs):
             try:

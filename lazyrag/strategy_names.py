@@ -7,6 +7,8 @@ from typing import Any, Callable
 
 # the strategies engine/reuse.py defines (it asserts the two agree); lazy:... adds quality recovery to lazy
 STRATEGY_NAMES = ("full", "prefix", "position_aware", "position_aware:rerotate", "lazy")
+# the strategies that never read a chunk's position-free KV (full prefill; prefix caching keys whole prompt blocks)
+CHUNK_FREE_STRATEGIES = ("full", "prefix")
 # The named quality recovery: ``strategy="lazy+recover"`` is lazy stitching plus this selective recompute
 # (benchmarks/NOTES.md, "Answer quality, third pass", has the variants it was chosen from and its cost).
 RECOVER = "lazy+recover"

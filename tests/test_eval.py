@@ -353,3 +353,33 @@ def test_a_resumed_retrieval_run_names_its_store_by_its_folder(tmp_path):
 
     folder = tmp_path / "stores" / "nq"
     assert _store_path(SimpleNamespace(path=folder)) == _store_path(folder) == str(folder)
+
+
+def test_strategies_that_read_cached_chunks_run_before_full_prefill_evicts_them(tiny_hf, default_hf):
+    """A group's chunks are encoded once, before its strategies run. Under a KV budget that holds them and one
+    batch's prompts but not both, ``full`` run first would evict them and ``lazy`` would encode them again (which
+    the eval would count as its recompute, and on a GPU, pay for): the strategies that read cached chunks go
+    first, whatever order the run names them in, and the rows keep that order."""
+    from lazyrag.engine import LazyEngine
+    from lazyrag.eval import score
+
+    items = [
+        {
+            "question": f"Which river is in note {i}?",
+            "answers": ["Orinoco"],
+            "chunks": [f"Passage {j} of note {i}: " + "the Orinoco flows through Venezuela. " * 6 for j in range(4)],
+        }
+        for i in range(3)
+    ]
+    probe = LazyEngine.from_hf(tiny_hf, default_hf[1], device="cpu", kv_budget=1 << 20)
+    shape = probe.scheduler.pool.shape
+    layouts = [probe.build_prompt(it["question"], it["chunks"]) for it in items]
+    chunk_blocks = sum(shape.blocks_for(len(c)) for layout in layouts for c in layout.chunk_ids)
+    prompt_blocks = sum(shape.blocks_for(layout.num_tokens + 6) for layout in layouts)
+    engine = LazyEngine.from_hf(
+        tiny_hf, default_hf[1], device="cpu", kv_budget=(chunk_blocks + prompt_blocks + 8) * shape.bytes_per_block
+    )
+    rows = score(engine, items, ["full", "lazy"], 6, batch_items=3)
+    assert list(rows) == ["full", "lazy"]
+    assert [r["recompute_cost"] for r in rows["lazy"]] == [0, 0, 0], "lazy read the chunks the group encoded"
+    assert [r["question"] for r in rows["full"]] == [it["question"] for it in items]
