@@ -356,10 +356,10 @@ def test_a_resumed_retrieval_run_names_its_store_by_its_folder(tmp_path):
 
 
 def test_strategies_that_read_cached_chunks_run_before_full_prefill_evicts_them(tiny_hf, default_hf):
-    """A group's chunks are encoded once, before its strategies run. Under a KV budget that holds them and one
-    batch's prompts but not both, ``full`` run first would evict them and ``lazy`` would encode them again (which
-    the eval would count as its recompute, and on a GPU, pay for): the strategies that read cached chunks go
-    first, whatever order the run names them in, and the rows keep that order."""
+    """A group's chunks are encoded once, before its strategies run. Under a KV budget of about the group's chunks
+    plus its prompts, ``full`` run first would evict some of them and ``lazy`` would encode them again (which the
+    eval would count as its recompute, and on a GPU, pay for): the strategies that read cached chunks go first,
+    whatever order the run names them in, and the rows keep that order."""
     from lazyrag.engine import LazyEngine
     from lazyrag.eval import score
 
