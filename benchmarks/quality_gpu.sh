@@ -25,6 +25,7 @@
 # worker's questions 2.6x faster on an H100, float32's run also re-encoding evicted chunks (NOTES, twelfth session).
 set -euo pipefail
 budget=${1:?seconds}; strategies=${2:?strategies}; sets=${3:-"nq hotpotqa"}
+dtype=${DTYPE:-float32}
 start=$(date +%s)
 M=${MODEL_DIR:-$(bash benchmarks/device_model.sh join)}
 tuned=${ADAPTER:+_tuned}; tuned=${tuned:-${MODEL_DIR:+_tuned}}  # the tag's suffix
@@ -65,13 +66,13 @@ trap 'tar czf "$OUT/quality_gpu.tgz" -C "$Q" . 2>/dev/null || true' EXIT
 # first batch took 3-5 minutes of a 450 s call (benchmarks/NOTES.md, ninth session).
 W=$Q/warm-up$tuned; mkdir -p "$W"
 timeout 240 python3 -m lazyrag.cli eval --dataset squad --split report --n 1 --strategies "$strategies" --device cuda \
-  --dtype "${DTYPE:-float32}" --eager --max-new-tokens 2 --model "$M" --out "$W/quality.json" ${ADAPTER:+--adapter "$ADAPTER"} \
+  --dtype "$dtype" --eager --max-new-tokens 2 --model "$M" --out "$W/quality.json" ${ADAPTER:+--adapter "$ADAPTER"} \
   > "$W/log.txt" 2>&1 || echo "warm-up exited $? (the workers start cold)"
 left=$(( budget - ($(date +%s) - start) ))
 run() {  # tag workers batch [eval options]: one eval, resumed, stopped in time to write its report
   local tag=$1 workers=$2 batch=$3; shift 3
   timeout "$left" python3 -m lazyrag.cli eval --resume --time-limit $(( left - 40 )) --strategies "$strategies" \
-    --out "$Q/quality_${tag}_gpu.json" --device cuda --dtype "${DTYPE:-float32}" --workers "$workers" --batch "$batch" --eager \
+    --out "$Q/quality_${tag}_gpu.json" --device cuda --dtype "$dtype" --workers "$workers" --batch "$batch" --eager \
     --max-new-tokens "${NEW_TOKENS:-16}" --model "$M" ${KV_GIB:+--kv-budget "$KV_GIB"} "$@" > "$Q/log_$tag.txt" 2>&1 \
     || echo "eval $tag exited $?" >> "$Q/log_$tag.txt"
 }

@@ -290,7 +290,7 @@ def _score_group(engine, group: list[dict], strategies: list[str], max_new_token
     # The strategies that read the chunks just encoded go first: a full prefill's own blocks would evict them
     # under a tight KV budget, and they would be encoded again (counted as recompute, and paid for).
     by_strategy = {}
-    for s in sorted(strategies, key=lambda s: s in CHUNK_FREE_STRATEGIES):
+    for s in sorted(strategies, key=lambda name: name in CHUNK_FREE_STRATEGIES):
         by_strategy[s] = [engine.add_request(layout, SamplingParams(max_new_tokens, strategy=s)) for layout in layouts]
         while engine.has_unfinished_requests():
             engine.step()

@@ -355,7 +355,7 @@ def test_a_resumed_retrieval_run_names_its_store_by_its_folder(tmp_path):
     assert _store_path(SimpleNamespace(path=folder)) == _store_path(folder) == str(folder)
 
 
-def test_strategies_that_read_cached_chunks_run_before_full_prefill_evicts_them(tiny_hf, default_hf):
+def test_strategies_that_read_cached_chunks_run_before_full_prefill_evicts_them(tiny_engine, tiny_hf, default_hf):
     """A group's chunks are encoded once, before its strategies run. Under a KV budget of about the group's chunks
     plus its prompts, ``full`` run first would evict some of them and ``lazy`` would encode them again (which the
     eval would count as its recompute, and on a GPU, pay for): the strategies that read cached chunks go first,
@@ -371,9 +371,8 @@ def test_strategies_that_read_cached_chunks_run_before_full_prefill_evicts_them(
         }
         for i in range(3)
     ]
-    probe = LazyEngine.from_hf(tiny_hf, default_hf[1], device="cpu", kv_budget=1 << 20)
-    shape = probe.scheduler.pool.shape
-    layouts = [probe.build_prompt(it["question"], it["chunks"]) for it in items]
+    shape = tiny_engine.scheduler.pool.shape  # the same model's: the same block size and bytes a block
+    layouts = [tiny_engine.build_prompt(it["question"], it["chunks"]) for it in items]
     chunk_blocks = sum(shape.blocks_for(len(c)) for layout in layouts for c in layout.chunk_ids)
     prompt_blocks = sum(shape.blocks_for(layout.num_tokens + 6) for layout in layouts)
     engine = LazyEngine.from_hf(
